@@ -1,0 +1,1 @@
+"""Nakta: a fast, honest LLaMA for scoring benchmarks and generation."""

@@ -1,0 +1,1 @@
+"""Triton kernels, one file per operation (see ../shared/DESIGN.md, "Kernel files")."""

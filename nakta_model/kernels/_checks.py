@@ -1,0 +1,72 @@
+"""Input checks shared by every kernel launcher.
+
+Launchers validate before they launch: a Triton kernel fed a wrong shape reads garbage
+instead of failing, so every check here raises ``ValueError`` / ``TypeError`` with a message
+that names the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``), as in CI."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_can_run(*tensors: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on these tensors: all on CUDA, or the interpreter is on."""
+    if interpreter_enabled():
+        return all(t.device.type in ("cpu", "cuda") for t in tensors)
+    return all(t.is_cuda for t in tensors)
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype] = FLOAT_DTYPES) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(
+            f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}"
+        )
+
+
+def check_ndim(name: str, t: torch.Tensor, ndims: int | Iterable[int]) -> None:
+    ok = (ndims,) if isinstance(ndims, int) else tuple(ndims)
+    if t.dim() not in ok:
+        raise ValueError(
+            f"{name} must have {' or '.join(map(str, ok))} dimensions, got shape {tuple(t.shape)}"
+        )
+
+
+def check_triton_device(name: str, t: torch.Tensor) -> None:
+    """Kernels run on CUDA, or on the CPU only under the Triton interpreter."""
+    if t.is_cuda:
+        return
+    if t.device.type == "cpu" and interpreter_enabled():
+        return
+    raise ValueError(
+        f"{name} is on {t.device}: the Triton kernel needs a CUDA tensor "
+        "(or TRITON_INTERPRET=1 for CPU tensors); use the *_reference function on the CPU"
+    )
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")

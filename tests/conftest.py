@@ -1,0 +1,54 @@
+"""Test set-up: Triton kernels run in interpreter mode on CPU-only machines.
+
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` function is created, so it is set
+here, before the tests import ``nakta_model``. GPU tests carry the ``gpu`` marker and are
+skipped without CUDA; on the GPU machine run ``pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+SHARED_DATA = Path(
+    os.environ.get(
+        "NAKTA_SHARED_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+    )
+)
+if not SHARED_DATA.exists():  # on the GPU machine the data travels in a git-ignored folder
+    SHARED_DATA = Path(__file__).resolve().parents[1] / ".data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data`` (real tokenizer, tiny checkpoints, HellaSwag); skips when absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """CUDA when present, else the CPU (Triton in interpreter mode)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
