@@ -1,0 +1,1 @@
+"""accuracy_test"""

@@ -1,0 +1,1 @@
+"""Per-kernel sweeps against PyTorch and peer libraries; results under results/<device>/."""

@@ -1,0 +1,1 @@
+"""Task loaders (HellaSwag), preprocessing identical to lm-eval."""
