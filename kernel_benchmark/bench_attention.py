@@ -1,0 +1,316 @@
+"""Attention at HellaSwag scoring shapes and long prefill: Nakta's paths vs Meta's eager attention.
+
+Why: Meta's LLaMA runs attention as ``softmax(q @ k^T / sqrt(d) + mask).float()`` then ``@ v``,
+materialising the score matrix; Nakta sends every path through SDPA (``nakta_model.attention``).
+This sweep times, on the same inputs:
+
+* ``meta_eager``   -- Meta's matmul-softmax-matmul with an additive float mask;
+* ``sdpa_flash`` / ``sdpa_efficient`` / ``sdpa_cudnn`` -- the SDPA backends forced one at a time
+  (causal only; a backend that refuses the shape is reported as skipped);
+* ``nakta_causal`` -- ``nakta_model.attention.causal_attention`` as the model calls it;
+* ``nakta_tree``   -- shared-context scoring: one row per task holding the context once and the
+  four endings after it, masked so each ending sees the context and itself
+  (``attention_bias`` + ``masked_attention``), against ``meta_eager`` on the same tree mask.
+
+HellaSwag shapes: 4 endings x tasks, context 20-120 tokens, endings 5-40 tokens, about 16K
+tokens per call (the scorer's token budget); long prefill: 2K-8K causal. TFLOP/s count only the
+work a correct kernel must do: ``4 * head_dim`` FLOPs per allowed (query, key) pair per head,
+so causal counts ``s(s+1)/2`` pairs and tree masks count only the pairs they allow; padding and
+masked-out pairs count nothing, whatever a path actually computes. Each output is checked
+against an fp32 reference (``rel_err``). Results: CSV + markdown + PNG in
+``kernel_benchmark/results/<device>/attention.*``.
+
+    python -m kernel_benchmark.bench_attention [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from nakta_model.attention import attention_bias, causal_attention, masked_attention
+from nakta_model.bench.ceilings import device_slug
+from nakta_model.bench.report import results_dir, save_figure, write_table
+
+TOKEN_BUDGET = 16384
+
+
+# ----------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case. ``kind`` is ``plain`` (one causal row per request), ``tree`` (one
+    packed row per task) or ``prefill`` (long causal rows)."""
+
+    kind: str
+    batch: int
+    ctx: int
+    ending: int = 0
+    n_endings: int = 4
+
+    @property
+    def seq(self) -> int:
+        if self.kind == "plain":
+            return self.ctx + self.ending - 1  # lm-eval feeds (context + continuation)[:-1]
+        if self.kind == "tree":
+            return self.ctx + self.n_endings * self.ending
+        return self.ctx
+
+    @property
+    def tasks(self) -> int:
+        if self.kind == "plain":
+            return self.batch // self.n_endings
+        return self.batch if self.kind == "tree" else 0
+
+    def allowed_pairs(self) -> int:
+        """(query, key) pairs a correct kernel must compute, over the whole batch, per head."""
+        tri = lambda n: n * (n + 1) // 2
+        if self.kind in ("plain", "prefill"):
+            return self.batch * tri(self.seq)
+        per_ending = self.ending * self.ctx + tri(self.ending)
+        return self.batch * (tri(self.ctx) + self.n_endings * per_ending)
+
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill {self.seq}x{self.batch}"
+        return f"{self.kind} c{self.ctx}+e{self.ending} x{self.tasks} tasks"
+
+
+def hellaswag_shapes(quick: bool, budget: int = TOKEN_BUDGET) -> list[Shape]:
+    """Plain and tree rows for a grid of context/ending lengths, ~``budget`` tokens per call."""
+    grid = [(20, 5), (60, 20), (120, 40)] if quick else [
+        (20, 5), (20, 40), (60, 5), (60, 20), (60, 40), (120, 5), (120, 20), (120, 40)
+    ]  # fmt: skip
+    shapes = []
+    for ctx, ending in grid:
+        tasks_plain = max(1, budget // (4 * (ctx + ending - 1)))
+        shapes.append(Shape("plain", 4 * tasks_plain, ctx, ending))
+        tasks_tree = max(1, budget // (ctx + 4 * ending))
+        shapes.append(Shape("tree", tasks_tree, ctx, ending))
+    return shapes
+
+
+def prefill_shapes(quick: bool, budget: int = TOKEN_BUDGET) -> list[Shape]:
+    lengths = [2048, 8192] if quick else [2048, 4096, 8192]
+    return [Shape("prefill", max(1, budget // s // (2 if s >= 8192 else 1)), s) for s in lengths]
+
+
+def tree_mask(shape: Shape, device: torch.device) -> torch.Tensor:
+    """Boolean ``[L, L]``: context causal; ending j sees the context and itself, causally."""
+    c, e, n = shape.ctx, shape.ending, shape.n_endings
+    length = c + n * e
+    pos = torch.arange(length, device=device)
+    seg = torch.where(pos < c, -1, (pos - c) // max(e, 1))  # -1 = context
+    causal = pos[None, :] <= pos[:, None]
+    visible = (seg[None, :] == -1) | (seg[None, :] == seg[:, None])
+    return causal & visible
+
+
+# ----------------------------------------------------------------------------- paths
+def meta_eager(q, k, v, mask_add):
+    """Meta's LLaMA attention (llama/model.py): scores in the input dtype, softmax in fp32."""
+    scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.shape[-1])
+    scores = scores + mask_add
+    scores = F.softmax(scores.float(), dim=-1).type_as(q)
+    return torch.matmul(scores, v)
+
+
+def meta_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Meta's additive mask: ``-inf`` where not allowed, broadcast ``[1 or B, 1, L, L]``."""
+    add = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    add.masked_fill_(~allowed, float("-inf"))
+    return add.view(-1, 1, *allowed.shape[-2:]) if allowed.dim() == 3 else add[None, None]
+
+
+def sdpa_backend(name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[name]
+
+    def run(q, k, v):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return run
+
+
+# ----------------------------------------------------------------------------- timing
+def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> float:
+    """Median milliseconds (CUDA events through triton's do_bench; wall clock on the CPU)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(
+            triton.testing.do_bench(
+                fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median"
+            )
+        )
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor | None = None) -> float:
+    """``||out - ref|| / ||ref||`` in fp64 (optionally over valid query rows only)."""
+    diff = out.double() - ref.double()
+    if rows is not None:
+        diff, ref = diff[..., rows, :], ref[..., rows, :]
+    return float(diff.norm() / ref.double().norm())
+
+
+# ----------------------------------------------------------------------------- sweep
+def bench_shape(
+    shape: Shape, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, quick: bool
+) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(shape.seq * 131 + shape.batch)
+    size = (shape.batch, heads, shape.seq, head_dim)
+    q = torch.randn(size, generator=g, device=device, dtype=dtype)
+    k = torch.randn(size, generator=g, device=device, dtype=dtype)
+    v = torch.randn(size, generator=g, device=device, dtype=dtype)
+    pairs = shape.allowed_pairs() * heads
+    flops = 4 * head_dim * pairs
+    if shape.kind == "tree":
+        allowed = tree_mask(shape, device)
+        mask_add = meta_mask(allowed, dtype)
+        bias = attention_bias(allowed.expand(shape.batch, -1, -1).contiguous(), dtype)
+        paths = {
+            "meta_eager": lambda: meta_eager(q, k, v, mask_add),
+            "nakta_tree": lambda: masked_attention(q, k, v, bias),
+        }
+    else:
+        pos = torch.arange(shape.seq, device=device)
+        allowed = pos[None, :] <= pos[:, None]
+        mask_add = meta_mask(allowed, dtype)
+        paths = {
+            "meta_eager": lambda: meta_eager(q, k, v, mask_add),
+            "nakta_causal": lambda: causal_attention(q, k, v),
+        }
+        if device.type == "cuda":
+            for name in ("flash", "efficient", "cudnn"):
+                paths[f"sdpa_{name}"] = (lambda f: lambda: f(q, k, v))(sdpa_backend(name))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed)
+    rows, base_ms = [], None
+    for name, fn in paths.items():
+        row = {
+            "case": shape.label(),
+            "kind": shape.kind,
+            "path": name,
+            "batch": shape.batch,
+            "seq": shape.seq,
+            "ctx": shape.ctx,
+            "ending": shape.ending,
+            "tasks": shape.tasks,
+            "heads": heads,
+            "head_dim": head_dim,
+            "allowed_pairs": pairs,
+        }
+        try:
+            err = rel_err(fn(), ref)
+            ms = time_ms(fn, device, quick)
+        except RuntimeError as e:  # a backend that does not take this shape/dtype/device
+            rows.append({**row, "status": f"skipped: {str(e).splitlines()[0][:80]}"})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        if name == "meta_eager":
+            base_ms = ms
+        rows.append(
+            {
+                **row,
+                "status": "ok",
+                "ms": ms,
+                "tflops": flops / (ms * 1e-3) / 1e12,
+                "us_per_task": ms * 1e3 / shape.tasks if shape.tasks else float("nan"),
+                "speedup_vs_meta": (base_ms / ms) if base_ms else float("nan"),
+                "rel_err": err,
+            }
+        )
+    return rows
+
+
+def plot(df: pd.DataFrame, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = df[df["status"] == "ok"]
+    table = ok.pivot_table(index="case", columns="path", values="tflops", sort=False)
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(table)), 4.5))
+    table.plot.bar(ax=ax, width=0.8)
+    ax.set_ylabel("TFLOP/s (allowed pairs only)")
+    ax.set_xlabel("")
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelrotation=35)
+    for lab in ax.get_xticklabels():
+        lab.set_horizontalalignment("right")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    p = argparse.ArgumentParser(description="Attention paths vs Meta's eager attention.")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    p.add_argument("--heads", type=int, default=None, help="default 32 (4 on the CPU)")
+    p.add_argument("--head-dim", type=int, default=None, help="default 128 (32 on the CPU)")
+    p.add_argument("--budget", type=int, default=None, help="tokens per call (default 16384)")
+    p.add_argument("--no-prefill", action="store_true", help="skip the 2K-8K prefill rows")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="results folder (default results/<device>)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    heads = args.heads or (32 if on_gpu else 4)
+    head_dim = args.head_dim or (128 if on_gpu else 32)
+    budget = args.budget or (TOKEN_BUDGET if on_gpu else 512)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    shapes = hellaswag_shapes(args.quick, budget)
+    if not args.no_prefill:
+        shapes += prefill_shapes(args.quick, budget) if on_gpu else [Shape("prefill", 1, 256)]
+    from tqdm import tqdm
+
+    rows = []
+    for shape in tqdm(shapes, desc="attention shapes"):
+        rows += bench_shape(shape, heads, head_dim, dtype, device, args.quick)
+        if on_gpu:
+            torch.cuda.empty_cache()  # the last shape's tensors are gone; return their blocks
+    df = pd.DataFrame(rows)
+    slug = device_slug(device)
+    from pathlib import Path
+
+    out = Path(args.out) if args.out else results_dir(__file__, slug)
+    notes = (
+        f"Device: {slug}; {heads} heads x {head_dim}, {str(dtype).removeprefix('torch.')}; "
+        f"~{budget} tokens per call. TFLOP/s = 4 * head_dim * allowed (query, key) pairs / time: "
+        "causal counts s(s+1)/2 pairs, tree masks only the pairs they allow, padding nothing. "
+        "`plain` = one causal row per request (context + ending - 1 tokens, 4 rows per task); "
+        "`tree` = one row per task, context once + 4 endings, tree mask. `us_per_task` compares "
+        "the two ways to score the same tasks. `rel_err` vs an fp32 reference."
+    )
+    write_table(df, out, "attention", "Attention: Nakta paths vs Meta eager", notes)
+    save_figure(plot(df, f"Attention TFLOP/s on {slug}"), out / "attention.png")
+    show = df[df["status"] == "ok"][["case", "path", "ms", "tflops", "speedup_vs_meta", "rel_err"]]
+    print(show.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    skipped = df[df["status"] != "ok"]
+    for _, r in skipped.iterrows():
+        print(f"{r['case']} {r['path']}: {r['status']}")
+    print(f"results -> {out}")
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The HellaSwag scoring workload every engine runs: real tasks, or an embedded synthetic copy.
+
+Real: ``--data FILE --tokenizer FILE`` builds exactly lm-eval's requests
+(``nakta_model.tasks.hellaswag``). Embedded: no text and no tokenizer needed; random token ids
+whose context and ending lengths are drawn (seeded) from HellaSwag's own length histogram under
+the LLaMA tokenizer (``hellaswag_lengths.json``, made by ``make_length_histogram.py``). Speed
+depends only on those lengths, so the embedded workload costs what the real one costs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
+
+from .make_length_histogram import HISTOGRAM_PATH
+
+Request = tuple[list[int], list[int]]  # (context tokens with BOS, continuation tokens)
+
+
+@dataclass
+class Workload:
+    """Docs (for the metrics) and their token requests, 4 consecutive requests per doc."""
+
+    name: str
+    docs: list[Doc]
+    requests: list[Request]
+
+    def __post_init__(self) -> None:
+        need = sum(len(d.choices) for d in self.docs)
+        if need != len(self.requests):
+            raise ValueError(f"requests has {len(self.requests)} entries, docs need {need}")
+        for i, (ctx, cont) in enumerate(self.requests):
+            if not ctx or not cont:
+                raise ValueError(f"request {i} has an empty context or continuation")
+
+    @property
+    def n_tasks(self) -> int:
+        return len(self.docs)
+
+    def max_token_id(self) -> int:
+        return max(max(max(c), max(x)) for c, x in self.requests)
+
+    def max_length(self) -> int:
+        """Longest model input, ``len(context + continuation) - 1``."""
+        return max(len(c) + len(x) - 1 for c, x in self.requests)
+
+    def request_tokens(self) -> int:
+        """Tokens a plain scorer runs: ``len(context + continuation) - 1`` per request."""
+        return sum(len(c) + len(x) - 1 for c, x in self.requests)
+
+    def unique_tokens(self) -> int:
+        """Tokens with each task's shared context counted once (what a prefix cache runs)."""
+        total, i = 0, 0
+        for doc in self.docs:
+            group = self.requests[i : i + len(doc.choices)]
+            contexts = {tuple(c) for c, _ in group}
+            total += sum(len(c) for c in contexts) + sum(len(x) - 1 for _, x in group)
+            i += len(doc.choices)
+        return total
+
+    def scored_tokens(self) -> int:
+        """Positions whose next-token log-prob is summed (the continuation tokens)."""
+        return sum(len(x) for _, x in self.requests)
+
+    def head(self, n: int) -> Workload:
+        """The first ``n`` tasks (for warm-up)."""
+        k = sum(len(d.choices) for d in self.docs[:n])
+        return Workload(f"{self.name}[:{n}]", self.docs[:n], self.requests[:k])
+
+
+def load_histogram(path: str | Path = HISTOGRAM_PATH) -> dict:
+    """The committed HellaSwag length histogram, checked for the fields the sampler needs."""
+    hist = json.loads(Path(path).read_text())
+    for key in ("context_tokens_with_bos", "continuation_tokens", "chars_per_continuation_token"):
+        if key not in hist:
+            raise ValueError(f"histogram {path} is missing {key!r}")
+    for key in ("context_tokens_with_bos", "continuation_tokens"):
+        counts = hist[key]
+        if not counts or any(int(k) < 1 or v < 0 for k, v in counts.items()):
+            raise ValueError(f"histogram {path} field {key!r} must map lengths >= 1 to counts")
+    return hist
+
+
+def _sampler(counts: dict[str, int], rng: random.Random):
+    lengths = [int(k) for k in counts]
+    weights = [counts[k] for k in counts]
+    return lambda: rng.choices(lengths, weights)[0]
+
+
+def synthetic_workload(
+    n_tasks: int, vocab_size: int, seed: int = 0, max_length: int | None = None
+) -> Workload:
+    """``n_tasks`` random tasks with HellaSwag's token lengths (random labels and token ids).
+
+    ``max_length`` caps ``context + continuation`` (for tiny models with a short context window);
+    lengths above it are redrawn, so the cap trims the tail rather than piling tasks at it.
+    """
+    if n_tasks < 1:
+        raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
+    if vocab_size < 4:
+        raise ValueError(f"vocab_size must be >= 4, got {vocab_size}")
+    hist = load_histogram()
+    rng = random.Random(seed)
+    ctx_len = _sampler(hist["context_tokens_with_bos"], rng)
+    cont_len = _sampler(hist["continuation_tokens"], rng)
+    chars_per_token = hist["chars_per_continuation_token"]
+    limit = max_length if max_length is not None else 1 << 30
+    docs, requests = [], []
+    for t in range(n_tasks):
+        n_ctx = ctx_len()
+        while n_ctx + 1 > limit:
+            n_ctx = ctx_len()
+        ctx = [1] + [rng.randrange(3, vocab_size) for _ in range(n_ctx - 1)]  # BOS = 1
+        choices = []
+        for _ in range(4):
+            n = cont_len()
+            while n_ctx + n > limit:
+                n = cont_len()
+            requests.append((ctx, [rng.randrange(3, vocab_size) for _ in range(n)]))
+            choices.append("x" * max(1, round(n * chars_per_token)))
+        docs.append(Doc(query="", choices=tuple(choices), label=rng.randrange(4), ind=t))
+    return Workload(f"synthetic-hellaswag-{n_tasks}", docs, requests)
+
+
+def real_workload(
+    data: str | Path, tokenizer: str | Path, limit: int | None = None, select: str = "first"
+) -> Workload:
+    """lm-eval's HellaSwag requests from a local jsonl and the LLaMA sentencepiece model.
+
+    ``select="first"`` takes the first ``limit`` tasks (lm-eval's ``--limit``); ``"spread"``
+    takes ``limit`` tasks evenly spaced over the file. The validation file is ordered by source
+    (ActivityNet first, then the ~2x longer WikiHow tasks), so only a spread sample has the
+    whole file's length mix.
+    """
+    if select not in ("first", "spread"):
+        raise ValueError(f"select must be 'first' or 'spread', got {select!r}")
+    if select == "first" or limit is None:
+        docs = load_jsonl(data, limit=limit)
+    else:
+        every = load_jsonl(data)
+        n = min(limit, len(every))
+        docs = [every[i * len(every) // n] for i in range(n)]
+    requests = build_requests(docs, sentencepiece_encoder(tokenizer))
+    tag = "" if select == "first" else "-spread"
+    return Workload(f"{Path(data).stem}-{len(docs)}{tag}", docs, requests)
