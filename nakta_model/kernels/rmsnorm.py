@@ -1,0 +1,603 @@
+"""RMSNorm (+ fused residual add), forward and backward, rounding like Meta's LLaMA.
+
+Meta's ``RMSNorm.forward`` is ``self._norm(x.float()).type_as(x) * self.weight``: normalize in
+fp32, round to the input dtype, THEN multiply by the weight (PyTorch computes that product in
+fp32 from the rounded operands and rounds it to the promoted dtype). ``cast="meta"`` (default)
+reproduces that order; ``cast="fp32"`` keeps the normalized row in fp32, multiplies by the
+weight in fp32 and rounds once (``(weight.float() * normalized_fp32).to(out_dtype)``, the
+"everything in fp32" style of Gemma / Liger's ``casting_mode="gemma"``) for parity studies.
+Note that HF's ``LlamaRMSNorm`` rounds before the weight multiply too, so it matches "meta".
+
+Output dtype, both modes: ``torch.promote_types(x.dtype, weight.dtype)``, as PyTorch's
+``normalized.type_as(x) * weight`` gives (bf16 x with an fp32 weight -> fp32 output).
+
+With ``residual``: ``h = x + residual`` rounded to x's dtype (as PyTorch's add does) is
+computed in the same pass and returned with the normalized output: ``(rms_norm(h), h)``.
+
+Backward: gradients for x, weight and residual. The weight gradient is accumulated in fp32:
+each program sums its rows into one row of a ``[programs, N]`` fp32 buffer, which is then
+reduced once (deterministic, no atomics). Rounding inside the forward is treated as identity
+(straight-through), as autograd on the reference does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from nakta_model.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    interpreter_enabled,
+)
+
+CAST_MODES = ("meta", "fp32")
+MAX_SINGLE_BLOCK = 16384  # widest row held in registers at once; wider rows loop over blocks
+MULTI_BLOCK_N = 4096  # column block used when a row does not fit in one block
+MAX_HIDDEN = 65536
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """fp32 -> ``dtype`` rounding to nearest even (the interpreter truncates to bf16)."""
+    if EMULATE_RNE:  # noqa: SIM102 (nested: keep the dtype test out of compiled kernels)
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rsqrt(x, ACCURATE: tl.constexpr):
+    """``rsqrtf`` from libdevice on the GPU (what ``torch.rsqrt`` calls); numpy in the interpreter."""
+    if ACCURATE:
+        return libdevice.rsqrt(x)
+    else:
+        return tl.rsqrt(x)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X,
+    R,
+    W,
+    Y,
+    H,
+    RSTD,
+    n_rows,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_w,
+    stride_y,
+    stride_h,
+    eps,
+    inv_n,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
+    CAST_META: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    ACCURATE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    x_dtype = X.dtype.element_ty
+    y_dtype = Y.dtype.element_ty
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE_BLOCK:
+        col_ok = cols < n_cols
+        w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
+        for i in range(ROWS_PER_PROGRAM):
+            row = pid * ROWS_PER_PROGRAM + i
+            mask = cols < tl.where(row < n_rows, n_cols, 0)
+            h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+                h_low = _round_to(h + r, x_dtype, EMULATE_RNE)
+                tl.store(H + row * stride_h + cols, h_low, mask=mask)
+                h = h_low.to(tl.float32)
+            rstd = _rsqrt(tl.sum(h * h, axis=0) * inv_n + eps, ACCURATE)
+            if STORE_RSTD:
+                tl.store(RSTD + row, rstd, mask=row < n_rows)
+            n = h * rstd
+            if CAST_META:
+                y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
+            else:
+                y = w * n
+            tl.store(Y + row * stride_y + cols, _round_to(y, y_dtype, EMULATE_RNE), mask=mask)
+    else:
+        # Row wider than one block: pass 1 sums squares (and writes h), pass 2 normalizes.
+        # Pass 2 recomputes h from x and residual rather than reading back what pass 1 wrote.
+        for i in range(ROWS_PER_PROGRAM):
+            row = pid * ROWS_PER_PROGRAM + i
+            row_ok = row < n_rows
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                mask = c < tl.where(row_ok, n_cols, 0)
+                h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+                    h_low = _round_to(h + r, x_dtype, EMULATE_RNE)
+                    tl.store(H + row * stride_h + c, h_low, mask=mask)
+                    h = h_low.to(tl.float32)
+                acc += h * h
+            rstd = _rsqrt(tl.sum(acc, axis=0) * inv_n + eps, ACCURATE)
+            if STORE_RSTD:
+                tl.store(RSTD + row, rstd, mask=row_ok)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_ok = c < n_cols
+                mask = c < tl.where(row_ok, n_cols, 0)
+                h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+                    h = _round_to(h + r, x_dtype, EMULATE_RNE).to(tl.float32)
+                w = tl.load(W + c * stride_w, mask=col_ok, other=0.0).to(tl.float32)
+                n = h * rstd
+                if CAST_META:
+                    y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
+                else:
+                    y = w * n
+                tl.store(Y + row * stride_y + c, _round_to(y, y_dtype, EMULATE_RNE), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY,
+    H,
+    W,
+    RSTD,
+    DH_OUT,
+    DX,
+    DR,
+    DW_PARTIAL,
+    DOT,
+    n_rows,
+    n_cols,
+    stride_dy,
+    stride_h,
+    stride_w,
+    stride_dh_out,
+    stride_dx,
+    stride_dr,
+    inv_n,
+    rows_per_program,
+    HAS_DH_OUT: tl.constexpr,
+    HAS_DR: tl.constexpr,
+    CAST_META: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """dh = rstd * (dn - n * mean(dn * n)), dn = dy * w, n = h * rstd; dw = sum_rows dy * n."""
+    pid = tl.program_id(0).to(tl.int64)
+    h_dtype = H.dtype.element_ty
+    dx_dtype = DX.dtype.element_ty
+    cols = tl.arange(0, BLOCK_N)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    if SINGLE_BLOCK:
+        col_ok = cols < n_cols
+        w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for row in range(row_start, row_end):
+            dy = tl.load(DY + row * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
+            h = tl.load(H + row * stride_h + cols, mask=col_ok, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            n = h * rstd
+            dn = dy * w
+            dot = tl.sum(dn * n, axis=0) * inv_n
+            dh = rstd * (dn - n * dot)
+            if HAS_DH_OUT:
+                dh += tl.load(DH_OUT + row * stride_dh_out + cols, mask=col_ok, other=0.0).to(
+                    tl.float32
+                )
+            dh_low = _round_to(dh, dx_dtype, EMULATE_RNE)
+            tl.store(DX + row * stride_dx + cols, dh_low, mask=col_ok)
+            if HAS_DR:
+                tl.store(DR + row * stride_dr + cols, dh_low, mask=col_ok)
+            if COMPUTE_DW:
+                if CAST_META:
+                    dw += dy * _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
+                else:
+                    dw += dy * n
+        if COMPUTE_DW:
+            tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_ok)
+    else:
+        # Row wider than one block. Phase A: per-row dot(dn, n) into DOT[row]. Phase B: one
+        # column block at a time over all of this program's rows, so the weight-gradient
+        # partial stays in registers and every buffer element has a single writer.
+        for row in range(row_start, row_end):
+            rstd = tl.load(RSTD + row)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_ok = c < n_cols
+                dy = tl.load(DY + row * stride_dy + c, mask=col_ok, other=0.0).to(tl.float32)
+                h = tl.load(H + row * stride_h + c, mask=col_ok, other=0.0).to(tl.float32)
+                w = tl.load(W + c * stride_w, mask=col_ok, other=0.0).to(tl.float32)
+                acc += dy * w * (h * rstd)
+            tl.store(DOT + row, tl.sum(acc, axis=0) * inv_n)
+        tl.debug_barrier()  # DOT written above must be visible to every thread below
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            col_ok = c < n_cols
+            w = tl.load(W + c * stride_w, mask=col_ok, other=0.0).to(tl.float32)
+            dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for row in range(row_start, row_end):
+                rstd = tl.load(RSTD + row)
+                dot = tl.load(DOT + row)
+                dy = tl.load(DY + row * stride_dy + c, mask=col_ok, other=0.0).to(tl.float32)
+                h = tl.load(H + row * stride_h + c, mask=col_ok, other=0.0).to(tl.float32)
+                n = h * rstd
+                dh = rstd * (dy * w - n * dot)
+                if HAS_DH_OUT:
+                    dh += tl.load(DH_OUT + row * stride_dh_out + c, mask=col_ok, other=0.0).to(
+                        tl.float32
+                    )
+                dh_low = _round_to(dh, dx_dtype, EMULATE_RNE)
+                tl.store(DX + row * stride_dx + c, dh_low, mask=col_ok)
+                if HAS_DR:
+                    tl.store(DR + row * stride_dr + c, dh_low, mask=col_ok)
+                if COMPUTE_DW:
+                    if CAST_META:
+                        dw += dy * _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
+                    else:
+                        dw += dy * n
+            if COMPUTE_DW:
+                tl.store(DW_PARTIAL + pid * n_cols + c, dw, mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Launchers: input checks, configuration, launch
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_cast(cast: object) -> bool:
+    """True for Meta's rounding order, False for all-fp32."""
+    if cast not in CAST_MODES:
+        raise ValueError(f"cast must be one of {CAST_MODES}, got {cast!r}")
+    return cast == "meta"
+
+
+def _check_eps(eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    return float(eps)
+
+
+def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, N]`` without copying: the last dim must be unit-stride and the leading
+    dims must collapse into one row stride (any slice of rows of a 2-D tensor qualifies)."""
+    if t.dim() < 1 or t.shape[-1] == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must be unit-stride along its last dimension, got strides {t.stride()}"
+        )
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError as e:
+        raise ValueError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
+            "[rows, hidden] with one row stride; pass a tensor whose leading dims collapse"
+        ) from e
+
+
+def _check_inputs(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    n = x.shape[-1] if x.dim() else 0
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(
+            f"weight must have shape ({n},) to match the last dim of x {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if not 1 <= n <= MAX_HIDDEN:
+        raise ValueError(f"x last dim must be in [1, {MAX_HIDDEN}], got {n}")
+    if residual is not None:
+        check_tensor("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
+            )
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual must have the dtype of x ({x.dtype}), got {residual.dtype}")
+    check_same_device(x=x, weight=weight, residual=residual)
+    check_triton_device("x", x)
+    x2 = _rows_view("x", x)
+    r2 = _rows_view("residual", residual) if residual is not None else None
+    return x2, r2
+
+
+def _num_warps(block_n: int) -> int:
+    if block_n >= 8192:
+        return 16
+    if block_n >= 2048:
+        return 8
+    return 4
+
+
+def _block_n(n_cols: int, block_n: int | None) -> tuple[int, bool]:
+    if block_n is None:
+        full = triton.next_power_of_2(n_cols)
+        block_n = full if full <= MAX_SINGLE_BLOCK else MULTI_BLOCK_N
+    return block_n, block_n >= n_cols
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def rms_norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    cast: str = "meta",
+    store_rstd: bool = False,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    rows_per_program: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the forward kernel: ``(y, h or None, rstd or None)``. Keyword knobs are for tuning."""
+    cast_meta = _check_cast(cast)
+    eps = _check_eps(eps)
+    x2, r2 = _check_inputs(x, weight, residual)
+    n_rows, n_cols = x2.shape
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if r2 is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if store_rstd else None
+    if n_rows == 0:
+        return y, h, rstd
+    block_n, single = _block_n(n_cols, block_n)
+    num_warps = num_warps or _num_warps(block_n)
+    rpp = rows_per_program or 1
+    y2 = y.view(-1, n_cols)
+    h2 = h.view(-1, n_cols) if h is not None else y2
+    interp = interpreter_enabled()
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rpp),)](
+        x2,
+        r2 if r2 is not None else x2,
+        weight,
+        y2,
+        h2,
+        rstd if rstd is not None else y2,
+        n_rows,
+        n_cols,
+        x2.stride(0),
+        r2.stride(0) if r2 is not None else 0,
+        weight.stride(0),
+        y2.stride(0),
+        h2.stride(0),
+        eps,
+        1.0 / n_cols,
+        HAS_RESIDUAL=r2 is not None,
+        STORE_RSTD=rstd is not None,
+        CAST_META=cast_meta,
+        ROWS_PER_PROGRAM=rpp,
+        BLOCK_N=block_n,
+        SINGLE_BLOCK=single,
+        ACCURATE=not interp,
+        EMULATE_RNE=interp,
+        num_warps=num_warps,
+    )
+    return y, h, rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dh_out: torch.Tensor | None = None,
+    cast: str = "meta",
+    need_dx: bool = True,
+    need_dr: bool = False,
+    need_dw: bool = True,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward kernel: ``(dx, dresidual, dweight)`` (None where not needed).
+
+    ``h`` is the normalized input (x, or x + residual), ``rstd`` the forward's fp32 1/rms per
+    row, ``dh_out`` the gradient flowing into the returned ``h`` (residual variant only).
+    """
+    cast_meta = _check_cast(cast)
+    h2 = _rows_view("h", h)
+    dy2 = _rows_view("dy", dy)
+    if dy.shape != h.shape:
+        raise ValueError(f"dy must have shape {tuple(h.shape)}, got {tuple(dy.shape)}")
+    dho2 = _rows_view("dh_out", dh_out) if dh_out is not None else None
+    n_rows, n_cols = h2.shape
+    dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dr = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dr else None
+    block_n, single = _block_n(n_cols, block_n)
+    num_warps = num_warps or _num_warps(block_n)
+    if programs is None:
+        programs = _sm_count(h.device) * (2 if single else 4)
+    programs = max(1, min(programs, n_rows))
+    rpp = triton.cdiv(n_rows, programs)
+    programs = triton.cdiv(n_rows, rpp) if n_rows else 0
+    dw_partial = (
+        torch.empty((programs, n_cols), dtype=torch.float32, device=h.device) if need_dw else None
+    )
+    dot = torch.empty(n_rows, dtype=torch.float32, device=h.device) if not single else None
+    dx2 = dx.view(-1, n_cols)
+    dr2 = dr.view(-1, n_cols) if dr is not None else dx2
+    if programs:
+        _rms_norm_bwd_kernel[(programs,)](
+            dy2,
+            h2,
+            weight,
+            rstd,
+            dho2 if dho2 is not None else dy2,
+            dx2,
+            dr2,
+            dw_partial if dw_partial is not None else rstd,
+            dot if dot is not None else rstd,
+            n_rows,
+            n_cols,
+            dy2.stride(0),
+            h2.stride(0),
+            weight.stride(0),
+            dho2.stride(0) if dho2 is not None else 0,
+            dx2.stride(0),
+            dr2.stride(0),
+            1.0 / n_cols,
+            rpp,
+            HAS_DH_OUT=dho2 is not None,
+            HAS_DR=dr is not None,
+            CAST_META=cast_meta,
+            COMPUTE_DW=need_dw,
+            BLOCK_N=block_n,
+            SINGLE_BLOCK=single,
+            EMULATE_RNE=interpreter_enabled(),
+            num_warps=num_warps,
+        )
+    dw = None
+    if need_dw:
+        dw = (
+            dw_partial.sum(0).to(weight.dtype)
+            if programs
+            else torch.zeros_like(weight, dtype=weight.dtype)
+        )
+    return (dx if need_dx else None), dr, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def _grad_rows(g: torch.Tensor | None) -> torch.Tensor | None:
+    """Incoming gradients may be broadcast views (``y.sum().backward()`` gives stride 0);
+    those, and only those, are materialized before the kernel reads them by row."""
+    if g is None:
+        return None
+    if g.stride(-1) == 1:
+        try:
+            g.view(-1, g.shape[-1])
+            return g
+        except RuntimeError:
+            pass
+    return g.contiguous()
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``rms_norm`` with a Triton backward; returns ``y`` or ``(y, h)`` with a residual."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps, cast):
+        y, h, rstd = rms_norm_forward(x, weight, eps, residual, cast, store_rstd=True)
+        ctx.cast = cast
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(h if h is not None else x, weight, rstd)
+        return y if h is None else (y, h)
+
+    @staticmethod
+    def backward(ctx, dy, dh_out=None):
+        h, weight, rstd = ctx.saved_tensors
+        need_x, need_w, need_r = ctx.needs_input_grad[:3]
+        if dy is None:  # only h was used downstream
+            dy = torch.zeros(
+                h.shape, dtype=torch.promote_types(h.dtype, weight.dtype), device=h.device
+            )
+        dy, dh_out = _grad_rows(dy), _grad_rows(dh_out)
+        dx, dr, dw = rms_norm_backward(
+            dy,
+            h,
+            weight,
+            rstd,
+            dh_out,
+            ctx.cast,
+            need_dx=need_x or need_r,
+            need_dr=need_x and need_r,
+            need_dw=need_w,
+        )
+        if need_r and not need_x:
+            dr, dx = dx, None
+        return dx, dw, dr, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    cast: str = "meta",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim; with ``residual`` returns ``(rms_norm(x + residual), x + residual)``.
+
+    Rounds like Meta's LLaMA with ``cast="meta"``; see the module docstring for ``cast="fp32"``.
+    """
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+    if needs_grad:
+        return RMSNormFunction.apply(x, weight, residual, eps, cast)
+    y, h, _ = rms_norm_forward(x, weight, eps, residual, cast)
+    return y if h is None else (y, h)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Reference
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    cast: str = "meta",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch with the same semantics (Meta's code for ``cast="meta"``); any device.
+
+    Computes in fp32 (fp64 for fp64 inputs, which the kernel does not accept but which makes
+    this a high-precision reference for gradient checks).
+    """
+    cast_meta = _check_cast(cast)
+    h = x if residual is None else x + residual
+    compute = torch.promote_types(h.dtype, torch.float32)
+    hf = h.to(compute)
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_meta:
+        y = n.type_as(h) * weight
+    else:
+        y = (weight.to(compute) * n).to(torch.promote_types(h.dtype, weight.dtype))
+    return y if residual is None else (y, h)

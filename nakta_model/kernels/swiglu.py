@@ -1,0 +1,357 @@
+"""SwiGLU: ``silu(gate) * up``, forward and backward, rounding exactly like PyTorch eager.
+
+PyTorch's ``F.silu(a) * b`` in a half dtype computes ``a / (1 + exp(-a))`` in fp32, rounds it
+to the dtype, then multiplies the two rounded operands in fp32 and rounds again. The kernel
+does the same steps with the same functions on the GPU (libdevice ``expf`` and IEEE division,
+which is what PyTorch's CUDA kernel compiles to), so outputs can match bit for bit.
+
+The backward repeats the roundings of autograd on ``F.silu(a) * b``:
+``d_silu = round(dout * up)``, ``d_up = round(dout * round(silu(gate)))``,
+``d_gate = round(d_silu * s * (1 + gate * (1 - s)))`` with ``s = 1 / (1 + exp(-gate))``.
+
+``swiglu(gate_up)`` takes the fused ``[..., 2F]`` projection (gate first, up second) and reads
+the two halves as strided views: no split copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from nakta_model.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    interpreter_enabled,
+)
+
+DEFAULT_BLOCK_N = 1024
+
+# ----------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """fp32 -> ``dtype`` rounding to nearest even (the interpreter truncates to bf16)."""
+    if EMULATE_RNE:  # noqa: SIM102 (nested: keep the dtype test out of compiled kernels)
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _exp(x, ACCURATE: tl.constexpr):
+    """libdevice ``expf`` on the GPU (what PyTorch's ``::exp`` is); numpy in the interpreter."""
+    if ACCURATE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _silu_mul_fwd_kernel(
+    G,
+    U,
+    OUT,
+    n_rows,
+    n_cols,
+    stride_g,
+    stride_u,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACCURATE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    dtype = OUT.dtype.element_ty
+    silu = _round_to(tl.math.div_rn(g, 1.0 + _exp(-g, ACCURATE)), dtype, EMULATE_RNE)
+    out = _round_to(silu.to(tl.float32) * u, dtype, EMULATE_RNE)
+    tl.store(OUT + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(
+    DOUT,
+    G,
+    U,
+    DG,
+    DU,
+    n_rows,
+    n_cols,
+    stride_dout,
+    stride_g,
+    stride_u,
+    stride_dg,
+    stride_du,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACCURATE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    dout = tl.load(DOUT + rows[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    dout = dout.to(tl.float32)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    dtype = DG.dtype.element_ty
+    e = _exp(-g, ACCURATE)
+    silu = _round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_RNE).to(tl.float32)
+    sig = tl.math.div_rn(1.0, 1.0 + e)
+    d_silu = _round_to(dout * u, dtype, EMULATE_RNE).to(tl.float32)
+    du = _round_to(dout * silu, dtype, EMULATE_RNE)
+    dg = _round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), dtype, EMULATE_RNE)
+    tl.store(DG + rows[:, None] * stride_dg + cols[None, :], dg, mask=mask)
+    tl.store(DU + rows[:, None] * stride_du + cols[None, :], du, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, F]`` without copying (unit-stride last dim, leading dims collapse)."""
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension, got a scalar")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must be unit-stride along its last dimension, got strides {t.stride()}"
+        )
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError as e:
+        raise ValueError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
+            "[rows, features] with one row stride; pass a tensor whose leading dims collapse"
+        ) from e
+
+
+def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensor("gate", gate)
+    check_tensor("up", up)
+    check_dtype("gate", gate, FLOAT_DTYPES)
+    check_dtype("up", up, FLOAT_DTYPES)
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
+        )
+    if gate.dtype != up.dtype:
+        raise TypeError(f"gate and up must have the same dtype, got {gate.dtype} and {up.dtype}")
+    check_same_device(gate=gate, up=up)
+    check_triton_device("gate", gate)
+    return _rows_view("gate", gate), _rows_view("up", up)
+
+
+def _split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensor("gate_up", gate_up)
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"gate_up must have an even last dim ([..., 2F], gate first), got {tuple(gate_up.shape)}"
+        )
+    f = gate_up.shape[-1] // 2
+    return gate_up[..., :f], gate_up[..., f:]
+
+
+def _grid_config(
+    n_cols: int, block_m: int | None, block_n: int | None, num_warps: int | None
+) -> tuple[int, int, int]:
+    block_n = block_n or min(DEFAULT_BLOCK_N, triton.next_power_of_2(max(n_cols, 1)))
+    block_m = block_m or 1
+    num_warps = num_warps or (4 if block_m * block_n <= 1024 else 8)
+    return block_m, block_n, num_warps
+
+
+def silu_mul_forward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Launch the forward kernel; ``out`` (optional) must be a fresh ``[..., F]`` tensor."""
+    g2, u2 = _check_pair(gate, up)
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    o2 = _rows_view("out", out)
+    n_rows, n_cols = g2.shape
+    if n_rows == 0 or n_cols == 0:
+        return out
+    block_m, block_n, num_warps = _grid_config(n_cols, block_m, block_n, num_warps)
+    interp = interpreter_enabled()
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _silu_mul_fwd_kernel[grid](
+        g2,
+        u2,
+        o2,
+        n_rows,
+        n_cols,
+        g2.stride(0),
+        u2.stride(0),
+        o2.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ACCURATE=not interp,
+        EMULATE_RNE=interp,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def silu_mul_backward(
+    dout: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    dgate: torch.Tensor | None = None,
+    dup: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel: ``(d_gate, d_up)``, written into ``dgate``/``dup`` if given."""
+    g2, u2 = _check_pair(gate, up)
+    if dout.shape != gate.shape:
+        raise ValueError(f"dout must have shape {tuple(gate.shape)}, got {tuple(dout.shape)}")
+    d2 = _rows_view("dout", dout)
+    if dgate is None:
+        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if dup is None:
+        dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    dg2, du2 = _rows_view("dgate", dgate), _rows_view("dup", dup)
+    n_rows, n_cols = g2.shape
+    if n_rows == 0 or n_cols == 0:
+        return dgate, dup
+    block_m, block_n, num_warps = _grid_config(n_cols, block_m, block_n, num_warps)
+    interp = interpreter_enabled()
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _silu_mul_bwd_kernel[grid](
+        d2,
+        g2,
+        u2,
+        dg2,
+        du2,
+        n_rows,
+        n_cols,
+        d2.stride(0),
+        g2.stride(0),
+        u2.stride(0),
+        dg2.stride(0),
+        du2.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ACCURATE=not interp,
+        EMULATE_RNE=interp,
+        num_warps=num_warps,
+    )
+    return dgate, dup
+
+
+def _grad_rows(g: torch.Tensor) -> torch.Tensor:
+    """Incoming gradients may be broadcast views (stride 0); only those are materialized."""
+    if g.stride(-1) == 1:
+        try:
+            g.view(-1, g.shape[-1])
+            return g
+        except RuntimeError:
+            pass
+    return g.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class SiluMulFunction(torch.autograd.Function):
+    """``silu(gate) * up`` with the Triton backward."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return silu_mul_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        return silu_mul_backward(_grad_rows(dout), gate, up)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """``swiglu(gate_up)``; the gradient is one ``[..., 2F]`` tensor written half by half."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = _split_gate_up(gate_up)
+        ctx.save_for_backward(gate_up)
+        return silu_mul_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (gate_up,) = ctx.saved_tensors
+        gate, up = _split_gate_up(gate_up)
+        d_gate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+        dgate, dup = _split_gate_up(d_gate_up)
+        silu_mul_backward(_grad_rows(dout), gate, up, dgate, dup)
+        return d_gate_up
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` rounded like PyTorch eager; gate/up may be strided row views."""
+    if _needs_grad(gate, up):
+        return SiluMulFunction.apply(gate, up)
+    return silu_mul_forward(gate, up)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[..., :F]) * gate_up[..., F:]`` on the fused ``[..., 2F]`` projection."""
+    if _needs_grad(gate_up):
+        return SwiGLUFunction.apply(gate_up)
+    gate, up = _split_gate_up(gate_up)
+    return silu_mul_forward(gate, up)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Reference
+# ----------------------------------------------------------------------------------------------
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """PyTorch eager, the expression LLaMA's FeedForward uses."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = _split_gate_up(gate_up)
+    return silu_mul_reference(gate, up)
