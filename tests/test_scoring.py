@@ -1,0 +1,231 @@
+"""Scoring engine vs a brute-force lm-eval-style reference, on a tiny pure-PyTorch model.
+
+The model here is independent of nakta_model's Transformer on purpose: the engine's packing
+(tree mask, restarted positions, scored-position gather) is checked on its own, with a model
+whose output depends on both positions (rotary) and attention, so a wrong mask or position
+shows up. One test runs the real Nakta model when it is importable.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from nakta_model import scoring
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> one rotary attention layer -> MLP -> head; ``forward_scored`` like Nakta's."""
+
+    def __init__(self, vocab: int = 37, dim: int = 16, max_seq_len: int = 64, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.vocab_size, self.max_seq_len, self.dim = vocab, max_seq_len, dim
+        p = lambda *s: torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64))
+        self.emb = p(vocab, dim)
+        self.wq, self.wk, self.wv = p(dim, dim) / dim**0.5, p(dim, dim) / dim**0.5, p(dim, dim)
+        self.w1, self.w2 = p(dim, 2 * dim) / dim**0.5, p(2 * dim, dim) / (2 * dim) ** 0.5
+        self.head = p(dim, vocab)
+        self.calls: list[tuple[tuple[int, ...], int]] = []  # (tokens shape, scored rows)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        half = self.dim // 2
+        freq = 1.0 / (100.0 ** (torch.arange(half, dtype=torch.float64) / half))
+        ang = pos[..., None].double() * freq
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
+
+    def hidden(self, tokens, positions, mask):
+        h = self.emb[tokens]
+        q, k, v = (
+            self._rope(h @ self.wq, positions),
+            self._rope(h @ self.wk, positions),
+            h @ self.wv,
+        )
+        s = q @ k.transpose(-1, -2) / math.sqrt(self.dim)
+        if mask is None:
+            L = tokens.shape[1]
+            mask = torch.ones(L, L, dtype=torch.bool).tril()[None]
+        s = s.masked_fill(~mask, float("-inf"))
+        h = h + torch.softmax(s, -1) @ v
+        return h + torch.tanh(h @ self.w1) @ self.w2
+
+    def forward(self, tokens):  # plain: [b, s] -> [b, s, V]
+        pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        return self.hidden(tokens, pos, None) @ self.head
+
+    def forward_scored(self, tokens, positions, attn_mask, logits_index):
+        self.calls.append((tuple(tokens.shape), int(logits_index.numel())))
+        h = self.hidden(tokens, positions, attn_mask).reshape(-1, self.dim)
+        return (h[logits_index] @ self.head).float()
+
+
+def brute_force(model: TinyLM, requests, max_length: int):
+    """lm-eval's HF loop, one request at a time, full log-softmax."""
+    out = []
+    for ctx, cont in requests:
+        inp = (list(ctx) + list(cont))[-(max_length + 1) :][:-1]
+        logp = torch.log_softmax(model(torch.tensor([inp]))[0], -1)
+        sel = logp[len(inp) - len(cont) :]
+        tgt = torch.tensor(cont)
+        ll = sel.gather(1, tgt[:, None]).sum().item()
+        out.append((ll, bool((sel.argmax(-1) == tgt).all())))
+    return out
+
+
+def make_requests(rng: random.Random, n_ctx: int, vocab: int, n_choices=(1, 4), cont=(1, 9)):
+    reqs = []
+    for _ in range(n_ctx):
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+        for _ in range(rng.randint(*n_choices)):
+            reqs.append((ctx, [rng.randrange(vocab) for _ in range(rng.randint(*cont))]))
+    rng.shuffle(reqs)
+    return reqs
+
+
+def assert_close(got, want, tol=1e-4):
+    assert len(got) == len(want)
+    for (g, gg), (w, wg) in zip(got, want):
+        assert abs(g - w) <= tol * max(1.0, abs(w)), (g, w)
+        assert gg == wg
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("budget", [40, 4096])
+def test_matches_brute_force(use_cache, budget):
+    model = TinyLM()
+    reqs = make_requests(random.Random(1), 12, model.vocab_size)
+    want = brute_force(model, reqs, model.max_seq_len)
+    got = scoring.score(model, reqs, use_cache=use_cache, token_budget=budget)
+    assert_close(got, want)
+
+
+def test_cache_packs_contexts_once_and_scores_fewer_positions():
+    model = TinyLM()
+    reqs = make_requests(random.Random(2), 10, model.vocab_size, n_choices=(4, 4))
+    on = scoring.score(model, reqs, use_cache=True, token_budget=10**6)
+    (rows_on, _), scored_on = model.calls[0][0], model.calls[0][1]
+    model.calls.clear()
+    off = scoring.score(model, reqs, use_cache=False, token_budget=10**6)
+    (rows_off, _), scored_off = model.calls[0][0], model.calls[0][1]
+    assert_close(on, off)
+    assert (rows_on, rows_off) == (10, 40)  # one row per context vs one per request
+    # the shared last-context position is scored once per context, not once per request
+    assert scored_off == sum(len(x) for _, x in reqs)
+    assert scored_on == scored_off - 30
+
+
+def test_greedy_flag_true_for_argmax_continuation():
+    model = TinyLM()
+    ctx = [3, 5, 7]
+    cont = []
+    for _ in range(4):  # greedy-decode 4 tokens with the plain forward
+        logits = model(torch.tensor([ctx + cont]))[0, -1]
+        cont.append(int(logits.argmax()))
+    other = cont[:-1] + [(cont[-1] + 1) % model.vocab_size]
+    for use_cache in (True, False):
+        (ll_g, g), (ll_o, o) = scoring.score(
+            model, [(ctx, cont), (ctx, other)], use_cache=use_cache
+        )
+        assert g is True and o is False
+        assert ll_g > ll_o
+
+
+def test_left_truncation_like_lm_eval():
+    model = TinyLM(max_seq_len=64)
+    rng = random.Random(3)
+    ctx = [rng.randrange(37) for _ in range(30)]
+    reqs = [(ctx, [rng.randrange(37) for _ in range(n)]) for n in (1, 5, 12)]
+    reqs.append(([1, 2], [rng.randrange(37) for _ in range(16)]))  # cont == max_length
+    L = 16
+    want = brute_force(model, reqs, L)
+    for use_cache in (True, False):
+        assert_close(scoring.score(model, reqs, use_cache=use_cache, max_length=L), want)
+    assert_close(scoring.score_with_forward(model, reqs, max_length=L), want)
+    # truncation really happened: the full-context score differs
+    full = brute_force(model, reqs[:1], 64)
+    assert abs(full[0][0] - want[0][0]) > 1e-6
+
+
+def test_packed_rows_respect_max_length():
+    model = TinyLM(max_seq_len=64)
+    ctx = list(range(10))
+    reqs = [(ctx, [(i + j) % 37 for j in range(8)]) for i in range(12)]  # 10 + 12*7 > 20
+    want = brute_force(model, reqs, 20)
+    got = scoring.score(model, reqs, use_cache=True, max_length=20)
+    assert_close(got, want)
+    assert max(s[1] for s, _ in model.calls) <= 20
+
+
+def test_duplicates_and_single_token_continuations():
+    model = TinyLM()
+    reqs = [([4, 4, 2], [9]), ([4, 4, 2], [9]), ([4, 4, 2], [1]), ([4, 4, 2], [9, 9, 9])]
+    want = brute_force(model, reqs, 64)
+    assert_close(scoring.score(model, reqs), want)
+    assert_close(scoring.score(model, reqs, use_cache=False), want)
+
+
+def test_score_with_forward_matches_and_batches():
+    model = TinyLM()
+    reqs = make_requests(random.Random(4), 8, model.vocab_size)
+    want = brute_force(model, reqs, model.max_seq_len)
+    for bs in (1, 3, None):
+        got = scoring.score_with_forward(model, reqs, max_length=64, batch_size=bs)
+        assert_close(got, want)
+
+
+def test_tree_mask_shape_and_rules():
+    seg = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    m = scoring.tree_mask(seg)[0]
+    assert m.dtype == torch.bool and m.shape == (6, 6)
+    assert m[3].tolist() == [True, True, True, True, False, False]  # ctx + own branch
+    assert m[4].tolist() == [True, True, False, False, True, False]  # skips branch 1
+    assert m[5].tolist() == [False] * 5 + [True]  # padding sees itself only
+    assert not m[0, 1]  # causal within the context
+
+
+@pytest.mark.parametrize(
+    "reqs, exc, msg",
+    [
+        ([([1, 2], [])], ValueError, "empty continuation"),
+        ([([], [3])], ValueError, "empty context"),
+        ([([1, 2], [37])], ValueError, "outside the vocabulary"),
+        ([([1, -1], [3])], ValueError, "outside the vocabulary"),
+        ([([1, 2], [3.0])], TypeError, "int token ids"),
+        ([([1, 2], [3] * 65)], ValueError, "max_length"),
+        ([([1, 2],)], TypeError, "pair"),
+    ],
+)
+def test_bad_requests(reqs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        scoring.score(TinyLM(), reqs)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="token_budget"):
+        scoring.score(TinyLM(), [([1], [2])], token_budget=0)
+    with pytest.raises(TypeError, match="forward_scored"):
+        scoring.score(object(), [([1], [2])])
+    with pytest.raises(ValueError, match="vocabulary"):
+        scoring.score_with_forward(TinyLM(), [([1], [40])], max_length=64)
+    assert scoring.score(TinyLM(), []) == []
+
+
+def test_real_nakta_model_cache_on_off():
+    """The real Transformer's forward_scored with the tree mask agrees with plain causal rows."""
+    nakta_model = pytest.importorskip("nakta_model")
+    if not hasattr(nakta_model, "random_model"):
+        pytest.skip("nakta_model.random_model not available yet")
+    from nakta_model.config import ModelArgs
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, max_seq_len=64)
+    model = nakta_model.random_model(args, torch.device("cpu"), torch.float32, seed=0)
+    reqs = make_requests(random.Random(5), 3, 61, n_choices=(2, 4), cont=(1, 5))
+    on = scoring.score(model, reqs, use_cache=True)
+    off = scoring.score(model, reqs, use_cache=False)
+    plain = scoring.score_with_forward(lambda t: model(t, 0), reqs, max_length=64)
+    assert_close(on, off, tol=1e-4)
+    assert_close(on, plain, tol=1e-4)
