@@ -1,0 +1,764 @@
+"""Rotary position embedding (RoPE): a TransformerEngine-compatible API and the model's fused path.
+
+Two families live here because they share the rotation math:
+
+* ``apply_rotary_pos_emb`` / ``RotaryPositionEmbedding``: same arguments and semantics as
+  NVIDIA TransformerEngine's functions of these names (sbhd / bshd / packed thd, any strides,
+  partial rotary, ``start_positions``, context-parallel dual-chunk layout), so TE's tests run
+  unchanged. Angles come in as ``freqs``; sin/cos are computed in-kernel once per position and
+  reused across batch and heads.
+* ``apply_rope_qkv_``: the model's path. It rotates the Q and K heads of a fused ``wqkv``
+  projection output IN PLACE in one launch (V untouched), reading per-token positions and a
+  precomputed cos/sin table (``build_rope_cache``); optionally the same launch writes the
+  rotated K and the V of every token into the KV cache.
+
+Both run math in fp32 and store in the caller's dtype. Backward of a rotation by angle theta is
+the rotation by -theta; the kernels take a ``BACKWARD`` flag instead of a second kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nakta_model.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_ndim,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+)
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_pairs(
+    ptrs_base,
+    stride_c,
+    mask_row,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """Load the rotary channels of a block of rows as the two members of each pair, in fp32.
+
+    ``ptrs_base`` is a pointer tensor ``[R0, R1, 1]`` at channel 0 of each row. Interleaved
+    pairs are (2i, 2i+1): one contiguous load split in registers keeps the loads vectorized.
+    Non-interleaved pairs are (i, i + HALF): two contiguous loads.
+    """
+    if INTERLEAVED:
+        offs = tl.arange(0, 2 * HALF_PAD)
+        m = mask_row & (offs < 2 * HALF)[None, None, :]
+        x = tl.load(ptrs_base + offs[None, None, :] * stride_c, mask=m, other=0.0)
+        x = x.to(tl.float32)
+        x = tl.reshape(x, (x.shape[0], x.shape[1], HALF_PAD, 2))
+        xa, xb = tl.split(x)
+    else:
+        offs = tl.arange(0, HALF_PAD)
+        m = mask_row & (offs < HALF)[None, None, :]
+        xa = tl.load(ptrs_base + offs[None, None, :] * stride_c, mask=m, other=0.0)
+        xb = tl.load(ptrs_base + (offs + HALF)[None, None, :] * stride_c, mask=m, other=0.0)
+        xa = xa.to(tl.float32)
+        xb = xb.to(tl.float32)
+    return xa, xb
+
+
+@triton.jit
+def _store_pairs(
+    ptrs_base,
+    ya,
+    yb,
+    mask_row,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """Store the two pair members back to unit-stride channels (the inverse of ``_load_pairs``)."""
+    dtype = ptrs_base.dtype.element_ty
+    if INTERLEAVED:
+        offs = tl.arange(0, 2 * HALF_PAD)
+        m = mask_row & (offs < 2 * HALF)[None, None, :]
+        y = tl.join(ya, yb)
+        y = tl.reshape(y, (ya.shape[0], ya.shape[1], 2 * HALF_PAD))
+        tl.store(ptrs_base + offs[None, None, :], y.to(dtype), mask=m)
+    else:
+        offs = tl.arange(0, HALF_PAD)
+        m = mask_row & (offs < HALF)[None, None, :]
+        tl.store(ptrs_base + offs[None, None, :], ya.to(dtype), mask=m)
+        tl.store(ptrs_base + (offs + HALF)[None, None, :], yb.to(dtype), mask=m)
+
+
+@triton.jit
+def _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD: tl.constexpr):
+    """Forward: ya = xa cos_a - xb sin_a, yb = xb cos_b + xa sin_b (TE's per-channel angles).
+
+    Backward is the transpose: dxa = dya cos_a + dyb sin_b, dxb = dyb cos_b - dya sin_a.
+    With equal angles in both members (every real table) this is the rotation by -theta.
+    """
+    if BACKWARD:
+        ya = xa * cos_a + xb * sin_b
+        yb = xb * cos_b - xa * sin_a
+    else:
+        ya = xa * cos_a - xb * sin_a
+        yb = xb * cos_b + xa * sin_b
+    return ya, yb
+
+
+@triton.jit
+def _rope_qkv_kernel(
+    x_ptr,
+    out_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    n_tokens,
+    n_heads_launch,
+    n_q,
+    n_kv,
+    n_pos,
+    n_slots,
+    stride_xt,
+    stride_xc,
+    stride_ot,
+    stride_cp,
+    stride_cc,
+    stride_sp,
+    stride_sc,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    PASS: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    COPY_ALL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One program: BLOCK_T tokens x BLOCK_H heads of the fused QKV matrix.
+
+    Heads [0, n_q) are Q, [n_q, n_q + n_kv) K (both rotated), the rest V (copied only when
+    writing the cache or producing a separate output). An out-of-range position or cache slot
+    turns that token's rotated values into NaN instead of reading or writing out of bounds:
+    a loud failure without a host synchronisation.
+    """
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_t = offs_t < n_tokens
+    mask_h = offs_h < n_heads_launch
+
+    pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+    ok = (pos >= 0) & (pos < n_pos)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        ok = ok & (slot >= 0) & (slot < n_slots)
+    pos = tl.where(ok, pos, 0)
+
+    # cos/sin: [BLOCK_T, 1, HALF_PAD], one angle per pair.
+    offs_f = tl.arange(0, HALF_PAD)
+    fmask = mask_t[:, None, None] & (offs_f < HALF)[None, None, :]
+    cos = tl.load(
+        cos_ptr + pos[:, None, None] * stride_cp + offs_f[None, None, :] * stride_cc,
+        mask=fmask,
+        other=0.0,
+    ).to(tl.float32)
+    sin = tl.load(
+        sin_ptr + pos[:, None, None] * stride_sp + offs_f[None, None, :] * stride_sc,
+        mask=fmask,
+        other=0.0,
+    ).to(tl.float32)
+    nan = float("nan")
+    cos = tl.where(ok[:, None, None], cos, nan)
+    sin = tl.where(ok[:, None, None], sin, nan)
+
+    is_rot = offs_h < n_q + n_kv  # Q and K heads
+    rows_t = offs_t.to(tl.int64)[:, None, None]
+    cols_h = (offs_h * HEAD_DIM).to(tl.int64)[None, :, None]
+    mask_row = mask_t[:, None, None] & mask_h[None, :, None]
+    x_base = x_ptr + rows_t * stride_xt + cols_h * stride_xc
+    o_base = out_ptr + rows_t * stride_ot + cols_h
+
+    xa, xb = _load_pairs(x_base, stride_xc, mask_row, HALF, HALF_PAD, INTERLEAVED)
+    ya, yb = _rotate(xa, xb, cos, sin, cos, sin, BACKWARD)
+    rot3 = is_rot[None, :, None]
+    ya = tl.where(rot3, ya, xa)
+    yb = tl.where(rot3, yb, xb)
+    if COPY_ALL:
+        _store_pairs(o_base, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED)
+    else:
+        _store_pairs(o_base, ya, yb, mask_row & rot3, HALF, HALF_PAD, INTERLEAVED)
+
+    if WRITE_CACHE:
+        slot3 = slot[:, None, None]
+        is_k = (offs_h >= n_q) & is_rot
+        is_v = offs_h >= n_q + n_kv
+        kh = tl.where(is_k, offs_h - n_q, 0).to(tl.int64)[None, :, None]
+        vh = tl.where(is_v, offs_h - n_q - n_kv, 0).to(tl.int64)[None, :, None]
+        ok3 = ok[:, None, None]
+        k_base = kc_ptr + slot3 * stride_kcs + kh * stride_kch
+        v_base = vc_ptr + slot3 * stride_vcs + vh * stride_vch
+        _store_pairs(
+            k_base, ya, yb, mask_row & ok3 & is_k[None, :, None], HALF, HALF_PAD, INTERLEAVED
+        )
+        _store_pairs(
+            v_base, ya, yb, mask_row & ok3 & is_v[None, :, None], HALF, HALF_PAD, INTERLEAVED
+        )
+
+    if PASS > 0 and (COPY_ALL or WRITE_CACHE):
+        offs_p = 2 * HALF + tl.arange(0, PASS_PAD)
+        pmask = mask_row & (offs_p < HEAD_DIM)[None, None, :]
+        xp = tl.load(x_base + offs_p[None, None, :] * stride_xc, mask=pmask, other=0.0)
+        if COPY_ALL:
+            tl.store(o_base + offs_p[None, None, :], xp, mask=pmask)
+        if WRITE_CACHE:
+            km = pmask & ok3 & is_k[None, :, None]
+            vm = pmask & ok3 & is_v[None, :, None]
+            tl.store(k_base + offs_p[None, None, :], xp.to(kc_ptr.dtype.element_ty), mask=km)
+            tl.store(v_base + offs_p[None, None, :], xp.to(vc_ptr.dtype.element_ty), mask=vm)
+
+
+@triton.jit
+def _freq_angles(
+    freqs_ptr,
+    pos3,
+    pmask3,
+    stride_fs,
+    stride_fd,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """cos/sin of both pair members from TE-style ``freqs`` rows (one row per position).
+
+    ``pos3`` is ``[P, 1, 1]``; results are ``[P, 1, HALF_PAD]`` in fp32. Computed once per
+    position per program and broadcast over every head (and batch entry) the program touches.
+    """
+    base = freqs_ptr + pos3 * stride_fs
+    fa, fb = _load_pairs(base, stride_fd, pmask3, HALF, HALF_PAD, INTERLEAVED)
+    return tl.cos(fa), tl.sin(fa), tl.cos(fb), tl.sin(fb)
+
+
+@triton.jit
+def _rope_te_kernel(
+    x_ptr,
+    out_ptr,
+    freqs_ptr,
+    start_ptr,
+    cu_ptr,
+    S,
+    B,
+    H,
+    n_freqs,
+    n_seqs,
+    cp_size,
+    cp_rank,
+    stride_xs,
+    stride_xb,
+    stride_xh,
+    stride_xd,
+    stride_os,
+    stride_ob,
+    stride_oh,
+    stride_fs,
+    stride_fd,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    PASS: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    IS_THD: tl.constexpr,
+    HAS_START: tl.constexpr,
+    CP: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One program: one sequence index ``s`` (a token for thd) x BLOCK_B batch entries, all heads.
+
+    The tensor is seen as ``[S, B, H, D]`` through strides (bshd swaps the first two strides,
+    thd has B = 1). The angle row is found from the local index (context-parallel dual-chunk
+    mapping, thd sequence found by binary search in ``cu_seqlens``), plus ``start_positions``.
+    """
+    pid_s = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_b = offs_b < B
+
+    # Local index j inside its sequence of local length L, and the start offset.
+    if IS_THD:
+        lo = pid_s * 0
+        hi = lo + n_seqs
+        for _ in range(SEARCH_STEPS):  # largest i with cu[i] / cp <= token
+            mid = (lo + hi) // 2
+            go_right = tl.load(cu_ptr + mid) // cp_size <= pid_s
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        seq_start = tl.load(cu_ptr + lo) // cp_size
+        L = tl.load(cu_ptr + lo + 1) // cp_size - seq_start
+        j = pid_s - seq_start
+    else:
+        L = S
+        j = pid_s
+    if CP:
+        half_l = L // 2
+        p = tl.where(
+            j < half_l, j + cp_rank * half_l, L * cp_size - (cp_rank + 1) * half_l + j - half_l
+        )
+    else:
+        p = j
+
+    if HAS_START and not IS_THD:  # one angle row per batch entry
+        pos = p + tl.load(start_ptr + offs_b, mask=mask_b, other=0)
+        pos3 = pos.to(tl.int64)[:, None, None]
+        pok3 = (mask_b & (pos >= 0) & (pos < n_freqs))[:, None, None]
+    else:
+        if HAS_START:
+            p = p + tl.load(start_ptr + lo)
+        pos3 = tl.full((1, 1, 1), 0, tl.int64) + p
+        pok3 = (pos3 >= 0) & (pos3 < n_freqs)
+    pos3 = tl.where(pok3, pos3, 0)
+    cos_a, sin_a, cos_b, sin_b = _freq_angles(
+        freqs_ptr, pos3, pok3, stride_fs, stride_fd, HALF, HALF_PAD, INTERLEAVED
+    )
+    # Positions past the table were rejected on the host; NaN here if one slips through.
+    cos_a = tl.where(pok3, cos_a, float("nan"))
+    cos_b = tl.where(pok3, cos_b, float("nan"))
+
+    b3 = offs_b.to(tl.int64)[:, None, None]
+    x_row = x_ptr + pid_s.to(tl.int64) * stride_xs + b3 * stride_xb
+    o_row = out_ptr + pid_s.to(tl.int64) * stride_os + b3 * stride_ob
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h3 = offs_h.to(tl.int64)[None, :, None]
+        mask_row = mask_b[:, None, None] & (offs_h < H)[None, :, None]
+        x_base = x_row + h3 * stride_xh
+        o_base = o_row + h3 * stride_oh
+        xa, xb = _load_pairs(x_base, stride_xd, mask_row, HALF, HALF_PAD, INTERLEAVED)
+        ya, yb = _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD)
+        _store_pairs(o_base, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED)
+        if PASS > 0:
+            offs_p = tl.arange(0, PASS_PAD)
+            pmask = mask_row & (offs_p < PASS)[None, None, :]
+            xp = tl.load(
+                x_base + (2 * HALF + offs_p)[None, None, :] * stride_xd, mask=pmask, other=0.0
+            )
+            tl.store(
+                o_base + (2 * HALF + offs_p)[None, None, :],
+                xp.to(out_ptr.dtype.element_ty),
+                mask=pmask,
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Launchers (input checks, block sizes)
+# ------------------------------------------------------------------------------------------------
+
+
+def _debug_checks() -> bool:
+    """Host-side checks that need a device sync run on the CPU, or when NAKTA_DEBUG=1."""
+    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _check_index(name: str, t: object, n: int | None = None) -> torch.Tensor:
+    t = check_tensor(name, t)
+    check_dtype(name, t, INDEX_DTYPES)
+    check_ndim(name, t, 1)
+    if n is not None and t.shape[0] != n:
+        raise ValueError(f"{name} must have {n} entries (one per token), got {t.shape[0]}")
+    return t
+
+
+def _qkv_blocks(n_tokens: int, n_heads: int, half_pad: int) -> tuple[int, int, int]:
+    """BLOCK_T, BLOCK_H, num_warps: about 4K pair elements per program (tuned on an H100)."""
+    block_h = min(_pow2(n_heads), max(1, 4096 // half_pad))
+    block_t = max(1, min(_pow2(n_tokens), 4096 // (half_pad * block_h)))
+    elems = block_t * block_h * half_pad
+    num_warps = 8 if elems >= 4096 else 4
+    return block_t, block_h, num_warps
+
+
+def _launch_rope_qkv(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_q: int,
+    n_kv: int,
+    head_dim: int,
+    rotary_dim: int,
+    interleaved: bool,
+    backward: bool,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    cache_slots: torch.Tensor | None = None,
+) -> None:
+    n_tokens = x.shape[0]
+    write_cache = k_cache is not None
+    copy_all = out.data_ptr() != x.data_ptr()
+    n_heads = n_q + 2 * n_kv if (write_cache or copy_all) else n_q + n_kv
+    if n_tokens == 0:
+        return
+    half = rotary_dim // 2
+    half_pad = _pow2(half)
+    pass_ = head_dim - rotary_dim
+    block_t, block_h, num_warps = _qkv_blocks(n_tokens, n_heads, half_pad)
+    grid = (triton.cdiv(n_tokens, block_t), triton.cdiv(n_heads, block_h))
+    kc = k_cache if write_cache else x
+    vc = v_cache if write_cache else x
+    slots = cache_slots if write_cache else positions
+    _rope_qkv_kernel[grid](
+        x, out, positions, cos, sin, kc, vc, slots,
+        n_tokens, n_heads, n_q, n_kv, cos.shape[0], kc.shape[0] if write_cache else 0,
+        x.stride(0), x.stride(1), out.stride(0),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        kc.stride(0) if write_cache else 0, kc.stride(1) if write_cache else 0,
+        vc.stride(0) if write_cache else 0, vc.stride(1) if write_cache else 0,
+        HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, PASS=pass_, PASS_PAD=_pow2(pass_),
+        INTERLEAVED=interleaved, BACKWARD=backward, WRITE_CACHE=write_cache, COPY_ALL=copy_all,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def _check_rope_qkv_args(
+    qkv,
+    positions,
+    cos,
+    sin,
+    n_q_heads,
+    n_kv_heads,
+    head_dim,
+    rotary_dim,
+    k_cache,
+    v_cache,
+    cache_slots,
+    *,
+    for_kernel: bool,
+) -> int:
+    """Validate ``apply_rope_qkv_`` arguments; returns the effective rotary_dim."""
+    qkv = check_tensor("qkv", qkv)
+    check_dtype("qkv", qkv, FLOAT_DTYPES)
+    check_ndim("qkv", qkv, 2)
+    for name, v in (("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if n_q_heads % n_kv_heads:
+        raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide n_q_heads ({n_q_heads})")
+    width = (n_q_heads + 2 * n_kv_heads) * head_dim
+    if qkv.shape[1] != width:
+        raise ValueError(
+            f"qkv must have (n_q_heads + 2 * n_kv_heads) * head_dim = {width} columns, "
+            f"got shape {tuple(qkv.shape)}"
+        )
+    if qkv.shape[0] > 0 and qkv.stride(1) != 1:
+        raise ValueError(f"qkv must have unit column stride, got strides {qkv.stride()}")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if (
+        not isinstance(rotary_dim, int)
+        or rotary_dim <= 0
+        or rotary_dim % 2
+        or rotary_dim > head_dim
+    ):
+        raise ValueError(
+            f"rotary_dim must be an even int in (0, head_dim={head_dim}], got {rotary_dim!r}"
+        )
+    _check_index("positions", positions, qkv.shape[0])
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t)
+        check_dtype(name, t, (torch.float32,))
+        check_ndim(name, t, 2)
+        if t.shape[1] != rotary_dim // 2:
+            raise ValueError(
+                f"{name} must have rotary_dim // 2 = {rotary_dim // 2} columns, got shape {tuple(t.shape)}"
+            )
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    given = [k_cache is not None, v_cache is not None, cache_slots is not None]
+    if any(given) and not all(given):
+        raise ValueError("k_cache, v_cache and cache_slots must be given together")
+    if all(given):
+        _check_index("cache_slots", cache_slots, qkv.shape[0])
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_tensor(name, c)
+            check_ndim(name, c, 3)
+            if c.shape[1:] != (n_kv_heads, head_dim):
+                raise ValueError(
+                    f"{name} must have shape [num_slots, n_kv_heads={n_kv_heads}, head_dim={head_dim}], got {tuple(c.shape)}"
+                )
+            if c.dtype != qkv.dtype:
+                raise TypeError(f"{name} must have qkv's dtype {qkv.dtype}, got {c.dtype}")
+            if c.stride(2) != 1:
+                raise ValueError(
+                    f"{name} must have unit stride in its last dimension, got {c.stride()}"
+                )
+    check_same_device(
+        qkv=qkv,
+        positions=positions,
+        cos=cos,
+        sin=sin,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_slots=cache_slots,
+    )
+    if for_kernel:
+        check_triton_device("qkv", qkv)
+    if not qkv.is_cuda or _debug_checks() or not for_kernel:
+        _check_positions_in_table(positions, cos.shape[0])
+        if all(given):
+            _check_slots(cache_slots, k_cache.shape[0], v_cache.shape[0])
+    return rotary_dim
+
+
+def _check_positions_in_table(positions: torch.Tensor, n_pos: int) -> None:
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n_pos):
+        raise ValueError(
+            f"positions must lie in [0, {n_pos}) (the cos/sin table's rows), got "
+            f"[{int(positions.min())}, {int(positions.max())}]"
+        )
+
+
+def _check_slots(slots: torch.Tensor, n_k: int, n_v: int) -> None:
+    n = min(n_k, n_v)
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n):
+        raise ValueError(
+            f"cache_slots must lie in [0, {n}) (the cache's slots), got [{int(slots.min())}, {int(slots.max())}]"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Autograd functions
+# ------------------------------------------------------------------------------------------------
+
+
+class _RopeQKVFunction(torch.autograd.Function):
+    """In-place QK rotation; backward rotates the Q/K gradient by -theta, V's passes through."""
+
+    @staticmethod
+    def forward(ctx, qkv, positions, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved):
+        _launch_rope_qkv(
+            qkv,
+            qkv,
+            positions,
+            cos,
+            sin,
+            n_q,
+            n_kv,
+            head_dim,
+            rotary_dim,
+            interleaved,
+            backward=False,
+        )
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(positions, cos, sin)
+        ctx.args = (n_q, n_kv, head_dim, rotary_dim, interleaved)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, cos, sin = ctx.saved_tensors
+        n_q, n_kv, head_dim, rotary_dim, interleaved = ctx.args
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        _launch_rope_qkv(
+            grad,
+            out,
+            positions,
+            cos,
+            sin,
+            n_q,
+            n_kv,
+            head_dim,
+            rotary_dim,
+            interleaved,
+            backward=True,
+        )
+        return out, None, None, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Public functions (model path)
+# ------------------------------------------------------------------------------------------------
+
+
+def build_rope_cache(
+    max_positions: int, rotary_dim: int, base: float = 10000.0, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: fp32 ``[max_positions, rotary_dim // 2]``, angle[p, i] = p * base**(-2i/rotary_dim).
+
+    Angles are formed in fp64 and rounded once: in fp32, ``p * inv_freq`` at p ~ 2**20 is off by
+    up to ~0.06 rad, which would make long-context positions wrong.
+    """
+    if not isinstance(max_positions, int) or max_positions <= 0:
+        raise ValueError(f"max_positions must be a positive int, got {max_positions!r}")
+    if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if base <= 0:
+        raise ValueError(f"base must be positive, got {base!r}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    half = rotary_dim // 2
+    inv = float(base) ** (
+        -2.0 * torch.arange(half, dtype=torch.float64, device=device) / rotary_dim
+    )
+    cos = torch.empty(max_positions, half, dtype=torch.float32, device=device)
+    sin = torch.empty_like(cos)
+    chunk = max(1, (1 << 22) // half)  # bounds the fp64 temporaries
+    for p0 in range(0, max_positions, chunk):
+        p = torch.arange(p0, min(p0 + chunk, max_positions), dtype=torch.float64, device=device)
+        ang = p[:, None] * inv[None, :]
+        cos[p0 : p0 + len(p)] = torch.cos(ang)
+        sin[p0 : p0 + len(p)] = torch.sin(ang)
+    return cos, sin
+
+
+def apply_rope_qkv_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    *,
+    interleaved: bool,
+    rotary_dim: int | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    cache_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate the Q and K heads of a fused ``[tokens, (nq + 2 nkv) * head_dim]`` matrix in place.
+
+    One launch rotates Q and K (V untouched) and, with ``k_cache``/``v_cache``/``cache_slots``,
+    writes the rotated K and the V of token t into slot ``cache_slots[t]`` of the caches.
+    ``interleaved=True`` pairs channels (2i, 2i+1) (Meta checkpoints), False pairs (i, i + r/2)
+    (HF). Positions (and cache slots) outside the table are rejected with ValueError on the CPU
+    or with ``NAKTA_DEBUG=1``; on CUDA without the flag they are not synchronised on and instead
+    turn that token's rotated Q/K into NaN (and skip its cache write), never reading or writing
+    out of bounds.
+    """
+    rotary_dim = _check_rope_qkv_args(
+        qkv,
+        positions,
+        cos,
+        sin,
+        n_q_heads,
+        n_kv_heads,
+        head_dim,
+        rotary_dim,
+        k_cache,
+        v_cache,
+        cache_slots,
+        for_kernel=True,
+    )
+    needs_grad = torch.is_grad_enabled() and qkv.requires_grad
+    if needs_grad:
+        if k_cache is not None:
+            raise ValueError(
+                "cache writes are inference-only: call under torch.no_grad() or pass a qkv that does not require grad"
+            )
+        return _RopeQKVFunction.apply(
+            qkv, positions, cos, sin, n_q_heads, n_kv_heads, head_dim, rotary_dim, bool(interleaved)
+        )
+    _launch_rope_qkv(
+        qkv,
+        qkv,
+        positions,
+        cos,
+        sin,
+        n_q_heads,
+        n_kv_heads,
+        head_dim,
+        rotary_dim,
+        bool(interleaved),
+        backward=False,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_slots=cache_slots,
+    )
+    return qkv
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Pure-PyTorch reference (model path)
+# ------------------------------------------------------------------------------------------------
+
+
+def _rotate_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotate the last dim of ``x`` (fp32) by per-pair angles broadcast from ``cos``/``sin``."""
+    if interleaved:
+        xa, xb = x[..., 0::2], x[..., 1::2]
+        return torch.stack((xa * cos - xb * sin, xb * cos + xa * sin), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    xa, xb = x[..., :half], x[..., half:]
+    return torch.cat((xa * cos - xb * sin, xb * cos + xa * sin), dim=-1)
+
+
+def apply_rope_qkv_reference(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    *,
+    interleaved: bool,
+    rotary_dim: int | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    cache_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch ``apply_rope_qkv_`` (same in-place semantics and cache writes; CPU fallback)."""
+    rotary_dim = _check_rope_qkv_args(
+        qkv,
+        positions,
+        cos,
+        sin,
+        n_q_heads,
+        n_kv_heads,
+        head_dim,
+        rotary_dim,
+        k_cache,
+        v_cache,
+        cache_slots,
+        for_kernel=False,
+    )
+    heads = qkv.unflatten(1, (n_q_heads + 2 * n_kv_heads, head_dim))
+    n_rot = n_q_heads + n_kv_heads
+    pos = positions.long()
+    c = cos[pos][:, None, :]
+    s = sin[pos][:, None, :]
+    rot = heads[:, :n_rot, :rotary_dim]
+    rot.copy_(_rotate_reference(rot.float(), c, s, interleaved).to(qkv.dtype))
+    if k_cache is not None:
+        slots = cache_slots.long()
+        k_cache[slots] = heads[:, n_q_heads:n_rot]
+        v_cache[slots] = heads[:, n_rot:]
+    return qkv

@@ -1,0 +1,358 @@
+"""The model's fused RoPE path: ``build_rope_cache``, ``apply_rope_qkv_`` and its reference.
+
+The expected values are computed here in fp64 from the original input, independently of both
+the kernel and ``apply_rope_qkv_reference``; both are checked against them with
+``torch.testing.assert_close``'s default tolerances for the dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nakta_model.kernels.rope import (
+    apply_rope_qkv_,
+    apply_rope_qkv_reference,
+    build_rope_cache,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def expected_qkv(x, positions, cos, sin, nq, nkv, hd, interleaved, rotary_dim=None):
+    """fp64 rotation of the Q and K heads of ``x`` (a copy), cast back to ``x.dtype``."""
+    r = rotary_dim or hd
+    h = x.double().unflatten(1, (nq + 2 * nkv, hd)).clone()
+    c = cos.double()[positions.long()][:, None, :]
+    s = sin.double()[positions.long()][:, None, :]
+    part = h[:, : nq + nkv, :r]
+    if interleaved:
+        a, b = part[..., 0::2].clone(), part[..., 1::2].clone()
+        part[..., 0::2] = a * c - b * s
+        part[..., 1::2] = b * c + a * s
+    else:
+        a, b = part[..., : r // 2].clone(), part[..., r // 2 :].clone()
+        part[..., : r // 2] = a * c - b * s
+        part[..., r // 2 :] = b * c + a * s
+    return h.flatten(1).to(x.dtype)
+
+
+def make_qkv(tokens, nq, nkv, hd, dtype, device, row_pad=0):
+    """A qkv matrix, optionally a view with a row stride larger than its width."""
+    width = (nq + 2 * nkv) * hd
+    base = torch.randn(tokens, width + row_pad, dtype=torch.float32, device=device).to(dtype)
+    return base[:, :width], base
+
+
+# ---------------------------------------------------------------------------- build_rope_cache
+
+
+def test_build_rope_cache_formula():
+    cos, sin = build_rope_cache(37, 10, base=500.0)
+    assert cos.shape == sin.shape == (37, 5) and cos.dtype == sin.dtype == torch.float32
+    p = torch.arange(37, dtype=torch.float64)[:, None]
+    i = torch.arange(5, dtype=torch.float64)[None, :]
+    ang = p * 500.0 ** (-2 * i / 10)
+    torch.testing.assert_close(cos, torch.cos(ang).float(), rtol=0, atol=1e-7)
+    torch.testing.assert_close(sin, torch.sin(ang).float(), rtol=0, atol=1e-7)
+
+
+def test_build_rope_cache_accurate_near_2_pow_20():
+    """fp32 angles would be off by up to ~0.06 rad here; fp64 angles round once."""
+    n = (1 << 20) + 3
+    cos, sin = build_rope_cache(n, 8)
+    p = torch.arange(n - 5, n, dtype=torch.float64)[:, None]
+    ang = p * 10000.0 ** (-2 * torch.arange(4, dtype=torch.float64)[None, :] / 8)
+    assert (cos[-5:].double() - torch.cos(ang)).abs().max() < 1e-7
+    assert (sin[-5:].double() - torch.sin(ang)).abs().max() < 1e-7
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_positions=0, rotary_dim=8), "max_positions"),
+        (dict(max_positions=4, rotary_dim=7), "rotary_dim"),
+        (dict(max_positions=4, rotary_dim=8, base=0.0), "base"),
+    ],
+)
+def test_build_rope_cache_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_rope_cache(**kwargs)
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_forward_matches_fp64(dtype, interleaved, head_dim, device):
+    nq, nkv, tokens = 4, 2, 5
+    cos, sin = build_rope_cache(64, head_dim, device=device)
+    qkv, _ = make_qkv(tokens, nq, nkv, head_dim, dtype, device)
+    pos = torch.randint(0, 64, (tokens,), device=device)
+    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, head_dim, interleaved)
+    for fn in (apply_rope_qkv_, apply_rope_qkv_reference):
+        x = qkv.clone()
+        out = fn(x, pos, cos, sin, nq, nkv, head_dim, interleaved=interleaved)
+        assert out is x  # in place
+        torch.testing.assert_close(x, want)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("nq, nkv", [(8, 1), (6, 3), (4, 4)])
+@pytest.mark.parametrize("rotary_dim", [16, 32])
+def test_gqa_partial_rotary_strided_rows(interleaved, nq, nkv, rotary_dim, device):
+    """GQA (incl. one KV head), partial rotary, rows wider than qkv: V, pass-through and the
+    padding columns stay bit-identical."""
+    hd, tokens = 32, 7
+    cos, sin = build_rope_cache(40, rotary_dim, device=device)
+    qkv, base = make_qkv(tokens, nq, nkv, hd, torch.bfloat16, device, row_pad=24)
+    before = base.clone()
+    pos = torch.randint(0, 40, (tokens,), dtype=torch.int32, device=device)
+    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, interleaved, rotary_dim)
+    apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=interleaved, rotary_dim=rotary_dim)
+    torch.testing.assert_close(qkv, want)
+    width = qkv.shape[1]
+    assert torch.equal(base[:, width:], before[:, width:])
+    h, h0 = qkv.unflatten(1, (nq + 2 * nkv, hd)), before[:, :width].unflatten(1, (nq + 2 * nkv, hd))
+    assert torch.equal(h[:, nq + nkv :], h0[:, nq + nkv :])  # V
+    assert torch.equal(h[:, :, rotary_dim:], h0[:, :, rotary_dim:])  # pass-through
+
+
+def test_positions_near_2_pow_20(device):
+    n = (1 << 20) + 16
+    cos, sin = build_rope_cache(n, 16, device=device)
+    nq, nkv, hd = 2, 1, 16
+    pos = torch.tensor([n - 1, n - 2, (1 << 20) - 1, 1 << 20, 3], device=device)
+    qkv, _ = make_qkv(5, nq, nkv, hd, torch.float32, device)
+    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, True)
+    apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=True)
+    torch.testing.assert_close(qkv, want)
+
+
+# ---------------------------------------------------------------------------- cache writes
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 16])
+@pytest.mark.parametrize("fn", [apply_rope_qkv_, apply_rope_qkv_reference])
+def test_cache_writes(interleaved, rotary_dim, fn, device):
+    nq, nkv, hd, tokens, batch, max_seq = 4, 2, 32, 6, 2, 8
+    cos, sin = build_rope_cache(32, rotary_dim or hd, device=device)
+    qkv, _ = make_qkv(tokens, nq, nkv, hd, torch.float16, device)
+    pos = torch.randint(0, 32, (tokens,), device=device)
+    # The model's cache is [batch, max_seq, n_kv, head_dim]; the kernel sees slots.
+    k_store = torch.zeros(batch, max_seq, nkv, hd, dtype=torch.float16, device=device)
+    v_store = torch.zeros_like(k_store)
+    slots = torch.tensor([0, 3, 8, 9, 15, 5], device=device)
+    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, interleaved, rotary_dim)
+    fn(
+        qkv,
+        pos,
+        cos,
+        sin,
+        nq,
+        nkv,
+        hd,
+        interleaved=interleaved,
+        rotary_dim=rotary_dim,
+        k_cache=k_store.view(-1, nkv, hd),
+        v_cache=v_store.view(-1, nkv, hd),
+        cache_slots=slots,
+    )
+    torch.testing.assert_close(qkv, want)
+    h = want.unflatten(1, (nq + 2 * nkv, hd))
+    k_flat, v_flat = k_store.view(-1, nkv, hd), v_store.view(-1, nkv, hd)
+    assert torch.equal(k_flat[slots], qkv.unflatten(1, (nq + 2 * nkv, hd))[:, nq : nq + nkv])
+    torch.testing.assert_close(k_flat[slots], h[:, nq : nq + nkv])
+    assert torch.equal(v_flat[slots], h[:, nq + nkv :])
+    untouched = torch.ones(batch * max_seq, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert not k_flat[untouched].any() and not v_flat[untouched].any()
+
+
+def test_cache_strided_view(device):
+    """Caches that are strided views (e.g. a head-major cache permuted) are written correctly."""
+    nq, nkv, hd, tokens = 2, 2, 16, 4
+    cos, sin = build_rope_cache(16, hd, device=device)
+    qkv, _ = make_qkv(tokens, nq, nkv, hd, torch.float32, device)
+    k_hm = torch.zeros(nkv, 10, hd, device=device)  # [heads, slots, hd] storage
+    v_hm = torch.zeros(nkv, 10, hd, device=device)
+    slots = torch.tensor([9, 1, 4, 2], device=device)
+    pos = torch.arange(tokens, device=device)
+    ref_k, ref_v = k_hm.clone(), v_hm.clone()
+    x_ref = qkv.clone()
+    apply_rope_qkv_reference(
+        x_ref,
+        pos,
+        cos,
+        sin,
+        nq,
+        nkv,
+        hd,
+        interleaved=False,
+        k_cache=ref_k.transpose(0, 1),
+        v_cache=ref_v.transpose(0, 1),
+        cache_slots=slots,
+    )
+    apply_rope_qkv_(
+        qkv,
+        pos,
+        cos,
+        sin,
+        nq,
+        nkv,
+        hd,
+        interleaved=False,
+        k_cache=k_hm.transpose(0, 1),
+        v_cache=v_hm.transpose(0, 1),
+        cache_slots=slots,
+    )
+    torch.testing.assert_close(k_hm, ref_k)
+    torch.testing.assert_close(v_hm, ref_v)
+    torch.testing.assert_close(qkv, x_ref)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 16])
+@pytest.mark.parametrize("grad_kind", ["full", "expanded"])
+def test_backward_matches_autograd_on_reference(dtype, interleaved, rotary_dim, grad_kind, device):
+    nq, nkv, hd, tokens = 4, 1, 32, 6
+    cos, sin = build_rope_cache(20, rotary_dim or hd, device=device)
+    leaf = torch.randn(tokens, (nq + 2 * nkv) * hd + 8, device=device).to(dtype).requires_grad_()
+    pos = torch.randint(0, 20, (tokens,), device=device)
+    grads, outs = [], []
+    for fn in (apply_rope_qkv_, apply_rope_qkv_reference):
+        x = (leaf * 1)[:, 8:]  # a non-leaf view with a row stride wider than its width
+        y = fn(x, pos, cos, sin, nq, nkv, hd, interleaved=interleaved, rotary_dim=rotary_dim)
+        loss = y.sum() * 2 if grad_kind == "expanded" else (y * torch.ones_like(y)).sum()
+        (g,) = torch.autograd.grad(loss, leaf)
+        grads.append(g)
+        outs.append(y.detach())
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_backward_is_inverse_rotation(device):
+    """d(sum(y * g))/dx for y = R(theta) x is R(-theta) g: checked in fp64 on an fp32 grad."""
+    nq, nkv, hd, tokens = 2, 2, 16, 3
+    cos, sin = build_rope_cache(10, hd, device=device)
+    x = torch.randn(tokens, (nq + 2 * nkv) * hd, device=device, requires_grad=True)
+    g = torch.randn(tokens, (nq + 2 * nkv) * hd, device=device)
+    pos = torch.tensor([0, 5, 9], device=device)
+    y = apply_rope_qkv_(x * 1, pos, cos, sin, nq, nkv, hd, interleaved=False)
+    (dx,) = torch.autograd.grad(y, x, g)
+    want = expected_qkv(g, pos, cos, -sin, nq, nkv, hd, False)
+    torch.testing.assert_close(dx, want)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _args(device, tokens=3, nq=2, nkv=1, hd=8):
+    cos, sin = build_rope_cache(16, hd, device=device)
+    qkv = torch.randn(tokens, (nq + 2 * nkv) * hd, device=device)
+    pos = torch.arange(tokens, device=device)
+    return qkv, pos, cos, sin
+
+
+@pytest.mark.parametrize("fn", [apply_rope_qkv_, apply_rope_qkv_reference])
+def test_positions_past_table_raise(fn, device):
+    qkv, pos, cos, sin = _args(device)
+    pos[1] = 16
+    with pytest.raises(ValueError, match="positions must lie in"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, interleaved=False)
+    pos[1] = -1
+    with pytest.raises(ValueError, match="positions must lie in"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, interleaved=False)
+
+
+@pytest.mark.parametrize("fn", [apply_rope_qkv_, apply_rope_qkv_reference])
+def test_bad_arguments_raise(fn, device):
+    qkv, pos, cos, sin = _args(device)
+    kw = dict(interleaved=False)
+    with pytest.raises(ValueError, match="qkv must have 2 dimensions"):
+        fn(qkv[None], pos, cos, sin, 2, 1, 8, **kw)
+    with pytest.raises(ValueError, match="qkv must have .* 32 columns"):
+        fn(qkv[:, :-8], pos, cos, sin, 2, 1, 8, **kw)
+    with pytest.raises(ValueError, match="n_kv_heads .* must divide"):
+        fn(torch.randn(3, 56, device=device), pos, cos, sin, 3, 2, 8, **kw)
+    with pytest.raises(ValueError, match="rotary_dim must be an even int"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, rotary_dim=5, **kw)
+    with pytest.raises(ValueError, match="rotary_dim must be an even int"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, rotary_dim=10, **kw)
+    with pytest.raises(ValueError, match="unit column stride"):
+        fn(torch.randn(32, 3, device=device).t(), pos, cos, sin, 2, 1, 8, **kw)
+    with pytest.raises(TypeError, match="positions must have dtype"):
+        fn(qkv, pos.float(), cos, sin, 2, 1, 8, **kw)
+    with pytest.raises(ValueError, match="positions must have 3 entries"):
+        fn(qkv, pos[:2], cos, sin, 2, 1, 8, **kw)
+    with pytest.raises(TypeError, match="qkv must have dtype"):
+        fn(qkv.long(), pos, cos, sin, 2, 1, 8, **kw)
+    with pytest.raises(TypeError, match="cos must have dtype"):
+        fn(qkv, pos, cos.double(), sin, 2, 1, 8, **kw)
+    with pytest.raises(ValueError, match="cos must have rotary_dim // 2 = 4 columns"):
+        fn(qkv, pos, cos[:, :2], sin[:, :2], 2, 1, 8, **kw)
+    kc = torch.zeros(4, 1, 8, device=device)
+    with pytest.raises(ValueError, match="must be given together"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, k_cache=kc, **kw)
+    with pytest.raises(TypeError, match="k_cache must have qkv's dtype"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, k_cache=kc.half(), v_cache=kc, cache_slots=pos, **kw)
+    with pytest.raises(ValueError, match=r"v_cache must have shape \[num_slots, n_kv_heads=1"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, k_cache=kc, v_cache=kc[:, :, :4], cache_slots=pos, **kw)
+    with pytest.raises(ValueError, match="cache_slots must lie in"):
+        fn(qkv, pos, cos, sin, 2, 1, 8, k_cache=kc, v_cache=kc, cache_slots=pos + 2, **kw)
+
+
+def test_cache_with_grad_raises(device):
+    qkv, pos, cos, sin = _args(device)
+    kc = torch.zeros(4, 1, 8, device=device)
+    x = qkv.requires_grad_() * 1
+    with pytest.raises(ValueError, match="inference-only"):
+        apply_rope_qkv_(
+            x, pos, cos, sin, 2, 1, 8, interleaved=False, k_cache=kc, v_cache=kc, cache_slots=pos
+        )
+
+
+def test_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    qkv, pos, cos, sin = _args("cpu")
+    with pytest.raises(ValueError, match="qkv is on cpu"):
+        apply_rope_qkv_(qkv, pos, cos, sin, 2, 1, 8, interleaved=False)
+
+
+# ---------------------------------------------------------------------------- GPU, large
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("nq, nkv, hd", [(32, 32, 128), (64, 8, 128), (52, 52, 128), (40, 40, 128)])
+def test_gpu_large(dtype, interleaved, nq, nkv, hd):
+    tokens = 3000
+    cos, sin = build_rope_cache(8192, hd, device="cuda")
+    qkv, _ = make_qkv(tokens, nq, nkv, hd, dtype, "cuda")
+    pos = torch.randint(0, 8192, (tokens,), device="cuda")
+    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, interleaved)
+    apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=interleaved)
+    torch.testing.assert_close(qkv, want)
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_position_poisons_with_nan():
+    """On CUDA (no debug flag) a bad position is not synchronised on: that token becomes NaN."""
+    qkv, pos, cos, sin = _args("cuda")
+    pos[1] = 100
+    v_before = qkv.unflatten(1, (4, 8))[:, 3].clone()
+    apply_rope_qkv_(qkv, pos, cos, sin, 2, 1, 8, interleaved=False)
+    h = qkv.unflatten(1, (4, 8))
+    assert torch.isnan(h[1, :3]).all() and not torch.isnan(h[[0, 2]]).any()
+    assert torch.equal(h[:, 3], v_before)
+    assert not math.isnan(float(h[0, 0, 0]))
