@@ -1,0 +1,155 @@
+"""HellaSwag loading, preprocessing, request tokenization and metrics, as lm-eval does them.
+
+Checked against the behaviour documented in shared/data/README.md section 4 on the real rows,
+and (when lm-eval is installed) against lm-eval's own ``process_docs`` and ``_encode_pair``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nakta_model.tasks import hellaswag as hs
+
+
+@pytest.fixture
+def subset(shared_data):
+    path = shared_data / "hellaswag_val_subset1000.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return rows, hs.load_jsonl(path)
+
+
+def test_preprocess_rules():
+    assert hs.preprocess("  a [header] b  ") == "a b"
+    assert hs.preprocess("Do it [title] Next step") == "Do it. Next step"
+    assert hs.preprocess("[title] Start here.") == " Start here."  # strip happens first
+    assert hs.preprocess("x [step] [substeps] y") == "x  y"  # one pass of "  " -> " "
+
+
+def test_subset_matches_documented_counts(subset):
+    rows, docs = subset
+    assert len(docs) == 1000
+    assert sum(c.startswith(" ") for d in docs for c in d.choices) == 134
+    assert not any(d.query != d.query.strip() for d in docs)
+    assert [d.label for d in docs] == [int(r["label"]) for r in rows]
+    assert [d.ind for d in docs] == [r["ind"] for r in rows]
+
+
+def test_title_ending_keeps_leading_space_and_ctx_b_capitalised(subset):
+    rows, docs = subset
+    row, doc = next((r, d) for r, d in zip(rows, docs) if r["ind"] == 670)
+    assert row["endings"][0].startswith("[title] If you're outside")
+    assert doc.choices[0].startswith(" If you're outside")
+    assert doc.choices[0].endswith(
+        "dribble.. If you're inside, the batsman lets you line up the batsman with you."
+    )
+    assert hs.doc_requests(doc)[0][1].startswith("  If")  # delimiter + kept space
+    assert row["ctx_b"] == ""  # empty ctx_b: the trailing space is stripped
+    assert doc.query.endswith("ball by rotating the fingers.")
+    first = docs[0]  # ind 20022, ctx_b "a few women"
+    assert first.query == (
+        "Pole vault: Pole vault is a sport where you run with a pole and stop and swing "
+        "your body. A few women"
+    )
+
+
+def test_full_file_differs_only_by_capitalisation_and_leading_space(shared_data, subset):
+    rows, docs = subset
+    positions = {}
+    tsv = (shared_data / "hellaswag_val_subset1000_positions.tsv").read_text().splitlines()
+    for line in tsv[1:]:
+        ind, pos = line.split("\t")
+        positions[int(ind)] = int(pos)
+    full = hs.load_jsonl(shared_data / "hellaswag_val_full.jsonl")
+    assert len(full) == 10042
+    assert full[0].query.startswith("Roof shingle removal: A man is sitting on a roof. he")
+    n_query = n_end = 0
+    for doc in docs:
+        f = full[positions[doc.ind]]
+        assert f.label == doc.label
+        n_query += f.query != doc.query
+        assert f.query.lower() == doc.query.lower()
+        for a, b in zip(f.choices, doc.choices):
+            if a != b:
+                assert b == " " + a
+                n_end += 1
+    assert (n_query, n_end) == (913, 134)
+
+
+def test_load_limit_and_errors(tmp_path, shared_data):
+    assert len(hs.load_jsonl(shared_data / "hellaswag_val_full.jsonl", limit=7)) == 7
+    with pytest.raises(ValueError, match="not a file"):
+        hs.load_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="limit"):
+        hs.load_jsonl(shared_data / "hellaswag_val_full.jsonl", limit=0)
+    with pytest.raises(ValueError, match="neither"):
+        hs.process_doc({"endings": ["a"], "label": 0})
+    with pytest.raises(ValueError, match="label"):
+        hs.process_doc({"ctx": "q", "endings": ["a", "b"], "label": 2})
+    with pytest.raises(TypeError, match="row"):
+        hs.process_doc(["ctx"])
+
+
+def test_matches_lm_eval_process_docs(subset):
+    """lm-eval's own hellaswag utils give the same query/choices on all 1,000 rows."""
+    utils = pytest.importorskip("lm_eval.tasks.hellaswag.utils")
+    datasets = pytest.importorskip("datasets")
+    rows, docs = subset
+    cols = ["activity_label", "ctx_a", "ctx_b", "endings", "label"]
+    ds = datasets.Dataset.from_list([{k: r[k] for k in cols} for r in rows])
+    theirs = utils.process_docs(ds)
+    for d, t in zip(docs, theirs):
+        assert (d.query, list(d.choices), d.label) == (t["query"], t["choices"], t["gold"])
+
+
+def test_encode_pair_moves_trailing_space():
+    enc = lambda s: [1] + [ord(ch) for ch in s]  # a char-level "tokenizer" with BOS
+    ctx, cont = hs.encode_pair(enc, "ab  ", "cd")
+    assert ctx == [1, ord("a"), ord("b")]
+    assert cont == [ord(" "), ord(" "), ord("c"), ord("d")]
+
+
+def test_requests_with_llama_tokenizer_match_lm_eval(shared_data, subset):
+    """Token requests equal lm-eval's ``TemplateLM._encode_pair`` with the same encoder."""
+    _, docs = subset
+    encode = hs.sentencepiece_encoder(shared_data / "llama_tokenizer.model")
+    reqs = hs.build_requests(docs[:50], encode)
+    assert len(reqs) == 200
+    ctx0, cont0 = reqs[0]
+    assert ctx0[0] == 1 and cont0[0] != 1  # BOS once, at the start of the context
+    assert ctx0 == encode(docs[0].query)
+    assert [r[0] for r in reqs[:4]] == [ctx0] * 4  # the 4 endings share the context tokens
+    model_mod = pytest.importorskip("lm_eval.api.model")
+
+    class _Enc(model_mod.TemplateLM):
+        eot_token_id = 2
+
+        def tok_encode(self, string, add_special_tokens=None, **kw):
+            return encode(string)
+
+        def _loglikelihood_tokens(self, requests, **kw):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def generate_until(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    lm = _Enc()
+    want = [lm._encode_pair(c, x) for d in docs[:50] for c, x in hs.doc_requests(d)]
+    assert [tuple(map(list, w)) for w in want] == [tuple(r) for r in reqs]
+
+
+def test_metrics_normalise_by_characters_not_bytes():
+    doc = hs.Doc(query="q", choices=("ééé", "abcd"), label=1)
+    r = hs.score_doc(doc, [-3.3, -4.0])
+    assert r.pred == 0  # raw: -3.3 > -4.0
+    assert r.pred_norm == 1  # per char: -1.1 < -1.0 (per byte it would be 0: -0.55 > -1.0)
+    metrics, results = hs.evaluate([doc, doc], [-3.3, -4.0, -5.0, -1.0])
+    assert metrics == {"acc": 0.5, "acc_norm": 1.0}
+    assert [x.pred for x in results] == [0, 1]
+    assert hs.score_doc(doc, [-1.0, -1.0]).pred == 0  # ties: first wins (numpy argmax)
+    with pytest.raises(ValueError, match="lls"):
+        hs.evaluate([doc], [1.0])
