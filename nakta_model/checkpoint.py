@@ -1,0 +1,617 @@
+"""Nakta checkpoints: fused weights, one safetensors file per tensor-parallel rank, a manifest.
+
+Layout of a checkpoint directory::
+
+    params.json                          Meta-style params + hidden_dim, tp_size, format_version
+    model.tp00-of-02.safetensors         rank 0's tensors (fused wqkv / w13, local shapes)
+    model.tp01-of-02.safetensors         rank 1's tensors
+    tokenizer.model                      (when the source had one)
+    manifest.json                        size + sha256 of every file, shape + dtype of every tensor
+
+Why fused and pre-split: loading is then a straight copy (no concat/permute on the GPU), each
+rank reads only its own file, and the manifest lets a loader refuse a corrupt or mismatched
+checkpoint instead of running on garbage.
+
+Tensor names (per rank, local shapes with ``hq = n_heads / tp``, ``hkv = n_kv_heads / tp``,
+``f = hidden_dim / tp``, ``v = vocab_size / tp``)::
+
+    tok_embeddings.weight               [vocab, dim]            replicated
+    layers.N.attention.wqkv.weight      [(hq + 2 hkv) hd, dim]  rank's Q heads, K heads, V heads
+    layers.N.attention.wo.weight        [dim, hq hd]            row-parallel
+    layers.N.feed_forward.w13.weight    [2 f, dim]              rank's gate rows, then up rows
+    layers.N.feed_forward.w2.weight     [dim, f]                row-parallel
+    layers.N.attention_norm.weight      [dim]                   replicated
+    layers.N.ffn_norm.weight            [dim]                   replicated
+    norm.weight                         [dim]                   replicated
+    output.weight                       [v, dim]                vocab-parallel
+
+The conversion helpers work on Meta's unsplit names (``layers.N.attention.wq.weight``, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+import shutil
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from nakta_model.config import ModelArgs
+from nakta_model.io_utils import atomic_output_dir, atomic_write_text
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "from_hf_state_dict",
+    "from_meta_state_dict",
+    "hf_to_meta_name",
+    "load_rank_state_dict",
+    "merge_meta_shards",
+    "meta_shapes",
+    "nakta_shapes",
+    "read_args",
+    "save_checkpoint",
+    "shard_file_name",
+    "to_meta_state_dict",
+    "verify_checkpoint",
+    "write_checkpoint",
+]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PARAMS = "params.json"
+TOKENIZER = "tokenizer.model"
+
+# Meta names that carry no weights (LLaMA-1 consolidated files hold the RoPE frequencies).
+META_IGNORED = frozenset({"rope.freqs"})
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or conversion source) that is incomplete, corrupt or mismatched."""
+
+
+# ----------------------------------------------------------------------------- shapes and names
+
+
+def meta_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Unsplit shape of every tensor of a Meta-format checkpoint of this shape."""
+    d, hd, f, v = args.dim, args.head_dim, args.hidden_dim, args.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (v, d)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attention.wq.weight"] = (args.n_heads * hd, d)
+        shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, d)
+        shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, d)
+        shapes[p + "attention.wo.weight"] = (d, args.n_heads * hd)
+        shapes[p + "feed_forward.w1.weight"] = (f, d)
+        shapes[p + "feed_forward.w2.weight"] = (d, f)
+        shapes[p + "feed_forward.w3.weight"] = (f, d)
+        shapes[p + "attention_norm.weight"] = (d,)
+        shapes[p + "ffn_norm.weight"] = (d,)
+    shapes["norm.weight"] = (d,)
+    shapes["output.weight"] = (v, d)
+    return shapes
+
+
+def nakta_shapes(args: ModelArgs, tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """Per-rank (local) shape of every tensor of a Nakta checkpoint sharded ``tp_size`` ways."""
+    args.check_tp(tp_size)
+    d, hd = args.dim, args.head_dim
+    hq, hkv = args.n_heads // tp_size, args.n_kv_heads // tp_size
+    f, v = args.hidden_dim // tp_size, args.vocab_size // tp_size
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, d)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attention.wqkv.weight"] = ((hq + 2 * hkv) * hd, d)
+        shapes[p + "attention.wo.weight"] = (d, hq * hd)
+        shapes[p + "feed_forward.w13.weight"] = (2 * f, d)
+        shapes[p + "feed_forward.w2.weight"] = (d, f)
+        shapes[p + "attention_norm.weight"] = (d,)
+        shapes[p + "ffn_norm.weight"] = (d,)
+    shapes["norm.weight"] = (d,)
+    shapes["output.weight"] = (v, d)
+    return shapes
+
+
+def shard_file_name(tp_rank: int, tp_size: int) -> str:
+    return f"model.tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
+
+
+# ------------------------------------------------------------------ Meta (unsplit) -> Nakta
+
+
+def _rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = t.shape[0] // tp
+    return t[rank * n : (rank + 1) * n]
+
+
+def _cols(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = t.shape[1] // tp
+    return t[:, rank * n : (rank + 1) * n]
+
+
+def nakta_tensor(
+    name: str, get_meta: Callable[[str], torch.Tensor], tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """Rank ``tp_rank``'s Nakta tensor ``name`` built from unsplit Meta tensors ``get_meta(n)``."""
+    m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(wqkv|w13)\.weight", name)
+    if m:
+        p = f"layers.{m.group(1)}."
+        if m.group(3) == "wqkv":
+            parts = ["attention.wq", "attention.wk", "attention.wv"]
+        else:
+            parts = ["feed_forward.w1", "feed_forward.w3"]
+        pieces = [_rows(get_meta(p + x + ".weight"), tp_rank, tp_size) for x in parts]
+        return torch.cat(pieces, dim=0)
+    if name.endswith((".wo.weight", ".w2.weight")):
+        return _cols(get_meta(name), tp_rank, tp_size)
+    if name == "output.weight":
+        return _rows(get_meta(name), tp_rank, tp_size)
+    return get_meta(name)  # embedding and norms: replicated
+
+
+def from_meta_state_dict(
+    meta_sd: Mapping[str, torch.Tensor], args: ModelArgs, tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """Unsplit Meta names -> rank ``tp_rank``'s fused Nakta tensors (contiguous copies)."""
+    check_meta_names(meta_sd.keys(), args)
+    shapes = nakta_shapes(args, tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    for name, shape in meta_shapes(args).items():
+        if tuple(meta_sd[name].shape) != shape:
+            raise CheckpointError(
+                f"{name} has shape {tuple(meta_sd[name].shape)}, params say {shape}"
+            )
+    return {
+        name: nakta_tensor(name, meta_sd.__getitem__, tp_rank, tp_size).contiguous().clone()
+        for name in shapes
+    }
+
+
+def to_meta_state_dict(
+    shards: Sequence[Mapping[str, torch.Tensor]], args: ModelArgs
+) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`from_meta_state_dict` over all ranks: Nakta shards -> unsplit Meta."""
+    tp = len(shards)
+    hd = args.head_dim
+    hq, hkv, f = args.n_heads // tp, args.n_kv_heads // tp, args.hidden_dim // tp
+    out: dict[str, torch.Tensor] = {}
+    for name in meta_shapes(args):
+        m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(\w+)\.weight", name)
+        kind = m.group(3) if m else name.split(".")[0]
+        p = f"layers.{m.group(1)}." if m else ""
+        if kind in ("wq", "wk", "wv"):
+            lo = {"wq": 0, "wk": hq * hd, "wv": (hq + hkv) * hd}[kind]
+            n = (hq if kind == "wq" else hkv) * hd
+            out[name] = torch.cat([s[p + "attention.wqkv.weight"][lo : lo + n] for s in shards])
+        elif kind in ("w1", "w3"):
+            lo = 0 if kind == "w1" else f
+            out[name] = torch.cat([s[p + "feed_forward.w13.weight"][lo : lo + f] for s in shards])
+        elif kind in ("wo", "w2"):
+            out[name] = torch.cat([s[name] for s in shards], dim=1)
+        elif kind == "output":
+            out[name] = torch.cat([s[name] for s in shards], dim=0)
+        else:
+            out[name] = shards[0][name]
+    return out
+
+
+def check_meta_names(names: Iterable[str], args: ModelArgs, what: str = "state dict") -> None:
+    """Raise :class:`CheckpointError` listing missing and unknown tensor names."""
+    names = set(names) - META_IGNORED
+    expected = set(meta_shapes(args))
+    missing, unknown = sorted(expected - names), sorted(names - expected)
+    if missing or unknown:
+        msg = [f"{what} does not match params ({args.n_layers} layers):"]
+        if missing:
+            msg.append(f"missing tensors {_short(missing)}")
+        if unknown:
+            msg.append(f"unknown tensor names {_short(unknown)}")
+        raise CheckpointError(" ".join(msg))
+
+
+def _short(names: list[str], n: int = 6) -> str:
+    return str(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+# Meta's fairscale model-parallel split dimension (None = replicated on every shard).
+def meta_split_dim(name: str) -> int | None:
+    kind = name.split(".")[-2]
+    if kind in ("wq", "wk", "wv", "w1", "w3", "output"):
+        return 0  # ColumnParallelLinear
+    if kind in ("wo", "w2", "tok_embeddings"):
+        return 1  # RowParallelLinear, ParallelEmbedding (splits the embedding dim)
+    return None
+
+
+def merge_meta_shards(
+    shards: Sequence[Mapping[str, torch.Tensor]], args: ModelArgs
+) -> dict[str, torch.Tensor]:
+    """Meta's model-parallel shards (``consolidated.NN.pth`` dicts) -> one unsplit state dict."""
+    if not shards:
+        raise CheckpointError("no shards given")
+    for i, s in enumerate(shards):
+        check_meta_names(s.keys(), args, what=f"shard {i}")
+    shapes = meta_shapes(args)
+    return {
+        name: merge_meta_tensor(name, [s[name] for s in shards], shapes[name]) for name in shapes
+    }
+
+
+def merge_meta_tensor(
+    name: str, pieces: Sequence[torch.Tensor], expected: tuple[int, ...]
+) -> torch.Tensor:
+    """Concatenate one tensor's shards on its fairscale split dim; check the result's shape."""
+    d = meta_split_dim(name)
+    if d is None:
+        for i, p in enumerate(pieces):
+            if tuple(p.shape) != expected:
+                raise CheckpointError(
+                    f"{name} in shard {i} has shape {tuple(p.shape)}, params say {expected}"
+                )
+        return pieces[0]
+    shapes = {tuple(p.shape) for p in pieces}
+    if len(shapes) != 1:
+        raise CheckpointError(f"{name}: shards disagree on shape {sorted(shapes)}")
+    merged = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=d)
+    if tuple(merged.shape) != expected:
+        raise CheckpointError(
+            f"{name}: merged shape {tuple(merged.shape)} from {len(pieces)} shard(s) of "
+            f"{tuple(pieces[0].shape)} disagrees with params {expected}"
+        )
+    return merged
+
+
+# --------------------------------------------------------------------------- HF -> Meta names
+
+_HF_LAYER = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_HF_TOP = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def hf_to_meta_name(name: str) -> str | None:
+    """HF LLaMA tensor name -> Meta name; ``None`` for buffers that carry no weights
+    (``rotary_emb.inv_freq``); raises :class:`CheckpointError` on an unknown name."""
+    if name in _HF_TOP:
+        return _HF_TOP[name]
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+    if m and m.group(2) in _HF_LAYER:
+        return f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}.weight"
+    raise CheckpointError(f"unknown tensor name {name!r} in the HF checkpoint")
+
+
+def unpermute_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo HF's q/k row permutation (rotate-half RoPE) -> Meta's adjacent-pair layout."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta layout -> HF's permuted q/k rows (what HF's LLaMA conversion script does)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def hf_tensor_to_meta(meta_name: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Convert one HF tensor already renamed to ``meta_name`` (un-permute q and k)."""
+    if meta_name.endswith("attention.wq.weight"):
+        return unpermute_hf(w, args.n_heads)
+    if meta_name.endswith("attention.wk.weight"):
+        return unpermute_hf(w, args.n_kv_heads)
+    return w
+
+
+def from_hf_state_dict(
+    hf_sd: Mapping[str, torch.Tensor], args: ModelArgs, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF LLaMA state dict -> unsplit Meta-named state dict (q/k rows un-permuted)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in hf_sd.items():
+        meta = hf_to_meta_name(name)
+        if meta is not None:
+            out[meta] = w
+    if "output.weight" not in out and tie_word_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    check_meta_names(out.keys(), args, what="HF checkpoint")
+    shapes = meta_shapes(args)
+    for name, t in out.items():
+        if tuple(t.shape) != shapes[name]:
+            raise CheckpointError(
+                f"{name}: shape {tuple(t.shape)} disagrees with config {shapes[name]}"
+            )
+    return {name: hf_tensor_to_meta(name, t, args) for name, t in out.items()}
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+class _SafetensorsStream:
+    """Writes one safetensors file tensor by tensor (header first: shapes are known up front),
+    hashing as it goes, so converting a 65B model never holds more than one tensor in memory."""
+
+    def __init__(self, path: Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype):
+        self.path, self.shapes, self.dtype = path, dict(shapes), dtype
+        self.order = sorted(self.shapes)
+        esize = torch.empty((), dtype=dtype).element_size()
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in self.order:
+            nbytes = esize * _numel(self.shapes[name])
+            header[name] = {
+                "dtype": _ST_DTYPES[dtype],
+                "shape": list(self.shapes[name]),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.file = open(path, "wb")  # noqa: SIM115 - closed in finish()
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self._write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self.file.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if self.order[self.next] != name:
+            raise RuntimeError(f"tensors must come in order: expected {self.order[self.next]}")
+        if tuple(t.shape) != self.shapes[name]:
+            raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected {self.shapes[name]}")
+        t = t.detach().to("cpu", self.dtype).contiguous()
+        self._write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+        self.next += 1
+
+    def finish(self) -> dict[str, object]:
+        if self.next != len(self.order):
+            raise RuntimeError(f"{self.path.name}: {len(self.order) - self.next} tensors missing")
+        self.file.flush()
+        self.file.close()
+        return {"size": self.size, "sha256": self.sha.hexdigest()}
+
+    def abort(self) -> None:
+        self.file.close()
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(functools.partial(f.read, 1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    args: ModelArgs,
+    get_meta: Callable[[str], torch.Tensor],
+    tp_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    force: bool = False,
+    tokenizer: str | Path | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write a Nakta checkpoint from unsplit Meta tensors fetched one at a time by ``get_meta``.
+
+    All ``tp_size`` rank files are written side by side, tensor by tensor, into a temporary
+    directory that replaces ``out_dir`` only when everything (manifest included) is done.
+    """
+    if dtype not in _ST_DTYPES:
+        raise TypeError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
+    shapes = nakta_shapes(args, tp_size)
+    get_meta = functools.lru_cache(maxsize=4)(get_meta)  # wqkv needs wq, wk, wv for each rank
+    out_dir = Path(out_dir)
+    with atomic_output_dir(out_dir, force=force) as tmp:
+        streams = [
+            _SafetensorsStream(tmp / shard_file_name(r, tp_size), shapes, dtype)
+            for r in range(tp_size)
+        ]
+        try:
+            names = streams[0].order
+            if progress:
+                from tqdm import tqdm
+
+                names = tqdm(names, desc=f"writing {tp_size} shard(s)", unit="tensor")
+            for name in names:
+                for r, stream in enumerate(streams):
+                    stream.add(name, nakta_tensor(name, get_meta, r, tp_size))
+            written = [s.finish() for s in streams]
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        files: dict[str, dict[str, object]] = {}
+        for r, info in enumerate(written):
+            files[shard_file_name(r, tp_size)] = {
+                **info,
+                "tp_rank": r,
+                "tensors": {
+                    n: {"shape": list(s), "dtype": _DTYPE_NAMES[dtype]} for n, s in shapes.items()
+                },
+            }
+        params = {
+            **args.to_params(),
+            "tp_size": tp_size,
+            "format_version": FORMAT_VERSION,
+            "dtype": _DTYPE_NAMES[dtype],
+        }
+        atomic_write_text(tmp / PARAMS, json.dumps(params, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        for extra in (PARAMS, TOKENIZER):
+            if (tmp / extra).exists():
+                files[extra] = {
+                    "size": (tmp / extra).stat().st_size,
+                    "sha256": _sha256_file(tmp / extra),
+                }
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "tp_size": tp_size,
+            "dtype": _DTYPE_NAMES[dtype],
+            "files": files,
+        }
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    meta_sd: Mapping[str, torch.Tensor],
+    args: ModelArgs,
+    tp_size: int = 1,
+    dtype: torch.dtype | None = None,
+    *,
+    force: bool = False,
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """In-memory convenience: an unsplit Meta state dict -> Nakta checkpoint at ``tp_size``."""
+    check_meta_names(meta_sd.keys(), args)
+    shapes = meta_shapes(args)
+    for name, shape in shapes.items():
+        if tuple(meta_sd[name].shape) != shape:
+            raise CheckpointError(
+                f"{name} has shape {tuple(meta_sd[name].shape)}, params say {shape}"
+            )
+    if dtype is None:
+        dtype = meta_sd["tok_embeddings.weight"].dtype
+    return write_checkpoint(
+        out_dir, args, meta_sd.__getitem__, tp_size, dtype, force=force, tokenizer=tokenizer
+    )
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def read_args(path: str | Path) -> tuple[ModelArgs, dict]:
+    """``(ModelArgs, raw params dict)`` of a Nakta checkpoint directory."""
+    path = Path(path)
+    if not (path / PARAMS).is_file():
+        raise CheckpointError(f"{path} is not a Nakta checkpoint: {PARAMS} not found")
+    params = json.loads((path / PARAMS).read_text())
+    if params.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}/{PARAMS}: format_version {params.get('format_version')!r}, this Nakta "
+            f"reads {FORMAT_VERSION} (convert Meta/HF checkpoints with convert.py)"
+        )
+    return ModelArgs.from_meta_params(params), params
+
+
+def verify_checkpoint(
+    path: str | Path, tp_rank: int | None = None, hash_files: bool = True
+) -> dict:
+    """Check the manifest against the files (existence, size, sha256 when ``hash_files``).
+
+    ``tp_rank`` limits the check to that rank's shard (plus params/tokenizer). Returns the
+    manifest; raises :class:`CheckpointError` naming the file on any mismatch.
+    """
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"{path}: {MANIFEST} not found (not a Nakta checkpoint?)")
+    manifest = json.loads((path / MANIFEST).read_text())
+    for fname, info in manifest["files"].items():
+        if tp_rank is not None and info.get("tp_rank", tp_rank) != tp_rank:
+            continue
+        f = path / fname
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {fname} listed in the manifest is missing")
+        if f.stat().st_size != info["size"]:
+            raise CheckpointError(
+                f"{f}: size {f.stat().st_size} bytes, manifest says {info['size']} (truncated?)"
+            )
+        if hash_files and _sha256_file(f) != info["sha256"]:
+            raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupt file)")
+    return manifest
+
+
+def load_rank_state_dict(
+    path: str | Path,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    verify: bool = True,
+) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Rank ``tp_rank``'s tensors, read straight onto ``device`` and checked against the manifest.
+
+    Refuses a checkpoint sharded for another tensor-parallel size, and any missing, extra or
+    misshapen tensor: a model must never run on uninitialized memory.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    args, params = read_args(path)
+    stored_tp = params.get("tp_size")
+    if stored_tp != tp_size:
+        raise CheckpointError(
+            f"{path} is sharded for tp_size={stored_tp}, but tp_size={tp_size} was requested; "
+            f"reshard it with: python convert.py <source> <out> --tp {tp_size}"
+        )
+    manifest = verify_checkpoint(path, tp_rank=tp_rank, hash_files=verify)
+    fname = shard_file_name(tp_rank, tp_size)
+    if fname not in manifest["files"]:
+        raise CheckpointError(f"{path}: manifest has no entry for {fname}")
+    listed = manifest["files"][fname]["tensors"]
+    expected = nakta_shapes(args, tp_size)
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path / fname), framework="pt", device=str(device)) as f:
+        names = set(f.keys())
+        missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
+        if missing or extra:
+            raise CheckpointError(
+                f"{path / fname}: missing tensors {_short(missing)}, unexpected {_short(extra)}"
+            )
+        for name in sorted(expected):
+            t = f.get_tensor(name)
+            info = listed.get(name)
+            if (
+                info is None
+                or list(t.shape) != info["shape"]
+                or _DTYPE_NAMES.get(t.dtype) != info["dtype"]
+            ):
+                raise CheckpointError(f"{path / fname}: {name} does not match the manifest")
+            if tuple(t.shape) != expected[name]:
+                raise CheckpointError(
+                    f"{path / fname}: {name} has shape {tuple(t.shape)}, params say {expected[name]}"
+                )
+            out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+    return args, out
+
+
+def st_dtype(name: str) -> torch.dtype:
+    return _ST_NAMES[name]

@@ -1,0 +1,483 @@
+"""The Nakta Transformer: LLaMA with fused weights and Triton kernels, readable in one sitting.
+
+Per block: RMSNorm (fused with the residual add) -> ONE ``wqkv`` GEMM -> in-place QK RoPE that
+also writes K/V into the cache -> SDPA (flash when it applies) -> ``wo`` -> RMSNorm + residual ->
+ONE ``w13`` GEMM -> SwiGLU -> ``w2``. Same math as Meta's LLaMA-1 (``llama_org``), fewer launches.
+
+Tensor parallel (``ParallelContext``): each rank holds its Q/K/V heads and FFN columns; ``wo``
+and ``w2`` are row-split and end in one all-reduce each; the embedding is replicated; the LM
+head is split over the vocabulary and gathered only at the rows that are scored.
+
+Entry points: ``model(tokens, start_pos)`` (logits for every position, KV cache when set up),
+``model.forward_scored(...)`` (tree masks, logits only at the scored rows), :func:`load`,
+:func:`random_model`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from nakta_model.attention import attention_bias, causal_attention, masked_attention
+from nakta_model.config import ModelArgs
+from nakta_model.kernels import rmsnorm as _rmsnorm
+from nakta_model.kernels import rope as _rope
+from nakta_model.kernels import swiglu as _swiglu
+from nakta_model.kernels._checks import interpreter_enabled
+from nakta_model.parallel import ParallelContext, all_reduce, gather_last_dim
+
+__all__ = ["Transformer", "from_state_dict", "load", "random_model"]
+
+KERNEL_MODES = ("auto", "triton", "reference")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _default_kernels() -> str:
+    mode = os.environ.get("NAKTA_KERNELS", "auto")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"NAKTA_KERNELS must be one of {KERNEL_MODES}, got {mode!r}")
+    return mode
+
+
+class _Ops:
+    """Kernel dispatch. ``auto``: Triton on CUDA tensors, the PyTorch reference elsewhere (the
+    interpreter is far too slow to be a default); ``triton``: always the Triton kernels (on the
+    CPU only with ``TRITON_INTERPRET=1``); ``reference``: always plain PyTorch."""
+
+    def __init__(self, mode: str):
+        if mode not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
+        self.mode = mode
+
+    def triton(self, x: torch.Tensor) -> bool:
+        if self.mode == "reference":
+            return False
+        if self.mode == "triton":
+            if not (x.is_cuda or interpreter_enabled()):
+                raise ValueError(
+                    "kernels='triton' on a CPU tensor needs TRITON_INTERPRET=1; use 'auto'"
+                )
+            return True
+        return x.is_cuda
+
+    def rms_norm(self, x, w, eps, residual=None):
+        fn = _rmsnorm.rms_norm if self.triton(x) else _rmsnorm.rms_norm_reference
+        return fn(x, w, eps, residual=residual)
+
+    def swiglu(self, gate_up):
+        fn = _swiglu.swiglu if self.triton(gate_up) else _swiglu.swiglu_reference
+        return fn(gate_up)
+
+    def rope_qkv_(self, qkv, *args, **kw):
+        fn = _rope.apply_rope_qkv_ if self.triton(qkv) else _rope.apply_rope_qkv_reference
+        return fn(qkv, *args, **kw)
+
+
+@dataclass
+class _Step:
+    """What every layer needs to know about the current forward call."""
+
+    batch: int
+    seqlen: int
+    positions: torch.Tensor  # int [batch * seqlen]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache_slots: torch.Tensor | None = None  # int [batch * seqlen]: write K/V here
+    key_len: int = 0  # with a cache: attend over cache positions [0, key_len)
+    bias: torch.Tensor | None = None  # additive [B, 1, L, L] mask (forward_scored)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, ops: _Ops):
+        super().__init__()
+        self.ctx, self.ops = ctx, ops
+        self.n_heads = args.n_heads // ctx.tp_size
+        self.n_kv_heads = args.n_kv_heads // ctx.tp_size
+        self.head_dim = args.head_dim
+        self.wqkv = nn.Linear(
+            args.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False
+        )
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.k_cache: torch.Tensor | None = None  # [max_batch * max_seq, n_kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+        self.cache_seq_len = 0
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        hq, hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        b, s = step.batch, step.seqlen
+        qkv = self.wqkv(x)  # [b*s, (hq + 2 hkv) * hd]
+        cache = {}
+        if step.cache_slots is not None:
+            cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, cache_slots=step.cache_slots)
+        self.ops.rope_qkv_(
+            qkv, step.positions, step.cos, step.sin, hq, hkv, hd, interleaved=True, **cache
+        )
+        heads = qkv.view(b, s, hq + 2 * hkv, hd)
+        q = heads[:, :, :hq].transpose(1, 2)
+        if step.cache_slots is not None:
+            kv_shape = (-1, self.cache_seq_len, hkv, hd)
+            k = self.k_cache.view(kv_shape)[:b, : step.key_len].transpose(1, 2)
+            v = self.v_cache.view(kv_shape)[:b, : step.key_len].transpose(1, 2)
+        else:
+            k = heads[:, :, hq : hq + hkv].transpose(1, 2)
+            v = heads[:, :, hq + hkv :].transpose(1, 2)
+        if step.bias is not None:
+            out = masked_attention(q, k, v, step.bias)
+        else:
+            out = causal_attention(q, k, v)
+        out = out.transpose(1, 2).reshape(b * s, hq * hd)
+        return all_reduce(self.wo(out), self.ctx)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, ops: _Ops):
+        super().__init__()
+        self.ctx, self.ops = ctx, ops
+        hidden = args.hidden_dim // ctx.tp_size
+        self.w13 = nn.Linear(args.dim, 2 * hidden, bias=False)  # gate rows, then up rows
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.w2(self.ops.swiglu(self.w13(x))), self.ctx)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, ops: _Ops):
+        super().__init__()
+        self.ops = ops
+        self.attention = Attention(args, ctx, ops)
+        self.feed_forward = FeedForward(args, ctx, ops)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(
+        self, delta: torch.Tensor, residual: torch.Tensor | None, step: _Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = residual + delta`` (the previous sublayer's output), then this block.
+
+        Returns this block's FFN output and the residual stream before it, so the add is fused
+        into the next norm. ``residual is None`` for the first block (``delta`` = embeddings).
+        """
+        n = self.attention_norm
+        if residual is None:
+            h, y = delta, self.ops.rms_norm(delta, n.weight, n.eps)
+        else:
+            y, h = self.ops.rms_norm(delta, n.weight, n.eps, residual=residual)
+        a = self.attention(y, step)
+        y, h = self.ops.rms_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=h)
+        return self.feed_forward(y), h
+
+
+class Transformer(nn.Module):
+    """LLaMA with fused ``wqkv``/``w13`` weights; see the module docstring."""
+
+    def __init__(
+        self, args: ModelArgs, parallel: ParallelContext | None = None, kernels: str | None = None
+    ):
+        super().__init__()
+        ctx = parallel or ParallelContext()
+        args.check_tp(ctx.tp_size)
+        self.args, self.parallel = args, ctx
+        self.ops = _Ops(kernels or _default_kernels())
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(args, ctx, self.ops) for _ in range(args.n_layers)
+        )
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size // ctx.tp_size, bias=False)
+        self.requires_grad_(False)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+
+    # ------------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    @property
+    def kernels(self) -> str:
+        return self.ops.mode
+
+    @kernels.setter
+    def kernels(self, mode: str) -> None:
+        self.ops.mode = _Ops(mode).mode  # validates; shared by every layer
+
+    def _rope_tables(self, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for at least ``n_positions`` (and 2 x max_seq_len, as Meta), on our device."""
+        need = max(n_positions, 2 * self.args.max_seq_len)
+        if (
+            self._rope is None
+            or self._rope[0].shape[0] < need
+            or self._rope[0].device != self.device
+        ):
+            self._rope = _rope.build_rope_cache(
+                need, self.args.head_dim, self.args.rope_theta, device=self.device
+            )
+        return self._rope
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError("tokens must be an int64/int32 tensor [batch, seq]")
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must have shape [batch, seq>0], got {tuple(tokens.shape)}")
+        if tokens.device != self.device:
+            raise ValueError(f"tokens are on {tokens.device}, the model on {self.device}")
+
+    def _trunk(self, tokens: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings through every block: the last FFN output and the residual before it."""
+        delta = self.tok_embeddings(tokens.reshape(-1))
+        residual = None
+        for layer in self.layers:
+            delta, residual = layer(delta, residual, step)
+        return delta, residual
+
+    def _head(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Final residual add + norm + LM head on these rows only; fp32 logits [rows, vocab]."""
+        y, _ = self.ops.rms_norm(delta, self.norm.weight, self.norm.eps, residual=residual)
+        return gather_last_dim(self.output(y), self.parallel).float()
+
+    # ---------------------------------------------------------------------- KV cache
+    def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate K/V caches; afterwards ``model(tokens, start_pos)`` reads and extends them."""
+        if max_batch_size < 1 or max_seq_len < 1:
+            raise ValueError(
+                f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"
+            )
+        if (max_batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len):
+            return
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        for layer in self.layers:
+            a = layer.attention
+            shape = (max_batch_size * max_seq_len, a.n_kv_heads, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.cache_seq_len = max_seq_len
+
+    def clear_cache(self) -> None:
+        """Free the K/V caches; ``model(...)`` goes back to cache-free causal attention."""
+        for layer in self.layers:
+            a = layer.attention
+            a.k_cache = a.v_cache = None
+            a.cache_seq_len = 0
+        self.max_batch_size = self.max_seq_len = 0
+
+    # ----------------------------------------------------------------------- forwards
+    def _step(self, tokens: torch.Tensor, start_pos: int) -> _Step:
+        self._check_tokens(tokens)
+        b, s = tokens.shape
+        if not isinstance(start_pos, int) or start_pos < 0:
+            raise ValueError(f"start_pos must be an int >= 0, got {start_pos!r}")
+        pos = torch.arange(start_pos, start_pos + s, device=self.device)
+        cos, sin = self._rope_tables(start_pos + s)
+        step = _Step(b, s, pos.repeat(b), cos, sin)
+        if self.max_seq_len:
+            if b > self.max_batch_size or start_pos + s > self.max_seq_len:
+                raise ValueError(
+                    f"batch {b} x positions up to {start_pos + s} exceed the KV cache "
+                    f"({self.max_batch_size} x {self.max_seq_len}); call setup_cache() larger"
+                )
+            rows = torch.arange(b, device=self.device)[:, None] * self.max_seq_len
+            step.cache_slots = (rows + pos[None, :]).reshape(-1)
+            step.key_len = start_pos + s
+        return step
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """fp32 logits ``[batch, seq, vocab]`` for ``tokens`` at positions ``start_pos ..``.
+
+        With a KV cache (``setup_cache``) the new K/V are written at those positions and the
+        queries attend, causally, to everything cached before them; without one, plain causal
+        attention over ``tokens`` alone.
+        """
+        step = self._step(tokens, start_pos)
+        delta, residual = self._trunk(tokens, step)
+        return self._head(delta, residual).view(step.batch, step.seqlen, -1)
+
+    @torch.inference_mode()
+    def forward_last(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Like ``forward`` but the LM head runs on the last position only: ``[batch, vocab]``
+        (what Meta's LLaMA forward returns; used by generation)."""
+        step = self._step(tokens, start_pos)
+        delta, residual = self._trunk(tokens, step)
+        last = torch.arange(step.batch, device=self.device) * step.seqlen + step.seqlen - 1
+        return self._head(delta[last], residual[last])
+
+    @torch.inference_mode()
+    def forward_scored(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Score packed sequences: fp32 logits ``[N, vocab]`` at ``logits_index`` only.
+
+        ``tokens``/``positions`` are ``[B, L]``; ``attn_mask`` is a bool ``[B, L, L]`` (True =
+        may attend; e.g. a shared context followed by several continuations) or None for plain
+        causal attention; ``logits_index`` holds N indices into the flattened ``B * L`` rows.
+        The final norm and the LM head run only on those N rows. The KV cache is not used.
+        """
+        self._check_tokens(tokens)
+        b, length = tokens.shape
+        if not isinstance(positions, torch.Tensor) or positions.shape != tokens.shape:
+            raise ValueError(f"positions must be a tensor of shape {tuple(tokens.shape)}")
+        if positions.dtype not in (torch.int64, torch.int32):
+            raise TypeError("positions must be an int64/int32 tensor")
+        if not isinstance(logits_index, torch.Tensor) or logits_index.dim() != 1:
+            raise ValueError("logits_index must be a 1-D integer tensor of flattened row indices")
+        if logits_index.dtype not in (torch.int64, torch.int32):
+            raise TypeError("logits_index must be an int64/int32 tensor")
+        cos, sin = self._rope_tables(length)
+        step = _Step(b, length, positions.reshape(-1).to(self.device), cos, sin)
+        if attn_mask is not None:
+            if tuple(attn_mask.shape) != (b, length, length):
+                raise ValueError(
+                    f"attn_mask must have shape {(b, length, length)}, got {tuple(attn_mask.shape)}"
+                )
+            step.bias = attention_bias(attn_mask.to(self.device), self.dtype)
+        delta, residual = self._trunk(tokens, step)
+        idx = logits_index.to(self.device)
+        return self._head(delta.index_select(0, idx), residual.index_select(0, idx))
+
+
+# ---------------------------------------------------------------------------- construction
+
+
+def _resolve(device, dtype) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(
+        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    return device, dtype
+
+
+def load(
+    path: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    parallel: ParallelContext | None = None,
+    *,
+    kernels: str | None = None,
+    verify: bool = True,
+) -> Transformer:
+    """A model from a Nakta checkpoint (``convert.py`` output), this rank's shard only.
+
+    Built on the ``meta`` device and filled by assignment from tensors read straight onto
+    ``device``: no random init, no second copy. Strict: any missing, unexpected or misshapen
+    tensor, a manifest mismatch (``verify`` also checks sha256), or a checkpoint sharded for
+    another tensor-parallel size is an error. ``dtype`` None keeps the stored dtype.
+    """
+    from nakta_model.checkpoint import load_rank_state_dict, read_args
+
+    ctx = parallel or ParallelContext()
+    device, dtype = _resolve(device, dtype)
+    args, _ = read_args(path)
+    args.check_tp(ctx.tp_size)
+    _, state = load_rank_state_dict(path, ctx.tp_rank, ctx.tp_size, device, dtype, verify=verify)
+    with torch.device("meta"):
+        model = Transformer(args, ctx, kernels)
+    expected = set(model.state_dict())
+    if expected != set(state):
+        raise ValueError(
+            f"checkpoint tensors do not match the model: missing {sorted(expected - set(state))}, "
+            f"unexpected {sorted(set(state) - expected)}"
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def from_state_dict(
+    state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    parallel: ParallelContext | None = None,
+    *,
+    kernels: str | None = None,
+) -> Transformer:
+    """A model from this rank's Nakta-named tensors in memory (e.g.
+    ``checkpoint.from_meta_state_dict(meta_sd, args, rank, tp)``); strict like :func:`load`."""
+    ctx = parallel or ParallelContext()
+    device, dtype = _resolve(device, dtype)
+    with torch.device("meta"):
+        model = Transformer(args, ctx, kernels)
+    expected = model.state_dict()
+    if set(expected) != set(state):
+        raise ValueError(
+            f"state dict does not match the model: missing {sorted(set(expected) - set(state))}, "
+            f"unexpected {sorted(set(state) - set(expected))}"
+        )
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)}, the model needs {tuple(expected[name].shape)}"
+            )
+    state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def random_model(
+    args: ModelArgs,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    parallel: ParallelContext | None = None,
+    *,
+    kernels: str | None = None,
+) -> Transformer:
+    """Random weights initialized directly on ``device`` (this rank's shard only), for speed runs.
+
+    Scale keeps activations finite over 80 layers: matrices ~ N(0, 1/fan_in) with the residual
+    projections (``wo``, ``w2``) further scaled by 1/sqrt(2 n_layers), embeddings ~ N(0, 1),
+    norm weights 1. Different ranks draw different shards (seeded by seed and rank).
+    """
+    ctx = parallel or ParallelContext()
+    device, dtype = _resolve(device, dtype)
+    dtype = dtype or torch.bfloat16
+    with torch.device("meta"):
+        model = Transformer(args, ctx, kernels).to(dtype)  # dtype first: no fp32 copy on device
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + ctx.tp_rank)
+    depth_scale = 1.0 / math.sqrt(2 * args.n_layers)
+    fan_in = {
+        "wqkv": args.dim,
+        "wo": args.dim,
+        "w13": args.dim,
+        "w2": args.hidden_dim,
+        "output": args.dim,
+    }
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            kind = name.split(".")[-2]
+            if p.dim() == 1:
+                p.fill_(1.0)
+            elif kind == "tok_embeddings":
+                p.normal_(0.0, 1.0, generator=gen)
+            else:
+                std = fan_in[kind] ** -0.5 * (depth_scale if kind in ("wo", "w2") else 1.0)
+                p.normal_(0.0, std, generator=gen)
+    model.requires_grad_(False)
+    return model.eval()
