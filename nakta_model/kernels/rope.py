@@ -552,6 +552,165 @@ def _check_slots(slots: torch.Tensor, n_k: int, n_v: int) -> None:
         )
 
 
+TENSOR_FORMATS = ("sbhd", "bshd", "thd")
+
+# Overrides for tuning from kernel_benchmark/bench_rope.py --tune: {"BLOCK_B", "BLOCK_H", "num_warps"}.
+_TE_TUNE: dict[str, int] = {}
+
+
+def _te_blocks(
+    n_batch: int, n_heads: int, half_pad: int, per_b_angles: bool
+) -> tuple[int, int, int]:
+    """BLOCK_B, BLOCK_H, num_warps for the TE kernel: ~4K pairs per loop step (tuned on an H100)."""
+    block_b = _TE_TUNE.get("BLOCK_B") or min(_pow2(n_batch), 4 if per_b_angles else 16)
+    block_b = min(block_b, _pow2(n_batch))
+    block_h = _TE_TUNE.get("BLOCK_H") or max(1, 4096 // (half_pad * block_b))
+    block_h = min(block_h, _pow2(n_heads))
+    num_warps = _TE_TUNE.get("num_warps") or (8 if block_b * block_h * half_pad >= 4096 else 4)
+    return block_b, block_h, num_warps
+
+
+def _sbhd_view(
+    t: torch.Tensor, tensor_format: str
+) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """Shape and strides of ``t`` seen as ``[S, B, H, D]`` (thd: S = tokens, B = 1)."""
+    if tensor_format == "sbhd":
+        return tuple(t.shape), tuple(t.stride())
+    if tensor_format == "bshd":
+        b, s, h, d = t.shape
+        sb, ss, sh, sd = t.stride()
+        return (s, b, h, d), (ss, sb, sh, sd)
+    n, h, d = t.shape
+    sn, sh, sd = t.stride()
+    return (n, 1, h, d), (sn, 0, sh, sd)
+
+
+def _launch_rope_te(
+    x: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str,
+    start_positions: torch.Tensor | None,
+    interleaved: bool,
+    cu_seqlens: torch.Tensor | None,
+    cp_size: int,
+    cp_rank: int,
+    backward: bool,
+) -> torch.Tensor:
+    """Rotate ``x`` (or its gradient with ``backward``) into a new tensor, contiguous in its format."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    (S, B, H, D), (sxs, sxb, sxh, sxd) = _sbhd_view(x, tensor_format)
+    _, (sos, sob, soh, _) = _sbhd_view(out, tensor_format)
+    if out.numel() == 0:
+        return out
+    d2 = freqs.shape[-1]
+    half_pad = _pow2(d2 // 2)
+    is_thd = tensor_format == "thd"
+    has_start = start_positions is not None
+    n_seqs = cu_seqlens.shape[0] - 1 if is_thd else 0
+    block_b, block_h, num_warps = _te_blocks(B, H, half_pad, has_start and not is_thd)
+    grid = (S, triton.cdiv(B, block_b))
+    _rope_te_kernel[grid](
+        x, out, freqs,
+        start_positions if has_start else x,
+        cu_seqlens if is_thd else x,
+        S, B, H, freqs.shape[0], n_seqs, cp_size, cp_rank,
+        sxs, sxb, sxh, sxd, sos, sob, soh,
+        freqs.stride(0), freqs.stride(3),
+        HALF=d2 // 2, HALF_PAD=half_pad, PASS=D - d2, PASS_PAD=_pow2(D - d2),
+        IS_THD=is_thd, HAS_START=has_start, CP=cp_size > 1,
+        SEARCH_STEPS=max(n_seqs, 1).bit_length() + 1,
+        INTERLEAVED=interleaved, BACKWARD=backward,
+        BLOCK_B=block_b, BLOCK_H=block_h, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def _check_rope_te_args(
+    t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, *, for_kernel: bool
+) -> torch.Tensor:
+    """Validate ``apply_rotary_pos_emb`` arguments; returns ``freqs`` as fp32.
+
+    Syncs with the device only for what must be read on the host: ``cu_seqlens`` (thd) and the
+    largest ``start_positions`` (both small).
+    """
+    if tensor_format not in TENSOR_FORMATS:
+        raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
+    t = check_tensor("t", t)
+    check_dtype("t", t, FLOAT_DTYPES)
+    check_ndim("t", t, 3 if tensor_format == "thd" else 4)
+    freqs = check_tensor("freqs", freqs)
+    check_dtype("freqs", freqs, FLOAT_DTYPES)
+    check_ndim("freqs", freqs, 4)
+    if freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"freqs must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
+    d, d2 = t.shape[-1], freqs.shape[-1]
+    if d2 <= 0 or d2 % 2:
+        raise ValueError(f"freqs' last dimension d2 must be even and positive, got {d2}")
+    if d2 > d:
+        raise ValueError(f"freqs' last dimension d2={d2} must be <= t's head dimension d={d}")
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+    if start_positions is not None and cp_size > 1:
+        raise ValueError("start_positions is only supported with cp_size == 1 (inference)")
+    check_same_device(t=t, freqs=freqs, start_positions=start_positions, cu_seqlens=cu_seqlens)
+    if for_kernel:
+        check_triton_device("t", t)
+    s2 = freqs.shape[0]
+
+    if tensor_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens must be given when tensor_format is 'thd'")
+        check_tensor("cu_seqlens", cu_seqlens)
+        check_dtype("cu_seqlens", cu_seqlens, (torch.int32,))
+        check_ndim("cu_seqlens", cu_seqlens, 1)
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must have at least 2 entries, got {cu_seqlens.shape[0]}")
+        cu = cu_seqlens.tolist()
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        if cu[0] != 0 or min(lens) < 0:
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
+        if cu[-1] // cp_size != t.shape[0] or cu[-1] % cp_size:
+            raise ValueError(
+                f"cu_seqlens[-1] / cp_size must equal t's token count {t.shape[0]}, "
+                f"got {cu[-1]} / {cp_size}"
+            )
+        if cp_size > 1 and any(n % (2 * cp_size) for n in lens):
+            raise ValueError(
+                f"with cp_size={cp_size} every sequence length in cu_seqlens must be a multiple "
+                f"of 2 * cp_size (padded cu_seqlens)"
+            )
+        n_seqs = len(lens)
+        # Global length of each sequence = positions it needs (cp: lens are already global).
+        need = lens
+    else:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens is only valid when tensor_format is 'thd'")
+        seq = t.shape[1] if tensor_format == "bshd" else t.shape[0]
+        n_seqs = t.shape[0] if tensor_format == "bshd" else t.shape[1]
+        if cp_size > 1 and seq % 2:
+            raise ValueError(f"with cp_size > 1 the local sequence length must be even, got {seq}")
+        need = [seq * cp_size] * n_seqs
+    if start_positions is not None:
+        _check_index("start_positions", start_positions, None)
+        if start_positions.shape[0] != n_seqs:
+            raise ValueError(
+                f"start_positions must have one entry per sequence ({n_seqs}), "
+                f"got {start_positions.shape[0]}"
+            )
+        starts = start_positions.tolist()
+        if starts and min(starts) < 0:
+            raise ValueError(f"start_positions must be >= 0, got min {min(starts)}")
+        need = [n + s for n, s in zip(need, starts)]
+    if need and max(need) > s2:
+        raise ValueError(
+            f"freqs has {s2} positions but the input needs {max(need)} "
+            "(sequence length x cp_size + start position)"
+        )
+    return freqs.float()
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. Autograd functions
 # ------------------------------------------------------------------------------------------------
@@ -599,6 +758,46 @@ class _RopeQKVFunction(torch.autograd.Function):
             backward=True,
         )
         return out, None, None, None, None, None, None, None, None
+
+
+class _RopeTEFunction(torch.autograd.Function):
+    """TE-compatible fused RoPE; backward applies the transposed rotation to any-strided grads."""
+
+    @staticmethod
+    def forward(
+        ctx, t, freqs, start_positions, tensor_format, interleaved, cu_seqlens, cp_size, cp_rank
+    ):
+        out = _launch_rope_te(
+            t,
+            freqs,
+            tensor_format,
+            start_positions,
+            interleaved,
+            cu_seqlens,
+            cp_size,
+            cp_rank,
+            backward=False,
+        )
+        ctx.save_for_backward(freqs, start_positions, cu_seqlens)
+        ctx.args = (tensor_format, interleaved, cp_size, cp_rank)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        freqs, start_positions, cu_seqlens = ctx.saved_tensors
+        tensor_format, interleaved, cp_size, cp_rank = ctx.args
+        grad_t = _launch_rope_te(
+            grad,
+            freqs,
+            tensor_format,
+            start_positions,
+            interleaved,
+            cu_seqlens,
+            cp_size,
+            cp_rank,
+            backward=True,
+        )
+        return grad_t, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -704,6 +903,83 @@ def apply_rope_qkv_(
 
 
 # ------------------------------------------------------------------------------------------------
+# 4b. Public functions (TransformerEngine-compatible API)
+# ------------------------------------------------------------------------------------------------
+
+
+class RotaryPositionEmbedding(torch.nn.Module):
+    """TE's ``RotaryPositionEmbedding``: ``forward(max_seq_len, offset)`` returns fp32 angles
+    ``[max_seq_len, 1, 1, dim']`` (``dim' = int(dim * rotary_percent)``), each angle twice:
+    ``cat(f, f)`` for rotate-half pairing, or repeated in place for interleaved pairing.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: float | None = None,
+        rotary_base: float = 10000.0,
+        interleaved: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        if dim <= 0:
+            raise ValueError(f"dim * rotary_percent must be positive, got {dim}")
+        if device is None:  # TE builds on the current CUDA device
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.rotary_base = rotary_base
+        self.interleaved = interleaved
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
+        if self.seq_len_interpolation_factor is not None:
+            seq = seq * (1.0 / self.seq_len_interpolation_factor)
+        freqs = torch.outer(seq, self.inv_freq)
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.reshape(emb.shape[0], 1, 1, emb.shape[1])
+
+
+def apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str = "sbhd",
+    start_positions: torch.Tensor | None = None,
+    interleaved: bool = False,
+    fused: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> torch.Tensor:
+    """TE's ``apply_rotary_pos_emb``: rotate the first ``d2`` channels of every head of ``t``.
+
+    ``t`` is ``[s, b, h, d]`` (sbhd), ``[b, s, h, d]`` (bshd) or packed ``[t, h, d]`` (thd with
+    int32 ``cu_seqlens``), any strides; ``freqs`` is ``[s2, 1, 1, d2]`` angles. Sequence ``i``
+    starts at position ``start_positions[i]``; with ``cp_size > 1`` each local sequence holds the
+    two chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of the global one. ``fused=True``
+    runs the Triton kernel (forward and backward); ``fused=False`` the PyTorch reference. The
+    output is a new tensor, contiguous in ``tensor_format``.
+    """
+    if not fused:
+        return apply_rotary_pos_emb_reference(
+            t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank
+        )
+    freqs = _check_rope_te_args(
+        t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, for_kernel=True
+    )
+    return _RopeTEFunction.apply(
+        t, freqs, start_positions, tensor_format, bool(interleaved), cu_seqlens, cp_size, cp_rank
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # 5. Pure-PyTorch reference (model path)
 # ------------------------------------------------------------------------------------------------
 
@@ -762,3 +1038,69 @@ def apply_rope_qkv_reference(
         k_cache[slots] = heads[:, n_q_heads:n_rot]
         v_cache[slots] = heads[:, n_rot:]
     return qkv
+
+
+def _te_positions(
+    t: torch.Tensor,
+    tensor_format: str,
+    start_positions: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    cp_size: int,
+    cp_rank: int,
+) -> torch.Tensor:
+    """The angle row of every token: ``[s, b]`` (sbhd), ``[b, s]`` (bshd) or ``[t]`` (thd)."""
+
+    def local_to_global(n: int) -> torch.Tensor:
+        j = torch.arange(n, device=t.device)
+        if cp_size == 1:
+            return j
+        half = n // 2
+        return torch.where(
+            j < half, j + cp_rank * half, n * cp_size - (cp_rank + 1) * half + j - half
+        )
+
+    starts = start_positions.long() if start_positions is not None else None
+    if tensor_format == "thd":
+        cu = (cu_seqlens // cp_size).tolist()
+        parts = []
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            p = local_to_global(b - a)
+            parts.append(p + starts[i] if starts is not None else p)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=t.device)
+    seq_dim = 0 if tensor_format == "sbhd" else 1
+    p = local_to_global(t.shape[seq_dim])
+    pos = p[:, None] if seq_dim == 0 else p[None, :]
+    if starts is not None:
+        pos = pos + (starts[None, :] if seq_dim == 0 else starts[:, None])
+    return pos.expand(t.shape[:2])
+
+
+def _rotate_half_te(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """[-x2, x1] (rotate-half) or, per interleaved pair, [-x_odd, x_even]."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb_reference(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str = "sbhd",
+    start_positions: torch.Tensor | None = None,
+    interleaved: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> torch.Tensor:
+    """Plain-PyTorch ``apply_rotary_pos_emb`` (TE's unfused semantics: cos/sin in fp32, then the
+    rotation in ``t``'s dtype); differentiable by autograd."""
+    freqs = _check_rope_te_args(
+        t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, for_kernel=False
+    )
+    pos = _te_positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    ang = freqs[:, 0, 0, :][pos].unsqueeze(-2)  # [..., 1, d2]
+    cos, sin = torch.cos(ang).to(t.dtype), torch.sin(ang).to(t.dtype)
+    d2 = freqs.shape[-1]
+    rot, rest = t[..., :d2], t[..., d2:]
+    return torch.cat((rot * cos + _rotate_half_te(rot, interleaved) * sin, rest), dim=-1)
