@@ -124,12 +124,24 @@ def _build_rows(
         if not rows or len(rows[-1]) + len(cont) - 1 > max_length:
             rows.append(_Row(ctx))  # a packed row stays within the model's length
         rows[-1].branches.append((i, cont))
+    for rows in groups.values():
+        for r in rows:
+            r.branches.sort(key=lambda b: b[1])
     return [r for rows in groups.values() for r in rows], dup
 
 
+def _row_key(row: _Row) -> tuple:
+    return (-len(row), row.ctx, [c for _, c in row.branches])
+
+
 def _batches(rows: list[_Row], token_budget: int, max_rows: int | None) -> list[list[_Row]]:
-    """Longest rows first; a batch holds rows while rows x longest length <= token_budget."""
-    rows = sorted(rows, key=len, reverse=True)
+    """Longest rows first; a batch holds rows while rows x longest length <= token_budget.
+
+    Rows (and branches within a row) are put in a canonical order that depends on their tokens
+    only, so the same set of requests gives the same batches, and the same rounding, in any
+    input order (parity.py and lm-eval's call order differ).
+    """
+    rows = sorted(rows, key=_row_key)
     out: list[list[_Row]] = []
     cur: list[_Row] = []
     for row in rows:

@@ -229,3 +229,16 @@ def test_real_nakta_model_cache_on_off():
     plain = scoring.score_with_forward(lambda t: model(t, 0), reqs, max_length=64)
     assert_close(on, off, tol=1e-4)
     assert_close(on, plain, tol=1e-4)
+
+
+def test_results_do_not_depend_on_request_order():
+    """Canonical packing: a permutation of the requests gives bit-identical results."""
+    model = TinyLM()
+    reqs = make_requests(random.Random(6), 10, model.vocab_size)
+    perm = list(range(len(reqs)))
+    random.Random(7).shuffle(perm)
+    shuffled = [reqs[i] for i in perm]
+    for use_cache in (True, False):
+        a = scoring.score(model, reqs, use_cache=use_cache, token_budget=60)
+        b = scoring.score(model, shuffled, use_cache=use_cache, token_budget=60)
+        assert [b[perm.index(i)] for i in range(len(reqs))] == a
