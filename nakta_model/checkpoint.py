@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -487,7 +488,17 @@ def write_checkpoint(
             "files": files,
         }
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _make_readable(tmp)
     return out_dir
+
+
+def _make_readable(directory: Path) -> None:
+    """Temp dirs/files are created 0700/0600; a checkpoint is meant to be shared (umask applies)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for f in directory.iterdir():
+        os.chmod(f, 0o666 & ~umask)
 
 
 def save_checkpoint(

@@ -1,0 +1,181 @@
+"""Nakta checkpoint format: fusion/splitting, the HF permutation, the writer, manifest checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoint_factory import TINY_PARAMS, meta_state_dict, shard_state_dict
+from hf_factory import hf_permute, hf_state_dict
+
+import nakta_model
+from nakta_model import checkpoint as ck
+from nakta_model.config import ModelArgs
+from nakta_model.kernels.rope import apply_rope_qkv_reference, build_rope_cache
+
+ARGS = ModelArgs.from_meta_params(TINY_PARAMS)
+
+
+@pytest.fixture(scope="module")
+def meta_sd():
+    return meta_state_dict(TINY_PARAMS, seed=5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fusion_layout_and_inverse(meta_sd, tp):
+    shards = [ck.from_meta_state_dict(meta_sd, ARGS, r, tp) for r in range(tp)]
+    hd, hq, hkv, f = ARGS.head_dim, ARGS.n_heads // tp, ARGS.n_kv_heads // tp, ARGS.hidden_dim // tp
+    for r, s in enumerate(shards):
+        assert {k: tuple(v.shape) for k, v in s.items()} == ck.nakta_shapes(ARGS, tp)
+        wqkv = s["layers.1.attention.wqkv.weight"]
+        # Rank r holds Q heads [r*hq, (r+1)*hq), then its K heads, then its V heads.
+        q_rows = meta_sd["layers.1.attention.wq.weight"][r * hq * hd : (r + 1) * hq * hd]
+        k_rows = meta_sd["layers.1.attention.wk.weight"][r * hkv * hd : (r + 1) * hkv * hd]
+        v_rows = meta_sd["layers.1.attention.wv.weight"][r * hkv * hd : (r + 1) * hkv * hd]
+        assert torch.equal(wqkv, torch.cat([q_rows, k_rows, v_rows]))
+        w13 = s["layers.0.feed_forward.w13.weight"]
+        assert torch.equal(w13[:f], meta_sd["layers.0.feed_forward.w1.weight"][r * f : (r + 1) * f])
+        assert torch.equal(w13[f:], meta_sd["layers.0.feed_forward.w3.weight"][r * f : (r + 1) * f])
+        assert torch.equal(
+            s["layers.0.feed_forward.w2.weight"],
+            meta_sd["layers.0.feed_forward.w2.weight"][:, r * f : (r + 1) * f],
+        )
+        assert torch.equal(s["tok_embeddings.weight"], meta_sd["tok_embeddings.weight"])
+    back = ck.to_meta_state_dict(shards, ARGS)
+    assert back.keys() == meta_sd.keys()
+    for k in meta_sd:
+        assert torch.equal(back[k], meta_sd[k]), k
+
+
+def test_merge_meta_shards_undoes_fairscale_split(meta_sd):
+    merged = ck.merge_meta_shards(shard_state_dict(meta_sd, 2), ARGS)
+    assert all(torch.equal(merged[k], meta_sd[k]) for k in meta_sd)
+    bad = shard_state_dict(meta_sd, 2)
+    bad[1]["layers.0.attention.wq.weight"] = bad[1]["layers.0.attention.wq.weight"][:-8]
+    with pytest.raises(ck.CheckpointError, match="shards disagree on shape"):
+        ck.merge_meta_shards(bad, ARGS)
+    with pytest.raises(ck.CheckpointError, match="merged shape"):
+        ck.merge_meta_shards(shard_state_dict(meta_sd, 2)[:1], ARGS)
+    extra = dict(meta_sd, **{"layers.0.attention.wz.weight": torch.zeros(1)})
+    with pytest.raises(ck.CheckpointError, match="unknown tensor names"):
+        ck.merge_meta_shards([extra], ARGS)
+    assert ck.merge_meta_shards([dict(meta_sd, **{"rope.freqs": torch.zeros(8)})], ARGS)
+
+
+def test_hf_unpermute_is_the_inverse_and_matches_rope_semantics(meta_sd):
+    """Meta pairs rotated on Meta rows == HF halves rotated on HF rows (then HF-permuted back)."""
+    n_heads, hd = ARGS.n_heads, ARGS.head_dim
+    wq = meta_sd["layers.0.attention.wq.weight"]
+    assert torch.equal(ck.unpermute_hf(hf_permute(wq, n_heads), n_heads), wq)
+    assert torch.equal(ck.permute_for_hf(wq, n_heads), hf_permute(wq, n_heads))
+    x = torch.randn(5, ARGS.dim)
+    cos, sin = build_rope_cache(16, hd)
+    pos = torch.arange(3, 8)
+
+    def rot(rows, interleaved):  # rotate q rows inside a fused matrix with a dummy K/V head
+        qkv = torch.cat([x @ rows.T, torch.zeros(5, 2 * hd)], 1)
+        apply_rope_qkv_reference(qkv, pos, cos, sin, n_heads, 1, hd, interleaved=interleaved)
+        return qkv[:, : n_heads * hd]
+
+    meta_rot = rot(wq, True)
+    hf_rot = rot(hf_permute(wq, n_heads), False)
+    # HF's output channel order is the permuted one: bring it back with the inverse permutation.
+    back = ck.unpermute_hf(hf_rot.T.contiguous(), n_heads).T
+    torch.testing.assert_close(back, meta_rot, rtol=1e-6, atol=1e-6)
+    # And from_hf_state_dict recovers the Meta weights exactly (GQA: k uses n_kv_heads).
+    rec = ck.from_hf_state_dict(hf_state_dict(meta_sd, TINY_PARAMS), ARGS)
+    assert all(torch.equal(rec[k], meta_sd[k]) for k in meta_sd)
+
+
+def test_writer_output_is_a_standard_safetensors_file(tmp_path, meta_sd):
+    from safetensors.torch import load_file, save_file
+
+    out = ck.save_checkpoint(tmp_path / "ck", meta_sd, ARGS, tp_size=2, dtype=torch.bfloat16)
+    for r in range(2):
+        f = out / ck.shard_file_name(r, 2)
+        loaded = load_file(str(f))
+        want = ck.from_meta_state_dict(meta_sd, ARGS, r, 2)
+        assert loaded.keys() == want.keys()
+        for k in want:
+            assert loaded[k].dtype == torch.bfloat16
+            assert torch.equal(loaded[k], want[k].to(torch.bfloat16)), k
+        # Same bytes as the reference writer given the same tensors.
+        save_file(loaded, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+        assert (tmp_path / "ref.safetensors").read_bytes() == f.read_bytes()
+
+
+def _saved(tmp_path, meta_sd, tp=1):
+    return ck.save_checkpoint(tmp_path / f"ck{tp}", meta_sd, ARGS, tp_size=tp)
+
+
+def test_load_rank_round_trip_and_tp_mismatch(tmp_path, meta_sd):
+    out = _saved(tmp_path, meta_sd, tp=2)
+    for r in range(2):
+        args, sd = ck.load_rank_state_dict(out, r, 2)
+        assert args == ARGS
+        want = ck.from_meta_state_dict(meta_sd, ARGS, r, 2)
+        assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
+    with pytest.raises(ck.CheckpointError, match="sharded for tp_size=2, but tp_size=1"):
+        ck.load_rank_state_dict(out, 0, 1)
+    with pytest.raises(ck.CheckpointError, match="sharded for tp_size=2, but tp_size=1"):
+        nakta_model.load(out, "cpu")
+
+
+def test_manifest_catches_corruption_truncation_and_missing_files(tmp_path, meta_sd):
+    out = _saved(tmp_path, meta_sd)
+    f = out / ck.shard_file_name(0, 1)
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match="sha256 differs"):
+        nakta_model.load(out, "cpu")
+    nakta_model.load(out, "cpu", verify=False)  # size still right: hashing was the only check
+    f.write_bytes(bytes(data[:-4]))
+    with pytest.raises(ck.CheckpointError, match="truncated"):
+        nakta_model.load(out, "cpu", verify=False)
+    f.unlink()
+    with pytest.raises(ck.CheckpointError, match="missing"):
+        nakta_model.load(out, "cpu")
+    (out / "manifest.json").unlink()
+    with pytest.raises(ck.CheckpointError, match="manifest.json not found"):
+        nakta_model.load(out, "cpu")
+
+
+def test_manifest_tensor_list_and_format_version_are_enforced(tmp_path, meta_sd):
+    out = _saved(tmp_path, meta_sd)
+    man = json.loads((out / "manifest.json").read_text())
+    info = man["files"][ck.shard_file_name(0, 1)]["tensors"]
+    info["norm.weight"]["shape"] = [1]
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ck.CheckpointError, match="norm.weight does not match the manifest"):
+        nakta_model.load(out, "cpu")
+    params = json.loads((out / "params.json").read_text())
+    (out / "params.json").write_text(json.dumps({**params, "format_version": 99}))
+    with pytest.raises(ck.CheckpointError, match="format_version 99"):
+        nakta_model.load(out, "cpu")
+    with pytest.raises(ck.CheckpointError, match="not a Nakta checkpoint"):
+        nakta_model.load(tmp_path / "nowhere", "cpu")
+
+
+def test_load_builds_no_uninitialized_tensors_and_converts_dtype(tmp_path, meta_sd):
+    out = _saved(tmp_path, meta_sd)
+    model = nakta_model.load(out, "cpu", torch.bfloat16)
+    sd = model.state_dict()
+    want = ck.from_meta_state_dict(meta_sd, ARGS)
+    assert sd.keys() == want.keys()
+    for k in want:
+        assert sd[k].device.type == "cpu" and sd[k].dtype == torch.bfloat16
+        assert torch.equal(sd[k], want[k].to(torch.bfloat16)), k
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_existing_output_is_refused_without_force(tmp_path, meta_sd):
+    out = _saved(tmp_path, meta_sd)
+    with pytest.raises(FileExistsError):
+        _saved(tmp_path, meta_sd)
+    other = {k: v + 1 for k, v in meta_sd.items()}
+    ck.save_checkpoint(out, other, ARGS, force=True)
+    _, sd = ck.load_rank_state_dict(out)
+    assert torch.equal(sd["norm.weight"], other["norm.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck1"]  # no temp dirs left behind

@@ -1,0 +1,108 @@
+"""ModelArgs: Meta's FFN rule, LLaMA-1 presets, HF configs, and clear errors on bad shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nakta_model.config import PRESETS, ModelArgs, meta_hidden_dim, preset
+
+
+@pytest.mark.parametrize(
+    "name, hidden, n_params_b",
+    [("7B", 11008, 6.738), ("13B", 13824, 13.016), ("30B", 17920, 32.529), ("65B", 22016, 65.286)],
+)
+def test_llama1_presets_have_meta_hidden_dims_and_param_counts(name, hidden, n_params_b):
+    args = preset(name)
+    assert args.hidden_dim == hidden
+    assert args.head_dim == 128
+    assert args.n_kv_heads == args.n_heads and args.vocab_size == 32000
+    assert args.n_params() / 1e9 == pytest.approx(n_params_b, rel=1e-3)
+
+
+def test_ffn_rule_with_multiplier_matches_llama2_70b():
+    # Llama-2 70B: dim 8192, ffn_dim_multiplier 1.3, multiple_of 4096 -> 28672.
+    assert meta_hidden_dim(8192, 4096, 1.3) == 28672
+    args = ModelArgs(dim=8192, n_layers=1, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                     multiple_of=4096, ffn_dim_multiplier=1.3)  # fmt: skip
+    assert args.hidden_dim == 28672 and args.n_rep == 8
+    assert args.qkv_dim == (64 + 16) * 128
+
+
+def test_stories260k_params_json(shared_data):
+    params = json.loads((shared_data / "stories260K" / "params.json").read_text())
+    args = ModelArgs.from_meta_params(params)
+    assert args.hidden_dim == 172  # llama2.c header
+    assert (args.head_dim, args.n_rep, args.norm_eps, args.rope_interleaved) == (8, 2, 1e-5, True)
+    assert args == PRESETS["stories260K"]
+
+
+def test_meta_vocab_placeholder_needs_the_tokenizer():
+    params = {"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": -1, "multiple_of": 16}
+    with pytest.raises(ValueError, match="vocab_size in params.json is -1"):
+        ModelArgs.from_meta_params(params)
+    assert ModelArgs.from_meta_params(params, vocab_size=300).vocab_size == 300
+    with pytest.raises(ValueError, match="disagrees"):
+        ModelArgs.from_meta_params({**params, "vocab_size": 200}, vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size must be > 0"):
+        ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=-1)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(dim=65, n_heads=4), r"dim \(65\) must be divisible by n_heads \(4\)"),
+        (dict(n_heads=4, n_kv_heads=3), r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
+        (dict(dim=12, n_heads=4), "head_dim = dim / n_heads = 3 must be even"),
+        (dict(n_layers=0), "n_layers must be a positive int"),
+        (dict(norm_eps=0.0), "norm_eps must be a positive"),
+        (dict(rope_theta=-1.0), "rope_theta must be a positive"),
+        (dict(hidden_dim=0), "hidden_dim must be a positive int"),
+        (dict(multiple_of=0), "multiple_of must be a positive int"),
+    ],
+)
+def test_inconsistent_configs_raise_naming_the_field(kw, match):
+    base = dict(dim=64, n_layers=2, n_heads=4, vocab_size=100, multiple_of=16)
+    with pytest.raises(ValueError, match=match):
+        ModelArgs(**{**base, **kw})
+
+
+def test_check_tp_names_what_does_not_divide():
+    args = preset("tiny")  # 4 heads, 2 KV heads, hidden 176, vocab 256
+    args.check_tp(2)
+    with pytest.raises(ValueError, match="does not divide n_kv_heads = 2"):
+        args.check_tp(4)
+    with pytest.raises(ValueError, match="does not divide n_heads = 4"):
+        args.check_tp(3)
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        args.check_tp(0)
+
+
+def test_hf_config_reads_and_refuses_what_it_cannot_run(tmp_path):
+    cfg = {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+        "intermediate_size": 176, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+    }  # fmt: skip
+    args = ModelArgs.from_hf_config(cfg)
+    assert (args.dim, args.n_kv_heads, args.hidden_dim, args.max_seq_len) == (64, 2, 176, 256)
+    assert args.rope_interleaved  # HF q/k are un-permuted on conversion
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert ModelArgs.from_json(tmp_path / "config.json") == args
+    with pytest.raises(ValueError, match="rope_scaling"):
+        ModelArgs.from_hf_config({**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(ValueError, match="model_type must be 'llama'"):
+        ModelArgs.from_hf_config({**cfg, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="intermediate_size"):
+        ModelArgs.from_hf_config({k: v for k, v in cfg.items() if k != "intermediate_size"})
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelArgs.from_hf_config({**cfg, "head_dim": 32})
+
+
+def test_params_round_trip_through_json(tmp_path):
+    args = preset("tiny")
+    (tmp_path / "params.json").write_text(json.dumps({**args.to_params(), "tp_size": 2}))
+    assert ModelArgs.from_json(tmp_path / "params.json") == args
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("7b-chat")
