@@ -66,10 +66,21 @@ class Workload:
         """Positions whose next-token log-prob is summed (the continuation tokens)."""
         return sum(len(x) for _, x in self.requests)
 
-    def head(self, n: int) -> Workload:
-        """The first ``n`` tasks (for warm-up)."""
-        k = sum(len(d.choices) for d in self.docs[:n])
-        return Workload(f"{self.name}[:{n}]", self.docs[:n], self.requests[:k])
+    def spread(self, n: int) -> Workload:
+        """``n`` tasks evenly spaced over this workload (a warm-up that meets every length)."""
+        n = max(1, min(n, self.n_tasks))
+        starts, i = [], 0
+        for doc in self.docs:
+            starts.append(i)
+            i += len(doc.choices)
+        pick = [t * self.n_tasks // n for t in range(n)]
+        docs = [self.docs[t] for t in pick]
+        requests = [
+            r
+            for t in pick
+            for r in self.requests[starts[t] : starts[t] + len(self.docs[t].choices)]
+        ]
+        return Workload(f"{self.name}/spread{n}", docs, requests)
 
 
 def load_histogram(path: str | Path = HISTOGRAM_PATH) -> dict:

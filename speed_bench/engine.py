@@ -1,0 +1,43 @@
+"""What every speed-bench engine is: a scorer of token requests plus an honest token count.
+
+Engines are built one at a time from a :class:`~speed_bench.weights.WeightSource` and freed
+before the next, so each one's peak memory is its own. A multi-GPU engine (tensor / data
+parallel) fits the same shape: build it from the same weights, score the same requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .workload import Request, Workload
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The limits every engine shares, so the comparison is like for like."""
+
+    device: torch.device
+    dtype: torch.dtype
+    token_budget: int  # padded tokens (rows x longest row) per forward call
+    max_length: int  # model input length limit (lm-eval's left truncation)
+    max_rows: int | None = None  # rows per forward call, on top of the token budget
+    progress: bool = True
+
+
+class Engine:
+    """Scores lm-eval requests: ``[(sum of continuation log-probs, is_greedy)]``."""
+
+    name: str = "engine"
+
+    def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
+        raise NotImplementedError
+
+    def computed_tokens(self, workload: Workload) -> int:
+        """Non-padding tokens this engine pushes through the blocks for ``workload``."""
+        return workload.request_tokens()
+
+    def close(self) -> None:
+        """Drop device memory (the runner builds the next engine only after this)."""

@@ -1,0 +1,137 @@
+"""``hf`` engine: HF transformers' ``LlamaForCausalLM`` with SDPA attention, same weights.
+
+The peer most people would reach for. Built on the device from the shared Meta weights
+(q/k rows permuted to HF's rotate-half layout, as HF's own conversion script does), run on
+right-padded batches without a mask (causal attention makes right padding harmless), logits
+for every position, scored through ``score_with_forward`` like ``llama_org``. Skipped with a
+reason when ``transformers`` is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from nakta_model.checkpoint import permute_for_hf
+from nakta_model.config import ModelArgs
+from nakta_model.scoring import score_with_forward
+
+from .engine import Engine, EngineConfig
+from .weights import StateDict, WeightSource
+from .workload import Request
+
+_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def unavailable_reason() -> str | None:
+    """Why the HF engine cannot run here, or None."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers is not installed (pip install 'nakta[hf]')"
+    return None
+
+
+def meta_to_hf(meta: StateDict, args: ModelArgs) -> StateDict:
+    """Meta names -> HF ``LlamaForCausalLM`` names; q/k rows permuted for rotate-half RoPE.
+
+    Consumes ``meta`` (entries are popped) so the two never coexist beyond one tensor.
+    """
+    out: StateDict = {}
+    for name in list(meta):
+        w = meta.pop(name)
+        if name in _TOP_NAMES:
+            out[_TOP_NAMES[name]] = w
+            continue
+        _, layer, *rest = name.split(".")
+        key = ".".join(rest[:-1])  # e.g. attention.wq
+        if key == "attention.wq":
+            w = permute_for_hf(w, args.n_heads)
+        elif key == "attention.wk":
+            w = permute_for_hf(w, args.n_kv_heads)
+        out[f"model.layers.{layer}.{_LAYER_NAMES[key]}.weight"] = w
+    return out
+
+
+def hf_config(args: ModelArgs, max_length: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=max(args.max_seq_len, max_length),
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class HFEngine(Engine):
+    name = "hf"
+
+    def __init__(self, weights: WeightSource, cfg: EngineConfig):
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        from transformers import LlamaForCausalLM
+
+        self.cfg = cfg
+        config = hf_config(weights.args, cfg.max_length)
+        with torch.device(cfg.device), _default_dtype(cfg.dtype):
+            model = LlamaForCausalLM(config)
+        if model.config._attn_implementation != "sdpa":
+            raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}")
+        state = meta_to_hf(weights.state_dict(cfg.device, cfg.dtype), weights.args)
+        model.load_state_dict(state, strict=True, assign=True)
+        del state
+        self.model = model.eval().requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+    def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
+        return score_with_forward(
+            self.forward,
+            requests,
+            max_length=self.cfg.max_length,
+            batch_size=self.cfg.max_rows,
+            token_budget=self.cfg.token_budget,
+            vocab_size=self.model.config.vocab_size,
+            device=self.cfg.device,
+            progress=self.cfg.progress,
+        )
+
+    def close(self) -> None:
+        self.model = None

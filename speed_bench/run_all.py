@@ -1,0 +1,420 @@
+"""HellaSwag scoring speed: Nakta vs Meta's LLaMA code vs HF transformers, in ONE process.
+
+Every engine scores the same lm-eval requests from the same weights with the same batching
+limits (``--token-budget`` padded tokens per forward call), one engine at a time (each built,
+warmed up on a spread sample of the tasks, timed between ``cuda.synchronize`` calls, freed).
+Reported per engine: wall time, tasks/s, tokens/s, MFU, peak GPU memory, acc and acc_norm, and
+whether its predictions agree with ``llama_org``'s.
+
+Counting (see ``speed_bench/README`` section of the main README):
+* ``tokens_per_s``: lm-eval's tokens (``len(context + continuation) - 1`` per request) per
+  second -- the same work for every engine, so its ratios equal the tasks/s ratios;
+* ``mfu``: model FLOPs the engine computed / time / peak, where model FLOPs =
+  ``2 x block matmul params x computed tokens + 2 x LM-head params x scored tokens`` (the head
+  is only needed where a log-prob is read) and the peak is a bf16 ``8192^3`` matmul measured
+  in this run; ``computed tokens`` excludes padding (plain engines: lm-eval's tokens; the
+  shared-context engine: contexts once);
+* ``mfu_unique``: the same with every engine credited only the unique tokens (contexts
+  counted once): the fraction of the chip spent on work no engine can skip.
+
+    python -m speed_bench.run_all                     # tiny model + embedded workload on the CPU
+    python -m speed_bench.run_all --preset 7B \\
+        --data ../shared/data/hellaswag_val_full.jsonl --tokenizer ../shared/data/llama_tokenizer.model \\
+        --limit 2000 --select spread
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import platform
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from nakta_model.bench.ceilings import device_slug, matmul_tflops
+from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from nakta_model.tasks.hellaswag import evaluate
+
+from .engine import Engine, EngineConfig
+from .weights import WeightSource, matmul_params, weight_source
+from .workload import Workload, real_workload, synthetic_workload
+
+ALL_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- building
+def _nakta_family(weights: WeightSource, cfg: EngineConfig):
+    from .nakta_speed import build_model
+
+    return build_model(weights, cfg)
+
+
+def make_engine(name: str, weights: WeightSource, cfg: EngineConfig, shared: dict) -> Engine:
+    """Build ``name``; ``nakta`` and ``nakta_cache`` share one model (kept in ``shared``)."""
+    if name in ("nakta", "nakta_cache"):
+        from .nakta_speed import NaktaEngine
+
+        if "nakta" not in shared:
+            shared["nakta"] = _nakta_family(weights, cfg)
+        return NaktaEngine(shared["nakta"], cfg, use_cache=name == "nakta_cache")
+    if name == "llama_org":
+        from .llama_speed import LlamaOrgEngine
+
+        return LlamaOrgEngine(weights, cfg)
+    if name == "hf":
+        from .hf_speed import HFEngine
+
+        return HFEngine(weights, cfg)
+    raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
+
+
+def skip_reason(name: str) -> str | None:
+    if name == "hf":
+        from .hf_speed import unavailable_reason
+
+        return unavailable_reason()
+    if name == "llama_org":
+        try:
+            import fairscale  # noqa: F401
+        except ImportError:
+            return "fairscale is not installed (llama_org needs it)"
+    return None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- measuring
+def model_flops(weights: WeightSource, block_tokens: int, scored_tokens: int) -> float:
+    blocks, head = matmul_params(weights.args)
+    return 2.0 * (blocks * block_tokens + head * scored_tokens)
+
+
+def run_engine(
+    engine: Engine,
+    workload: Workload,
+    warmup: Workload | None,
+    cfg: EngineConfig,
+) -> tuple[list[tuple[float, bool]], float, float]:
+    """Warm up, then time one full pass. Returns (results, seconds, peak GB)."""
+    if warmup is not None:
+        engine.score(warmup.requests)
+    _sync(cfg.device)
+    if cfg.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(cfg.device)
+    t0 = time.perf_counter()
+    results = engine.score(workload.requests)
+    _sync(cfg.device)
+    seconds = time.perf_counter() - t0
+    peak = (
+        torch.cuda.max_memory_allocated(cfg.device) / 1e9
+        if cfg.device.type == "cuda"
+        else float("nan")
+    )
+    return results, seconds, peak
+
+
+def engine_row(
+    name: str,
+    engine: Engine,
+    workload: Workload,
+    weights: WeightSource,
+    results: list[tuple[float, bool]],
+    seconds: float,
+    peak_gb: float,
+    peak_tflops: float,
+    build_s: float,
+) -> dict:
+    metrics, per_doc = evaluate(workload.docs, [ll for ll, _ in results])
+    computed = engine.computed_tokens(workload)
+    scored = workload.scored_tokens()
+    peak_flops = peak_tflops * 1e12
+    return {
+        "engine": name,
+        "wall_s": seconds,
+        "build_s": build_s,
+        "tasks_per_s": workload.n_tasks / seconds,
+        "tokens_per_s": workload.request_tokens() / seconds,
+        "computed_tokens": computed,
+        "computed_tokens_per_s": computed / seconds,
+        "mfu": model_flops(weights, computed, scored) / seconds / peak_flops,
+        "mfu_unique": model_flops(weights, workload.unique_tokens(), scored) / seconds / peak_flops,
+        "peak_mem_gb": peak_gb,
+        "acc": metrics["acc"],
+        "acc_norm": metrics["acc_norm"],
+        "_preds": [(r.pred, r.pred_norm) for r in per_doc],
+        "_lls": [ll for ll, _ in results],
+    }
+
+
+def agreement(rows: dict[str, dict], reference: str) -> None:
+    """Per engine: share of tasks whose acc / acc_norm predictions equal the reference's, and
+    the largest log-likelihood difference (dtype rounding shows up here, bugs show up above)."""
+    ref = rows[reference]
+    for row in rows.values():
+        n = max(1, len(ref["_preds"]))
+        row["pred_agree_vs_ref"] = sum(a == b for a, b in zip(row["_preds"], ref["_preds"])) / n
+        row["max_abs_ll_diff_vs_ref"] = max(
+            (abs(a - b) for a, b in zip(row["_lls"], ref["_lls"])), default=0.0
+        )
+
+
+# ----------------------------------------------------------------------------- reporting
+TABLE_COLUMNS = [
+    "engine",
+    "wall_s",
+    "tasks_per_s",
+    "tokens_per_s",
+    "mfu",
+    "mfu_unique",
+    "peak_mem_gb",
+    "acc",
+    "acc_norm",
+    "pred_agree_vs_ref",
+]
+
+
+def plot(df: pd.DataFrame, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].bar(df["engine"], df["tasks_per_s"], color="tab:blue")
+    axes[0].set_ylabel("HellaSwag tasks / s")
+    for i, v in enumerate(df["tasks_per_s"]):
+        axes[0].text(i, v, f"{v:.3g}", ha="center", va="bottom")
+    x = range(len(df))
+    axes[1].bar([i - 0.2 for i in x], 100 * df["mfu"], width=0.4, label="MFU (computed tokens)")
+    axes[1].bar(
+        [i + 0.2 for i in x], 100 * df["mfu_unique"], width=0.4, label="MFU (unique tokens)"
+    )
+    axes[1].set_xticks(list(x), df["engine"])
+    axes[1].set_ylabel("% of matmul peak measured in this run")
+    axes[1].legend()
+    for ax in axes:
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def write_results(out: Path, summary: dict, df: pd.DataFrame, notes: str) -> None:
+    write_json(summary, out / "summary.json")
+    write_table(df, out, "speed", "HellaSwag scoring speed", notes)
+    import matplotlib.pyplot as plt
+
+    fig = plot(df, f"{summary['workload']['name']} on {summary['device']}, {summary['model']}")
+    save_figure(fig, out / "speed.png")
+    plt.close(fig)
+
+
+def _fmt_table(df: pd.DataFrame) -> str:
+    show = df[TABLE_COLUMNS].copy()
+    for c in ("mfu", "mfu_unique", "acc", "acc_norm", "pred_agree_vs_ref"):
+        show[c] = (100 * show[c]).map(lambda v: f"{v:.1f}%")
+    return show.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="random weights of this shape: 7B 13B 30B 65B tiny ...")
+    src.add_argument("--checkpoint", type=Path, help="Meta checkpoint folder")
+    p.add_argument("--data", type=Path, help="HellaSwag jsonl (default: embedded workload)")
+    p.add_argument("--tokenizer", type=Path, help="LLaMA sentencepiece model (with --data)")
+    p.add_argument("--limit", type=int, help="tasks (default 1000 on GPU, 16 on CPU)")
+    p.add_argument("--select", choices=("first", "spread"), default="first",
+                   help="with --data and --limit: first N tasks, or N spread over the file")  # fmt: skip
+    p.add_argument("--engines", default=",".join(ALL_ENGINES))
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--token-budget", type=int, help="padded tokens per forward (16384 / 2048)")
+    p.add_argument("--max-rows", type=int, help="rows per forward, on top of the budget")
+    p.add_argument("--warmup", type=int, help="warm-up tasks per engine (default 64 / 2)")
+    p.add_argument("--seed", type=int, default=0, help="random weights and embedded workload")
+    p.add_argument("--device", help="default cuda when present")
+    p.add_argument("--out", type=Path, help="results folder (default results/<device>/)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.data is not None and args.tokenizer is None:
+        p.error("--data needs --tokenizer (the LLaMA sentencepiece model)")
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be >= 1")
+    return args
+
+
+def _default_preset(device: torch.device) -> str:
+    """7B on a GPU that holds it comfortably, else tiny (so the default runs anywhere)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if free > 40e9:
+            return "7B"
+    return "tiny"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in engines:
+        if e not in ALL_ENGINES:
+            raise SystemExit(f"--engines: unknown engine {e!r}; choose from {ALL_ENGINES}")
+    preset_name = None if args.checkpoint else (args.preset or _default_preset(device))
+    weights = weight_source(preset_name, args.checkpoint, seed=args.seed)
+    margs = weights.args
+    limit = args.limit or (1000 if on_gpu else 16)
+
+    if args.data is not None:
+        workload = real_workload(args.data, args.tokenizer, limit, args.select)
+    else:
+        workload = synthetic_workload(limit, margs.vocab_size, args.seed, margs.max_seq_len)
+    if workload.max_token_id() >= margs.vocab_size:
+        raise SystemExit(
+            f"the workload uses token ids up to {workload.max_token_id()} but the model's "
+            f"vocabulary has {margs.vocab_size}: use a 32000-word preset (7B..65B) or checkpoint"
+        )
+    cfg = EngineConfig(
+        device=device,
+        dtype=dtype,
+        token_budget=args.token_budget or (16384 if on_gpu else 2048),
+        max_length=margs.max_seq_len,
+        max_rows=args.max_rows,
+        progress=not args.no_progress,
+    )
+    n_warm = args.warmup if args.warmup is not None else (64 if on_gpu else 2)
+    warmup = workload.spread(n_warm) if n_warm > 0 else None
+
+    print(
+        f"device {device_slug(device)} | model {weights.name} ({sum(matmul_params(margs)) / 1e9:.2f}B "
+        f"matmul params) {str(dtype).removeprefix('torch.')} | workload {workload.name}: "
+        f"{workload.n_tasks} tasks, {workload.request_tokens()} tokens "
+        f"({workload.unique_tokens()} unique) | token budget {cfg.token_budget}"
+    )
+    peak_tflops = (
+        matmul_tflops(8192, dtype=torch.bfloat16, device=str(device))
+        if on_gpu
+        else matmul_tflops(512, dtype=dtype, device="cpu")
+    )
+    print(f"measured matmul peak: {peak_tflops:.1f} TFLOP/s")
+
+    rows: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    shared: dict = {}
+    for i, name in enumerate(engines):
+        reason = skip_reason(name)
+        if reason:
+            skipped[name] = reason
+            print(f"[{name}] skipped: {reason}")
+            continue
+        t0 = time.perf_counter()
+        engine = make_engine(name, weights, cfg, shared)
+        _sync(device)
+        build_s = time.perf_counter() - t0
+        results, seconds, peak = run_engine(engine, workload, warmup, cfg)
+        rows[name] = engine_row(
+            name, engine, workload, weights, results, seconds, peak, peak_tflops, build_s
+        )
+        print(
+            f"[{name}] {seconds:.2f} s, {rows[name]['tasks_per_s']:.1f} tasks/s, "
+            f"acc {rows[name]['acc']:.4f}"
+        )
+        engine.close()
+        del engine
+        if "nakta" in shared and not any(e.startswith("nakta") for e in engines[i + 1 :]):
+            shared.clear()
+        _free(device)
+    if not rows:
+        raise SystemExit("no engine ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    reference = "llama_org" if "llama_org" in rows else next(iter(rows))
+    agreement(rows, reference)
+
+    df = pd.DataFrame(
+        [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows.values()]
+    )
+    ratios = {}
+    if "nakta_cache" in rows:
+        for peer in rows:
+            if peer != "nakta_cache":
+                ratios[f"nakta_cache_vs_{peer}"] = (
+                    rows["nakta_cache"]["tasks_per_s"] / rows[peer]["tasks_per_s"]
+                )
+    slug = device_slug(device)
+    summary = {
+        "device": slug,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "model": weights.name,
+        "model_args": margs.to_params(),
+        "matmul_params": {"blocks": matmul_params(margs)[0], "lm_head": matmul_params(margs)[1]},
+        "dtype": str(dtype).removeprefix("torch."),
+        "peak_matmul_tflops": peak_tflops,
+        "token_budget": cfg.token_budget,
+        "max_rows": cfg.max_rows,
+        "warmup_tasks": 0 if warmup is None else warmup.n_tasks,
+        "workload": {
+            "name": workload.name,
+            "tasks": workload.n_tasks,
+            "request_tokens": workload.request_tokens(),
+            "unique_tokens": workload.unique_tokens(),
+            "scored_tokens": workload.scored_tokens(),
+        },
+        "reference_engine": reference,
+        "engines": {
+            r["engine"]: {k: _json_num(v) for k, v in r.items() if k != "engine"}
+            for r in df.to_dict("records")
+        },
+        "skipped": skipped,
+        "ratios_tasks_per_s": ratios,
+    }
+    out = args.out or results_dir(__file__, slug)
+    notes = (
+        f"{workload.name}: {workload.n_tasks} tasks, {workload.request_tokens()} lm-eval tokens "
+        f"({workload.unique_tokens()} with contexts counted once); model {weights.name}, "
+        f"{summary['dtype']}, token budget {cfg.token_budget}; {slug}, measured matmul peak "
+        f"{peak_tflops:.0f} TFLOP/s. tokens_per_s counts lm-eval's tokens for every engine; "
+        "mfu counts the tokens the engine computed (no padding), mfu_unique only unique tokens; "
+        "FLOPs = 2 x block matmul params x tokens + 2 x LM-head params x scored tokens. "
+        f"pred_agree_vs_ref: share of tasks with the same acc and acc_norm predictions as "
+        f"{reference}. Skipped: {skipped or 'none'}. Ratios (tasks/s): "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+    )
+    write_results(out, summary, df, notes)
+
+    print()
+    print(_fmt_table(df))
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    for k, v in skipped.items():
+        print(f"skipped {k}: {v}")
+    print(f"results -> {out}")
+    return summary
+
+
+def _json_num(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""One set of weights for every engine: a Meta checkpoint folder or seeded random weights.
+
+Every engine is built from the SAME unsplit Meta-format state dict (Meta's key names), so the
+engines differ only in how they compute. To bound GPU memory, the benchmark builds one engine
+at a time and asks for a fresh state dict each time: random weights are regenerated on the
+device from per-tensor seeds (bit-identical every time, ~13.5 GB for 7B in bf16 made in well
+under a second), a checkpoint is read once into host memory and copied to the device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from nakta_model.checkpoint import META_IGNORED, merge_meta_shards, meta_shapes
+from nakta_model.config import ModelArgs, meta_hidden_dim, preset
+
+StateDict = dict[str, torch.Tensor]
+
+
+def meta_params(args: ModelArgs) -> dict:
+    """``params.json`` for Meta's code (llama_org); refuses a shape Meta's FFN rule cannot give."""
+    if meta_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier) != args.hidden_dim:
+        raise ValueError(
+            f"hidden_dim {args.hidden_dim} is not what Meta's rule gives for dim={args.dim}, "
+            f"multiple_of={args.multiple_of}: llama_org cannot build this shape"
+        )
+    params = {
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads if args.n_kv_heads != args.n_heads else None,
+        "vocab_size": args.vocab_size,
+        "multiple_of": args.multiple_of,
+        "ffn_dim_multiplier": args.ffn_dim_multiplier,
+        "norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def matmul_params(args: ModelArgs) -> tuple[int, int]:
+    """(block matmul parameters, LM-head parameters): the weights every token multiplies.
+
+    Embedding lookups and norms are not matmuls and are left out, as is attention's
+    ``q @ k^T`` / ``p @ v`` work (small at HellaSwag lengths; kernel_benchmark counts it).
+    """
+    d, f = args.dim, args.hidden_dim
+    attn = d * args.qkv_dim + args.n_heads * args.head_dim * d
+    return args.n_layers * (attn + 3 * d * f), args.vocab_size * d
+
+
+class WeightSource:
+    """Hands out a fresh unsplit Meta state dict on a device, as often as engines need one."""
+
+    def __init__(self, args: ModelArgs, name: str):
+        self.args, self.name = args, name
+
+    def state_dict(self, device: torch.device, dtype: torch.dtype) -> StateDict:
+        raise NotImplementedError
+
+
+class RandomWeights(WeightSource):
+    """Seeded random weights drawn directly on the device (never on the host).
+
+    Scale as ``nakta_model.random_model``: matrices ~ N(0, 1/fan_in), residual projections
+    (``wo``, ``w2``) further scaled by 1/sqrt(2 n_layers), embeddings ~ N(0, 1), norms 1, so
+    activations stay finite through 80 layers in bf16. Each tensor has its own generator seed,
+    so the result does not depend on the order tensors are drawn in.
+    """
+
+    def __init__(self, args: ModelArgs, name: str, seed: int = 0):
+        super().__init__(args, name)
+        self.seed = seed
+
+    def state_dict(self, device: torch.device, dtype: torch.dtype) -> StateDict:
+        args = self.args
+        depth = 1.0 / math.sqrt(2 * args.n_layers)
+        out: StateDict = {}
+        gen = torch.Generator(device=device)
+        for i, (name, shape) in enumerate(meta_shapes(args).items()):
+            if len(shape) == 1:
+                out[name] = torch.ones(shape, dtype=dtype, device=device)
+                continue
+            kind = name.split(".")[-2]
+            std = 1.0 if kind == "tok_embeddings" else shape[1] ** -0.5
+            if kind in ("wo", "w2"):
+                std *= depth
+            gen.manual_seed(self.seed * 1_000_003 + i)
+            t = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+            out[name] = t.mul_(std)
+        return out
+
+
+class CheckpointWeights(WeightSource):
+    """A Meta checkpoint folder (``params.json`` + ``consolidated.NN.pth``), shards merged once
+    into host memory; each engine gets a device copy."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        ckpt_dir = Path(ckpt_dir)
+        params_file = ckpt_dir / "params.json"
+        shards = sorted(ckpt_dir.glob("consolidated.*.pth"))
+        if not params_file.is_file() or not shards:
+            raise ValueError(
+                f"checkpoint {ckpt_dir} must hold params.json and consolidated.*.pth (Meta format)"
+            )
+        pieces = [torch.load(s, map_location="cpu", weights_only=True) for s in shards]
+        for p in pieces:
+            for k in META_IGNORED:
+                p.pop(k, None)
+        vocab = pieces[0]["tok_embeddings.weight"].shape[0]
+        params = json.loads(params_file.read_text())
+        args = ModelArgs.from_meta_params(
+            params, vocab_size=vocab if params.get("vocab_size", -1) in (-1, None) else None
+        )
+        super().__init__(args, ckpt_dir.name)
+        self._host = merge_meta_shards(pieces, args)
+
+    def state_dict(self, device: torch.device, dtype: torch.dtype) -> StateDict:
+        return {
+            k: v.to(device=device, dtype=dtype, non_blocking=True) for k, v in self._host.items()
+        }
+
+
+def weight_source(
+    preset_name: str | None, checkpoint: str | Path | None, seed: int = 0
+) -> WeightSource:
+    if checkpoint is not None:
+        return CheckpointWeights(checkpoint)
+    if preset_name is None:
+        raise ValueError("give --preset or --checkpoint")
+    return RandomWeights(preset(preset_name), f"random-{preset_name}", seed)
