@@ -1,0 +1,187 @@
+"""Build the two models the accuracy tools compare, from the same weights.
+
+``nakta``: a Nakta checkpoint dir, or a Meta dir converted on the fly (``convert.py``) into a
+temporary Nakta checkpoint. ``llama_org``: Meta's reference, from the Meta dir. ``random_pair``
+draws one set of random Meta weights on the device and gives both models exactly those
+(the 7B-shape check needs no 13 GB checkpoint on disk).
+
+This module is the only place the accuracy tools touch both packages; ``nakta_model`` and
+``llama_org`` never import each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def is_meta_checkpoint(path: str | Path) -> bool:
+    """A Meta release folder: ``params.json`` + ``consolidated.NN.pth`` shards."""
+    path = Path(path)
+    return (path / "params.json").is_file() and any(path.glob("consolidated.*.pth"))
+
+
+@dataclass
+class NaktaHandle:
+    """A loaded Nakta model plus the temporary converted checkpoint it may come from."""
+
+    model: object
+    source: str
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def convert_meta(meta_dir: str | Path, out_dir: str | Path) -> Path:
+    """``python convert.py META_DIR OUT --tp 1 --dtype fp32`` in-process."""
+    import convert
+
+    out = Path(out_dir)
+    rc = convert.main([str(meta_dir), str(out), "--tp", "1", "--dtype", "fp32"])
+    if rc not in (None, 0):
+        raise RuntimeError(f"convert.py {meta_dir} -> {out} failed with exit code {rc}")
+    return out
+
+
+def load_nakta(
+    checkpoint: str | Path, device: torch.device, dtype: torch.dtype, kernels: str | None = None
+) -> NaktaHandle:
+    """A Nakta model from a Nakta checkpoint, or from a Meta one converted to a temp dir."""
+    import nakta_model
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ValueError(f"checkpoint {checkpoint} is not a directory")
+    tmp = None
+    path = checkpoint
+    if is_meta_checkpoint(checkpoint):
+        tmp = tempfile.TemporaryDirectory(prefix="nakta_convert_")
+        path = convert_meta(checkpoint, Path(tmp.name) / "nakta")
+    try:
+        model = nakta_model.load(path, device, dtype, kernels=kernels)
+    except BaseException:
+        if tmp is not None:
+            tmp.cleanup()
+        raise
+    return NaktaHandle(model=model, source=str(checkpoint), _tmp=tmp)
+
+
+def load_llama_org(
+    meta_dir: str | Path,
+    tokenizer: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_batch_size: int,
+):
+    """Meta's ``Llama.build`` (one process: a single-shard checkpoint)."""
+    from llama_org import Llama
+
+    os.environ.setdefault("LLAMA_ORG_QUIET", "1")
+    if not is_meta_checkpoint(meta_dir):
+        raise ValueError(f"checkpoint {meta_dir} is not a Meta checkpoint (params.json + .pth)")
+    return Llama.build(
+        str(meta_dir), str(tokenizer), max_seq_len, max_batch_size, device=device, dtype=dtype
+    )
+
+
+def meta_params(args) -> dict:
+    """Meta ``params.json`` fields of a Nakta ``ModelArgs`` (what llama_org understands)."""
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")
+    params = {k: getattr(args, k) for k in keys}
+    params.update(
+        ffn_dim_multiplier=args.ffn_dim_multiplier,
+        norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+    )
+    return params
+
+
+def random_pair(
+    preset: str,
+    tokenizer: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    llama_max_seq_len: int,
+    max_batch_size: int,
+    seed: int = 0,
+):
+    """(nakta model, llama_org Llama) holding the SAME seeded random weights of ``preset``.
+
+    llama_org draws the weights on the device (``Llama.from_state_dict(..., None)``); Nakta gets
+    that very state dict, fused into its layout by ``checkpoint.from_meta_state_dict``. Nakta
+    keeps the preset's ``max_seq_len``; llama_org's KV cache is sized ``max_batch_size x
+    llama_max_seq_len`` (Meta allocates it up front, so keep it to what the requests need).
+    """
+    from llama_org import Llama
+    from nakta_model.checkpoint import from_meta_state_dict
+    from nakta_model.config import PRESETS
+    from nakta_model.model import from_state_dict
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    args = PRESETS[preset]
+    llama = Llama.from_state_dict(
+        meta_params(args),
+        None,
+        llama_max_seq_len,
+        max_batch_size,
+        tokenizer=str(tokenizer),
+        device=device,
+        dtype=dtype,
+        seed=seed,
+    )
+    meta_sd = {k: v for k, v in llama.model.state_dict().items() if k != "rope.freqs"}
+    nakta_sd = from_meta_state_dict(meta_sd, args)
+    del meta_sd
+    model = from_state_dict(nakta_sd, args, device, dtype)
+    del nakta_sd
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()
+    return model, llama
+
+
+def shutdown_llama_org() -> None:
+    """Tear down the process group llama_org started (tests run several builds)."""
+    with contextlib.suppress(ImportError):
+        from llama_org.distributed import shutdown
+
+        shutdown()

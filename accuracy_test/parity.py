@@ -1,0 +1,303 @@
+"""HellaSwag parity: nakta vs llama_org on the same weights, the same requests, the same scoring.
+
+    python -m accuracy_test.parity --checkpoint ../shared/data/stories260K \\
+        --tokenizer ../shared/data/stories260K/tokenizer.model \\
+        --data ../shared/data/hellaswag_val_full.jsonl --dtype fp32 --device cpu \\
+        --out accuracy_test/results/stories260K_fp32_cpu.json
+
+    python -m accuracy_test.parity --preset 7B --random --tokenizer .data/llama_tokenizer.model \\
+        --data .data/hellaswag_val_subset1000.jsonl --dtype bf16 --device cuda
+
+Requests are built once (lm-eval's HellaSwag preprocessing and ``_encode_pair``) and scored by
+both models: nakta through the shared-context engine (``scoring.score``), llama_org through the
+plain scorer (``scoring.score_with_forward`` over ``Llama.model(tokens, 0)``), with the same
+token budget, row limit and max length. Prints and saves (JSON + markdown, atomic) acc and
+acc_norm of both, the log-likelihood differences, and every task whose prediction differs
+(``flips``) with the reference's margin between the two choices involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from accuracy_test import models
+from nakta_model import scoring
+from nakta_model.io_utils import atomic_write_text
+from nakta_model.tasks import hellaswag
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", help="Meta checkpoint dir (params.json + consolidated.*.pth)")
+    p.add_argument("--tokenizer", required=True, help="sentencepiece tokenizer.model")
+    p.add_argument("--data", required=True, help="HellaSwag jsonl (original or preprocessed)")
+    p.add_argument("--limit", type=int, default=None, help="first N tasks only")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--out", default=None, help="result JSON path (markdown written beside it)")
+    p.add_argument("--preset", default=None, help="model shape for --random, e.g. 7B")
+    p.add_argument("--random", action="store_true", help="same seeded random weights, no ckpt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-budget", type=int, default=scoring.DEFAULT_TOKEN_BUDGET)
+    p.add_argument("--batch-size", type=int, default=64, help="max rows per batch (both models)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    if a.random != (a.preset is not None):
+        p.error("--random and --preset go together")
+    if not a.random and not a.checkpoint:
+        p.error("--checkpoint is required (or --preset NAME --random)")
+    if a.limit is not None and a.limit < 1:
+        p.error("--limit must be >= 1")
+    return a
+
+
+def _git_commit() -> str | None:
+    """The checkout's HEAD (provenance of a saved result), None outside git."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _metric_scores(doc: hellaswag.Doc, r: hellaswag.DocResult, metric: str) -> list[float]:
+    """The per-choice values a metric takes the argmax of (raw or per-character ll)."""
+    if metric == "acc":
+        return list(r.lls)
+    return [ll / len(c) for ll, c in zip(r.lls, doc.choices)]
+
+
+def compare(
+    docs: Sequence[hellaswag.Doc],
+    lls_nakta: Sequence[float],
+    lls_org: Sequence[float],
+) -> dict:
+    """Metrics of both models, log-likelihood differences and the per-task flips."""
+    m_n, r_n = hellaswag.evaluate(docs, lls_nakta)
+    m_o, r_o = hellaswag.evaluate(docs, lls_org)
+    diffs = [abs(a - b) for a, b in zip(lls_nakta, lls_org)]
+    flips, ref_margins = [], []
+    for t, (doc, rn, ro) in enumerate(zip(docs, r_n, r_o)):
+        for metric, pn, po in (("acc", rn.pred, ro.pred), ("acc_norm", rn.pred_norm, ro.pred_norm)):
+            so, sn = _metric_scores(doc, ro, metric), _metric_scores(doc, rn, metric)
+            if metric == "acc":
+                top = sorted(so, reverse=True)
+                ref_margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+            if pn == po:
+                continue
+            flips.append(
+                {
+                    "task": t,
+                    "ind": doc.ind,
+                    "metric": metric,
+                    "label": doc.label,
+                    "nakta": pn,
+                    "llama_org": po,
+                    # how close the reference was to nakta's choice (>= 0), and vice versa
+                    "margin": so[po] - so[pn],
+                    "nakta_margin": sn[pn] - sn[po],
+                    "max_ll_diff": max(abs(a - b) for a, b in zip(rn.lls, ro.lls)),
+                }
+            )
+    finite = [m for m in ref_margins if m != float("inf")]
+    return {
+        "nakta": m_n,
+        "llama_org": m_o,
+        "acc_diff_pt": 100 * (m_n["acc"] - m_o["acc"]),
+        "acc_norm_diff_pt": 100 * (m_n["acc_norm"] - m_o["acc_norm"]),
+        "n_flips": {
+            "acc": sum(f["metric"] == "acc" for f in flips),
+            "acc_norm": sum(f["metric"] == "acc_norm" for f in flips),
+        },
+        "flips": flips,
+        "identical_predictions": not flips,
+        "ll_abs_diff": {
+            "max": max(diffs, default=0.0),
+            "mean": statistics.fmean(diffs) if diffs else 0.0,
+        },
+        "reference_acc_margin_median": statistics.median(finite) if finite else None,
+    }
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    lines = [
+        f"# HellaSwag parity: nakta vs llama_org ({cfg['model']}, {cfg['dtype']}, {cfg['device']})",
+        "",
+        f"{cfg['n_tasks']} tasks from `{cfg['data']}`, {cfg['n_requests']} requests, "
+        f"max length {cfg['max_length']}, token budget {cfg['token_budget']}, "
+        f"batch rows {cfg['batch_size']}. torch {cfg['torch']}, device {cfg['device_name']}.",
+        "",
+        "| model | acc | acc_norm | seconds |",
+        "|---|---|---|---|",
+    ]
+    for name in ("nakta", "llama_org"):
+        m = result[name]
+        lines.append(f"| {name} | {m['acc']:.4f} | {m['acc_norm']:.4f} | {m['seconds']:.1f} |")
+    d = result["ll_abs_diff"]
+    lines += [
+        "",
+        f"- acc difference: {result['acc_diff_pt']:+.3f} pt; "
+        f"acc_norm difference: {result['acc_norm_diff_pt']:+.3f} pt",
+        f"- per-request log-likelihood |nakta - llama_org|: max {d['max']:.3g}, mean {d['mean']:.3g}",
+        f"- flipped predictions: acc {result['n_flips']['acc']}, "
+        f"acc_norm {result['n_flips']['acc_norm']} "
+        f"(identical predictions: {result['identical_predictions']})",
+    ]
+    if result["reference_acc_margin_median"] is not None:
+        lines.append(
+            f"- median llama_org acc margin (best - second best ll) over all tasks: "
+            f"{result['reference_acc_margin_median']:.3g}"
+        )
+    if result["flips"]:
+        lines += [
+            "",
+            "| task | ind | metric | label | nakta | llama_org | margin | nakta_margin | max ll diff |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for f in result["flips"]:
+            lines.append(
+                f"| {f['task']} | {f['ind']} | {f['metric']} | {f['label']} | {f['nakta']} | "
+                f"{f['llama_org']} | {f['margin']:.3g} | {f['nakta_margin']:.3g} | "
+                f"{f['max_ll_diff']:.3g} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run(a: argparse.Namespace) -> dict:
+    device = models.resolve_device(a.device)
+    dtype = models.parse_dtype(a.dtype)
+    docs = hellaswag.load_jsonl(a.data, limit=a.limit)
+    import nakta_model
+
+    tok = nakta_model.Tokenizer(a.tokenizer)
+    requests = hellaswag.build_requests(docs, lambda s: tok.encode(s, bos=True, eos=False))
+    longest = max(len(c) + len(x) - 1 for c, x in requests)
+    handle = None
+    if a.random:
+        from nakta_model.config import PRESETS
+
+        max_length = PRESETS[a.preset].max_seq_len
+        cache_len = min(max_length, longest)
+        model, llama = models.random_pair(
+            a.preset, a.tokenizer, device, dtype, cache_len, a.batch_size, seed=a.seed
+        )
+        model_name = f"{a.preset}-random-seed{a.seed}"
+    else:
+        handle = models.load_nakta(a.checkpoint, device, dtype)
+        model = handle.model
+        max_length = model.args.max_seq_len
+        cache_len = min(max_length, longest)
+        llama = models.load_llama_org(
+            a.checkpoint, a.tokenizer, device, dtype, cache_len, a.batch_size
+        )
+        model_name = Path(a.checkpoint).resolve().name
+    check = [d.query for d in docs[:100]]
+    if [llama.tokenizer.encode(s, bos=True, eos=False) for s in check] != [
+        tok.encode(s, bos=True, eos=False) for s in check
+    ]:
+        raise RuntimeError("nakta and llama_org tokenizers disagree on the same text")
+    progress = not a.no_progress
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        res_n = scoring.score(
+            model,
+            requests,
+            use_cache=True,
+            token_budget=a.token_budget,
+            max_length=max_length,
+            max_rows=a.batch_size,
+            progress=progress,
+        )
+        _sync(device)
+        t1 = time.perf_counter()
+        res_o = scoring.score_with_forward(
+            lambda t: llama.model(t, 0),
+            requests,
+            max_length=max_length,
+            batch_size=a.batch_size,
+            token_budget=a.token_budget,
+            vocab_size=model.args.vocab_size,
+            device=device,
+            progress=progress,
+        )
+        _sync(device)
+        t2 = time.perf_counter()
+    finally:
+        if handle is not None:
+            handle.close()
+    result = compare(docs, [r[0] for r in res_n], [r[0] for r in res_o])
+    result["nakta"]["seconds"] = t1 - t0
+    result["llama_org"]["seconds"] = t2 - t1
+    result["greedy_flag_mismatches"] = sum(x[1] != y[1] for x, y in zip(res_n, res_o))
+    result["config"] = {
+        "model": model_name,
+        "checkpoint": a.checkpoint,
+        "random": a.random,
+        "preset": a.preset,
+        "seed": a.seed,
+        "tokenizer": Path(a.tokenizer).name,
+        "data": Path(a.data).name,
+        "limit": a.limit,
+        "n_tasks": len(docs),
+        "n_requests": len(requests),
+        "dtype": models.dtype_name(dtype),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "git_commit": _git_commit(),
+        "max_length": max_length,
+        "token_budget": a.token_budget,
+        "batch_size": a.batch_size,
+        "nakta_scoring": "scoring.score (shared-context cache)",
+        "llama_org_scoring": "scoring.score_with_forward over Llama.model(tokens, 0)",
+        "nakta_kernels": getattr(model, "kernels", None),
+    }
+    return result
+
+
+def default_out(a: argparse.Namespace, device: str) -> Path:
+    name = f"{a.preset}-random" if a.random else Path(a.checkpoint).resolve().name
+    return RESULTS / f"{name}_{a.dtype}_{device}.json"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    result = run(a)
+    out = Path(a.out) if a.out else default_out(a, result["config"]["device"])
+    atomic_write_text(out, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out.with_suffix(".md"), markdown(result))
+    print(markdown(result))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
