@@ -81,12 +81,14 @@ def _find_tokenizer(in_dir: Path, vocab_size: int | None) -> Path | None:
     return None
 
 
-def _check_shapes(shapes: dict[str, tuple[int, ...]], args: ModelArgs, what: str) -> None:
+def _check_shapes(
+    shapes: dict[str, tuple[int, ...]], args: ModelArgs, what: str, hint: str = ""
+) -> None:
     expected = meta_shapes(args)
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise CheckpointError(
-                f"{what}: {name} has shape {tuple(shapes[name])}, params say {shape}"
+                f"{what}: {name} has shape {tuple(shapes[name])}, params say {shape}{hint}"
             )
 
 
@@ -147,7 +149,12 @@ def open_meta(in_dir: Path, quiet: bool = False) -> Source:
         if d is not None and len(s) > d:
             s[d] *= len(pieces)
         merged_shapes[name] = tuple(s)
-    _check_shapes(merged_shapes, args, f"{in_dir} ({len(paths)} shard(s))")
+    _check_shapes(
+        merged_shapes,
+        args,
+        f"{in_dir}, merged from {len(paths)} shard(s)",
+        " (a shard missing or extra, or params.json not for these weights?)",
+    )
 
     src = Source()
     src.args = args
