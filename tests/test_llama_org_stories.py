@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from llama_org import Llama
+from llama_org import Llama, Tokenizer
 from llama_org.distributed import shutdown
 
 
@@ -68,3 +68,17 @@ def test_batched_prompts_of_different_lengths(stories):
     out, _ = llama.generate([prompt_a, prompt_b], max_gen_len=20, temperature=0)
     assert out[0] == ref["tokens"][3:23]
     assert out[1] == ref["tokens"][9:29]
+
+
+def test_example_cli_completes_the_reference_story(shared_data, capsys):
+    from llama_org.example_text_completion import main
+
+    ckpt = shared_data / "stories260K"
+    ref = json.loads((shared_data / "stories260K_greedy_reference.json").read_text())
+    argv = ["--ckpt_dir", str(ckpt), "--tokenizer_path", str(ckpt / "tokenizer.model")]
+    argv += ["--prompt", "Once upon a time", "--temperature", "0", "--max_gen_len", "30"]
+    (generation,) = main(argv)
+    llama_tok = Tokenizer(ckpt / "tokenizer.model")
+    assert llama_tok.encode("Once upon a time", bos=True, eos=False) == ref["tokens"][:5]
+    assert generation == llama_tok.decode(ref["tokens"][5:35])
+    assert generation in capsys.readouterr().out
