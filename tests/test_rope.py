@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from nakta_model.kernels import rope as rope_module
 from nakta_model.kernels.rope import (
     RotaryPositionEmbedding,
     apply_rotary_pos_emb,
@@ -140,6 +141,25 @@ def test_positions_near_2_pow_20(device):
     out = apply_rotary_pos_emb(t, emb, start_positions=starts)
     torch.testing.assert_close(out, apply_rotary_pos_emb_reference(t, emb, start_positions=starts))
     torch.testing.assert_close(out, oracle(t, emb, "sbhd", starts, False, None, 1, 0))
+
+
+@pytest.mark.parametrize(
+    "tune",
+    [
+        dict(BLOCK_B=1, TARGET=8, MIN_PROGRAMS=1),  # one program walks all heads, 1 at a time
+        dict(BLOCK_B=2, TARGET=16, MIN_PROGRAMS=1),  # ... 2 heads at a time, ragged last step
+        dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12),  # heads split over 2 programs, uneven
+        dict(BLOCK_B=16, TARGET=4096, MIN_PROGRAMS=1, num_warps=2),
+    ],
+)
+def test_block_configs(tune, monkeypatch, device):
+    """Every loop/split shape of the heads walk gives the reference's result."""
+    monkeypatch.setattr(rope_module, "_TE_TUNE", tune)
+    t = torch.rand(3, 3, 5, 16, device=device).requires_grad_()
+    starts = torch.tensor([0, 2, 1], dtype=torch.int32, device=device)
+    emb = RotaryPositionEmbedding(16, 0.5, device=device)(6)
+    run_fused_vs_unfused(t, emb, non_overlapping_grad, start_positions=starts)
+    run_fused_vs_unfused(t, emb, overlapping_grad, interleaved=True)
 
 
 # ---------------------------------------------------------------------------- thd
@@ -414,3 +434,14 @@ def test_gpu_large_tensor_int64_offsets():
     want = apply_rotary_pos_emb_reference(t[-1:].float(), emb[-1:]).to(t.dtype)
     torch.testing.assert_close(out[-1:], want)
     assert not out[:-1].any()
+
+
+@pytest.mark.gpu
+def test_gpu_start_position_past_table_poisons_with_nan():
+    """A fused CUDA call does not synchronise on start_positions: a bad one gives NaN rows."""
+    t = torch.rand(4, 2, 2, 8, device="cuda")
+    emb = RotaryPositionEmbedding(8)(6)
+    starts = torch.tensor([0, 5], dtype=torch.int32, device="cuda")  # 5 + 4 > 6 positions
+    out = apply_rotary_pos_emb(t, emb, start_positions=starts)
+    assert not torch.isnan(out[:, 0]).any()
+    assert torch.isnan(out[1:, 1]).any() and not torch.isnan(out[0, 1]).any()

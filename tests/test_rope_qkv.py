@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from nakta_model.kernels import rope as rope_module
 from nakta_model.kernels.rope import (
     apply_rope_qkv_,
     apply_rope_qkv_reference,
@@ -131,6 +132,28 @@ def test_positions_near_2_pow_20(device):
     want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, True)
     apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=True)
     torch.testing.assert_close(qkv, want)
+
+
+@pytest.mark.parametrize(
+    "tune", [dict(BLOCK_T=4, TARGET=32), dict(BLOCK_T=1, TARGET=16, num_warps=2), dict(BLOCK_T=2)]
+)
+def test_block_configs(tune, monkeypatch, device):
+    """Token blocks that overhang the end and head blocks that straddle Q/K/V boundaries."""
+    monkeypatch.setattr(rope_module, "_QKV_TUNE", tune)
+    nq, nkv, hd, tokens = 6, 3, 16, 7
+    cos, sin = build_rope_cache(30, hd, device=device)
+    qkv, _ = make_qkv(tokens, nq, nkv, hd, torch.float32, device)
+    pos = torch.randint(0, 30, (tokens,), device=device)
+    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, True)
+    k_cache = torch.zeros(tokens, nkv, hd, device=device)
+    v_cache = torch.zeros(tokens, nkv, hd, device=device)
+    slots = torch.randperm(tokens, device=device)
+    apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=True, k_cache=k_cache,
+                    v_cache=v_cache, cache_slots=slots)  # fmt: skip
+    torch.testing.assert_close(qkv, want)
+    h = want.unflatten(1, (nq + 2 * nkv, hd))
+    torch.testing.assert_close(k_cache[slots], h[:, nq : nq + nkv])
+    torch.testing.assert_close(v_cache[slots], h[:, nq + nkv :])
 
 
 # ---------------------------------------------------------------------------- cache writes

@@ -291,10 +291,12 @@ def _rope_te_kernel(
     SEARCH_STEPS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
+    HEADS_PER_PROG,
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """One program: one sequence index ``s`` (a token for thd) x BLOCK_B batch entries, all heads.
+    """One program: one sequence index ``s`` (a token for thd) x BLOCK_B batch entries x
+    HEADS_PER_PROG heads (all of them unless the grid is small).
 
     The tensor is seen as ``[S, B, H, D]`` through strides (bshd swaps the first two strides,
     thd has B = 1). The angle row is found from the local index (context-parallel dual-chunk
@@ -348,10 +350,12 @@ def _rope_te_kernel(
     b3 = offs_b.to(tl.int64)[:, None, None]
     x_row = x_ptr + pid_s.to(tl.int64) * stride_xs + b3 * stride_xb
     o_row = out_ptr + pid_s.to(tl.int64) * stride_os + b3 * stride_ob
-    for h0 in range(0, H, BLOCK_H):
+    h_begin = tl.program_id(2) * HEADS_PER_PROG
+    h_end = tl.minimum(h_begin + HEADS_PER_PROG, H)
+    for h0 in range(h_begin, h_end, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h3 = offs_h.to(tl.int64)[None, :, None]
-        mask_row = mask_b[:, None, None] & (offs_h < H)[None, :, None]
+        mask_row = mask_b[:, None, None] & (offs_h < h_end)[None, :, None]
         x_base = x_row + h3 * stride_xh
         o_base = o_row + h3 * stride_oh
         xa, xb = _load_pairs(x_base, stride_xd, mask_row, HALF, HALF_PAD, INTERLEAVED)
@@ -380,6 +384,12 @@ def _debug_checks() -> bool:
     return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
 
 
+# Block-size overrides, set only by ``kernel_benchmark/bench_rope.py --tune``.
+_QKV_TUNE: dict[str, int] = {}
+_TE_TUNE: dict[str, int] = {}
+_MIN_PROGRAMS = 1024  # ~8 per SM on an H100: below this, heads are split across programs
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -394,11 +404,13 @@ def _check_index(name: str, t: object, n: int | None = None) -> torch.Tensor:
 
 
 def _qkv_blocks(n_tokens: int, n_heads: int, half_pad: int) -> tuple[int, int, int]:
-    """BLOCK_T, BLOCK_H, num_warps: about 4K pair elements per program (tuned on an H100)."""
-    block_h = min(_pow2(n_heads), max(1, 4096 // half_pad))
-    block_t = max(1, min(_pow2(n_tokens), 4096 // (half_pad * block_h)))
+    """BLOCK_T, BLOCK_H, num_warps: ~TARGET pairs per program (tuned on an H100)."""
+    target = _QKV_TUNE.get("TARGET", 4096)
+    block_h = min(_pow2(n_heads), max(1, target // half_pad))
+    block_t = _QKV_TUNE.get("BLOCK_T") or max(1, target // (half_pad * block_h))
+    block_t = min(block_t, _pow2(n_tokens))
     elems = block_t * block_h * half_pad
-    num_warps = 8 if elems >= 4096 else 4
+    num_warps = _QKV_TUNE.get("num_warps") or (8 if elems >= 4096 else 4)
     return block_t, block_h, num_warps
 
 
@@ -554,20 +566,25 @@ def _check_slots(slots: torch.Tensor, n_k: int, n_v: int) -> None:
 
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 
-# Overrides for tuning from kernel_benchmark/bench_rope.py --tune: {"BLOCK_B", "BLOCK_H", "num_warps"}.
-_TE_TUNE: dict[str, int] = {}
 
+def _te_blocks(s: int, n_batch: int, n_heads: int, half_pad: int) -> tuple[int, int, int, int]:
+    """BLOCK_B, BLOCK_H, heads per program, num_warps for the TE kernel (tuned on an H100).
 
-def _te_blocks(
-    n_batch: int, n_heads: int, half_pad: int, per_b_angles: bool
-) -> tuple[int, int, int]:
-    """BLOCK_B, BLOCK_H, num_warps for the TE kernel: ~4K pairs per loop step (tuned on an H100)."""
-    block_b = _TE_TUNE.get("BLOCK_B") or min(_pow2(n_batch), 4 if per_b_angles else 16)
-    block_b = min(block_b, _pow2(n_batch))
-    block_h = _TE_TUNE.get("BLOCK_H") or max(1, 4096 // (half_pad * block_b))
-    block_h = min(block_h, _pow2(n_heads))
+    A program takes BLOCK_B batch entries of one position and walks its heads BLOCK_H at a time
+    (~TARGET pairs a step), so sin/cos are computed once for all of them. When that leaves too
+    few programs to fill the GPU, the heads are split over a third grid axis.
+    """
+    target = _TE_TUNE.get("TARGET", 4096)
+    block_b = min(_TE_TUNE.get("BLOCK_B", 16), _pow2(n_batch))
+    block_h = min(_pow2(n_heads), max(1, target // (half_pad * block_b)))
+    n_h_blocks = triton.cdiv(n_heads, block_h)
+    programs = s * triton.cdiv(n_batch, block_b)
+    split = max(
+        1, min(n_h_blocks, triton.cdiv(_TE_TUNE.get("MIN_PROGRAMS", _MIN_PROGRAMS), programs))
+    )
+    heads_per_prog = triton.cdiv(n_h_blocks, split) * block_h
     num_warps = _TE_TUNE.get("num_warps") or (8 if block_b * block_h * half_pad >= 4096 else 4)
-    return block_b, block_h, num_warps
+    return block_b, block_h, heads_per_prog, num_warps
 
 
 def _sbhd_view(
@@ -607,8 +624,8 @@ def _launch_rope_te(
     is_thd = tensor_format == "thd"
     has_start = start_positions is not None
     n_seqs = cu_seqlens.shape[0] - 1 if is_thd else 0
-    block_b, block_h, num_warps = _te_blocks(B, H, half_pad, has_start and not is_thd)
-    grid = (S, triton.cdiv(B, block_b))
+    block_b, block_h, heads_per_prog, num_warps = _te_blocks(S, B, H, half_pad)
+    grid = (S, triton.cdiv(B, block_b), triton.cdiv(H, heads_per_prog))
     _rope_te_kernel[grid](
         x, out, freqs,
         start_positions if has_start else x,
@@ -620,7 +637,7 @@ def _launch_rope_te(
         IS_THD=is_thd, HAS_START=has_start, CP=cp_size > 1,
         SEARCH_STEPS=max(n_seqs, 1).bit_length() + 1,
         INTERLEAVED=interleaved, BACKWARD=backward,
-        BLOCK_B=block_b, BLOCK_H=block_h, num_warps=num_warps,
+        HEADS_PER_PROG=heads_per_prog, BLOCK_B=block_b, BLOCK_H=block_h, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -630,8 +647,10 @@ def _check_rope_te_args(
 ) -> torch.Tensor:
     """Validate ``apply_rotary_pos_emb`` arguments; returns ``freqs`` as fp32.
 
-    Syncs with the device only for what must be read on the host: ``cu_seqlens`` (thd) and the
-    largest ``start_positions`` (both small).
+    Syncs with the device only for what must be read on the host: ``cu_seqlens`` (thd). The
+    ``start_positions`` bound is checked on the host for CPU tensors, in the reference, or with
+    ``NAKTA_DEBUG=1``; a fused CUDA call without the flag does not synchronise on it, and a
+    position past the table turns that row into NaN instead of reading out of bounds.
     """
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
@@ -699,10 +718,11 @@ def _check_rope_te_args(
                 f"start_positions must have one entry per sequence ({n_seqs}), "
                 f"got {start_positions.shape[0]}"
             )
-        starts = start_positions.tolist()
-        if starts and min(starts) < 0:
-            raise ValueError(f"start_positions must be >= 0, got min {min(starts)}")
-        need = [n + s for n, s in zip(need, starts)]
+        if not for_kernel or not t.is_cuda or _debug_checks():
+            starts = start_positions.tolist()
+            if starts and min(starts) < 0:
+                raise ValueError(f"start_positions must be >= 0, got min {min(starts)}")
+            need = [n + s for n, s in zip(need, starts)]
     if need and max(need) > s2:
         raise ValueError(
             f"freqs has {s2} positions but the input needs {max(need)} "
