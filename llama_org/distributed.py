@@ -59,6 +59,8 @@ def init_distributed(device: torch.device) -> int:
             os.environ["WORLD_SIZE"] = "1"
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if fs_init.model_parallel_is_initialized():  # groups of a world that was destroyed
+            fs_init.destroy_model_parallel()
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend)
         _STARTED_PROCESS_GROUP = True

@@ -355,3 +355,14 @@ def test_factory_shards_concatenate_back_to_the_full_weights():
         else:
             dim = 0 if parts[0].shape[0] != full.shape[0] else 1
             assert torch.equal(torch.cat(parts, dim=dim), full)
+
+
+def test_rebuild_after_the_process_group_was_destroyed(tmp_path, tokenizer_path):
+    """Another component may tear the world down; stale fairscale groups must not be reused."""
+    import torch.distributed as dist
+
+    tokens = random_tokens(1, 5, TINY_PARAMS["vocab_size"])
+    before = build(tmp_path, tokenizer_path).model(tokens, 0)
+    dist.destroy_process_group()  # fairscale's groups now belong to a dead world
+    after = build(tmp_path / "again", tokenizer_path).model(tokens, 0)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
