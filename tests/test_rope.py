@@ -306,7 +306,8 @@ def test_rotary_position_embedding_values(device):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_bad_arguments_raise(fused, device):
+def test_bad_arguments_raise(fused, device, monkeypatch):
+    monkeypatch.setenv("NAKTA_DEBUG", "1")  # CUDA checks bounds on the host only then
     t = torch.rand(4, 2, 2, 8, device=device)
     emb = RotaryPositionEmbedding(8, device=device)(4)
     cu = torch.tensor([0, 3, 6], dtype=torch.int32, device=device)

@@ -287,7 +287,8 @@ def _args(device, tokens=3, nq=2, nkv=1, hd=8):
 
 
 @pytest.mark.parametrize("fn", [apply_rope_qkv_, apply_rope_qkv_reference])
-def test_positions_past_table_raise(fn, device):
+def test_positions_past_table_raise(fn, device, monkeypatch):
+    monkeypatch.setenv("NAKTA_DEBUG", "1")  # CUDA checks bounds on the host only then
     qkv, pos, cos, sin = _args(device)
     pos[1] = 16
     with pytest.raises(ValueError, match="positions must lie in"):
@@ -298,7 +299,8 @@ def test_positions_past_table_raise(fn, device):
 
 
 @pytest.mark.parametrize("fn", [apply_rope_qkv_, apply_rope_qkv_reference])
-def test_bad_arguments_raise(fn, device):
+def test_bad_arguments_raise(fn, device, monkeypatch):
+    monkeypatch.setenv("NAKTA_DEBUG", "1")  # CUDA checks bounds on the host only then
     qkv, pos, cos, sin = _args(device)
     kw = dict(interleaved=False)
     with pytest.raises(ValueError, match="qkv must have 2 dimensions"):

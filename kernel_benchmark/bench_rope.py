@@ -1,0 +1,503 @@
+"""RoPE: Nakta's fused Triton kernels vs the PyTorch reference, Liger-Kernel and TransformerEngine.
+
+Why: rotary embedding is purely memory-bound, so the yardstick is bytes moved over the copy
+bandwidth measured in the same run. Every path is timed on the same inputs and credited with the
+same minimal byte count, whatever it actually moves:
+
+* TE-compatible API (``apply_rotary_pos_emb``), forward: read t + write the output + read the
+  freqs rows used (fp32); backward: read the gradient + write the input gradient + freqs.
+  Sweeps vary one axis around ``s=4096, b=16, h=32, d=128``, bf16, sbhd: seq_length, head size
+  d, rotary_percent, batch, heads and margin (``s = 4096 - margin`` tokens with random
+  ``start_positions`` into a 4096-row table).
+* Model path (``apply_rope_qkv_``), forward only (inference), at LLaMA-7B/13B/65B head counts
+  (32/40/64 heads of 128) over 16K tokens: read + write of Q and K (V is untouched) + the
+  cos/sin rows read. ``nakta_cache`` also writes K and V into a KV cache: its count adds the K
+  write, the V read and the V write.
+
+Paths: ``nakta`` (fused Triton), ``torch`` (the PyTorch reference: TE's unfused algorithm /
+``apply_rope_qkv_reference``), ``liger`` (``liger_kernel.ops.rope.LigerRopeFunction``, in place on
+q and k each holding half of the heads, with precomputed cos/sin in the input dtype; it has no
+per-sequence start positions, so the margin rows give it per-batch cos/sin tables), ``te``
+(TransformerEngine's fused kernel, when importable). Backward rows time ``torch.autograd.grad``
+on a retained graph, the same for every path.
+
+    python -m kernel_benchmark.bench_rope [--quick] [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
+from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from nakta_model.kernels import rope as rope_module
+from nakta_model.kernels.rope import (
+    RotaryPositionEmbedding,
+    apply_rope_qkv_,
+    apply_rope_qkv_reference,
+    apply_rotary_pos_emb,
+    build_rope_cache,
+)
+
+DEFAULT = dict(seq_length=4096, batch=16, heads=32, hidden=128, rotary_percent=1.0, margin=0)
+SWEEPS = {
+    "seq_length": [512, 1024, 2048, 4096],
+    "hidden": [128, 256, 512],
+    "rotary_percent": [0.5, 1.0],
+    "batch": [2, 4, 8, 16],
+    "heads": [8, 16, 32, 64],
+    "margin": [0, 10, 100],
+}
+QUICK_SWEEPS = {"seq_length": [512, 4096], "hidden": [512], "rotary_percent": [0.5], "margin": [10]}
+LLAMA_HEADS = {"7B": 32, "13B": 40, "65B": 64}
+QKV_TOKENS = 16384
+TARGETS = {"default": 90.0, "sweep": 80.0, "qkv": 90.0}
+
+
+# ----------------------------------------------------------------------------- timing
+def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> float:
+    """Median milliseconds: CUDA events via triton's do_bench (L2 flushed between calls)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(
+            triton.testing.do_bench(
+                fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median"
+            )
+        )
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+# ----------------------------------------------------------------------------- peers
+def _liger():
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except Exception:  # not installed, or its package init fails on this machine
+        return None
+    return LigerRopeFunction
+
+
+def _te():
+    try:
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as te_apply
+    except Exception:
+        try:
+            from transformer_engine.pytorch import apply_rotary_pos_emb as te_apply
+        except Exception:
+            return None
+    return te_apply
+
+
+# ----------------------------------------------------------------------------- TE-API cases
+def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> list[dict]:
+    """Forward and backward of every path at one configuration."""
+    s_table = cfg["seq_length"]
+    s = s_table - cfg["margin"]
+    b, h, d = cfg["batch"], cfg["heads"], cfg["hidden"]
+    g = torch.Generator(device=device).manual_seed(s * 31 + b * 7 + h + d)
+    t = torch.randn(s, b, h, d, generator=g, device=device, dtype=dtype)
+    grad = torch.randn(s, b, h, d, generator=g, device=device, dtype=dtype)
+    emb = RotaryPositionEmbedding(d, cfg["rotary_percent"], device=device)(s_table)
+    d2 = emb.shape[-1]
+    starts = None
+    if cfg["margin"]:
+        starts = torch.randint(
+            0, cfg["margin"], (b,), generator=g, device=device, dtype=torch.int32
+        )
+    e = t.element_size()
+    nbytes = 2 * t.numel() * e + s * d2 * 4
+
+    paths: dict[str, Callable] = {
+        "nakta": lambda x: apply_rotary_pos_emb(x, emb, "sbhd", starts, fused=True),
+        "torch": lambda x: apply_rotary_pos_emb(x, emb, "sbhd", starts, fused=False),
+    }
+    te_apply = _te()
+    if te_apply is not None and device.type == "cuda":
+        paths["te"] = lambda x: te_apply(x, emb, "sbhd", start_positions=starts, fused=True)
+
+    rows = []
+    base = {**cfg, "dtype": str(dtype).removeprefix("torch."), "MB_moved": nbytes / 1e6}
+
+    def record(mode, name, fn):
+        row = {**base, "mode": mode, "path": name}
+        try:
+            ms = time_ms(fn, device, quick)
+        except Exception as ex:  # a peer that does not take this shape
+            rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
+            return
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        rows.append(
+            {
+                **row,
+                "status": "ok",
+                "us": ms * 1e3,
+                "GB/s": gbps,
+                "pct_copy_bw": 100 * gbps / copy_gbps,
+            }
+        )
+
+    for name, fn in paths.items():
+        with torch.no_grad():
+            record("fwd", name, lambda fn=fn: fn(t))
+        tg = t.detach().requires_grad_()
+        out = fn(tg)
+        record(
+            "bwd",
+            name,
+            lambda out=out, tg=tg: torch.autograd.grad(out, tg, grad, retain_graph=True),
+        )
+        del out, tg
+
+    liger = _liger()
+    if liger is not None and device.type == "cuda" and h % 2 == 0:
+        # q and k: half of the heads each, physically [b, s, h/2, d], seen as [b, h/2, s, d].
+        q = torch.randn(b, s, h // 2, d, generator=g, device=device, dtype=dtype)
+        k = torch.randn(b, s, h // 2, d, generator=g, device=device, dtype=dtype)
+        pos = torch.arange(s, device=device)[None, :] + (
+            starts[:, None] if starts is not None else 0
+        )
+        ang = emb[:, 0, 0, :][pos]  # [1 or b, s, d2]
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        with torch.no_grad():
+            record(
+                "fwd", "liger", lambda: liger.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            )
+        qg = q.detach().requires_grad_().clone()
+        kg = k.detach().requires_grad_().clone()
+        oq, ok = liger.apply(qg.transpose(1, 2), kg.transpose(1, 2), cos, sin)
+        gq = torch.randn_like(q).transpose(1, 2)
+        gk = torch.randn_like(k).transpose(1, 2)
+        record(
+            "bwd",
+            "liger",
+            lambda: torch.autograd.grad((oq, ok), (qg, kg), (gq, gk), retain_graph=True),
+        )
+    return rows
+
+
+def te_configs(quick: bool) -> list[tuple[str, dict]]:
+    """(sweep name, configuration) pairs; the default shape appears under every sweep."""
+    sweeps = QUICK_SWEEPS if quick else SWEEPS
+    out = [("default", dict(DEFAULT))]
+    for axis, values in sweeps.items():
+        for v in values:
+            out.append((axis, {**DEFAULT, axis: v}))
+    return out
+
+
+# ----------------------------------------------------------------------------- QKV path
+def qkv_rows(model: str, device, dtype, quick: bool, copy_gbps: float) -> list[dict]:
+    nh, hd, tokens = LLAMA_HEADS[model], 128, QKV_TOKENS
+    g = torch.Generator(device=device).manual_seed(nh)
+    qkv = torch.randn(tokens, 3 * nh * hd, generator=g, device=device, dtype=dtype)
+    cos, sin = build_rope_cache(8192, hd, device=device)
+    pos = torch.randint(0, 8192, (tokens,), generator=g, device=device)
+    e = qkv.element_size()
+    qk_bytes = 2 * (2 * tokens * nh * hd * e) + 2 * tokens * (hd // 2) * 4
+    cache_bytes = qk_bytes + 3 * tokens * nh * hd * e  # + K write, V read, V write
+    k_cache = torch.empty(tokens, nh, hd, device=device, dtype=dtype)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(tokens, device=device)
+    args = (qkv, pos, cos, sin, nh, nh, hd)
+    paths = {
+        "nakta": (lambda: apply_rope_qkv_(*args, interleaved=False), qk_bytes),
+        "nakta_interleaved": (lambda: apply_rope_qkv_(*args, interleaved=True), qk_bytes),
+        "nakta_cache": (
+            lambda: apply_rope_qkv_(
+                *args, interleaved=False, k_cache=k_cache, v_cache=v_cache, cache_slots=slots
+            ),
+            cache_bytes,
+        ),
+        "torch": (lambda: apply_rope_qkv_reference(*args, interleaved=False), qk_bytes),
+    }
+    liger = _liger()
+    if liger is not None and device.type == "cuda":
+        q = torch.randn(1, tokens, nh, hd, generator=g, device=device, dtype=dtype)
+        k = torch.randn(1, tokens, nh, hd, generator=g, device=device, dtype=dtype)
+        c = torch.cat((cos[pos], cos[pos]), -1)[None].to(dtype)
+        s_ = torch.cat((sin[pos], sin[pos]), -1)[None].to(dtype)
+        paths["liger"] = (
+            lambda: liger.apply(q.transpose(1, 2), k.transpose(1, 2), c, s_),
+            qk_bytes,
+        )
+    rows = []
+    for name, (fn, nbytes) in paths.items():
+        row = {"model": model, "heads": nh, "head_dim": hd, "tokens": tokens, "path": name}
+        with torch.no_grad():
+            ms = time_ms(fn, device, quick)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        rows.append(
+            {
+                **row,
+                "MB_moved": nbytes / 1e6,
+                "us": ms * 1e3,
+                "GB/s": gbps,
+                "pct_copy_bw": 100 * gbps / copy_gbps,
+            }
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- tuning
+def tune(device, dtype, copy_gbps: float) -> pd.DataFrame:
+    """Block-size sweep of both kernels at a few shapes (forward; backward is the same kernel)."""
+    from tqdm import tqdm
+
+    rows = []
+    te_shapes = {
+        "default": {},
+        "default_interleaved": {"interleaved": True},
+        "hidden512": {"hidden": 512},
+        "seq512": {"seq_length": 512},
+    }
+    te_configs_ = [
+        dict(BLOCK_B=bb, TARGET=tg, num_warps=w)
+        for bb, tg, w in itertools.product((2, 16), (2048, 8192), (4, 8))
+    ]
+    jobs = [("te", n, c) for n in te_shapes for c in [None, *te_configs_]]
+    qkv_configs = [
+        dict(BLOCK_T=bt, TARGET=tg, num_warps=w)
+        for bt, tg, w in itertools.product((1, 4), (2048, 8192), (4, 8))
+    ]
+    qkv_shapes = {"7B": (32, False), "65B": (64, False), "7B_interleaved": (32, True)}
+    jobs += [("qkv", n, c) for n in qkv_shapes for c in [None, *qkv_configs]]
+    cache = {}
+    for kind, shape, conf in tqdm(jobs, desc="tune"):
+        if kind == "te":
+            extra = te_shapes[shape]
+            cfg = {**DEFAULT, **{k: v for k, v in extra.items() if k != "interleaved"}}
+            key = ("te", shape)
+            if key not in cache:
+                s, b, h, d = cfg["seq_length"], cfg["batch"], cfg["heads"], cfg["hidden"]
+                t = torch.randn(s, b, h, d, device=device, dtype=dtype)
+                emb = RotaryPositionEmbedding(d, cfg["rotary_percent"], device=device)(s)
+                cache = {key: (t, emb)}
+                torch.cuda.empty_cache()
+            t, emb = cache[key]
+            il = extra.get("interleaved", False)
+            nbytes = 2 * t.numel() * t.element_size()
+            fn = functools.partial(apply_rotary_pos_emb, t, emb, interleaved=il)
+            target = rope_module._TE_TUNE
+        else:
+            nh, il = qkv_shapes[shape]
+            key = ("qkv", shape)
+            if key not in cache:
+                qkv = torch.randn(QKV_TOKENS, 3 * nh * 128, device=device, dtype=dtype)
+                cs = build_rope_cache(8192, 128, device=device)
+                pos = torch.randint(0, 8192, (QKV_TOKENS,), device=device)
+                cache = {key: (qkv, cs, pos)}
+                torch.cuda.empty_cache()
+            qkv, (cos, sin), pos = cache[key]
+            nbytes = 2 * 2 * QKV_TOKENS * nh * 128 * qkv.element_size()
+            fn = functools.partial(apply_rope_qkv_, qkv, pos, cos, sin, nh, nh, 128, interleaved=il)
+            target = rope_module._QKV_TUNE
+        target.clear()
+        target.update(conf or {})
+        try:
+            with torch.no_grad():
+                ms = time_ms(fn, device, True)
+            pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
+        except Exception as ex:
+            ms, pct = float("nan"), float("nan")
+            print(f"{kind} {shape} {conf}: {str(ex).splitlines()[0][:100]}")
+        finally:
+            target.clear()
+        rows.append(
+            {
+                "kernel": kind,
+                "shape": shape,
+                "config": "heuristic" if conf is None else str(conf),
+                "us": ms * 1e3,
+                "pct_copy_bw": pct,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- report
+def plot(te: pd.DataFrame, qkv: pd.DataFrame, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = te[te["status"] == "ok"]
+    value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "GB/s"
+    axes_names = [a for a in SWEEPS if a in set(ok["sweep"])]
+    fig, axes = plt.subplots(
+        2, len(axes_names) + 1, figsize=(4 * (len(axes_names) + 1), 7.5), squeeze=False
+    )
+    for col, axis in enumerate(axes_names):
+        for row, mode in enumerate(("fwd", "bwd")):
+            ax = axes[row][col]
+            sub = ok[(ok["sweep"] == axis) & (ok["mode"] == mode)]
+            table = sub.pivot_table(index=axis, columns="path", values=value)
+            table.plot(ax=ax, marker="o", legend=(col == 0))
+            ax.set_title(f"{mode}: {axis}")
+            ax.axhline(100, color="gray", lw=0.8, ls="--")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("% of copy bandwidth" if value == "pct_copy_bw" else "GB/s")
+    ax = axes[0][-1]
+    if len(qkv):
+        table = qkv.pivot_table(index="model", columns="path", values=value, sort=False)
+        table.plot.bar(ax=ax, rot=0)
+        ax.set_title(f"fused QK in place, {QKV_TOKENS} tokens")
+        ax.axhline(100, color="gray", lw=0.8, ls="--")
+        ax.legend(fontsize=7)
+    axes[1][-1].axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def summarize(te: pd.DataFrame, qkv: pd.DataFrame) -> dict:
+    """The issue's targets: % of copy bandwidth at the default shape, every sweep point, QKV."""
+    ok = te[(te["status"] == "ok") & (te["path"] == "nakta")]
+    out: dict = {}
+    for mode in ("fwd", "bwd"):
+        sub = ok[ok["mode"] == mode]
+        default = sub[sub["sweep"] == "default"]["pct_copy_bw"]
+        if len(default):
+            out[f"{mode}_default_pct"] = float(default.iloc[0])
+        if sub["pct_copy_bw"].notna().any():
+            worst = sub.loc[sub["pct_copy_bw"].idxmin()]
+            out[f"{mode}_min_sweep_pct"] = float(worst["pct_copy_bw"])
+            axis = worst["sweep"]
+            out[f"{mode}_min_sweep_point"] = axis if axis == "default" else f"{axis}={worst[axis]}"
+    if len(qkv):
+        sub = qkv[qkv["path"] == "nakta"]
+        out["qkv_min_pct"] = float(sub["pct_copy_bw"].min())
+        out["qkv_pct"] = {r["model"]: float(r["pct_copy_bw"]) for _, r in sub.iterrows()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    p = argparse.ArgumentParser(description="RoPE paths vs copy bandwidth.")
+    p.add_argument("--quick", action="store_true", help="fewer sweep points and repetitions")
+    p.add_argument("--tune", action="store_true", help="only sweep Nakta block sizes")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="results folder (default results/<device>)")
+    args = p.parse_args(argv)
+    from tqdm import tqdm
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    dtype = getattr(torch, args.dtype)
+    slug = device_slug(device)
+    out = Path(args.out) if args.out else results_dir(__file__, slug)
+    copy_gbps = copy_bandwidth_gbps(device=str(device)) if on_gpu else float("nan")
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s on {slug}", flush=True)
+
+    if args.tune:
+        if not on_gpu:
+            raise SystemExit("--tune needs a GPU")
+        tdf = tune(device, dtype, copy_gbps)
+        write_table(
+            tdf,
+            out,
+            "rope_tune",
+            "RoPE launch configurations (forward)",
+            f"copy {copy_gbps:.0f} GB/s",
+        )
+        for (kind, shape), grp in tdf.groupby(["kernel", "shape"], sort=False):
+            grp = grp.sort_values("pct_copy_bw", ascending=False)
+            heur = grp[grp["config"] == "heuristic"]["pct_copy_bw"].iloc[0]
+            best = grp.iloc[0]
+            print(
+                f"{kind:4s} {shape:20s} heuristic {heur:5.1f}%  best {best['pct_copy_bw']:5.1f}% {best['config']}"
+            )
+        return tdf, pd.DataFrame()
+
+    if on_gpu:
+        configs = te_configs(args.quick)
+        models = list(LLAMA_HEADS)
+    else:  # a smoke run: the interpreter is far too slow for real sizes
+        small = dict(seq_length=8, batch=2, heads=2, hidden=16, rotary_percent=1.0, margin=0)
+        configs = [("default", small), ("margin", {**small, "margin": 2})]
+        models = []
+    rows, done = [], {}
+    for sweep, cfg in tqdm(configs, desc="rope TE-API points"):
+        key = tuple(sorted(cfg.items()))
+        if key not in done:
+            done[key] = te_case_rows(cfg, device, dtype, args.quick, copy_gbps)
+            if on_gpu:
+                torch.cuda.empty_cache()
+        rows += [{"sweep": sweep, **r} for r in done[key]]
+    te = pd.DataFrame(rows)
+    qrows = []
+    for model in tqdm(models, desc="rope QKV models"):
+        qrows += qkv_rows(model, device, dtype, args.quick, copy_gbps)
+        torch.cuda.empty_cache()
+    qkv = pd.DataFrame(qrows)
+
+    stem = "rope_quick" if args.quick else "rope"
+    notes = (
+        f"Device: {slug}; {args.dtype}; copy bandwidth measured in this run: {copy_gbps:.0f} GB/s "
+        "(bytes read + written). GB/s = minimal bytes (t read + output written + freqs rows "
+        "read, fp32) / median time (triton do_bench), the same count for every path. Backward "
+        "= torch.autograd.grad on a retained graph. Sweeps vary one axis around s=4096, b=16, "
+        "h=32, d=128, rotary_percent=1, sbhd; margin m runs s=4096-m tokens with random "
+        "start_positions in [0, m)."
+    )
+    write_table(te, out, stem, "RoPE (TE-compatible API): Nakta vs PyTorch, Liger, TE", notes)
+    if len(qkv):
+        qnotes = (
+            f"Device: {slug}; {args.dtype}; copy bandwidth {copy_gbps:.0f} GB/s. In-place rotation "
+            f"of the Q and K heads of a fused [tokens, 3*heads*128] QKV matrix, {QKV_TOKENS} "
+            "tokens; bytes = Q+K read and written + cos/sin rows (fp32); nakta_cache also writes "
+            "K and V to a KV cache (+ K write, V read, V write). Liger gets separate contiguous q "
+            "and k tensors and precomputed per-token cos/sin."
+        )
+        write_table(qkv, out, f"{stem}_qkv", "RoPE, fused QK in place (model path)", qnotes)
+    summary = summarize(te, qkv) | {"copy_gbps": copy_gbps, "device": slug, "targets": TARGETS}
+    write_json(summary, out / f"{stem}_summary.json")
+    save_figure(plot(te, qkv, f"RoPE ({args.dtype}) on {slug}"), out / f"{stem}.png")
+
+    show = te[te["status"] == "ok"]
+    cols = [
+        "sweep",
+        "seq_length",
+        "batch",
+        "heads",
+        "hidden",
+        "rotary_percent",
+        "margin",
+        "mode",
+        "path",
+        "us",
+        "pct_copy_bw",
+    ]
+    print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    for _, r in te[te["status"] != "ok"].iterrows():
+        print(f"{r['sweep']} {r['mode']} {r['path']}: {r['status']}")
+    if len(qkv):
+        print(
+            qkv[["model", "path", "us", "GB/s", "pct_copy_bw"]].to_string(
+                index=False, float_format=lambda v: f"{v:.3g}"
+            )
+        )
+    for k, v in summary.items():
+        print(f"{k}: {v}")
+    print(f"results -> {out}")
+    return te, qkv
+
+
+if __name__ == "__main__":
+    main()
