@@ -191,7 +191,10 @@ class Transformer(nn.Module):
         args.check_tp(ctx.tp_size)
         self.args, self.parallel = args, ctx
         self.ops = _Ops(kernels or _default_kernels())
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # _weight: no random init (on the meta device it would import torch._dynamo: seconds)
+        self.tok_embeddings = nn.Embedding(
+            args.vocab_size, args.dim, _weight=torch.zeros(args.vocab_size, args.dim)
+        )
         self.layers = nn.ModuleList(
             TransformerBlock(args, ctx, self.ops) for _ in range(args.n_layers)
         )

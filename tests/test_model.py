@@ -1,0 +1,364 @@
+"""nakta_model.Transformer: KV cache, forward_scored tree masks, logits gather, TP, dtypes, errors.
+
+Parity with Meta's code is in test_parity_llama_org.py; here the model is checked against itself
+along independent paths (cache vs no cache, packed tree vs separate sequences, Triton vs
+reference kernels, tp=2 vs tp=1) and the attention helpers against plain math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from checkpoint_factory import TINY_PARAMS, TINY_PARAMS_MHA, meta_state_dict
+
+from nakta_model import attention
+from nakta_model.checkpoint import from_meta_state_dict
+from nakta_model.config import ModelArgs
+from nakta_model.model import from_state_dict, random_model
+from nakta_model.parallel import ParallelContext
+
+VOCAB = TINY_PARAMS["vocab_size"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(params=TINY_PARAMS, dtype=torch.float32, kernels="reference", seed=0, rank=0, tp=1):
+    args = ModelArgs.from_meta_params(params, max_seq_len=64)
+    sd = from_meta_state_dict(meta_state_dict(params, seed=seed), args, rank, tp)
+    ctx = ParallelContext(rank, tp) if tp > 1 else None
+    return from_state_dict(sd, args, "cpu", dtype, ctx, kernels=kernels)
+
+
+# ----------------------------------------------------------------------------- attention helpers
+
+
+def naive_attention(q, k, v, allowed):
+    """fp64 softmax attention; ``allowed`` [b or 1, s, t] bool; GQA by repeating KV heads."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).to(q.dtype)
+
+
+@pytest.mark.parametrize("s, t", [(5, 5), (1, 7), (3, 8)])
+def test_causal_attention_is_bottom_right_aligned_with_gqa(s, t):
+    q, k, v = torch.randn(2, 4, s, 8), torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 8)
+    allowed = torch.arange(t)[None, :] <= torch.arange(s)[:, None] + (t - s)
+    out = attention.causal_attention(q, k, v)
+    torch.testing.assert_close(out, naive_attention(q, k, v, allowed[None]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="suffix"):
+        attention.causal_attention(torch.randn(1, 4, 9, 8), k[:1], v[:1])
+
+
+def test_attention_bias_is_aligned_and_keeps_empty_rows_finite():
+    mask = torch.rand(3, 21, 21) > 0.5
+    mask[:, 4] = False  # a row that may attend to nothing (padding)
+    bias = attention.attention_bias(mask, torch.float32)
+    assert bias.shape == (3, 1, 21, 21) and bias.stride(-2) % 16 == 0 and bias.stride(0) % 16 == 0
+    q, k, v = torch.randn(3, 4, 21, 8), torch.randn(3, 2, 21, 8), torch.randn(3, 2, 21, 8)
+    out = attention.masked_attention(q, k, v, bias)
+    assert torch.isfinite(out).all()
+    mask[:, 4, 4] = True  # what the bias turns an empty row into
+    torch.testing.assert_close(out, naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="torch.bool"):
+        attention.attention_bias(mask.float(), torch.float32)
+    with pytest.raises(ValueError, match=r"\[B, L, L\]"):
+        attention.attention_bias(mask[:, :3], torch.float32)
+
+
+# ------------------------------------------------------------------------------------ KV cache
+
+
+@pytest.mark.parametrize("params", [TINY_PARAMS, TINY_PARAMS_MHA], ids=["gqa", "mha"])
+def test_kv_cache_prefill_chunk_and_decode_equal_full_forward(params):
+    model = make(params)
+    tokens = torch.randint(0, VOCAB, (2, 13))
+    full = model(tokens)
+    model.setup_cache(max_batch_size=3, max_seq_len=20)
+    parts = [model(tokens[:, :6], 0), model(tokens[:, 6:9], 6)]  # prefill, then a 3-token chunk
+    parts += [model(tokens[:, i : i + 1], i) for i in range(9, 13)]  # one token at a time
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+    # forward_last = last position of forward; a smaller batch reuses the cache
+    torch.testing.assert_close(
+        model.forward_last(tokens[:1, :5], 0), full[:1, 4], rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(ValueError, match="exceed the KV cache"):
+        model(tokens[:, :2], 19)
+    with pytest.raises(ValueError, match="exceed the KV cache"):
+        model(torch.zeros(4, 1, dtype=torch.long), 0)
+    model.clear_cache()
+    torch.testing.assert_close(model(tokens), full)
+
+
+def test_forward_without_cache_at_an_offset_rotates_from_start_pos():
+    model = make()
+    tokens = torch.randint(0, VOCAB, (1, 6))
+    # Positions shift every q/k rotation equally, so attention scores (and logits) are unchanged.
+    torch.testing.assert_close(model(tokens, 10), model(tokens, 0), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ forward_scored
+
+
+def tree_batch(c=5, a=3, b=4, pad=2):
+    """Row 0: context C, continuations A and B (each sees C and its own prefix), 2 pad slots.
+    Row 1: one plain causal sequence of the same length."""
+    length = c + a + b + pad
+    tokens = torch.randint(3, VOCAB, (2, length))
+    positions = torch.zeros(2, length, dtype=torch.long)
+    positions[0, :c] = torch.arange(c)
+    positions[0, c : c + a] = torch.arange(c, c + a)
+    positions[0, c + a : c + a + b] = torch.arange(c, c + b)
+    positions[1] = torch.arange(length)
+    mask = torch.zeros(2, length, length, dtype=torch.bool)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask[0, :c, :c] = causal[:c, :c]
+    mask[0, c : c + a, :c] = True
+    mask[0, c : c + a, c : c + a] = causal[:a, :a]
+    mask[0, c + a : c + a + b, :c] = True
+    mask[0, c + a : c + a + b, c + a : c + a + b] = causal[:b, :b]
+    mask[1] = causal
+    return tokens, positions, mask, (c, a, b, length)
+
+
+@pytest.mark.parametrize("params", [TINY_PARAMS, TINY_PARAMS_MHA], ids=["gqa", "mha"])
+def test_forward_scored_tree_mask_equals_separate_forwards(params):
+    model = make(params)
+    tokens, positions, mask, (c, a, b, length) = tree_batch()
+    index = torch.arange(2 * length)  # every row, pad rows included (they must stay finite)
+    out = model.forward_scored(tokens, positions, mask, index).view(2, length, -1)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    ca = model(torch.cat([tokens[:1, :c], tokens[:1, c : c + a]], 1))[0]
+    cb = model(torch.cat([tokens[:1, :c], tokens[:1, c + a : c + a + b]], 1))[0]
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0, :c], ca[:c], **tol)
+    torch.testing.assert_close(out[0, c : c + a], ca[c:], **tol)
+    torch.testing.assert_close(out[0, c + a : c + a + b], cb[c:], **tol)
+    torch.testing.assert_close(out[1], model(tokens[1:])[0], **tol)
+    # attn_mask=None means causal
+    torch.testing.assert_close(
+        model.forward_scored(tokens[1:], positions[1:], None, torch.arange(length)),
+        model(tokens[1:])[0],
+        **tol,
+    )
+
+
+def test_logits_index_gathers_rows_and_the_lm_head_sees_only_them():
+    model = make()
+    tokens, positions, mask, (_, _, _, length) = tree_batch()
+    full = model.forward_scored(tokens, positions, mask, torch.arange(2 * length))
+    index = torch.tensor([13, 4, 5, 27, 6, 4])  # any order, repeats allowed
+    rows_seen = []
+    hook = model.output.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
+    try:
+        got = model.forward_scored(tokens, positions, mask, index)
+    finally:
+        hook.remove()
+    assert rows_seen == [len(index)]
+    torch.testing.assert_close(got, full[index], rtol=1e-6, atol=1e-6)
+
+
+def test_forward_scored_rejects_bad_inputs():
+    model = make()
+    tokens, positions, mask, _ = tree_batch()
+    idx = torch.tensor([0])
+    with pytest.raises(ValueError, match="attn_mask must have shape"):
+        model.forward_scored(tokens, positions, mask[:, :-1, :-1], idx)
+    with pytest.raises(TypeError, match="torch.bool"):
+        model.forward_scored(tokens, positions, mask.float(), idx)
+    with pytest.raises(ValueError, match="positions must be a tensor of shape"):
+        model.forward_scored(tokens, positions[:, :-1], mask, idx)
+    with pytest.raises(TypeError, match="logits_index must be an int64/int32"):
+        model.forward_scored(tokens, positions, mask, idx.float())
+    with pytest.raises(TypeError, match="tokens must be an int64/int32"):
+        model(tokens.float())
+    with pytest.raises(ValueError, match="start_pos must be an int"):
+        model(tokens, -1)
+
+
+# ------------------------------------------------------------------------- kernels and dtypes
+
+
+def test_triton_kernels_match_reference_path():
+    """The Triton kernels (interpreter on CPU) give the reference path's logits, all three paths."""
+    ref, tri = make(kernels="reference"), make(kernels="triton")
+    tokens, positions, mask, (_, _, _, length) = tree_batch()
+    idx = torch.arange(2 * length)
+    tol = dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(
+        tri.forward_scored(tokens, positions, mask, idx),
+        ref.forward_scored(tokens, positions, mask, idx),
+        **tol,
+    )
+    for m in (ref, tri):
+        m.setup_cache(2, 16)
+    a = [m(tokens[:, :5], 0) for m in (ref, tri)]
+    b = [m(tokens[:, 5:6], 5) for m in (ref, tri)]
+    torch.testing.assert_close(a[1], a[0], **tol)
+    torch.testing.assert_close(b[1], b[0], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_forward_tracks_fp32(dtype):
+    tokens, positions, mask, (_, _, _, length) = tree_batch()
+    idx = torch.arange(2 * length)
+    want = make().forward_scored(tokens, positions, mask, idx)
+    model = make(dtype=dtype)
+    assert model.dtype == dtype
+    got = model.forward_scored(tokens, positions, mask, idx)
+    assert got.dtype == torch.float32
+    # bf16 keeps 8 bits of mantissa: a few percent of the logit scale after 2 layers
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
+# ---------------------------------------------------------------------------------- random init
+
+
+def test_random_model_is_seeded_and_stays_finite_over_80_layers():
+    args = ModelArgs(dim=64, n_layers=80, n_heads=4, vocab_size=128, multiple_of=16)
+    m1 = random_model(args, "cpu", torch.bfloat16, seed=3, kernels="reference")
+    m2 = random_model(args, "cpu", torch.bfloat16, seed=3, kernels="reference")
+    m3 = random_model(args, "cpu", torch.bfloat16, seed=4, kernels="reference")
+    assert m1.dtype == torch.bfloat16 and m1.device.type == "cpu"
+    assert torch.equal(m1.layers[7].attention.wqkv.weight, m2.layers[7].attention.wqkv.weight)
+    assert not torch.equal(m1.layers[7].attention.wqkv.weight, m3.layers[7].attention.wqkv.weight)
+    logits = m1(torch.randint(0, 128, (2, 16)))
+    assert torch.isfinite(logits).all()
+    assert 0.1 < logits.std().item() < 10.0
+
+
+def test_random_model_under_tp_holds_only_its_shard():
+    args = ModelArgs.from_meta_params(TINY_PARAMS)
+    r0 = random_model(args, "cpu", torch.float32, parallel=ParallelContext(0, 2))
+    r1 = random_model(args, "cpu", torch.float32, parallel=ParallelContext(1, 2))
+    hd = args.head_dim
+    assert r0.layers[0].attention.wqkv.weight.shape == ((2 + 2 * 1) * hd, args.dim)
+    assert r0.layers[0].feed_forward.w13.weight.shape == (args.hidden_dim, args.dim)
+    assert r0.output.weight.shape == (args.vocab_size // 2, args.dim)
+    assert r0.tok_embeddings.weight.shape == (args.vocab_size, args.dim)
+    assert not torch.equal(r0.layers[0].attention.wo.weight, r1.layers[0].attention.wo.weight)
+
+
+def test_from_state_dict_is_strict():
+    args = ModelArgs.from_meta_params(TINY_PARAMS)
+    sd = from_meta_state_dict(meta_state_dict(TINY_PARAMS), args)
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
+        from_state_dict({k: v for k, v in sd.items() if k != "norm.weight"}, args, "cpu")
+    with pytest.raises(ValueError, match="shape"):
+        from_state_dict({**sd, "norm.weight": sd["norm.weight"][:-1]}, args, "cpu")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        from_state_dict(sd, args, "cpu", kernels="fast")
+
+
+# ------------------------------------------------------------------------ tensor parallel (gloo)
+
+
+def _tp_worker(rank: int, world: int, init_file: str, inputs: dict, out_file: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = make(rank=rank, tp=world)
+        res = {
+            "scored": model.forward_scored(
+                inputs["tokens"], inputs["positions"], inputs["mask"], inputs["index"]
+            ),
+            "full": model(inputs["tokens"]),
+        }
+        model.setup_cache(2, 16)
+        model(inputs["tokens"][:, :5], 0)
+        res["decode"] = model(inputs["tokens"][:, 5:6], 5)
+        if rank == 0:
+            torch.save(res, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two fresh interpreters importing torch: a few seconds
+def test_tensor_parallel_two_gloo_ranks_match_single_process(tmp_path):
+    tokens, positions, mask, (_, _, _, length) = tree_batch()
+    inputs = dict(
+        tokens=tokens, positions=positions, mask=mask, index=torch.arange(0, 2 * length, 3)
+    )
+    out_file = tmp_path / "tp.pt"
+    mp.start_processes(
+        _tp_worker,
+        args=(2, str(tmp_path / "rdv"), inputs, str(out_file)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    got = torch.load(out_file, weights_only=True)
+    model = make()
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["scored"], model.forward_scored(**_kw(inputs)), **tol)
+    torch.testing.assert_close(got["full"], model(tokens), **tol)
+    torch.testing.assert_close(got["decode"], model(tokens[:, :6])[:, 5:], **tol)
+
+
+def _kw(inputs):
+    return dict(
+        tokens=inputs["tokens"],
+        positions=inputs["positions"],
+        attn_mask=inputs["mask"],
+        logits_index=inputs["index"],
+    )
+
+
+# --------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_paths_agree_with_fp32_and_the_tree_mask(dtype):
+    """On CUDA: Triton kernels + flash/efficient SDPA; tree-masked scoring == separate forwards."""
+    args = ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1000, multiple_of=64)
+    model = random_model(args, "cuda", dtype, seed=1)
+    ref = random_model(args, "cuda", torch.float32, seed=1)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    ref.kernels = "reference"
+    c, a, b = 37, 11, 9
+    length = c + a + b + 7
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(3, 1000, (4, length), device="cuda", generator=gen)
+    positions = torch.zeros(4, length, dtype=torch.long, device="cuda")
+    mask = torch.zeros(4, length, length, dtype=torch.bool, device="cuda")
+    causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
+    for r in range(4):
+        positions[r, :c] = torch.arange(c)
+        positions[r, c : c + a] = torch.arange(c, c + a)
+        positions[r, c + a : c + a + b] = torch.arange(c, c + b)
+        mask[r, :c, :c] = causal[:c, :c]
+        mask[r, c : c + a, :c] = True
+        mask[r, c : c + a, c : c + a] = causal[:a, :a]
+        mask[r, c + a : c + a + b, :c] = True
+        mask[r, c + a : c + a + b, c + a : c + a + b] = causal[:b, :b]
+    idx = torch.arange(4 * length, device="cuda")
+    out = model.forward_scored(tokens, positions, mask, idx).view(4, length, -1)
+    want = ref.forward_scored(tokens, positions, mask, idx).view(4, length, -1)
+    assert torch.isfinite(out).all()
+    scale = want.abs().max()
+    assert (out - want).abs().max() < 0.05 * scale
+    ca = model(torch.cat([tokens[:, :c], tokens[:, c : c + a]], 1))
+    cb = model(torch.cat([tokens[:, :c], tokens[:, c + a : c + a + b]], 1))
+    real = out[:, : c + a + b]
+    sep = torch.cat([ca, cb[:, c:]], 1)
+    assert (real - sep).abs().max() < 0.03 * scale
+    model.setup_cache(4, length)
+    pre = model(tokens[:, :c], 0)
+    dec = torch.cat([model(tokens[:, i : i + 1], i) for i in range(c, c + 5)], 1)
+    model.clear_cache()
+    full = model(tokens[:, : c + 5])
+    assert (torch.cat([pre, dec], 1) - full).abs().max() < 0.03 * scale
