@@ -10,6 +10,11 @@ output written once), whatever a path actually moves:
   weight read and weight-gradient written once;
 * forward+backward: the sum.
 
+Times: ``us`` is GPU time from CUDA-graph replays (host launch overhead removed; inputs
+cycled over enough copies to exceed L2), ``us_eager`` is a Python-launched call (triton's
+do_bench), which includes the host overhead of each path's Python/autograd code wherever that
+exceeds the GPU time. ``pct_copy_bw`` uses ``us``.
+
 Paths: ``nakta`` (``nakta_model.kernels.rmsnorm.rms_norm``, cast="meta"), ``meta_eager`` (Meta's
 ``RMSNorm`` code written out), ``torch_rms_norm`` (``F.rms_norm``), ``compile_meta``
 (``torch.compile`` of Meta's code), ``liger`` (``LigerRMSNormFunction``, casting "llama";
@@ -64,6 +69,19 @@ def _liger():
     return LigerRMSNormFunction, LigerFusedAddRMSNormFunction
 
 
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, with donated buffers off so a retained graph can run backward
+    more than once, and room for the recompiles a sweep of shapes and grad modes causes."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo_config, knob):
+            setattr(dynamo_config, knob, 64)
+    return torch.compile(fn)
+
+
 @functools.lru_cache(maxsize=4)
 def paths(device: torch.device) -> tuple[dict[str, Callable], dict[str, Callable]]:
     """``(plain, residual)``: name -> fn(x, w) and name -> fn(x, r, w) returning (y, h).
@@ -79,8 +97,8 @@ def paths(device: torch.device) -> tuple[dict[str, Callable], dict[str, Callable
         "meta_eager": meta_add_rms_norm,
     }
     if device.type == "cuda":
-        plain["compile_meta"] = torch.compile(meta_rms_norm)
-        residual["compile_meta"] = torch.compile(meta_add_rms_norm)
+        plain["compile_meta"] = compiled(meta_rms_norm)
+        residual["compile_meta"] = compiled(meta_add_rms_norm)
         liger = _liger()
         if liger is not None:
             rms, add_rms = liger
@@ -90,16 +108,14 @@ def paths(device: torch.device) -> tuple[dict[str, Callable], dict[str, Callable
 
 
 # ----------------------------------------------------------------------------- timing
-def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> float:
-    """Median milliseconds: CUDA events via triton's do_bench (L2 flushed between calls)."""
+def eager_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median ms per call launched from Python (do_bench: events, L2 flushed between calls).
+
+    Includes the host's launch overhead wherever it exceeds the GPU time."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(
-            triton.testing.do_bench(
-                fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median"
-            )
-        )
+        return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
     fn()
     times = []
     for _ in range(3):
@@ -107,6 +123,46 @@ def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> floa
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[1]
+
+
+def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 40.0) -> float:
+    """GPU ms per call: calls cycled inside one CUDA graph, median of 3 replays.
+
+    Graph replay removes host launch overhead. ``calls`` use distinct input sets, together
+    larger than L2 (see ``input_sets``), so each call reads its inputs from DRAM."""
+    for c in calls:  # warm-up: compilation, autotuning, allocator
+        c()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    calls[0]()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    reps = max(1, min(24 // len(calls) + 1, int(budget_ms / max(est, 1e-3) / len(calls))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            for c in calls:
+                c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(calls)))
+    del graph
+    return sorted(times)[1]
+
+
+def input_sets(device: torch.device, bytes_per_call: int) -> int:
+    """Copies of the inputs to cycle through so that one pass over them exceeds 3x L2."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(8, -(-3 * l2 // bytes_per_call)))
 
 
 def min_bytes(mode: str, m: int, n: int, e: int) -> int:
@@ -117,102 +173,114 @@ def min_bytes(mode: str, m: int, n: int, e: int) -> int:
 
 
 # ----------------------------------------------------------------------------- sweep
-def bench_shape(m, n, dtype, device, quick, copy_gbps) -> list[dict]:
-    g = torch.Generator(device=device).manual_seed(m * 7 + n)
-    x = torch.randn(m, n, generator=g, device=device, dtype=dtype)
-    r = torch.randn(m, n, generator=g, device=device, dtype=dtype)
-    w = (1 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
-    dy = torch.randn(m, n, generator=g, device=device, dtype=dtype)
-    plain, residual = paths(device)
-    e = x.element_size()
-    with torch.no_grad():
-        ref = meta_rms_norm(x, w)
-        ref_res = meta_rms_norm(x + r, w)
-    rows = []
+def make_inputs(m, n, dtype, device, seed) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return {
+        "x": torch.randn(m, n, generator=g, device=device, dtype=dtype),
+        "r": torch.randn(m, n, generator=g, device=device, dtype=dtype),
+        "w": (1 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype),
+        "dy": torch.randn(m, n, generator=g, device=device, dtype=dtype),
+    }
 
-    def record(mode, name, fn, out=None, ref_out=None):
+
+def make_call(mode: str, fn: Callable, t: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """A no-argument call of one path in one mode (for "bwd" the forward runs here, once)."""
+    x, r, w, dy = t["x"], t["r"], t["w"], t["dy"]
+    if mode in ("fwd", "fwd+res"):
+        args = (x, w) if mode == "fwd" else (x, r, w)
+
+        def call():
+            with torch.no_grad():
+                return fn(*args)
+
+        return call
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    if mode == "bwd":
+        y = fn(xg, wg)
+        return lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+
+
+def bench_shape(m, n, dtype, device, copy_gbps) -> list[dict]:
+    plain, residual = paths(device)
+    e = torch.empty((), dtype=dtype).element_size()
+    n_sets = {mode: input_sets(device, min_bytes(mode, m, n, e)) for mode in MODES}
+    sets = [make_inputs(m, n, dtype, device, m * 7 + n + i) for i in range(max(n_sets.values()))]
+    x, r, w = sets[0]["x"], sets[0]["r"], sets[0]["w"]
+    with torch.no_grad():
+        refs = {"fwd": meta_rms_norm(x, w), "fwd+res": meta_rms_norm(x + r, w)}
+    stream = torch.cuda.current_stream() if device.type == "cuda" else None
+    rows = []
+    jobs = [(mode, name, fn) for name, fn in plain.items() for mode in ("fwd", "bwd", "fwd+bwd")]
+    jobs += [("fwd+res", name, fn) for name, fn in residual.items()]
+    for mode, name, fn in jobs:
         row = {"tokens": m, "hidden": n, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
-        row["path"] = name
+        row |= {"path": name, "input_sets": n_sets[mode]}
+        nbytes = min_bytes(mode, m, n, e)
         try:
-            ms = time_ms(fn, device, quick)
-        except Exception as ex:  # a peer that does not take this shape
+            calls = [make_call(mode, fn, t) for t in sets[: n_sets[mode]]]
+            mism = float("nan")
+            if mode in refs:
+                out = calls[0]()
+                out = out[0] if isinstance(out, tuple) else out
+                mism = (out != refs[mode]).float().mean().item()
+            us_eager = eager_ms(calls[0], device) * 1e3
+        except Exception as ex:  # a peer that does not take this shape or mode
             rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
-            return
-        gbps = min_bytes(mode, m, n, e) / (ms * 1e-3) / 1e9
-        mism = float("nan") if out is None else (out != ref_out).float().mean().item()
+            continue
+        status, us = "ok", float("nan")
+        if device.type == "cuda":
+            try:
+                us = graph_ms(calls, stream) * 1e3
+            except Exception as ex:
+                status = f"ok; no CUDA graph: {str(ex).splitlines()[0][:60]}"
+        del calls
         rows.append(
             {
                 **row,
-                "status": "ok",
-                "us": ms * 1e3,
-                "GB/s": gbps,
-                "pct_copy_bw": 100 * gbps / copy_gbps,
+                "status": status,
+                "us": us,
+                "GB/s": nbytes / us / 1e3,
+                "pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps,
+                "us_eager": us_eager,
+                "pct_copy_bw_eager": 100 * nbytes / us_eager / 1e3 / copy_gbps,
                 "mismatch_vs_meta": mism,
             }
         )
-
-    for name, fn in plain.items():
-        with torch.no_grad():
-            out = fn(x, w)
-            record("fwd", name, lambda fn=fn: fn(x, w), out, ref)
-        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
-        y = fn(xg, wg)
-        record(
-            "bwd",
-            name,
-            lambda y=y, xg=xg, wg=wg: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True),
-        )
-        del y
-
-        def fwd_bwd(fn=fn, xg=xg, wg=wg):
-            return torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
-
-        record("fwd+bwd", name, fwd_bwd)
-    for name, fn in residual.items():
-        with torch.no_grad():
-            out = fn(x, r, w)[0]
-            record("fwd+res", name, lambda fn=fn: fn(x, r, w), out, ref_res)
     return rows
 
 
 def tune(dtype, device, tokens: int = 16384) -> pd.DataFrame:
-    """Launch configurations of the Nakta kernels at one size: forward and backward separately."""
+    """Launch configurations of the Nakta kernels (launchers called directly, CUDA-graph time)."""
     import itertools
 
     rows = []
     copy = copy_bandwidth_gbps(device=str(device))
     sm = torch.cuda.get_device_properties(device).multi_processor_count
-    for n in (4096, 8192):
+    stream = torch.cuda.current_stream()
+    for n in (4096, 5120, 8192):
         x = torch.randn(tokens, n, device=device, dtype=dtype)
         w = torch.randn(n, device=device, dtype=dtype)
         dy = torch.randn_like(x)
         _, _, rstd = rms_norm_forward(x, w, EPS, store_rstd=True)
         e = x.element_size()
-        for warps, rpp in itertools.product((4, 8, 16), (1, 2, 4)):
-            ms = time_ms(
-                functools.partial(
-                    rms_norm_forward, x, w, EPS, num_warps=warps, rows_per_program=rpp
-                ),
-                device,
-                True,
-            )
-            gbps = min_bytes("fwd", tokens, n, e) / ms / 1e6
+        for bm, warps in itertools.product((1, 2, 4), (4, 8, 16)):
+            call = functools.partial(rms_norm_forward, x, w, EPS, block_m=bm, num_warps=warps)
+            us = graph_ms([call], stream) * 1e3
             rows.append(
-                {"hidden": n, "kernel": "fwd", "num_warps": warps, "rows_per_program": rpp}
-                | {"programs_per_sm": None, "us": ms * 1e3, "pct_copy_bw": 100 * gbps / copy}
+                {"hidden": n, "kernel": "fwd", "block_m": bm, "num_warps": warps}
+                | {"programs_per_sm": None, "us": us}
+                | {"pct_copy_bw": 100 * min_bytes("fwd", tokens, n, e) / us / 1e3 / copy}
             )
-        for warps, per_sm in itertools.product((4, 8, 16), (1, 2, 4, 8)):
-            ms = time_ms(
-                functools.partial(
-                    rms_norm_backward, dy, x, w, rstd, num_warps=warps, programs=per_sm * sm
-                ),
-                device,
-                True,
+        for bm, warps, per_sm in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4)):
+            call = functools.partial(
+                rms_norm_backward, dy, x, w, rstd, block_m=bm, num_warps=warps, programs=per_sm * sm
             )
-            gbps = min_bytes("bwd", tokens, n, e) / ms / 1e6
+            us = graph_ms([call], stream) * 1e3
             rows.append(
-                {"hidden": n, "kernel": "bwd", "num_warps": warps, "rows_per_program": None}
-                | {"programs_per_sm": per_sm, "us": ms * 1e3, "pct_copy_bw": 100 * gbps / copy}
+                {"hidden": n, "kernel": "bwd", "block_m": bm, "num_warps": warps}
+                | {"programs_per_sm": per_sm, "us": us}
+                | {"pct_copy_bw": 100 * min_bytes("bwd", tokens, n, e) / us / 1e3 / copy}
             )
     return pd.DataFrame(rows)
 
@@ -224,7 +292,7 @@ def plot(df: pd.DataFrame, title: str):
     import matplotlib.pyplot as plt
 
     ok = df[df["status"] == "ok"]
-    value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "GB/s"  # no copy bw on CPU
+    value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "us_eager"  # CPU: no graphs
     modes = [m for m in MODES if m in set(ok["mode"])]
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
@@ -233,7 +301,7 @@ def plot(df: pd.DataFrame, title: str):
         table = sub.pivot_table(index="case", columns="path", values=value, sort=False)
         table.plot(ax=ax, marker="o")
         ax.set_title(mode)
-        ax.set_ylabel("% of copy bandwidth" if value == "pct_copy_bw" else "GB/s")
+        ax.set_ylabel("% of copy bandwidth" if value == "pct_copy_bw" else "us per call")
         ax.set_xticks(range(len(table.index)))
         ax.set_xticklabels(table.index, rotation=60, ha="right", fontsize=7)
         ax.axhline(100, color="gray", lw=0.8, ls="--")
@@ -283,7 +351,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     shapes = [(m, n) for n in hidden for m in tokens]
     for m, n in tqdm(shapes, desc="rmsnorm shapes"):
-        rows += bench_shape(m, n, dtype, device, args.quick, copy_gbps)
+        rows += bench_shape(m, n, dtype, device, copy_gbps)
         if on_gpu:
             torch.cuda.empty_cache()
     df = pd.DataFrame(rows)
@@ -292,9 +360,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     notes = (
         f"Device: {slug}; {args.dtype}; copy bandwidth measured in this run: {copy_gbps:.0f} GB/s "
         "(bytes read + written). GB/s = minimal bytes (each input read once, each output "
-        "written once; see bench_rmsnorm.py) / median time, the same count for every path. "
-        "Backward = torch.autograd.grad on a retained graph. `mismatch_vs_meta` = fraction of "
-        "forward outputs differing in any bit from Meta's eager RMSNorm."
+        "written once; see bench_rmsnorm.py) / time, the same count for every path. `us` = "
+        "GPU time per call from CUDA-graph replays (inputs cycled over `input_sets` copies to "
+        "defeat L2); `us_eager` = Python-launched call incl. host overhead. Backward = "
+        "torch.autograd.grad on a retained graph. `mismatch_vs_meta` = fraction of forward "
+        "outputs differing in any bit from Meta's eager RMSNorm."
     )
     stem = "rmsnorm" if not args.quick else "rmsnorm_quick"
     write_table(df, out, stem, "RMSNorm: Nakta vs PyTorch, torch.compile and Liger", notes)
@@ -307,7 +377,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     show = df[df["status"] == "ok"]
     if on_gpu:
         show = show[show.tokens == 16384]
-    cols = ["tokens", "hidden", "mode", "path", "us", "pct_copy_bw", "mismatch_vs_meta"]
+    cols = ["tokens", "hidden", "mode", "path", "us", "pct_copy_bw", "us_eager"]
+    cols += ["mismatch_vs_meta"]
     print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for _, r in df[df["status"] != "ok"].iterrows():
         print(f"{r['tokens']}x{r['hidden']} {r['mode']} {r['path']}: {r['status']}")

@@ -10,7 +10,10 @@ read as strided views), ``nakta_silu_mul`` (``silu_mul`` on two separate contigu
 ``eager`` (``F.silu(gate) * up`` on the views), ``compile_eager`` (``torch.compile`` of it),
 ``liger_fused`` (``LigerFusedGateUpSiLUMulFunction`` on ``[T, 2F]``) and ``liger``
 (``LigerSiLUMulFunction`` on separate tensors). Backward rows time ``torch.autograd.grad`` on a
-retained graph, the same for every path. ``mismatch_vs_eager`` is the fraction of forward
+retained graph, the same for every path. Times: ``us`` is GPU time from CUDA-graph replays
+(host launch overhead removed; inputs cycled over enough copies to exceed L2), ``us_eager`` a
+Python-launched call (triton's do_bench), which includes each path's host overhead wherever
+that exceeds the GPU time; ``pct_copy_bw`` uses ``us``. ``mismatch_vs_eager`` is the fraction of forward
 outputs that differ in any bit from eager PyTorch.
 
     python -m kernel_benchmark.bench_swiglu [--quick] [--tune]
@@ -50,7 +53,7 @@ def paths(device: torch.device) -> dict[str, tuple[str, Callable]]:
         "eager": ("fused", eager_swiglu),
     }
     if device.type == "cuda":
-        out["compile_eager"] = ("fused", torch.compile(eager_swiglu))
+        out["compile_eager"] = ("fused", compiled(eager_swiglu))
         try:
             from liger_kernel.ops.swiglu import (
                 LigerFusedGateUpSiLUMulFunction,
@@ -64,16 +67,28 @@ def paths(device: torch.device) -> dict[str, tuple[str, Callable]]:
     return out
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> float:
-    """Median milliseconds: CUDA events via triton's do_bench (L2 flushed between calls)."""
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, with donated buffers off so a retained graph can run backward
+    more than once, and room for the recompiles a sweep of shapes and grad modes causes."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo_config, knob):
+            setattr(dynamo_config, knob, 64)
+    return torch.compile(fn)
+
+
+# ----------------------------------------------------------------------------- timing
+def eager_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median ms per call launched from Python (do_bench: events, L2 flushed between calls).
+
+    Includes the host's launch overhead wherever it exceeds the GPU time."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(
-            triton.testing.do_bench(
-                fn, warmup=10 if quick else 20, rep=40 if quick else 60, return_mode="median"
-            )
-        )
+        return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
     fn()
     times = []
     for _ in range(3):
@@ -83,90 +98,153 @@ def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> floa
     return sorted(times)[1]
 
 
-def bench_shape(m, f, dtype, device, quick, copy_gbps) -> list[dict]:
-    g = torch.Generator(device=device).manual_seed(m * 7 + f)
+def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 40.0) -> float:
+    """GPU ms per call: calls cycled inside one CUDA graph, median of 3 replays.
+
+    Graph replay removes host launch overhead. ``calls`` use distinct input sets, together
+    larger than L2 (see ``input_sets``), so each call reads its inputs from DRAM."""
+    for c in calls:  # warm-up: compilation, autotuning, allocator
+        c()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    calls[0]()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    reps = max(1, min(24 // len(calls) + 1, int(budget_ms / max(est, 1e-3) / len(calls))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            for c in calls:
+                c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(calls)))
+    del graph
+    return sorted(times)[1]
+
+
+def input_sets(device: torch.device, bytes_per_call: int) -> int:
+    """Copies of the inputs to cycle through so that one pass over them exceeds 3x L2."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(8, -(-3 * l2 // bytes_per_call)))
+
+
+# ----------------------------------------------------------------------------- sweep
+def make_inputs(m, f, dtype, device, seed) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
     gate_up = (2 * torch.randn(m, 2 * f, generator=g, device=device)).to(dtype)
-    gate, up = gate_up[:, :f].contiguous(), gate_up[:, f:].contiguous()
-    dout = torch.randn(m, f, generator=g, device=device, dtype=dtype)
-    with torch.no_grad():
-        ref = eager_swiglu(gate_up)
-    e = gate_up.element_size()
-    rows = []
+    return {
+        "gate_up": gate_up,
+        "gate": gate_up[:, :f].contiguous(),
+        "up": gate_up[:, f:].contiguous(),
+        "dout": torch.randn(m, f, generator=g, device=device, dtype=dtype),
+    }
 
-    def record(mode, name, fn, out=None):
-        row = {"tokens": m, "ffn": f, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
-        row["path"] = name
-        try:
-            ms = time_ms(fn, device, quick)
-        except Exception as ex:  # a peer that does not take this shape
-            rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
-            return
-        gbps = ELEMS[mode] * m * f * e / (ms * 1e-3) / 1e9
-        mism = float("nan") if out is None else (out != ref).float().mean().item()
-        rows.append(
-            {
-                **row,
-                "status": "ok",
-                "us": ms * 1e3,
-                "GB/s": gbps,
-                "pct_copy_bw": 100 * gbps / copy_gbps,
-                "mismatch_vs_eager": mism,
-            }
-        )
 
-    for name, (kind, fn) in paths(device).items():
-        if kind == "fused":
-            leaves = (gate_up.detach().requires_grad_(),)
-        else:
-            leaves = (gate.detach().requires_grad_(), up.detach().requires_grad_())
-        plain = tuple(t.detach() for t in leaves)
-        with torch.no_grad():
-            out = fn(*plain)
-            record("fwd", name, lambda fn=fn, plain=plain: fn(*plain), out)
+def make_call(mode: str, kind: str, fn: Callable, t: dict) -> Callable[[], object]:
+    """A no-argument call of one path in one mode (for "bwd" the forward runs here, once)."""
+    inputs = (t["gate_up"],) if kind == "fused" else (t["gate"], t["up"])
+    if mode == "fwd":
+
+        def call():
+            with torch.no_grad():
+                return fn(*inputs)
+
+        return call
+    leaves = tuple(x.detach().requires_grad_() for x in inputs)
+    dout = t["dout"]
+    if mode == "bwd":
         y = fn(*leaves)
-        record(
-            "bwd",
-            name,
-            lambda y=y, leaves=leaves: torch.autograd.grad(y, leaves, dout, retain_graph=True),
-        )
-        del y
+        return lambda: torch.autograd.grad(y, leaves, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(*leaves), leaves, dout)
 
-        def fwd_bwd(fn=fn, leaves=leaves):
-            return torch.autograd.grad(fn(*leaves), leaves, dout)
 
-        record("fwd+bwd", name, fwd_bwd)
+def bench_shape(m, f, dtype, device, copy_gbps) -> list[dict]:
+    e = torch.empty((), dtype=dtype).element_size()
+    n_sets = {mode: input_sets(device, ELEMS[mode] * m * f * e) for mode in MODES}
+    sets = [make_inputs(m, f, dtype, device, m * 7 + f + i) for i in range(max(n_sets.values()))]
+    with torch.no_grad():
+        ref = eager_swiglu(sets[0]["gate_up"])
+    stream = torch.cuda.current_stream() if device.type == "cuda" else None
+    rows = []
+    for name, (kind, fn) in paths(device).items():
+        for mode in MODES:
+            row = {"tokens": m, "ffn": f, "dtype": str(dtype).removeprefix("torch.")}
+            row |= {"mode": mode, "path": name, "input_sets": n_sets[mode]}
+            nbytes = ELEMS[mode] * m * f * e
+            try:
+                calls = [make_call(mode, kind, fn, t) for t in sets[: n_sets[mode]]]
+                mism = float("nan")
+                if mode == "fwd":
+                    mism = (calls[0]() != ref).float().mean().item()
+                us_eager = eager_ms(calls[0], device) * 1e3
+            except Exception as ex:  # a peer that does not take this shape or mode
+                rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
+                continue
+            status, us = "ok", float("nan")
+            if device.type == "cuda":
+                try:
+                    us = graph_ms(calls, stream) * 1e3
+                except Exception as ex:
+                    status = f"ok; no CUDA graph: {str(ex).splitlines()[0][:60]}"
+            del calls
+            rows.append(
+                {
+                    **row,
+                    "status": status,
+                    "us": us,
+                    "GB/s": nbytes / us / 1e3,
+                    "pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps,
+                    "us_eager": us_eager,
+                    "pct_copy_bw_eager": 100 * nbytes / us_eager / 1e3 / copy_gbps,
+                    "mismatch_vs_eager": mism,
+                }
+            )
     return rows
 
 
 def tune(dtype, device, tokens: int = 16384) -> pd.DataFrame:
-    """Tile shapes and warps of the Nakta kernels, forward and backward separately."""
+    """Tile shapes and warps of the Nakta kernels (launchers called directly, CUDA-graph time)."""
     import itertools
 
     rows = []
     copy = copy_bandwidth_gbps(device=str(device))
+    stream = torch.cuda.current_stream()
     for f in (11008, 22016):
         gate_up = torch.randn(tokens, 2 * f, device=device, dtype=dtype)
         gate, up = gate_up[:, :f], gate_up[:, f:]
         dout = torch.randn(tokens, f, device=device, dtype=dtype)
         dg, du = torch.empty_like(dout), torch.empty_like(dout)
         e = gate_up.element_size()
-        for bm, bn, warps in itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (4, 8, 16)):
-            if not 512 <= bm * bn <= 8192 or warps * 32 * 4 > bm * bn:
+        configs = list(itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (4, 8, 16)))
+        configs.append((1, triton_next_pow2(f), 16))  # one whole row per program, as Liger does
+        for bm, bn, warps in configs:
+            if not 512 <= bm * bn <= 16384 or warps * 32 * 4 > bm * bn:
                 continue
             cfg = {"block_m": bm, "block_n": bn, "num_warps": warps}
-            ms = time_ms(functools.partial(silu_mul_forward, gate, up, **cfg), device, True)
-            rows.append(
-                {"ffn": f, "kernel": "fwd", **cfg, "us": ms * 1e3}
-                | {"pct_copy_bw": 100 * 3 * tokens * f * e / ms / 1e6 / copy}
-            )
-            ms = time_ms(
-                functools.partial(silu_mul_backward, dout, gate, up, dg, du, **cfg), device, True
-            )
-            rows.append(
-                {"ffn": f, "kernel": "bwd", **cfg, "us": ms * 1e3}
-                | {"pct_copy_bw": 100 * 5 * tokens * f * e / ms / 1e6 / copy}
-            )
+            for kernel, call, elems in (
+                ("fwd", functools.partial(silu_mul_forward, gate, up, **cfg), 3),
+                ("bwd", functools.partial(silu_mul_backward, dout, gate, up, dg, du, **cfg), 5),
+            ):
+                us = graph_ms([call], stream) * 1e3
+                rows.append(
+                    {"ffn": f, "kernel": kernel, **cfg, "us": us}
+                    | {"pct_copy_bw": 100 * elems * tokens * f * e / us / 1e3 / copy}
+                )
     return pd.DataFrame(rows)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def plot(df: pd.DataFrame, title: str):
@@ -176,7 +254,7 @@ def plot(df: pd.DataFrame, title: str):
     import matplotlib.pyplot as plt
 
     ok = df[df["status"] == "ok"]
-    value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "GB/s"  # no copy bw on CPU
+    value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "us_eager"  # CPU: no graphs
     fig, axes = plt.subplots(1, len(MODES), figsize=(5 * len(MODES), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], MODES):
         sub = ok[ok["mode"] == mode].copy()
@@ -184,7 +262,7 @@ def plot(df: pd.DataFrame, title: str):
         table = sub.pivot_table(index="case", columns="path", values=value, sort=False)
         table.plot(ax=ax, marker="o")
         ax.set_title(mode)
-        ax.set_ylabel("% of copy bandwidth" if value == "pct_copy_bw" else "GB/s")
+        ax.set_ylabel("% of copy bandwidth" if value == "pct_copy_bw" else "us per call")
         ax.set_xticks(range(len(table.index)))
         ax.set_xticklabels(table.index, rotation=60, ha="right", fontsize=7)
         ax.axhline(100, color="gray", lw=0.8, ls="--")
@@ -235,7 +313,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     shapes = [(m, f) for f in ffn for m in tokens]
     for m, f in tqdm(shapes, desc="swiglu shapes"):
-        rows += bench_shape(m, f, dtype, device, args.quick, copy_gbps)
+        rows += bench_shape(m, f, dtype, device, copy_gbps)
         if on_gpu:
             torch.cuda.empty_cache()
     df = pd.DataFrame(rows)
@@ -244,8 +322,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     notes = (
         f"Device: {slug}; {args.dtype}; copy bandwidth measured in this run: {copy_gbps:.0f} GB/s "
         "(bytes read + written). GB/s = (3 fwd, 5 bwd, 8 fwd+bwd) x tokens x F x element size "
-        "/ median time, the same count for every path. Backward = torch.autograd.grad on a "
-        "retained graph. `mismatch_vs_eager` = fraction of outputs differing in any bit from "
+        "/ time, the same count for every path. `us` = GPU time per call from CUDA-graph "
+        "replays (inputs cycled over `input_sets` copies to defeat L2); `us_eager` = "
+        "Python-launched call incl. host overhead. Backward = torch.autograd.grad on a retained "
+        "graph. `mismatch_vs_eager` = fraction of outputs differing in any bit from "
         "F.silu(gate) * up."
     )
     stem = "swiglu" if not args.quick else "swiglu_quick"
@@ -259,7 +339,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     show = df[df["status"] == "ok"]
     if on_gpu:
         show = show[show.tokens == 16384]
-    cols = ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "mismatch_vs_eager"]
+    cols = ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "us_eager"]
+    cols += ["mismatch_vs_eager"]
     print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for _, r in df[df["status"] != "ok"].iterrows():
         print(f"{r['tokens']}x{r['ffn']} {r['mode']} {r['path']}: {r['status']}")

@@ -1,8 +1,9 @@
 """RMSNorm kernel vs Meta's formula (same rounding order) and vs fp64 autograd for gradients.
 
 CPU runs use the Triton interpreter on small shapes; ``gpu`` tests use LLaMA hidden sizes.
-Tolerances: outputs within 1 ulp of the same-dtype reference (the row sum is reduced in a
-different order, so an fp32 1/rms can differ in its last bit), with few such elements;
+Tolerances: outputs within 2 ulp of the same-dtype reference (the row sum is reduced in a
+different order, so an fp32 1/rms can differ in its last bit), with few such elements (on
+the GPU at most 1e-3 of them; about 2e-6 measured at LLaMA widths in bf16);
 gradients within a small multiple of the dtype's epsilon of the fp64 gradient.
 """
 
@@ -47,7 +48,10 @@ def _inputs(rows, n, dtype, device, residual: bool, wdtype=None):
 
 
 def _ulps(dtype: torch.dtype) -> float:
-    return 4 if dtype == torch.float32 else 1
+    """fp32: a few ulp. Half types: a last-bit change of 1/rms can flip the rounding of the
+    normalized value (Meta rounds it before the weight multiply), and the product with the
+    weight can carry that to 2 ulp of the output; such elements are rare (see _frac)."""
+    return 4 if dtype == torch.float32 else 2
 
 
 def _frac(dtype: torch.dtype) -> float:
@@ -74,13 +78,14 @@ def test_forward_matches_reference(device, dtype, n, residual, cast):
     _assert_close_ulp(y, y_ref, _ulps(dtype), _frac(dtype))
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero", "ignore:invalid value")  # padded tile rows
 def test_forward_leading_dims_and_eps(device):
     x = torch.randn(2, 3, 5, 96, device=device, dtype=torch.bfloat16) * 1e-3
     w = torch.randn(96, device=device, dtype=torch.bfloat16)
     for eps in (1e-6, 1e-5, 0.0):
         y = rms_norm(x, w, eps)
         assert y.shape == x.shape
-        _assert_close_ulp(y, rms_norm_reference(x, w, eps), 1, 0.01)
+        _assert_close_ulp(y, rms_norm_reference(x, w, eps), 2, 0.01)
 
 
 def test_meta_and_fp32_cast_differ_as_documented(device):
@@ -90,7 +95,7 @@ def test_meta_and_fp32_cast_differ_as_documented(device):
     assert not torch.equal(meta, fp32)
     n = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     _assert_close_ulp(fp32, (w.float() * n).bfloat16(), 1, 0.01)
-    _assert_close_ulp(meta, (n.bfloat16().float() * w.float()).bfloat16(), 1, 0.01)
+    _assert_close_ulp(meta, (n.bfloat16().float() * w.float()).bfloat16(), 2, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -126,15 +131,17 @@ def test_widest_row_uses_column_loop(device):
     y, h = rms_norm(x, w, 1e-6, r)
     y_ref, h_ref = rms_norm_reference(x, w, 1e-6, r)
     assert torch.equal(h, h_ref)
-    _assert_close_ulp(y, y_ref, 1, 0.01)
+    _assert_close_ulp(y, y_ref, 2, 0.01)
 
 
-def test_rows_per_program(device):
+@pytest.mark.parametrize("block_m", [2, 4])
+def test_row_tiles(device, block_m):
+    """Several rows per program (a 2-D tile), with a partial last tile."""
     x, w, r = _inputs(7, 200, torch.float16, device, True)
-    y, h, _ = rms_norm_forward(x, w, 1e-6, r, rows_per_program=3)
+    y, h, _ = rms_norm_forward(x, w, 1e-6, r, block_m=block_m)
     y_ref, h_ref = rms_norm_reference(x, w, 1e-6, r)
     assert torch.equal(h, h_ref)
-    _assert_close_ulp(y, y_ref, 1, 0.01)
+    _assert_close_ulp(y, y_ref, 2, 0.01)
 
 
 def test_non_contiguous_rows(device):
@@ -148,7 +155,7 @@ def test_non_contiguous_rows(device):
     y, h = rms_norm(x, w, 1e-6, r)
     y_ref, h_ref = rms_norm_reference(x, w, 1e-6, r)
     assert torch.equal(h, h_ref)
-    _assert_close_ulp(y, y_ref, 1, 0.01)
+    _assert_close_ulp(y, y_ref, 2, 0.01)
 
 
 def test_empty_rows(device):
@@ -225,8 +232,9 @@ def test_backward_column_loop_and_uneven_programs(device, residual):
     if residual:
         assert torch.equal(dr, dx)
     # Same result through the single-block path with another program count.
-    dx1, _, dw1 = rms_norm_backward(dy, h, w, rstd, dh_out, programs=2)
-    assert _rel_err(dx1, h64.grad) < 1e-5 and _rel_err(dw1, w64.grad) < 1e-5
+    for block_m, programs in ((1, 2), (2, 3), (4, 5)):
+        dx1, _, dw1 = rms_norm_backward(dy, h, w, rstd, dh_out, block_m=block_m, programs=programs)
+        assert _rel_err(dx1, h64.grad) < 1e-5 and _rel_err(dw1, w64.grad) < 1e-5
 
 
 def test_backward_is_deterministic(device):

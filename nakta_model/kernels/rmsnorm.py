@@ -89,72 +89,72 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     STORE_RSTD: tl.constexpr,
     CAST_META: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
+    """One program normalizes BLOCK_M whole rows (one row when it needs a column loop)."""
     pid = tl.program_id(0).to(tl.int64)
     x_dtype = X.dtype.element_ty
     y_dtype = Y.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
     if SINGLE_BLOCK:
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
         col_ok = cols < n_cols
+        mask = row_ok[:, None] & col_ok[None, :]
         w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
-        for i in range(ROWS_PER_PROGRAM):
-            row = pid * ROWS_PER_PROGRAM + i
-            mask = cols < tl.where(row < n_rows, n_cols, 0)
-            h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        h = h.to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            h_low = _round_to(h + r.to(tl.float32), x_dtype, EMULATE_RNE)
+            tl.store(H + rows[:, None] * stride_h + cols[None, :], h_low, mask=mask)
+            h = h_low.to(tl.float32)
+        rstd = _rsqrt(tl.sum(h * h, axis=1) * inv_n + eps, ACCURATE)
+        if STORE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=row_ok)
+        n = h * rstd[:, None]
+        if CAST_META:
+            y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w[None, :]
+        else:
+            y = w[None, :] * n
+        y = _round_to(y, y_dtype, EMULATE_RNE)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    else:
+        # Row wider than one block: pass 1 sums squares (and writes h), pass 2 normalizes.
+        # Pass 2 recomputes h from x and residual rather than reading back what pass 1 wrote.
+        row = pid
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = c < n_cols
+            h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
-                r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
                 h_low = _round_to(h + r, x_dtype, EMULATE_RNE)
-                tl.store(H + row * stride_h + cols, h_low, mask=mask)
+                tl.store(H + row * stride_h + c, h_low, mask=mask)
                 h = h_low.to(tl.float32)
-            rstd = _rsqrt(tl.sum(h * h, axis=0) * inv_n + eps, ACCURATE)
-            if STORE_RSTD:
-                tl.store(RSTD + row, rstd, mask=row < n_rows)
+            acc += h * h
+        rstd = _rsqrt(tl.sum(acc, axis=0) * inv_n + eps, ACCURATE)
+        if STORE_RSTD:
+            tl.store(RSTD + row, rstd)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = c < n_cols
+            h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+                h = _round_to(h + r, x_dtype, EMULATE_RNE).to(tl.float32)
+            w = tl.load(W + c * stride_w, mask=mask, other=0.0).to(tl.float32)
             n = h * rstd
             if CAST_META:
                 y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
             else:
                 y = w * n
-            tl.store(Y + row * stride_y + cols, _round_to(y, y_dtype, EMULATE_RNE), mask=mask)
-    else:
-        # Row wider than one block: pass 1 sums squares (and writes h), pass 2 normalizes.
-        # Pass 2 recomputes h from x and residual rather than reading back what pass 1 wrote.
-        for i in range(ROWS_PER_PROGRAM):
-            row = pid * ROWS_PER_PROGRAM + i
-            row_ok = row < n_rows
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                mask = c < tl.where(row_ok, n_cols, 0)
-                h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-                    h_low = _round_to(h + r, x_dtype, EMULATE_RNE)
-                    tl.store(H + row * stride_h + c, h_low, mask=mask)
-                    h = h_low.to(tl.float32)
-                acc += h * h
-            rstd = _rsqrt(tl.sum(acc, axis=0) * inv_n + eps, ACCURATE)
-            if STORE_RSTD:
-                tl.store(RSTD + row, rstd, mask=row_ok)
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                col_ok = c < n_cols
-                mask = c < tl.where(row_ok, n_cols, 0)
-                h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-                    h = _round_to(h + r, x_dtype, EMULATE_RNE).to(tl.float32)
-                w = tl.load(W + c * stride_w, mask=col_ok, other=0.0).to(tl.float32)
-                n = h * rstd
-                if CAST_META:
-                    y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
-                else:
-                    y = w * n
-                tl.store(Y + row * stride_y + c, _round_to(y, y_dtype, EMULATE_RNE), mask=mask)
+            tl.store(Y + row * stride_y + c, _round_to(y, y_dtype, EMULATE_RNE), mask=mask)
 
 
 @triton.jit
@@ -182,48 +182,62 @@ def _rms_norm_bwd_kernel(
     HAS_DR: tl.constexpr,
     CAST_META: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    """dh = rstd * (dn - n * mean(dn * n)), dn = dy * w, n = h * rstd; dw = sum_rows dy * n."""
+    """dh = rstd * (dn - n * mean(dn * n)), dn = dy * w, n = h * rstd; dw = sum_rows dy * n.
+
+    Each program owns one row of DW_PARTIAL (fp32), so the weight gradient needs no atomics.
+    """
     pid = tl.program_id(0).to(tl.int64)
     h_dtype = H.dtype.element_ty
     dx_dtype = DX.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
     if SINGLE_BLOCK:
+        # Tiles of BLOCK_M rows, interleaved over programs (tile pid, pid + programs, ...), so
+        # the programs running at one moment stream through neighbouring rows.
+        num_programs = tl.num_programs(0)
         col_ok = cols < n_cols
         w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for row in range(row_start, row_end):
-            dy = tl.load(DY + row * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
-            h = tl.load(H + row * stride_h + cols, mask=col_ok, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row)
-            n = h * rstd
-            dn = dy * w
-            dot = tl.sum(dn * n, axis=0) * inv_n
-            dh = rstd * (dn - n * dot)
+        for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < n_rows
+            mask = row_ok[:, None] & col_ok[None, :]
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+            h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+            dy = dy.to(tl.float32)
+            h = h.to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            n = h * rstd[:, None]
+            dn = dy * w[None, :]
+            dot = tl.sum(dn * n, axis=1) * inv_n
+            dh = rstd[:, None] * (dn - n * dot[:, None])
             if HAS_DH_OUT:
-                dh += tl.load(DH_OUT + row * stride_dh_out + cols, mask=col_ok, other=0.0).to(
-                    tl.float32
+                dho = tl.load(
+                    DH_OUT + rows[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0
                 )
+                dh += dho.to(tl.float32)
             dh_low = _round_to(dh, dx_dtype, EMULATE_RNE)
-            tl.store(DX + row * stride_dx + cols, dh_low, mask=col_ok)
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dh_low, mask=mask)
             if HAS_DR:
-                tl.store(DR + row * stride_dr + cols, dh_low, mask=col_ok)
+                tl.store(DR + rows[:, None] * stride_dr + cols[None, :], dh_low, mask=mask)
             if COMPUTE_DW:
                 if CAST_META:
-                    dw += dy * _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
+                    n_used = _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
                 else:
-                    dw += dy * n
+                    n_used = n
+                dw += tl.sum(dy * n_used, axis=0)
         if COMPUTE_DW:
             tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_ok)
     else:
-        # Row wider than one block. Phase A: per-row dot(dn, n) into DOT[row]. Phase B: one
-        # column block at a time over all of this program's rows, so the weight-gradient
-        # partial stays in registers and every buffer element has a single writer.
+        # Row wider than one block; each program owns a contiguous chunk of rows. Phase A:
+        # per-row dot(dn, n) into DOT[row]. Phase B: one column block at a time over the
+        # chunk, so the weight-gradient partial stays in registers.
+        row_start = pid * rows_per_program
+        row_end = tl.minimum(row_start + rows_per_program, n_rows)
         for row in range(row_start, row_end):
             rstd = tl.load(RSTD + row)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -331,19 +345,34 @@ def _check_inputs(
     return x2, r2
 
 
-def _num_warps(block_n: int) -> int:
-    if block_n >= 8192:
-        return 16
-    if block_n >= 2048:
-        return 8
-    return 4
-
-
 def _block_n(n_cols: int, block_n: int | None) -> tuple[int, bool]:
+    """Column block and whether a whole row fits in it (else the kernels loop over blocks)."""
     if block_n is None:
         full = triton.next_power_of_2(n_cols)
         block_n = full if full <= MAX_SINGLE_BLOCK else MULTI_BLOCK_N
     return block_n, block_n >= n_cols
+
+
+def _fwd_config(block_n: int, single: bool) -> tuple[int, int]:
+    """Default ``(rows per program, num_warps)`` of the forward, tuned on an H200 (bf16)."""
+    if not single:
+        return 1, 8
+    if block_n >= 8192:
+        return 1, 16
+    if block_n >= 2048:
+        return 1, 8
+    return max(1, 2048 // block_n), 4
+
+
+def _bwd_config(block_n: int, single: bool) -> tuple[int, int, int]:
+    """Default ``(rows per tile, num_warps, programs per SM)`` of the backward."""
+    if not single:
+        return 1, 8, 4
+    if block_n >= 8192:
+        return 1, 16, 2
+    if block_n >= 2048:
+        return 1, 8, 2
+    return max(1, 2048 // block_n), 4, 4
 
 
 @functools.lru_cache(maxsize=16)
@@ -362,8 +391,8 @@ def rms_norm_forward(
     store_rstd: bool = False,
     *,
     block_n: int | None = None,
+    block_m: int | None = None,
     num_warps: int | None = None,
-    rows_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel: ``(y, h or None, rstd or None)``. Keyword knobs are for tuning."""
     cast_meta = _check_cast(cast)
@@ -377,12 +406,13 @@ def rms_norm_forward(
     if n_rows == 0:
         return y, h, rstd
     block_n, single = _block_n(n_cols, block_n)
-    num_warps = num_warps or _num_warps(block_n)
-    rpp = rows_per_program or 1
+    default_m, default_warps = _fwd_config(block_n, single)
+    block_m = (block_m or default_m) if single else 1
+    num_warps = num_warps or default_warps
     y2 = y.view(-1, n_cols)
     h2 = h.view(-1, n_cols) if h is not None else y2
     interp = interpreter_enabled()
-    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rpp),)](
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
         x2,
         r2 if r2 is not None else x2,
         weight,
@@ -401,7 +431,7 @@ def rms_norm_forward(
         HAS_RESIDUAL=r2 is not None,
         STORE_RSTD=rstd is not None,
         CAST_META=cast_meta,
-        ROWS_PER_PROGRAM=rpp,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         SINGLE_BLOCK=single,
         ACCURATE=not interp,
@@ -423,6 +453,7 @@ def rms_norm_backward(
     need_dw: bool = True,
     *,
     block_n: int | None = None,
+    block_m: int | None = None,
     num_warps: int | None = None,
     programs: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -441,12 +472,18 @@ def rms_norm_backward(
     dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     dr = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dr else None
     block_n, single = _block_n(n_cols, block_n)
-    num_warps = num_warps or _num_warps(block_n)
+    default_m, default_warps, per_sm = _bwd_config(block_n, single)
+    block_m = (block_m or default_m) if single else 1
+    num_warps = num_warps or default_warps
     if programs is None:
-        programs = _sm_count(h.device) * (2 if single else 4)
-    programs = max(1, min(programs, n_rows))
+        programs = _sm_count(h.device) * per_sm
+    # single block: row tiles interleaved over programs; else contiguous chunks of rows
+    programs = max(1, min(programs, triton.cdiv(n_rows, block_m)))
     rpp = triton.cdiv(n_rows, programs)
-    programs = triton.cdiv(n_rows, rpp) if n_rows else 0
+    if not single:
+        programs = triton.cdiv(n_rows, rpp) if n_rows else 0
+    elif n_rows == 0:
+        programs = 0
     dw_partial = (
         torch.empty((programs, n_cols), dtype=torch.float32, device=h.device) if need_dw else None
     )
@@ -478,6 +515,7 @@ def rms_norm_backward(
             HAS_DR=dr is not None,
             CAST_META=cast_meta,
             COMPUTE_DW=need_dw,
+            BLOCK_M=block_m,
             BLOCK_N=block_n,
             SINGLE_BLOCK=single,
             EMULATE_RNE=interpreter_enabled(),
