@@ -75,7 +75,7 @@ def convert_meta(meta_dir: str | Path, out_dir: str | Path) -> Path:
     import convert
 
     out = Path(out_dir)
-    rc = convert.main([str(meta_dir), str(out), "--tp", "1", "--dtype", "fp32"])
+    rc = convert.main([str(meta_dir), str(out), "--tp", "1", "--dtype", "fp32", "--quiet"])
     if rc not in (None, 0):
         raise RuntimeError(f"convert.py {meta_dir} -> {out} failed with exit code {rc}")
     return out

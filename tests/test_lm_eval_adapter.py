@@ -1,0 +1,173 @@
+"""lm-eval adapters ``nakta`` / ``llama_org`` and the offline ``hellaswag_local`` task.
+
+End to end: lm-eval's own ``simple_evaluate`` runs the offline task through the ``nakta``
+adapter on a tiny checkpoint and must report exactly the acc/acc_norm that the scoring engine
+plus lm-eval's HellaSwag rules give directly. Generation and rolling log-likelihoods are
+checked on the real stories260K model (greedy text of its reference) and between the adapters.
+Skipped cleanly when lm-eval is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from checkpoint_factory import TINY_PARAMS, train_tiny_tokenizer, write_meta_checkpoint  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from accuracy_test import lm_eval_adapter as adapter  # noqa: E402
+from accuracy_test import models  # noqa: E402
+from nakta_model import scoring  # noqa: E402
+from nakta_model.tasks import hellaswag  # noqa: E402
+
+TASKS = Path(__file__).resolve().parents[1] / "accuracy_test" / "tasks"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_lm_eval")
+    ckpt = write_meta_checkpoint(root / "meta", {**TINY_PARAMS, "max_seq_len": 256}, seed=3)
+    tok = train_tiny_tokenizer(root / "tok")
+    return ckpt, tok
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _llama_org_teardown():
+    yield
+    models.shutdown_llama_org()
+
+
+def _docs_file(shared_data: Path, tmp_path: Path, n: int) -> Path:
+    lines = (shared_data / "hellaswag_val_subset1000.jsonl").read_text().splitlines()[:n]
+    path = tmp_path / "hs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_models_are_registered():
+    from lm_eval.api.registry import get_model
+
+    assert get_model("nakta") is adapter.NaktaLM
+    assert get_model("llama_org") is adapter.LlamaOrgLM
+
+
+def test_simple_evaluate_offline_task_matches_engine(tiny, shared_data, tmp_path, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    ckpt, tok = tiny
+    data = _docs_file(shared_data, tmp_path, 6)
+    monkeypatch.setenv("NAKTA_HELLASWAG_JSONL", str(data))
+    out = lm_eval.simple_evaluate(
+        model="nakta",
+        model_args={"checkpoint": str(ckpt), "tokenizer": str(tok), "dtype": "fp32"},
+        tasks=["hellaswag_local"],
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+        device="cpu",
+        batch_size=8,
+        log_samples=True,
+    )
+    res = out["results"]["hellaswag_local"]
+    # the same docs scored directly by the engine, with lm-eval's metric rules
+    docs = hellaswag.load_jsonl(data)
+    handle = models.load_nakta(ckpt, models.resolve_device("cpu"), models.parse_dtype("fp32"))
+    import nakta_model
+
+    t = nakta_model.Tokenizer(tok)
+    reqs = hellaswag.build_requests(docs, lambda s: t.encode(s, bos=True, eos=False))
+    lls = [r[0] for r in scoring.score(handle.model, reqs)]
+    handle.close()
+    metrics, results = hellaswag.evaluate(docs, lls)
+    assert res["sample_len"] == 6
+    assert res["acc,none"] == pytest.approx(metrics["acc"], abs=1e-12)
+    assert res["acc_norm,none"] == pytest.approx(metrics["acc_norm"], abs=1e-12)
+    samples = sorted(out["samples"]["hellaswag_local"], key=lambda s: s["doc_id"])
+    assert [s["doc"]["query"] for s in samples] == [d.query for d in docs]
+    got = [float(r[0][0]) for s in samples for r in s["resps"]]
+    assert got == pytest.approx(lls, abs=1e-5)
+
+
+def test_llama_org_adapter_agrees_with_nakta(tiny, shared_data):
+    ckpt, tok = tiny
+    docs = hellaswag.load_jsonl(shared_data / "hellaswag_val_subset1000.jsonl", limit=3)
+    insts = [
+        Instance("loglikelihood", {}, (ctx, cont), i)
+        for d in docs
+        for i, (ctx, cont) in enumerate(hellaswag.doc_requests(d))
+    ]
+    insts.append(Instance("loglikelihood", {}, ("", " the cat"), 0))  # empty context: BOS
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="fp32", batch_size=4)
+    nakta = adapter.NaktaLM(**kw)
+    org = adapter.LlamaOrgLM(**kw)
+    a, b = (
+        nakta.loglikelihood(insts, disable_tqdm=True),
+        org.loglikelihood(insts, disable_tqdm=True),
+    )
+    assert [x[0] for x in a] == pytest.approx([x[0] for x in b], abs=1e-4)
+    assert [x[1] for x in a] == [x[1] for x in b]
+    roll = [Instance("loglikelihood_rolling", {}, ("the cat saw a big red ball. " * 6,), 0)]
+    ra, rb = nakta.loglikelihood_rolling(roll, True), org.loglikelihood_rolling(roll, True)
+    assert ra == pytest.approx(rb, abs=1e-4)
+    toks = nakta.tok_encode(roll[0].args[0], add_special_tokens=False)
+    direct = scoring.score(nakta.model, [([nakta.prefix_token_id], toks)])[0][0]
+    assert ra[0] == pytest.approx(direct, abs=1e-4)  # one window: the whole text given BOS
+    nakta._max_length = org._max_length = 16  # several windows, each <= 16 tokens
+    ra2, rb2 = nakta.loglikelihood_rolling(roll, True), org.loglikelihood_rolling(roll, True)
+    assert ra2 == pytest.approx(rb2, abs=1e-4) and ra2[0] != pytest.approx(ra[0], abs=1e-3)
+    nakta.handle.close()
+
+
+def test_generate_until_reproduces_stories260k_greedy_text(shared_data):
+    ref = json.loads((shared_data / "stories260K_greedy_reference.json").read_text())
+    assert ref["text"].startswith("Once upon a time, there was a little girl named Lily. She")
+    kw = dict(
+        checkpoint=str(shared_data / "stories260K"),
+        tokenizer=str(shared_data / "stories260K" / "tokenizer.model"),
+        device="cpu",
+        batch_size=2,
+    )
+    reqs = [
+        Instance(
+            "generate_until", {}, ("Once upon a time", {"until": ["Lily"], "max_gen_toks": 12}), 0
+        ),
+        Instance(
+            "generate_until",
+            {},
+            ("Once upon a time, there was a little girl named Lily.", {"max_gen_toks": 12}),
+            0,
+        ),
+    ]
+    for cls in (adapter.NaktaLM, adapter.LlamaOrgLM):
+        lm = cls(**kw)
+        out = lm.generate_until(reqs, disable_tqdm=True)
+        assert out[0] == ", there was a little girl named "
+        assert out[1].startswith("She loved to play outside in the")
+        assert ref["text"].startswith(
+            "Once upon a time, there was a little girl named Lily. " + out[1]
+        )
+
+
+def test_adapter_argument_errors(tiny):
+    ckpt, tok = tiny
+    assert adapter._rows("auto", None) is None and adapter._rows("8", None) == 8
+    assert adapter._rows(None, 32) == 32
+    with pytest.raises(ValueError, match="batch_size"):
+        adapter._rows("0", None)
+    with pytest.raises(ValueError, match="boolean"):
+        adapter._as_bool("maybe")
+    with pytest.raises(ValueError, match="dtype"):
+        adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="int8")
+    with pytest.raises(ValueError, match="not a directory"):
+        adapter.NaktaLM(checkpoint=str(ckpt / "nope"), tokenizer=str(tok), device="cpu")
+
+
+def test_cli_wrapper_registers_and_forwards(capsys):
+    from accuracy_test import lm_eval_cli
+
+    with pytest.raises(SystemExit) as e:
+        lm_eval_cli.main(["run", "--help"])
+    assert e.value.code == 0
+    assert "--model_args" in capsys.readouterr().out
