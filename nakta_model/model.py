@@ -301,7 +301,8 @@ class Transformer(nn.Module):
             step.key_len = start_pos + s
         return step
 
-    @torch.inference_mode()
+    # no_grad rather than inference_mode: callers may modify the returned logits in place.
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """fp32 logits ``[batch, seq, vocab]`` for ``tokens`` at positions ``start_pos ..``.
 
@@ -313,7 +314,7 @@ class Transformer(nn.Module):
         delta, residual = self._trunk(tokens, step)
         return self._head(delta, residual).view(step.batch, step.seqlen, -1)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward_last(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """Like ``forward`` but the LM head runs on the last position only: ``[batch, vocab]``
         (what Meta's LLaMA forward returns; used by generation)."""
@@ -322,7 +323,7 @@ class Transformer(nn.Module):
         last = torch.arange(step.batch, device=self.device) * step.seqlen + step.seqlen - 1
         return self._head(delta[last], residual[last])
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward_scored(
         self,
         tokens: torch.Tensor,

@@ -168,6 +168,18 @@ def test_logits_index_gathers_rows_and_the_lm_head_sees_only_them():
     torch.testing.assert_close(got, full[index], rtol=1e-6, atol=1e-6)
 
 
+def test_forward_scored_ignores_the_kv_cache_and_returns_plain_tensors():
+    model = make()
+    tokens, positions, mask, (_, _, _, length) = tree_batch()
+    idx = torch.arange(2 * length)
+    before = model.forward_scored(tokens, positions, mask, idx)
+    model.setup_cache(1, 4)  # too small for this batch: must not be touched
+    after = model.forward_scored(tokens, positions, mask, idx)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    after.sub_(after.max())  # callers may edit logits in place (no inference tensors)
+    assert not after.is_inference()
+
+
 def test_forward_scored_rejects_bad_inputs():
     model = make()
     tokens, positions, mask, _ = tree_batch()
