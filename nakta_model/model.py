@@ -106,6 +106,7 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads // ctx.tp_size
         self.n_kv_heads = args.n_kv_heads // ctx.tp_size
         self.head_dim = args.head_dim
+        self.interleaved = args.rope_interleaved  # Meta pairs (Nakta checkpoints) or HF halves
         self.wqkv = nn.Linear(
             args.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False
         )
@@ -122,7 +123,15 @@ class Attention(nn.Module):
         if step.cache_slots is not None:
             cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, cache_slots=step.cache_slots)
         self.ops.rope_qkv_(
-            qkv, step.positions, step.cos, step.sin, hq, hkv, hd, interleaved=True, **cache
+            qkv,
+            step.positions,
+            step.cos,
+            step.sin,
+            hq,
+            hkv,
+            hd,
+            interleaved=self.interleaved,
+            **cache,
         )
         heads = qkv.view(b, s, hq + 2 * hkv, hd)
         q = heads[:, :, :hq].transpose(1, 2)

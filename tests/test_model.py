@@ -100,6 +100,25 @@ def test_kv_cache_prefill_chunk_and_decode_equal_full_forward(params):
     torch.testing.assert_close(model(tokens), full)
 
 
+def test_hf_rope_layout_gives_the_same_model():
+    """rope_interleaved=False on HF-permuted q/k rows == Meta pairing on Meta rows."""
+    from hf_factory import hf_permute
+
+    args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=64)
+    meta = meta_state_dict(TINY_PARAMS, seed=0)
+    hf_rows = dict(meta)
+    for i in range(args.n_layers):
+        p = f"layers.{i}.attention."
+        hf_rows[p + "wq.weight"] = hf_permute(meta[p + "wq.weight"], args.n_heads)
+        hf_rows[p + "wk.weight"] = hf_permute(meta[p + "wk.weight"], args.n_kv_heads)
+    hf_args = args.replace(rope_interleaved=False)
+    hf_model = from_state_dict(
+        from_meta_state_dict(hf_rows, hf_args), hf_args, "cpu", kernels="reference"
+    )
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    torch.testing.assert_close(hf_model(tokens), make()(tokens), rtol=1e-5, atol=1e-5)
+
+
 def test_forward_without_cache_at_an_offset_rotates_from_start_pos():
     model = make()
     tokens = torch.randint(0, VOCAB, (1, 6))
