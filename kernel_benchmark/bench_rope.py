@@ -64,13 +64,14 @@ TARGETS = {"default": 90.0, "sweep": 80.0, "qkv": 90.0}
 
 # ----------------------------------------------------------------------------- timing
 def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> float:
-    """Median milliseconds: CUDA events via triton's do_bench (L2 flushed between calls)."""
+    """Median milliseconds of eager calls: CUDA events via triton's do_bench (L2 flushed between
+    calls). Includes the host's launch overhead wherever it exceeds the GPU time."""
     if device.type == "cuda":
         import triton.testing
 
         return float(
             triton.testing.do_bench(
-                fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median"
+                fn, warmup=10 if quick else 25, rep=30 if quick else 60, return_mode="median"
             )
         )
     fn()
@@ -80,6 +81,42 @@ def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> floa
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[1]
+
+
+def graph_ms(fn: Callable[[], object], quick: bool) -> float:
+    """Median milliseconds per call replaying a CUDA graph of back-to-back calls: the GPU time,
+    free of host overhead (no L2 flush; every sweep tensor is larger than L2 or nearly so)."""
+    import triton.testing
+
+    return float(
+        triton.testing.do_bench_cudagraph(fn, rep=15 if quick else 25, return_mode="median")
+    )
+
+
+def timings(eager: Callable, graph: Callable | None, device, quick: bool) -> dict:
+    """``us`` = GPU time (CUDA graph) where the path can be captured, else eager; both kept."""
+    out = {"us_eager": time_ms(eager, device, quick) * 1e3}
+    if graph is not None and device.type == "cuda":
+        try:
+            out["us_graph"] = graph_ms(graph, quick) * 1e3
+        except Exception as ex:  # not capturable: keep the eager time only
+            print(f"graph capture failed ({str(ex).splitlines()[0][:60]}); eager time kept")
+    out["us"] = out.get("us_graph", out["us_eager"])
+    out["timer"] = "cuda_graph" if "us_graph" in out else "eager"
+    return out
+
+
+def host_overhead_us(fn: Callable, n: int = 300) -> float:
+    """Host time per call at a tiny size (launch-bound): what the CPU spends per call."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 # ----------------------------------------------------------------------------- peers
@@ -132,38 +169,51 @@ def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> lis
     rows = []
     base = {**cfg, "dtype": str(dtype).removeprefix("torch."), "MB_moved": nbytes / 1e6}
 
-    def record(mode, name, fn):
+    def record(mode, name, eager, graph=None):
         row = {**base, "mode": mode, "path": name}
         try:
-            ms = time_ms(fn, device, quick)
+            tm = timings(eager, graph, device, quick)
         except Exception as ex:  # a peer that does not take this shape
             rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
             return
-        gbps = nbytes / (ms * 1e-3) / 1e9
+        gbps = nbytes / (tm["us"] * 1e-6) / 1e9
         rows.append(
             {
                 **row,
                 "status": "ok",
-                "us": ms * 1e3,
+                **tm,
                 "GB/s": gbps,
                 "pct_copy_bw": 100 * gbps / copy_gbps,
+                "pct_copy_bw_eager": 100 * nbytes / (tm["us_eager"] * 1e-6) / 1e9 / copy_gbps,
             }
         )
 
+    emb32 = emb.float()
     for name, fn in paths.items():
         with torch.no_grad():
-            record("fwd", name, lambda fn=fn: fn(t))
+            # the fused path never synchronises, so it can be captured; the reference cannot
+            record(
+                "fwd", name, lambda fn=fn: fn(t), (lambda fn=fn: fn(t)) if name == "nakta" else None
+            )
         tg = t.detach().requires_grad_()
         out = fn(tg)
+        direct = None
+        if name == "nakta":  # exactly what the autograd node runs
+            direct = lambda: rope_module._launch_rope_te(  # noqa: E731
+                grad, emb32, "sbhd", starts, False, None, 1, 0, backward=True
+            )
         record(
             "bwd",
             name,
             lambda out=out, tg=tg: torch.autograd.grad(out, tg, grad, retain_graph=True),
+            direct,
         )
         del out, tg
 
     liger = _liger()
     if liger is not None and device.type == "cuda" and h % 2 == 0:
+        from liger_kernel.ops.rope import rope_backward
+
         # q and k: half of the heads each, physically [b, s, h/2, d], seen as [b, h/2, s, d].
         q = torch.randn(b, s, h // 2, d, generator=g, device=device, dtype=dtype)
         k = torch.randn(b, s, h // 2, d, generator=g, device=device, dtype=dtype)
@@ -172,10 +222,9 @@ def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> lis
         )
         ang = emb[:, 0, 0, :][pos]  # [1 or b, s, d2]
         cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        fwd = lambda: liger.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # noqa: E731
         with torch.no_grad():
-            record(
-                "fwd", "liger", lambda: liger.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            )
+            record("fwd", "liger", fwd, fwd)
         qg = q.detach().requires_grad_().clone()
         kg = k.detach().requires_grad_().clone()
         oq, ok = liger.apply(qg.transpose(1, 2), kg.transpose(1, 2), cos, sin)
@@ -185,6 +234,7 @@ def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> lis
             "bwd",
             "liger",
             lambda: torch.autograd.grad((oq, ok), (qg, kg), (gq, gk), retain_graph=True),
+            lambda: rope_backward(gq, gk, cos, sin),
         )
     return rows
 
@@ -237,79 +287,89 @@ def qkv_rows(model: str, device, dtype, quick: bool, copy_gbps: float) -> list[d
     rows = []
     for name, (fn, nbytes) in paths.items():
         row = {"model": model, "heads": nh, "head_dim": hd, "tokens": tokens, "path": name}
-        with torch.no_grad():
-            ms = time_ms(fn, device, quick)
-        gbps = nbytes / (ms * 1e-3) / 1e9
+        with torch.no_grad():  # the reference synchronises (position check): eager only
+            tm = timings(fn, None if name == "torch" else fn, device, quick)
+        gbps = nbytes / (tm["us"] * 1e-6) / 1e9
         rows.append(
             {
                 **row,
                 "MB_moved": nbytes / 1e6,
-                "us": ms * 1e3,
+                **tm,
                 "GB/s": gbps,
                 "pct_copy_bw": 100 * gbps / copy_gbps,
+                "pct_copy_bw_eager": 100 * nbytes / (tm["us_eager"] * 1e-6) / 1e9 / copy_gbps,
             }
         )
     return rows
 
 
 # ----------------------------------------------------------------------------- tuning
-def tune(device, dtype, copy_gbps: float) -> pd.DataFrame:
-    """Block-size sweep of both kernels at a few shapes (forward; backward is the same kernel)."""
+def tune(device, dtype, copy_gbps: float, budget_s: float = 170.0) -> pd.DataFrame:
+    """Block-size sweep of both kernels (forward; backward is the same kernel), GPU time from
+    CUDA-graph replay. Stops adding shapes once ``budget_s`` is spent."""
     from tqdm import tqdm
 
-    rows = []
     te_shapes = {
         "default": {},
-        "default_interleaved": {"interleaved": True},
-        "hidden512": {"hidden": 512},
         "seq512": {"seq_length": 512},
+        "hidden512": {"hidden": 512},
+        "rotary0.5": {"rotary_percent": 0.5},
+        "default_interleaved": {"interleaved": True},
+        "batch2": {"batch": 2},
     }
-    te_configs_ = [
-        dict(BLOCK_B=bb, TARGET=tg, num_warps=w)
-        for bb, tg, w in itertools.product((2, 16), (2048, 8192), (4, 8))
+    te_confs = [
+        dict(JOINT=j, BLOCK_B=bb, TARGET=tg, num_warps=w, MIN_PROGRAMS=mp)
+        for j, bb, tg, w, mp in itertools.product(
+            (False, True), (4, 16), (2048, 4096), (4, 8), (1024, 1 << 30)
+        )
     ]
-    jobs = [("te", n, c) for n in te_shapes for c in [None, *te_configs_]]
-    qkv_configs = [
-        dict(BLOCK_T=bt, TARGET=tg, num_warps=w)
-        for bt, tg, w in itertools.product((1, 4), (2048, 8192), (4, 8))
+    qkv_shapes = {
+        "7B": (32, False),
+        "13B": (40, False),
+        "65B": (64, False),
+        "7B_interleaved": (32, True),
+    }
+    qkv_confs = [
+        dict(JOINT=j, TARGET=tg, num_warps=w)
+        for j, tg, w in itertools.product((False, True), (2048, 4096, 8192), (4, 8))
     ]
-    qkv_shapes = {"7B": (32, False), "65B": (64, False), "7B_interleaved": (32, True)}
-    jobs += [("qkv", n, c) for n in qkv_shapes for c in [None, *qkv_configs]]
-    cache = {}
+    jobs = [("qkv", n, c) for n in qkv_shapes for c in [None, *qkv_confs]]
+    jobs += [("te", n, c) for n in te_shapes for c in [None, *te_confs]]
+    rows, cache, t_start = [], {}, time.perf_counter()
     for kind, shape, conf in tqdm(jobs, desc="tune"):
-        if kind == "te":
-            extra = te_shapes[shape]
-            cfg = {**DEFAULT, **{k: v for k, v in extra.items() if k != "interleaved"}}
-            key = ("te", shape)
-            if key not in cache:
+        if time.perf_counter() - t_start > budget_s:
+            print(f"tune budget spent: stopped before {kind} {shape}")
+            break
+        key = (kind, shape)
+        if key not in cache:
+            cache.clear()
+            torch.cuda.empty_cache()
+            if kind == "te":
+                extra = te_shapes[shape]
+                cfg = {**DEFAULT, **{k: v for k, v in extra.items() if k != "interleaved"}}
                 s, b, h, d = cfg["seq_length"], cfg["batch"], cfg["heads"], cfg["hidden"]
                 t = torch.randn(s, b, h, d, device=device, dtype=dtype)
                 emb = RotaryPositionEmbedding(d, cfg["rotary_percent"], device=device)(s)
-                cache = {key: (t, emb)}
-                torch.cuda.empty_cache()
-            t, emb = cache[key]
-            il = extra.get("interleaved", False)
-            nbytes = 2 * t.numel() * t.element_size()
-            fn = functools.partial(apply_rotary_pos_emb, t, emb, interleaved=il)
-            target = rope_module._TE_TUNE
-        else:
-            nh, il = qkv_shapes[shape]
-            key = ("qkv", shape)
-            if key not in cache:
+                fn = functools.partial(
+                    apply_rotary_pos_emb, t, emb, interleaved=extra.get("interleaved", False)
+                )
+                cache[key] = (fn, 2 * t.numel() * t.element_size())
+            else:
+                nh, il = qkv_shapes[shape]
                 qkv = torch.randn(QKV_TOKENS, 3 * nh * 128, device=device, dtype=dtype)
-                cs = build_rope_cache(8192, 128, device=device)
+                cos, sin = build_rope_cache(8192, 128, device=device)
                 pos = torch.randint(0, 8192, (QKV_TOKENS,), device=device)
-                cache = {key: (qkv, cs, pos)}
-                torch.cuda.empty_cache()
-            qkv, (cos, sin), pos = cache[key]
-            nbytes = 2 * 2 * QKV_TOKENS * nh * 128 * qkv.element_size()
-            fn = functools.partial(apply_rope_qkv_, qkv, pos, cos, sin, nh, nh, 128, interleaved=il)
-            target = rope_module._QKV_TUNE
+                fn = functools.partial(
+                    apply_rope_qkv_, qkv, pos, cos, sin, nh, nh, 128, interleaved=il
+                )
+                cache[key] = (fn, 2 * 2 * QKV_TOKENS * nh * 128 * qkv.element_size())
+        fn, nbytes = cache[key]
+        target = rope_module._TE_TUNE if kind == "te" else rope_module._QKV_TUNE
         target.clear()
         target.update(conf or {})
         try:
             with torch.no_grad():
-                ms = time_ms(fn, device, True)
+                ms = graph_ms(fn, True)
             pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
         except Exception as ex:
             ms, pct = float("nan"), float("nan")
@@ -326,6 +386,32 @@ def tune(device, dtype, copy_gbps: float) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+def host_overheads(device, dtype) -> dict:
+    """Host microseconds per call at a launch-bound size (1 x 16 tokens x 2 heads)."""
+    t = torch.randn(16, 1, 2, 128, device=device, dtype=dtype)
+    emb = RotaryPositionEmbedding(128, device=device)(16)
+    tg = t.clone().requires_grad_()
+    qkv = torch.randn(16, 3 * 2 * 128, device=device, dtype=dtype)
+    cos, sin = build_rope_cache(16, 128, device=device)
+    pos = torch.arange(16, device=device)
+    out = {}
+    with torch.no_grad():
+        out["nakta_te_fwd_no_grad"] = host_overhead_us(lambda: apply_rotary_pos_emb(t, emb))
+        out["nakta_qkv_fwd"] = host_overhead_us(
+            lambda: apply_rope_qkv_(qkv, pos, cos, sin, 2, 2, 128, interleaved=False)
+        )
+    out["nakta_te_fwd_autograd"] = host_overhead_us(lambda: apply_rotary_pos_emb(tg, emb))
+    liger = _liger()
+    if liger is not None:
+        q = torch.randn(1, 16, 1, 128, device=device, dtype=dtype)
+        c = torch.randn(1, 16, 128, device=device, dtype=dtype)
+        with torch.no_grad():
+            out["liger_fwd_no_grad"] = host_overhead_us(
+                lambda: liger.apply(q.transpose(1, 2), q.transpose(1, 2), c, c)
+            )
+    return out
 
 
 # ----------------------------------------------------------------------------- report
@@ -367,23 +453,32 @@ def plot(te: pd.DataFrame, qkv: pd.DataFrame, title: str):
 
 
 def summarize(te: pd.DataFrame, qkv: pd.DataFrame) -> dict:
-    """The issue's targets: % of copy bandwidth at the default shape, every sweep point, QKV."""
+    """The issue's targets: % of copy bandwidth at the default shape, every sweep point, QKV.
+
+    ``pct`` uses the GPU time (CUDA graph); ``pct_eager`` the eager calls, host overhead included.
+    """
     ok = te[(te["status"] == "ok") & (te["path"] == "nakta")]
     out: dict = {}
     for mode in ("fwd", "bwd"):
         sub = ok[ok["mode"] == mode]
-        default = sub[sub["sweep"] == "default"]["pct_copy_bw"]
-        if len(default):
-            out[f"{mode}_default_pct"] = float(default.iloc[0])
-        if sub["pct_copy_bw"].notna().any():
-            worst = sub.loc[sub["pct_copy_bw"].idxmin()]
-            out[f"{mode}_min_sweep_pct"] = float(worst["pct_copy_bw"])
+        for col, tag in (("pct_copy_bw", ""), ("pct_copy_bw_eager", "_eager")):
+            if col not in sub or not sub[col].notna().any():
+                continue
+            default = sub[sub["sweep"] == "default"][col]
+            if len(default):
+                out[f"{mode}_default_pct{tag}"] = round(float(default.iloc[0]), 1)
+            worst = sub.loc[sub[col].idxmin()]
             axis = worst["sweep"]
-            out[f"{mode}_min_sweep_point"] = axis if axis == "default" else f"{axis}={worst[axis]}"
+            out[f"{mode}_min_sweep_pct{tag}"] = round(float(worst[col]), 1)
+            out[f"{mode}_min_sweep_point{tag}"] = (
+                axis if axis == "default" else f"{axis}={worst[axis]}"
+            )
     if len(qkv):
         sub = qkv[qkv["path"] == "nakta"]
-        out["qkv_min_pct"] = float(sub["pct_copy_bw"].min())
-        out["qkv_pct"] = {r["model"]: float(r["pct_copy_bw"]) for _, r in sub.iterrows()}
+        out["qkv_pct"] = {r["model"]: round(float(r["pct_copy_bw"]), 1) for _, r in sub.iterrows()}
+        out["qkv_pct_eager"] = {
+            r["model"]: round(float(r["pct_copy_bw_eager"]), 1) for _, r in sub.iterrows()
+        }
     return out
 
 
@@ -408,6 +503,7 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     if args.tune:
         if not on_gpu:
             raise SystemExit("--tune needs a GPU")
+        print("host us per call:", host_overheads(device, dtype))
         tdf = tune(device, dtype, copy_gbps)
         write_table(
             tdf,
@@ -467,6 +563,8 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         )
         write_table(qkv, out, f"{stem}_qkv", "RoPE, fused QK in place (model path)", qnotes)
     summary = summarize(te, qkv) | {"copy_gbps": copy_gbps, "device": slug, "targets": TARGETS}
+    if on_gpu:
+        summary["host_us_per_call"] = host_overheads(device, dtype)
     write_json(summary, out / f"{stem}_summary.json")
     save_figure(plot(te, qkv, f"RoPE ({args.dtype}) on {slug}"), out / f"{stem}.png")
 
@@ -483,13 +581,15 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         "path",
         "us",
         "pct_copy_bw",
+        "us_eager",
+        "pct_copy_bw_eager",
     ]
     print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for _, r in te[te["status"] != "ok"].iterrows():
         print(f"{r['sweep']} {r['mode']} {r['path']}: {r['status']}")
     if len(qkv):
         print(
-            qkv[["model", "path", "us", "GB/s", "pct_copy_bw"]].to_string(
+            qkv[["model", "path", "us", "GB/s", "pct_copy_bw", "pct_copy_bw_eager"]].to_string(
                 index=False, float_format=lambda v: f"{v:.3g}"
             )
         )

@@ -150,6 +150,8 @@ def test_positions_near_2_pow_20(device):
         dict(BLOCK_B=2, TARGET=16, MIN_PROGRAMS=1),  # ... 2 heads at a time, ragged last step
         dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12),  # heads split over 2 programs, uneven
         dict(BLOCK_B=16, TARGET=4096, MIN_PROGRAMS=1, num_warps=2),
+        dict(BLOCK_B=2, TARGET=16, MIN_PROGRAMS=1, JOINT=True),  # one [2, half] load per row
+        dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, JOINT=False),  # two loads per row
     ],
 )
 def test_block_configs(tune, monkeypatch, device):
@@ -160,6 +162,9 @@ def test_block_configs(tune, monkeypatch, device):
     emb = RotaryPositionEmbedding(16, 0.5, device=device)(6)
     run_fused_vs_unfused(t, emb, non_overlapping_grad, start_positions=starts)
     run_fused_vs_unfused(t, emb, overlapping_grad, interleaved=True)
+    d80 = torch.rand(2, 3, 2, 80, device=device).requires_grad_()  # half (40) is not a power of 2
+    emb80 = RotaryPositionEmbedding(80, device=device)(2)
+    run_fused_vs_unfused(d80, emb80, non_overlapping_grad)
 
 
 # ---------------------------------------------------------------------------- thd

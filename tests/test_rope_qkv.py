@@ -135,21 +135,28 @@ def test_positions_near_2_pow_20(device):
 
 
 @pytest.mark.parametrize(
-    "tune", [dict(BLOCK_T=4, TARGET=32), dict(BLOCK_T=1, TARGET=16, num_warps=2), dict(BLOCK_T=2)]
+    "tune",
+    [
+        dict(BLOCK_T=4, TARGET=32),
+        dict(BLOCK_T=1, TARGET=16, num_warps=2),
+        dict(BLOCK_T=2, JOINT=True),
+        dict(BLOCK_T=2, JOINT=False),
+    ],
 )
-def test_block_configs(tune, monkeypatch, device):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_block_configs(tune, interleaved, monkeypatch, device):
     """Token blocks that overhang the end and head blocks that straddle Q/K/V boundaries."""
     monkeypatch.setattr(rope_module, "_QKV_TUNE", tune)
-    nq, nkv, hd, tokens = 6, 3, 16, 7
-    cos, sin = build_rope_cache(30, hd, device=device)
+    nq, nkv, hd, tokens, rd = 6, 3, 24, 7, 20  # rotary half 10: padded to 16
+    cos, sin = build_rope_cache(30, rd, device=device)
     qkv, _ = make_qkv(tokens, nq, nkv, hd, torch.float32, device)
     pos = torch.randint(0, 30, (tokens,), device=device)
-    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, True)
+    want = expected_qkv(qkv, pos, cos, sin, nq, nkv, hd, interleaved, rd)
     k_cache = torch.zeros(tokens, nkv, hd, device=device)
     v_cache = torch.zeros(tokens, nkv, hd, device=device)
     slots = torch.randperm(tokens, device=device)
-    apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=True, k_cache=k_cache,
-                    v_cache=v_cache, cache_slots=slots)  # fmt: skip
+    apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=interleaved, rotary_dim=rd,
+                    k_cache=k_cache, v_cache=v_cache, cache_slots=slots)  # fmt: skip
     torch.testing.assert_close(qkv, want)
     h = want.unflatten(1, (nq + 2 * nkv, hd))
     torch.testing.assert_close(k_cache[slots], h[:, nq : nq + nkv])
