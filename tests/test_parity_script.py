@@ -1,0 +1,139 @@
+"""accuracy_test/parity.py: nakta vs llama_org on the same weights, small --limit runs on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from checkpoint_factory import TINY_PARAMS, train_tiny_tokenizer, write_meta_checkpoint
+
+from accuracy_test import models, parity
+from nakta_model.tasks import hellaswag
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _llama_org_teardown():
+    yield
+    models.shutdown_llama_org()
+
+
+def _check_result(out, n_tasks: int) -> dict:
+    result = json.loads(out.read_text())
+    md = out.with_suffix(".md").read_text()
+    assert result["config"]["n_tasks"] == n_tasks
+    assert result["config"]["n_requests"] == 4 * n_tasks
+    assert result["flips"] == [] and result["identical_predictions"] is True
+    assert result["n_flips"] == {"acc": 0, "acc_norm": 0}
+    assert result["nakta"]["acc"] == result["llama_org"]["acc"]
+    assert result["nakta"]["acc_norm"] == result["llama_org"]["acc_norm"]
+    assert result["ll_abs_diff"]["max"] < 1e-3  # fp32, same weights
+    assert result["greedy_flag_mismatches"] == 0
+    assert "| nakta |" in md and "| llama_org |" in md
+    return result
+
+
+def test_tiny_meta_checkpoint(tmp_path, shared_data):
+    ckpt = write_meta_checkpoint(tmp_path / "meta", {**TINY_PARAMS, "max_seq_len": 256}, seed=1)
+    tok = train_tiny_tokenizer(tmp_path / "tok")
+    out = tmp_path / "res" / "tiny.json"
+    rc = parity.main(
+        [
+            "--checkpoint",
+            str(ckpt),
+            "--tokenizer",
+            str(tok),
+            "--data",
+            str(shared_data / "hellaswag_val_subset1000.jsonl"),
+            "--limit",
+            "5",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "3",
+            "--token-budget",
+            "600",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    result = _check_result(out, 5)
+    assert result["config"]["max_length"] == 256 and result["config"]["dtype"] == "fp32"
+
+
+def test_random_preset_gives_both_models_the_same_weights(tmp_path, shared_data):
+    out = tmp_path / "rand.json"
+    parity.main(
+        [
+            "--preset",
+            "stories260K",
+            "--random",
+            "--tokenizer",
+            str(shared_data / "stories260K" / "tokenizer.model"),
+            "--data",
+            str(shared_data / "hellaswag_val_full.jsonl"),
+            "--limit",
+            "3",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    result = _check_result(out, 3)
+    assert result["config"]["model"] == "stories260K-random-seed0"
+
+
+def test_compare_reports_flips_with_margins():
+    docs = [
+        hellaswag.Doc("q", ("aa", "bbbb"), 0, ind=7),
+        hellaswag.Doc("q", ("aa", "bbbb"), 1, ind=8),
+    ]
+    nakta = [-2.0, -2.1, -1.0, -5.0]
+    org = [-2.05, -2.0, -1.0, -5.0]  # task 0: raw argmax 1 vs nakta 0
+    r = parity.compare(docs, nakta, org)
+    assert r["n_flips"] == {"acc": 1, "acc_norm": 0}
+    (f,) = r["flips"]
+    assert (f["task"], f["ind"], f["metric"], f["nakta"], f["llama_org"]) == (0, 7, "acc", 0, 1)
+    assert f["margin"] == pytest.approx(0.05) and f["nakta_margin"] == pytest.approx(0.1)
+    assert f["max_ll_diff"] == pytest.approx(0.1)
+    assert r["acc_diff_pt"] == pytest.approx(50.0)
+    assert r["identical_predictions"] is False
+    assert "| 0 | 7 | acc |" in parity.markdown(
+        {
+            **r,
+            "config": dict.fromkeys(
+                [
+                    "model",
+                    "dtype",
+                    "device",
+                    "n_tasks",
+                    "data",
+                    "n_requests",
+                    "max_length",
+                    "token_budget",
+                    "batch_size",
+                    "torch",
+                    "device_name",
+                ],
+                "x",
+            ),
+            "nakta": {**r["nakta"], "seconds": 1.0},
+            "llama_org": {**r["llama_org"], "seconds": 1.0},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tokenizer", "t", "--data", "d"],  # neither checkpoint nor random
+        ["--tokenizer", "t", "--data", "d", "--random"],  # random without preset
+        ["--tokenizer", "t", "--data", "d", "--checkpoint", "c", "--limit", "0"],
+    ],
+)
+def test_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        parity.parse_args(argv)
