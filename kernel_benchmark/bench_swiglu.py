@@ -22,6 +22,7 @@ outputs that differ in any bit from eager PyTorch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_table
+from nakta_model.io_utils import atomic_write_text
+from nakta_model.kernels import swiglu as swiglu_kernels
 from nakta_model.kernels.swiglu import silu_mul, silu_mul_backward, silu_mul_forward, swiglu
 
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -88,7 +91,7 @@ def eager_ms(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=5, rep=10, return_mode="median"))
     fn()
     times = []
     for _ in range(3):
@@ -98,7 +101,7 @@ def eager_ms(fn: Callable[[], object], device: torch.device) -> float:
     return sorted(times)[1]
 
 
-def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 40.0) -> float:
+def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 20.0) -> float:
     """GPU ms per call: calls cycled inside one CUDA graph, median of 3 replays.
 
     Graph replay removes host launch overhead. ``calls`` use distinct input sets, together
@@ -174,7 +177,7 @@ def bench_shape(m, f, dtype, device, copy_gbps) -> list[dict]:
     sets = [make_inputs(m, f, dtype, device, m * 7 + f + i) for i in range(max(n_sets.values()))]
     with torch.no_grad():
         ref = eager_swiglu(sets[0]["gate_up"])
-    stream = torch.cuda.current_stream() if device.type == "cuda" else None
+    stream = torch.cuda.current_stream() if device.type == "cuda" else None  # a side stream
     rows = []
     for name, (kind, fn) in paths(device).items():
         for mode in MODES:
@@ -212,35 +215,47 @@ def bench_shape(m, f, dtype, device, copy_gbps) -> list[dict]:
     return rows
 
 
-def tune(dtype, device, tokens: int = 16384) -> pd.DataFrame:
+def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
     """Tile shapes and warps of the Nakta kernels (launchers called directly, CUDA-graph time)."""
     import itertools
 
     rows = []
-    copy = copy_bandwidth_gbps(device=str(device))
     stream = torch.cuda.current_stream()
+    configs = list(itertools.product((1, 2), (1024, 2048, 4096), (4, 8)))
     for f in (11008, 22016):
         gate_up = torch.randn(tokens, 2 * f, device=device, dtype=dtype)
         gate, up = gate_up[:, :f], gate_up[:, f:]
         dout = torch.randn(tokens, f, device=device, dtype=dtype)
         dg, du = torch.empty_like(dout), torch.empty_like(dout)
         e = gate_up.element_size()
-        configs = list(itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (4, 8, 16)))
-        configs.append((1, triton_next_pow2(f), 16))  # one whole row per program, as Liger does
-        for bm, bn, warps in configs:
-            if not 512 <= bm * bn <= 16384 or warps * 32 * 4 > bm * bn:
-                continue
+        # plus one whole row per program, as Liger does
+        for bm, bn, warps in [*configs, (1, triton_next_pow2(f), 16)]:
             cfg = {"block_m": bm, "block_n": bn, "num_warps": warps}
             for kernel, call, elems in (
                 ("fwd", functools.partial(silu_mul_forward, gate, up, **cfg), 3),
                 ("bwd", functools.partial(silu_mul_backward, dout, gate, up, dg, du, **cfg), 5),
             ):
-                us = graph_ms([call], stream) * 1e3
+                us = graph_ms([call], stream, budget_ms=10) * 1e3
                 rows.append(
                     {"ffn": f, "kernel": kernel, **cfg, "us": us}
-                    | {"pct_copy_bw": 100 * elems * tokens * f * e / us / 1e3 / copy}
+                    | {"pct_copy_bw": 100 * elems * tokens * f * e / us / 1e3 / copy_gbps}
                 )
+        del gate_up, gate, up, dout, dg, du
     return pd.DataFrame(rows)
+
+
+def apply_tuning(tdf: pd.DataFrame) -> list[str]:
+    """Put the configuration with the best mean bandwidth over the tuned widths into the kernel
+    module, so the comparison below runs with it (copy the printed values into swiglu.py)."""
+    lines = []
+    keys = ["block_m", "block_n", "num_warps"]
+    for kernel, target in (("fwd", swiglu_kernels.FWD_CONFIG), ("bwd", swiglu_kernels.BWD_CONFIG)):
+        stats = tdf[tdf.kernel == kernel].groupby(keys)["pct_copy_bw"].agg(["mean", "count"])
+        grp = stats[stats["count"] == tdf.ffn.nunique()]["mean"]  # measured at every width
+        best = grp.idxmax()
+        target.update({k: int(v) for k, v in zip(keys, best)})
+        lines.append(f"tuned {kernel}: {target} -> mean {grp.max():.1f}% of copy bw")
+    return lines
 
 
 def triton_next_pow2(n: int) -> int:
@@ -253,11 +268,13 @@ def plot(df: pd.DataFrame, title: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = df[df["status"] == "ok"]
+    ok = df[df["status"].str.startswith("ok")]
     value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "us_eager"  # CPU: no graphs
     fig, axes = plt.subplots(1, len(MODES), figsize=(5 * len(MODES), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], MODES):
         sub = ok[ok["mode"] == mode].copy()
+        if sub.empty:
+            continue
         sub["case"] = sub["tokens"].map(lambda t: f"{t // 1024}K") + "x" + sub["ffn"].map(str)
         table = sub.pivot_table(index="case", columns="path", values=value, sort=False)
         table.plot(ax=ax, marker="o")
@@ -277,7 +294,7 @@ def summarize(df: pd.DataFrame) -> list[str]:
     lines = []
     for mode, target in {"fwd": 95, "bwd": 85}.items():
         sel = df[(df.tokens == 16384) & (df.ffn == 11008) & (df["mode"] == mode)]
-        sel = sel[(sel.dtype == "bfloat16") & (sel.status == "ok")].set_index("path")
+        sel = sel[(sel.dtype == "bfloat16") & sel.status.str.startswith("ok")].set_index("path")
         if "nakta" not in sel.index:
             continue
         ours = sel.loc["nakta", "pct_copy_bw"]
@@ -293,13 +310,22 @@ def summarize(df: pd.DataFrame) -> list[str]:
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     p = argparse.ArgumentParser(description="SwiGLU paths vs copy bandwidth.")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    p.add_argument("--tune", action="store_true", help="also sweep Nakta launch configs")
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument(
+        "--tune", action="store_true", help="sweep Nakta launch configs first, use the best"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="results folder (default results/<device>)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    # CUDA graphs cannot be captured on the default stream: everything runs on a side stream.
+    with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
+        return run(args, device)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
     on_gpu = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
     if on_gpu:
@@ -308,17 +334,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         copy_gbps = copy_bandwidth_gbps(device=str(device))
     else:  # a smoke run: the interpreter is far too slow for real sizes
         tokens, ffn, copy_gbps = [4], [256], float("nan")
-    from tqdm import tqdm
-
-    rows = []
-    shapes = [(m, f) for f in ffn for m in tokens]
-    for m, f in tqdm(shapes, desc="swiglu shapes"):
-        rows += bench_shape(m, f, dtype, device, copy_gbps)
-        if on_gpu:
-            torch.cuda.empty_cache()
-    df = pd.DataFrame(rows)
     slug = device_slug(device)
     out = Path(args.out) if args.out else results_dir(__file__, slug)
+    stem = "swiglu" if not args.quick else "swiglu_quick"
+    tuned = []
+    if args.tune and on_gpu:
+        tdf = tune(dtype, device, copy_gbps)
+        atomic_write_text(out / f"{stem}_tune.csv", tdf.to_csv(index=False))
+        tuned = apply_tuning(tdf)
+        print("\n".join(tuned))
     notes = (
         f"Device: {slug}; {args.dtype}; copy bandwidth measured in this run: {copy_gbps:.0f} GB/s "
         "(bytes read + written). GB/s = (3 fwd, 5 bwd, 8 fwd+bwd) x tokens x F x element size "
@@ -326,17 +350,29 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "replays (inputs cycled over `input_sets` copies to defeat L2); `us_eager` = "
         "Python-launched call incl. host overhead. Backward = torch.autograd.grad on a retained "
         "graph. `mismatch_vs_eager` = fraction of outputs differing in any bit from "
-        "F.silu(gate) * up."
+        f"F.silu(gate) * up. Nakta launch configurations: fwd {swiglu_kernels.FWD_CONFIG}, "
+        f"bwd {swiglu_kernels.BWD_CONFIG}."
     )
-    stem = "swiglu" if not args.quick else "swiglu_quick"
-    write_table(df, out, stem, "SwiGLU: Nakta vs PyTorch eager, torch.compile and Liger", notes)
-    save_figure(plot(df, f"SwiGLU ({args.dtype}) on {slug}"), out / f"{stem}.png")
-    if args.tune and on_gpu:
-        tdf = tune(dtype, device)
-        write_table(tdf, out, "swiglu_tune", "SwiGLU launch configurations (16K tokens)")
-        best = tdf.sort_values("pct_copy_bw", ascending=False).groupby(["ffn", "kernel"]).head(3)
-        print(best.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
-    show = df[df["status"] == "ok"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tqdm import tqdm
+
+    rows = []
+    # 16K tokens (the targets) first, so a run cut short still has them
+    shapes = [(m, f) for m in sorted(tokens, key=lambda t: (t != 16384, t)) for f in ffn]
+    for m, f in tqdm(shapes, desc="swiglu shapes"):
+        rows += bench_shape(m, f, dtype, device, copy_gbps)
+        if on_gpu:
+            torch.cuda.empty_cache()
+        # written after every shape, so a run cut short still leaves its rows
+        df = pd.DataFrame(rows)
+        write_table(df, out, stem, "SwiGLU: Nakta vs eager, compile, Liger", notes)
+        fig = plot(df, f"SwiGLU ({args.dtype}) on {slug}")
+        save_figure(fig, out / f"{stem}.png")
+        plt.close(fig)
+    show = df[df["status"].str.startswith("ok")]
     if on_gpu:
         show = show[show.tokens == 16384]
     cols = ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "us_eager"]
@@ -344,7 +380,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for _, r in df[df["status"] != "ok"].iterrows():
         print(f"{r['tokens']}x{r['ffn']} {r['mode']} {r['path']}: {r['status']}")
-    for line in summarize(df):
+    for line in summarize(df) + tuned:
         print(line)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; results -> {out}")
     return df

@@ -29,7 +29,11 @@ from nakta_model.kernels._checks import (
     interpreter_enabled,
 )
 
-DEFAULT_BLOCK_N = 1024
+# Launch configurations (block_m rows x block_n columns per program, num_warps), chosen by
+# ``kernel_benchmark/bench_swiglu.py --tune`` (16K tokens, bf16; the bench rewrites these for
+# its own run, and the values kept here are the ones its published results used).
+FWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 1024, "num_warps": 4}
+BWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 1024, "num_warps": 4}
 
 # ----------------------------------------------------------------------------------------------
 # 1. Triton kernels
@@ -180,11 +184,18 @@ def _split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _grid_config(
-    n_cols: int, block_m: int | None, block_n: int | None, num_warps: int | None
+    default: dict[str, int],
+    n_cols: int,
+    block_m: int | None,
+    block_n: int | None,
+    num_warps: int | None,
 ) -> tuple[int, int, int]:
-    block_n = block_n or min(DEFAULT_BLOCK_N, triton.next_power_of_2(max(n_cols, 1)))
-    block_m = block_m or 1
-    num_warps = num_warps or (4 if block_m * block_n <= 1024 else 8)
+    """Explicit knobs, else the tuned default; narrow rows get a block no wider than the row."""
+    if block_n is None:
+        block_n = min(default["block_n"], triton.next_power_of_2(n_cols))
+    block_m = block_m or default["block_m"]
+    if num_warps is None:
+        num_warps = min(default["num_warps"], max(1, block_m * block_n // 256))
     return block_m, block_n, num_warps
 
 
@@ -205,7 +216,7 @@ def silu_mul_forward(
     n_rows, n_cols = g2.shape
     if n_rows == 0 or n_cols == 0:
         return out
-    block_m, block_n, num_warps = _grid_config(n_cols, block_m, block_n, num_warps)
+    block_m, block_n, num_warps = _grid_config(FWD_CONFIG, n_cols, block_m, block_n, num_warps)
     interp = interpreter_enabled()
     grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
     _silu_mul_fwd_kernel[grid](
@@ -250,7 +261,7 @@ def silu_mul_backward(
     n_rows, n_cols = g2.shape
     if n_rows == 0 or n_cols == 0:
         return dgate, dup
-    block_m, block_n, num_warps = _grid_config(n_cols, block_m, block_n, num_warps)
+    block_m, block_n, num_warps = _grid_config(BWD_CONFIG, n_cols, block_m, block_n, num_warps)
     interp = interpreter_enabled()
     grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
     _silu_mul_bwd_kernel[grid](
