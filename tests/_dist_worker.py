@@ -1,0 +1,118 @@
+"""Worker script for tests/test_parallel.py, run as ``torchrun --nproc_per_node 2 _dist_worker.py``.
+
+``grids JOB OUT``: in ONE world of two processes (one torchrun start costs ~10 s here), for every
+case: tp=2 (one replica split over both ranks) and dp=2 (two replicas, requests sharded and
+gathered back in order) compute logits and lm-eval scores; then every bad configuration is tried
+and each rank records the error it raised. Rank 0 saves everything to OUT for the test to
+compare against one process.
+
+``bad-world``: ``launch`` with tp=2, dp=2 in a world of 2: must exit 2 with one message.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from nakta_model.config import ModelArgs
+from nakta_model.parallel import (
+    ParallelContext,
+    collective_call,
+    data_parallel_map,
+    gather_objects,
+    init_parallel,
+    launch,
+    load_model,
+    shard_requests,
+)
+from nakta_model.scoring import score
+
+DTYPE = torch.float32
+KERNELS = "reference"
+
+
+def run_case(case: dict) -> dict:
+    tokens = torch.tensor(case["tokens"])
+    requests = [(list(c), list(t)) for c, t in case["requests"]]
+    out: dict = {}
+
+    ctx = init_parallel(2, 1, checkpoint=case["ckpt_tp2"])
+    model = load_model(case["ckpt_tp2"], ctx, DTYPE, kernels=KERNELS)
+    out["tp_logits"] = model(tokens)
+    out["tp_scores"] = score(model, requests)
+    model.setup_cache(tokens.shape[0], tokens.shape[1])
+    model(tokens[:, :-1], 0)
+    out["tp_decode"] = model(tokens[:, -1:], tokens.shape[1] - 1)
+    del model
+
+    ctx = init_parallel(1, 2, checkpoint=case["ckpt_tp1"])
+    model = load_model(case["ckpt_tp1"], ctx, DTYPE, kernels=KERNELS)
+    costs = [len(c) + len(t) for c, t in requests]
+    keys = [tuple(c) for c, _ in requests]
+    out["dp_scores"] = data_parallel_map(
+        lambda r: score(model, r), requests, ctx, costs=costs, keys=keys
+    )
+    out["dp_shard_sizes"] = gather_objects(len(shard_requests(requests, ctx)))
+    rows = list(tokens)
+    out["dp_logits"] = torch.stack(
+        data_parallel_map(lambda rs: [model(r[None])[0] for r in rs], rows, ctx)
+    )
+    return out
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 -- the test checks type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _fail_on_rank_1() -> int:
+    if torch.distributed.get_rank() == 1:
+        raise FileNotFoundError("shard 1 is missing")
+    return 0
+
+
+def bad_configs(job: dict) -> dict[str, list[str]]:
+    """Each bad set-up, tried in turn; the errors every rank raised, in rank order."""
+    bad_heads = ModelArgs(dim=48, n_layers=1, n_heads=3, vocab_size=64)
+    cases = {
+        "world": lambda: init_parallel(2, 2),
+        "heads": lambda: init_parallel(2, 1, args=bad_heads),
+        "checkpoint_tp": lambda: init_parallel(2, 1, checkpoint=job["cases"][0]["ckpt_tp1"]),
+        "one_rank_fails": lambda: collective_call(_fail_on_rank_1),
+        "corrupt_shard": lambda: load_model(
+            job["corrupt_tp2"], init_parallel(2, 1, checkpoint=job["corrupt_tp2"]), DTYPE
+        ),
+    }
+    return {name: gather_objects(_error_of(fn)) for name, fn in cases.items()}
+
+
+def grids(job_path: str, out_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+
+    def main(ctx: ParallelContext) -> None:
+        results = {"cases": [run_case(c) for c in job["cases"]], "errors": bad_configs(job)}
+        results["describe"] = gather_objects(ctx.describe())
+        if ctx.is_leader:
+            torch.save(results, out_path)
+
+    launch(main, tp=2, dp=1, device="cpu")
+
+
+def bad_world() -> None:
+    launch(lambda ctx: print("must not run", flush=True), tp=2, dp=2, device="cpu")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "grids":
+        grids(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "bad-world":
+        bad_world()
+    else:
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}")

@@ -1,0 +1,303 @@
+"""Tensor and data parallel (nakta_model.parallel): grid layout, request sharding, validation,
+and real ``torchrun --nproc_per_node 2`` runs on gloo compared with one process.
+
+The torchrun runs use ``_dist_worker.py`` in a subprocess with a hard timeout (the whole process
+session is killed when it expires), so a hanging rank fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_factory import TINY_PARAMS, write_meta_checkpoint
+
+import convert
+from nakta_model.config import ModelArgs
+from nakta_model.model import load
+from nakta_model.parallel import (
+    ParallelConfigError,
+    ParallelContext,
+    collective_call,
+    data_parallel_map,
+    gather_in_order,
+    grid_groups,
+    grid_position,
+    init_parallel,
+    launch,
+    shard_indices,
+    shard_requests,
+    validate_grid,
+)
+from nakta_model.scoring import score
+from nakta_model.tasks import hellaswag
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("_dist_worker.py")
+TIMEOUT_S = 180
+
+
+# ------------------------------------------------------------------------------- pure logic
+def test_grid_puts_replicas_on_consecutive_ranks():
+    assert grid_groups(2, 3) == ([[0, 1], [2, 3], [4, 5]], [[0, 2, 4], [1, 3, 5]])
+    assert grid_groups(4, 1) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    assert [grid_position(r, 2, 2) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    with pytest.raises(ValueError, match="rank"):
+        grid_position(4, 2, 2)
+
+
+def test_context_validates_and_numbers_ranks():
+    ctx = ParallelContext(tp_rank=1, tp_size=2, dp_rank=2, dp_size=3)
+    assert (ctx.rank, ctx.world_size, ctx.is_leader) == (5, 6, False)
+    assert ParallelContext().is_leader
+    assert ParallelContext(1, 2).rank == 1  # the model's positional (tp_rank, tp_size) form
+    for kw, match in [
+        (dict(tp_size=0), "tp_size"),
+        (dict(tp_rank=2, tp_size=2), "tp_rank"),
+        (dict(dp_rank=1), "dp_rank"),
+        (dict(dp_size=True), "dp_size"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ParallelContext(**kw)
+
+
+def _requests(n_ctx: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """HellaSwag-like: ``n_ctx`` contexts of varied length, 4 endings each, interleaved a bit."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_ctx):
+        ctx = [1] + [rng.randrange(3, 300) for _ in range(rng.randrange(2, 40))]
+        out += [(ctx, [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))]) for _ in "abcd"]
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 8])
+def test_request_shards_cover_everything_once_keep_contexts_together_and_balance(dp):
+    reqs = _requests(37)
+    shards = [shard_requests(reqs, ParallelContext(dp_rank=r, dp_size=dp)) for r in range(dp)]
+    flat = sorted(i for s in shards for i in s)
+    assert flat == list(range(len(reqs)))
+    assert all(s == sorted(s) for s in shards)
+    owner = {i: r for r, s in enumerate(shards) for i in s}
+    for i, (c, _) in enumerate(reqs):
+        for j, (c2, _) in enumerate(reqs):
+            if c == c2:
+                assert owner[i] == owner[j], "endings of one context were split"
+    costs = [sum(len(reqs[i][0]) + len(reqs[i][1]) for i in s) for s in shards]
+    group_cost: dict = {}
+    for c, t in reqs:
+        group_cost[tuple(c)] = group_cost.get(tuple(c), 0) + len(c) + len(t)
+    assert max(costs) - min(costs) <= max(group_cost.values())  # greedy: within one group
+    # TP ranks of one replica shard alike without talking: the result depends on dp only
+    assert shard_requests(reqs, ParallelContext(1, 2, dp_rank=0, dp_size=dp)) == shards[0]
+
+
+def test_shard_indices_checks_its_inputs_and_gather_rebuilds_order():
+    ctx = ParallelContext(dp_rank=0, dp_size=2)
+    with pytest.raises(ValueError, match="keys has 2 entries"):
+        shard_indices([1, 1, 1], ctx, keys=["a", "b"])
+    with pytest.raises(ValueError, match="costs has 1 entries"):
+        data_parallel_map(lambda xs: xs, [1, 2], ParallelContext(), costs=[1])
+    # one replica: gather is the identity on its own indices, and checks coverage
+    one = ParallelContext()
+    assert gather_in_order(["b", "a"], [1, 0], 2, one) == ["a", "b"]
+    with pytest.raises(RuntimeError, match="miss item 2"):
+        gather_in_order(["a", "b"], [0, 1], 3, one)
+    with pytest.raises(RuntimeError, match="overlap"):
+        gather_in_order(["a", "b"], [0, 0], 2, one)
+    with pytest.raises(ValueError, match="2 results for 1 indices"):
+        gather_in_order(["a", "b"], [0], 2, one)
+    assert data_parallel_map(lambda xs: [x * 10 for x in xs], [1, 2, 3], one) == [10, 20, 30]
+
+
+# ------------------------------------------------------------------ validation, one process
+def test_validate_grid_names_the_problem():
+    args = ModelArgs(dim=48, n_layers=1, n_heads=3, vocab_size=64)
+    cases = [
+        (dict(tp=2, dp=2, world_size=2), r"world size 2 != tp 2 x dp 2 = 4"),
+        (dict(tp=2, dp=1, world_size=1), r"torchrun --nproc_per_node 2"),
+        (dict(tp=0, dp=1, world_size=1), r"--tp must be a positive integer"),
+        (dict(tp=1, dp="2", world_size=2), r"--dp must be a positive integer"),
+        (dict(tp=3, dp=1, world_size=3, args=args), r"--tp 3 cannot split .* hidden_dim"),
+        (dict(tp=2, dp=1, world_size=2, args=args), r"--tp 2 cannot split .* n_heads = 3"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ParallelConfigError, match=match):
+            validate_grid(**kw)
+    validate_grid(1, 4, 4, args=args)
+
+
+def test_checkpoint_sharded_for_another_tp_is_refused(tmp_path):
+    meta = write_meta_checkpoint(tmp_path / "meta", TINY_PARAMS)
+    ckpt = convert.convert(meta, tmp_path / "tp2", tp=2, quiet=True)
+    with pytest.raises(ParallelConfigError, match=r"sharded for tp=2, but this run has --tp 1"):
+        validate_grid(1, 2, 2, checkpoint=ckpt)
+    with pytest.raises(ParallelConfigError, match="cannot read checkpoint"):
+        validate_grid(1, 1, 1, checkpoint=tmp_path / "nowhere")
+    validate_grid(2, 3, 6, checkpoint=ckpt)
+
+
+def test_single_process_needs_no_process_group_and_refuses_a_grid(capsys):
+    ctx = init_parallel(1, 1, device="cpu")
+    assert ctx == ParallelContext(device=torch.device("cpu"))
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ParallelConfigError, match="torchrun --nproc_per_node 4"):
+        init_parallel(2, 2, device="cpu")
+    assert collective_call(lambda x: x + 1, 1) == 2
+    with pytest.raises(ParallelConfigError, match=r"failed on 1 rank\(s\): rank 0: KeyError"):
+        collective_call(dict().__getitem__, "x")
+    assert launch(lambda c: c.world_size, device="cpu") == 1
+    with pytest.raises(SystemExit) as exc:
+        launch(lambda c: None, tp=2, device="cpu")
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("error: world size 1 != tp 2") == 1
+
+
+# --------------------------------------------------------------------------- under torchrun
+def _torchrun(args: list[str], tmp_path: Path, expect_ok: bool = True) -> tuple[str, float]:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["--monitor-interval", "0.2", str(WORKER), *args]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks: our own session only
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun hung for {TIMEOUT_S}s:\n{output.decode()[-3000:]}")
+    text = output.decode()
+    assert (proc.returncode == 0) == expect_ok, text[-3000:]
+    return text, time.perf_counter() - t0
+
+
+def _tiny_case(tmp_path: Path) -> dict:
+    meta = write_meta_checkpoint(tmp_path / "tiny_meta", TINY_PARAMS, seed=5)
+    g = torch.Generator().manual_seed(0)
+    return {
+        "name": "tiny",
+        "ckpt_tp1": str(convert.convert(meta, tmp_path / "tiny_tp1", tp=1, quiet=True)),
+        "ckpt_tp2": str(convert.convert(meta, tmp_path / "tiny_tp2", tp=2, quiet=True)),
+        "tokens": torch.randint(3, 300, (3, 12), generator=g).tolist(),
+        "requests": _requests(7, seed=1),
+    }
+
+
+def _stories_case(tmp_path: Path, data: Path) -> tuple[dict, list]:
+    """The real 2-shard stories260K checkpoint (Meta's fairscale split) -> Nakta tp=2; the
+    1-shard original -> tp=1; HellaSwag tasks tokenized with its own tokenizer."""
+    docs = hellaswag.load_jsonl(data / "hellaswag_val_subset1000.jsonl", limit=6)
+    encode = hellaswag.sentencepiece_encoder(data / "stories260K" / "tokenizer.model")
+    ref = json.loads((data / "stories260K_greedy_reference.json").read_text())
+    case = {
+        "name": "stories260K",
+        "ckpt_tp1": str(convert.convert(data / "stories260K", tmp_path / "st1", quiet=True)),
+        "ckpt_tp2": str(convert.convert(data / "stories260K_mp2", tmp_path / "st2", 2, quiet=True)),
+        "tokens": [ref["tokens"][:40], ref["tokens"][20:60]],
+        "requests": hellaswag.build_requests(docs, encode),
+    }
+    return case, docs
+
+
+def _single_process(case: dict) -> dict:
+    model = load(case["ckpt_tp1"], "cpu", torch.float32, kernels="reference")
+    tokens = torch.tensor(case["tokens"])
+    return {"logits": model(tokens), "scores": score(model, case["requests"])}
+
+
+def _close_scores(got, want):
+    assert len(got) == len(want)
+    for (ll, greedy), (ll_ref, greedy_ref) in zip(got, want):
+        assert ll == pytest.approx(ll_ref, rel=1e-5, abs=1e-4)
+        assert greedy == greedy_ref
+
+
+@pytest.fixture
+def shared_data_or_none(request):
+    try:
+        return request.getfixturevalue("shared_data")
+    except pytest.skip.Exception:
+        return None
+
+
+@pytest.mark.slow
+def test_tp2_and_dp2_under_torchrun_equal_one_process(tmp_path, shared_data_or_none):
+    cases, docs = [_tiny_case(tmp_path)], None
+    if shared_data_or_none is not None:
+        stories, docs = _stories_case(tmp_path, shared_data_or_none)
+        cases.append(stories)
+    corrupt = tmp_path / "corrupt_tp2"
+    shutil.copytree(cases[0]["ckpt_tp2"], corrupt)
+    shard1 = corrupt / "model.tp01-of-02.safetensors"
+    shard1.write_bytes(shard1.read_bytes()[:-64])  # rank 1 alone sees a truncated shard
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"cases": cases, "corrupt_tp2": str(corrupt)}))
+    out = tmp_path / "out.pt"
+    _torchrun(["grids", str(job), str(out)], tmp_path)
+    got = torch.load(out, weights_only=False)
+
+    assert got["describe"] == ["rank 0/2: tp 0/2, dp 0/1, cpu", "rank 1/2: tp 1/2, dp 0/1, cpu"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = [_single_process(c) for c in cases]
+    finally:
+        torch.set_num_threads(threads)
+    tol = dict(rtol=1e-5, atol=1e-5)  # tp: the all-reduce sums in another order
+    for case, g, w in zip(cases, got["cases"], want):
+        torch.testing.assert_close(g["tp_logits"], w["logits"], **tol, msg=case["name"])
+        torch.testing.assert_close(g["tp_decode"], w["logits"][:, -1:], **tol, msg=case["name"])
+        _close_scores(g["tp_scores"], w["scores"])
+        # dp: each replica runs the unsplit model on its share; same batches -> same numbers
+        torch.testing.assert_close(g["dp_logits"], w["logits"], **tol, msg=case["name"])
+        _close_scores(g["dp_scores"], w["scores"])
+        assert sum(g["dp_shard_sizes"]) == len(case["requests"])
+        assert min(g["dp_shard_sizes"]) > 0, "one replica got no work"
+    if docs is not None:  # the real model: same HellaSwag predictions on every grid
+        lls = lambda scores: [ll for ll, _ in scores]  # noqa: E731
+        _, ref_docs = hellaswag.evaluate(docs, lls(want[1]["scores"]))
+        for key in ("tp_scores", "dp_scores"):
+            _, docs_res = hellaswag.evaluate(docs, lls(got["cases"][1][key]))
+            assert [(d.pred, d.pred_norm) for d in docs_res] == [
+                (d.pred, d.pred_norm) for d in ref_docs
+            ]
+
+    errors = got["errors"]
+    for name, per_rank in errors.items():
+        assert per_rank[0] == per_rank[1], f"{name}: ranks raised different errors {per_rank}"
+    expect = {
+        "world": r"ParallelConfigError: world size 2 != tp 2 x dp 2 = 4",
+        "heads": r"ParallelConfigError: --tp 2 cannot split .* n_heads = 3",
+        "checkpoint_tp": r"ParallelConfigError: checkpoint .*tiny_tp1 is sharded for tp=1, but",
+        "one_rank_fails": r"failed on 1 rank\(s\): rank 1: FileNotFoundError: shard 1 is missing",
+        "corrupt_shard": r"load failed on 1 rank\(s\): rank 1: CheckpointError: .*tp01-of-02",
+    }
+    for name, pattern in expect.items():
+        assert re.search(pattern, errors[name][0]), errors[name][0]
+
+
+@pytest.mark.slow
+def test_bad_grid_under_torchrun_exits_every_rank_with_one_message(tmp_path):
+    text, seconds = _torchrun(["bad-world"], tmp_path, expect_ok=False)
+    assert text.count("error: world size 2 != tp 2 x dp 2 = 4") == 1, text[-3000:]
+    assert "must not run" not in text
+    assert "ParallelConfigError" not in text and '_dist_worker.py", line' not in text  # no trace
+    assert "exitcode  : 2" in text  # rank 0 exits by itself (status 2), not killed by torchrun
+    assert seconds < 60
