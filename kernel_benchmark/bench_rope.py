@@ -304,7 +304,7 @@ def qkv_rows(model: str, device, dtype, quick: bool, copy_gbps: float) -> list[d
 
 
 # ----------------------------------------------------------------------------- tuning
-def tune(device, dtype, copy_gbps: float, budget_s: float = 170.0) -> pd.DataFrame:
+def tune(device, dtype, copy_gbps: float, budget_s: float = 100.0) -> pd.DataFrame:
     """Block-size sweep of both kernels (forward; backward is the same kernel), GPU time from
     CUDA-graph replay. Stops adding shapes once ``budget_s`` is spent."""
     from tqdm import tqdm
@@ -312,26 +312,22 @@ def tune(device, dtype, copy_gbps: float, budget_s: float = 170.0) -> pd.DataFra
     te_shapes = {
         "default": {},
         "seq512": {"seq_length": 512},
+        "batch2": {"batch": 2},
+        "heads8": {"heads": 8},
         "hidden512": {"hidden": 512},
         "rotary0.5": {"rotary_percent": 0.5},
-        "default_interleaved": {"interleaved": True},
-        "batch2": {"batch": 2},
     }
     te_confs = [
-        dict(JOINT=j, BLOCK_B=bb, TARGET=tg, num_warps=w, MIN_PROGRAMS=mp)
-        for j, bb, tg, w, mp in itertools.product(
-            (False, True), (4, 16), (2048, 4096), (4, 8), (1024, 1 << 30)
-        )
+        dict(BLOCK_B=bb, TARGET=tg, num_warps=4, MIN_PROGRAMS=mp, PREFETCH=pf, JOINT=False)
+        for bb, tg, mp, pf in itertools.product((16,), (2048, 4096), (1024, 4096), (False, True))
+    ] + [
+        dict(BLOCK_B=4, TARGET=2048, num_warps=4, MIN_PROGRAMS=1024, PREFETCH=pf, JOINT=j)
+        for pf, j in ((False, False), (True, False), (False, True))
     ]
-    qkv_shapes = {
-        "7B": (32, False),
-        "13B": (40, False),
-        "65B": (64, False),
-        "7B_interleaved": (32, True),
-    }
+    qkv_shapes = {"7B": (32, False), "13B": (40, False), "65B": (64, False)}
     qkv_confs = [
         dict(JOINT=j, TARGET=tg, num_warps=w)
-        for j, tg, w in itertools.product((False, True), (2048, 4096, 8192), (4, 8))
+        for j, tg, w in itertools.product((False, True), (2048, 4096), (4, 8))
     ]
     jobs = [("qkv", n, c) for n in qkv_shapes for c in [None, *qkv_confs]]
     jobs += [("te", n, c) for n in te_shapes for c in [None, *te_confs]]
@@ -386,6 +382,27 @@ def tune(device, dtype, copy_gbps: float, budget_s: float = 170.0) -> pd.DataFra
             }
         )
     return pd.DataFrame(rows)
+
+
+def best_configs(tdf: pd.DataFrame) -> dict:
+    """Per kernel, the tried configuration with the best worst-case % of copy bandwidth over the
+    tuned shapes (ties broken by the mean); only configurations measured at every shape."""
+    import ast
+
+    best = {}
+    for kind, grp in tdf.groupby("kernel"):
+        table = grp.pivot_table(index="config", columns="shape", values="pct_copy_bw")
+        table = table.dropna()
+        if not len(table):
+            continue
+        score = table.min(axis=1) + 0.25 * table.mean(axis=1)
+        name = score.idxmax()
+        best[kind] = {
+            "config": {} if name == "heuristic" else ast.literal_eval(name),
+            "min_pct": float(table.loc[name].min()),
+            "per_shape": {k: round(float(v), 1) for k, v in table.loc[name].items()},
+        }
+    return best
 
 
 def host_overheads(device, dtype) -> dict:
@@ -489,6 +506,8 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="results folder (default results/<device>)")
+    p.add_argument("--te-config", default=None, help="JSON launch config for the TE kernel")
+    p.add_argument("--qkv-config", default=None, help="JSON launch config for the QKV kernel")
     args = p.parse_args(argv)
     from tqdm import tqdm
 
@@ -512,6 +531,9 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
             "RoPE launch configurations (forward)",
             f"copy {copy_gbps:.0f} GB/s",
         )
+        best = best_configs(tdf)
+        write_json(best, out / "rope_tune_best.json")
+        print("best:", best)
         for (kind, shape), grp in tdf.groupby(["kernel", "shape"], sort=False):
             grp = grp.sort_values("pct_copy_bw", ascending=False)
             heur = grp[grp["config"] == "heuristic"]["pct_copy_bw"].iloc[0]
@@ -521,6 +543,17 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
             )
         return tdf, pd.DataFrame()
 
+    import json
+
+    if args.te_config:
+        rope_module._TE_TUNE.update(json.loads(args.te_config))
+    if args.qkv_config:
+        rope_module._QKV_TUNE.update(json.loads(args.qkv_config))
+    launch = {
+        "te": {**rope_module._TE_DEFAULTS, **rope_module._TE_TUNE},
+        "qkv": {**rope_module._QKV_DEFAULTS, **rope_module._QKV_TUNE},
+    }
+    print("launch configs:", launch)
     if on_gpu:
         configs = te_configs(args.quick)
         models = list(LLAMA_HEADS)
@@ -550,7 +583,14 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         "read, fp32) / median time (triton do_bench), the same count for every path. Backward "
         "= torch.autograd.grad on a retained graph. Sweeps vary one axis around s=4096, b=16, "
         "h=32, d=128, rotary_percent=1, sbhd; margin m runs s=4096-m tokens with random "
-        "start_positions in [0, m)."
+        "start_positions in [0, m). `us` is the GPU time from CUDA-graph replay of back-to-back "
+        "calls where the path can be captured (`timer`), `us_eager` the eager call with triton's "
+        "do_bench (L2 flushed; includes host overhead when it exceeds the GPU time); backward "
+        "`us` times the backward function itself (the autograd node's body), `us_eager` "
+        "torch.autograd.grad on a retained graph. Liger rotates q and k in place, so for "
+        "rotary_percent < 1 it never touches the pass-through channels that Nakta (a new "
+        "tensor, TE semantics) must copy: its % there exceeds 100. "
+        f"Launch configs: {launch['te']}."
     )
     write_table(te, out, stem, "RoPE (TE-compatible API): Nakta vs PyTorch, Liger, TE", notes)
     if len(qkv):
@@ -559,10 +599,17 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
             f"of the Q and K heads of a fused [tokens, 3*heads*128] QKV matrix, {QKV_TOKENS} "
             "tokens; bytes = Q+K read and written + cos/sin rows (fp32); nakta_cache also writes "
             "K and V to a KV cache (+ K write, V read, V write). Liger gets separate contiguous q "
-            "and k tensors and precomputed per-token cos/sin."
+            "and k tensors and precomputed per-token cos/sin. `us`: CUDA-graph GPU time (the "
+            "PyTorch reference synchronises: eager); `us_eager`: do_bench eager calls. "
+            f"Launch config: {launch['qkv']}."
         )
         write_table(qkv, out, f"{stem}_qkv", "RoPE, fused QK in place (model path)", qnotes)
-    summary = summarize(te, qkv) | {"copy_gbps": copy_gbps, "device": slug, "targets": TARGETS}
+    summary = summarize(te, qkv) | {
+        "copy_gbps": copy_gbps,
+        "device": slug,
+        "targets": TARGETS,
+        "launch_configs": launch,
+    }
     if on_gpu:
         summary["host_us_per_call"] = host_overheads(device, dtype)
     write_json(summary, out / f"{stem}_summary.json")

@@ -31,6 +31,7 @@ from nakta_model.kernels._checks import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    interpreter_enabled,
 )
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -255,25 +256,75 @@ def _rope_qkv_kernel(
 
 
 @triton.jit
+def _pin(x, PIN: tl.constexpr):
+    """Identity the compiler cannot see through (compiled GPU code only).
+
+    Triton would otherwise recompute the sin/cos below in the layout of the big data tile they
+    are broadcast into: every thread evaluating them for each of its columns (8 x 4
+    transcendentals per thread instead of ~1). Behind this opaque copy they are computed once
+    in a compact layout and moved through shared memory.
+    """
+    if PIN:
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1
+        )
+    else:
+        return x
+
+
+@triton.jit
 def _freq_angles(
     freqs_ptr,
-    pos3,
-    pmask3,
+    pos2,
+    pmask2,
     stride_fs,
     stride_fd,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-    JOINT: tl.constexpr,
+    PIN: tl.constexpr,
 ):
     """cos/sin of both pair members from TE-style ``freqs`` rows (one row per position).
 
-    ``pos3`` is ``[P, 1, 1]``; results are ``[P, 1, HALF_PAD]`` in fp32. Computed once per
-    position per program and broadcast over every head (and batch entry) the program touches.
+    ``pos2`` is ``[P, 1]``; results are ``[P, HALF_PAD]`` fp32, NaN where ``pmask2`` is false
+    (a position past the table). Computed once per position per program, then broadcast over
+    every head (and batch entry) the program touches.
     """
-    base = freqs_ptr + pos3 * stride_fs
-    fa, fb = _load_pairs(base, stride_fd, pmask3, HALF, HALF_PAD, INTERLEAVED, JOINT)
-    return tl.cos(fa), tl.sin(fa), tl.cos(fb), tl.sin(fb)
+    i = tl.arange(0, HALF_PAD)
+    m = pmask2 & (i < HALF)[None, :]
+    if INTERLEAVED:
+        ia = 2 * i
+        ib = 2 * i + 1
+    else:
+        ia = i
+        ib = i + HALF
+    base = freqs_ptr + tl.where(pmask2, pos2, 0) * stride_fs
+    fa = tl.load(base + ia[None, :] * stride_fd, mask=m, other=0.0).to(tl.float32)
+    fb = tl.load(base + ib[None, :] * stride_fd, mask=m, other=0.0).to(tl.float32)
+    nan = float("nan")
+    cos_a = _pin(tl.where(pmask2, tl.cos(fa), nan), PIN)
+    sin_a = _pin(tl.sin(fa), PIN)
+    cos_b = _pin(tl.where(pmask2, tl.cos(fb), nan), PIN)
+    sin_b = _pin(tl.sin(fb), PIN)
+    return cos_a, sin_a, cos_b, sin_b
+
+
+@triton.jit
+def _copy_pass(
+    x_base,
+    o_base,
+    stride_xd,
+    mask_row,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+):
+    """Copy the channels past the rotary ones (partial rotary) unchanged."""
+    if PASS > 0:
+        offs_p = 2 * HALF + tl.arange(0, PASS_PAD)
+        pmask = mask_row & (offs_p < 2 * HALF + PASS)[None, None, :]
+        xp = tl.load(x_base + offs_p[None, None, :] * stride_xd, mask=pmask, other=0.0)
+        tl.store(o_base + offs_p[None, None, :], xp.to(o_base.dtype.element_ty), mask=pmask)
 
 
 @triton.jit
@@ -310,6 +361,8 @@ def _rope_te_kernel(
     INTERLEAVED: tl.constexpr,
     JOINT: tl.constexpr,
     BACKWARD: tl.constexpr,
+    PIN: tl.constexpr,
+    PREFETCH: tl.constexpr,
     HEADS_PER_PROG,
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -351,46 +404,67 @@ def _rope_te_kernel(
 
     if HAS_START and not IS_THD:  # one angle row per batch entry
         pos = p + tl.load(start_ptr + offs_b, mask=mask_b, other=0)
-        pos3 = pos.to(tl.int64)[:, None, None]
-        pok3 = (mask_b & (pos >= 0) & (pos < n_freqs))[:, None, None]
+        pos2 = pos.to(tl.int64)[:, None]
+        pok2 = (mask_b & (pos >= 0) & (pos < n_freqs))[:, None]
     else:
         if HAS_START:
             p = p + tl.load(start_ptr + lo)
-        pos3 = tl.full((1, 1, 1), 0, tl.int64) + p
-        pok3 = (pos3 >= 0) & (pos3 < n_freqs)
-    pos3 = tl.where(pok3, pos3, 0)
-    cos_a, sin_a, cos_b, sin_b = _freq_angles(
-        freqs_ptr, pos3, pok3, stride_fs, stride_fd, HALF, HALF_PAD, INTERLEAVED, JOINT
-    )
+        pos2 = tl.full((1, 1), 0, tl.int64) + p
+        pok2 = (pos2 >= 0) & (pos2 < n_freqs)
     # Positions past the table were rejected on the host; NaN here if one slips through.
-    cos_a = tl.where(pok3, cos_a, float("nan"))
-    cos_b = tl.where(pok3, cos_b, float("nan"))
+    cos_a, sin_a, cos_b, sin_b = _freq_angles(
+        freqs_ptr, pos2, pok2, stride_fs, stride_fd, HALF, HALF_PAD, INTERLEAVED, PIN
+    )
+    cos_a = cos_a[:, None, :]
+    sin_a = sin_a[:, None, :]
+    cos_b = cos_b[:, None, :]
+    sin_b = sin_b[:, None, :]
 
     b3 = offs_b.to(tl.int64)[:, None, None]
     x_row = x_ptr + pid_s.to(tl.int64) * stride_xs + b3 * stride_xb
     o_row = out_ptr + pid_s.to(tl.int64) * stride_os + b3 * stride_ob
     h_begin = tl.program_id(2) * HEADS_PER_PROG
     h_end = tl.minimum(h_begin + HEADS_PER_PROG, H)
-    for h0 in range(h_begin, h_end, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h3 = offs_h.to(tl.int64)[None, :, None]
-        mask_row = mask_b[:, None, None] & (offs_h < h_end)[None, :, None]
-        x_base = x_row + h3 * stride_xh
-        o_base = o_row + h3 * stride_oh
+    mask_b3 = mask_b[:, None, None]
+    if PREFETCH:  # software pipelining: the next chunk's loads are in flight during this one
+        offs_h = h_begin + tl.arange(0, BLOCK_H)
+        mask_row = mask_b3 & (offs_h < h_end)[None, :, None]
+        x_base = x_row + offs_h.to(tl.int64)[None, :, None] * stride_xh
         xa, xb = _load_pairs(x_base, stride_xd, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
-        ya, yb = _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD)
-        _store_pairs(o_base, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
-        if PASS > 0:
-            offs_p = tl.arange(0, PASS_PAD)
-            pmask = mask_row & (offs_p < PASS)[None, None, :]
-            xp = tl.load(
-                x_base + (2 * HALF + offs_p)[None, None, :] * stride_xd, mask=pmask, other=0.0
+        for h0 in range(h_begin, h_end, BLOCK_H):
+            offs_n = h0 + BLOCK_H + tl.arange(0, BLOCK_H)
+            mask_n = mask_b3 & (offs_n < h_end)[None, :, None]
+            x_next = x_row + offs_n.to(tl.int64)[None, :, None] * stride_xh
+            na, nb = _load_pairs(x_next, stride_xd, mask_n, HALF, HALF_PAD, INTERLEAVED, JOINT)
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_row = mask_b3 & (offs_h < h_end)[None, :, None]
+            h3 = offs_h.to(tl.int64)[None, :, None]
+            ya, yb = _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD)
+            _store_pairs(
+                o_row + h3 * stride_oh, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT
             )
-            tl.store(
-                o_base + (2 * HALF + offs_p)[None, None, :],
-                xp.to(out_ptr.dtype.element_ty),
-                mask=pmask,
+            _copy_pass(
+                x_row + h3 * stride_xh,
+                o_row + h3 * stride_oh,
+                stride_xd,
+                mask_row,
+                HALF,
+                PASS,
+                PASS_PAD,
             )
+            xa = na
+            xb = nb
+    else:
+        for h0 in range(h_begin, h_end, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h3 = offs_h.to(tl.int64)[None, :, None]
+            mask_row = mask_b3 & (offs_h < h_end)[None, :, None]
+            x_base = x_row + h3 * stride_xh
+            o_base = o_row + h3 * stride_oh
+            xa, xb = _load_pairs(x_base, stride_xd, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
+            ya, yb = _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD)
+            _store_pairs(o_base, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
+            _copy_pass(x_base, o_base, stride_xd, mask_row, HALF, PASS, PASS_PAD)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -403,11 +477,14 @@ def _debug_checks() -> bool:
     return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
 
 
-# Block-size overrides, set only by ``kernel_benchmark/bench_rope.py --tune``.
+# Launch configurations, chosen with ``kernel_benchmark/bench_rope.py --tune`` on an H200
+# (results/<device>/rope_tune.*). The *_TUNE dicts override them (set by the benchmark only).
+_TE_DEFAULTS = dict(
+    BLOCK_B=16, TARGET=2048, num_warps=4, MIN_PROGRAMS=1024, JOINT=False, PREFETCH=False
+)
+_QKV_DEFAULTS = dict(TARGET=2048, num_warps=4, JOINT=True)
 _QKV_TUNE: dict[str, int] = {}
 _TE_TUNE: dict[str, int] = {}
-_JOINT_DEFAULT = False  # one transposed load per row for rotate-half pairs (see _load_pairs)
-_MIN_PROGRAMS = 1024  # ~8 per SM on an H100: below this, heads are split across programs
 
 
 def _pow2(n: int) -> int:
@@ -429,17 +506,15 @@ def _qkv_blocks(n_tokens: int, n_heads: int, half_pad: int) -> tuple[int, int, i
     BLOCK_H is the largest power of two up to TARGET / half_pad that wastes the fewest masked
     heads (40 + 40 heads of LLaMA-13B take 5 blocks of 16, not 64 + a quarter-used 64).
     """
-    target = _QKV_TUNE.get("TARGET", 4096)
-    cap = min(_pow2(n_heads), max(1, target // half_pad))
+    cfg = {**_QKV_DEFAULTS, **_QKV_TUNE}
+    cap = min(_pow2(n_heads), max(1, cfg["TARGET"] // half_pad))
     candidates = [1 << i for i in range(cap.bit_length()) if (1 << i) <= cap]
     block_h = min(
         candidates, key=lambda bh: (triton.cdiv(n_heads, bh) * bh - n_heads) / n_heads - bh * 1e-6
     )
-    block_t = _QKV_TUNE.get("BLOCK_T") or max(1, target // (half_pad * block_h))
+    block_t = cfg.get("BLOCK_T") or max(1, cfg["TARGET"] // (half_pad * block_h))
     block_t = min(block_t, _pow2(n_tokens))
-    elems = block_t * block_h * half_pad
-    num_warps = _QKV_TUNE.get("num_warps") or (8 if elems >= 4096 else 4)
-    return block_t, block_h, num_warps
+    return block_t, block_h, cfg["num_warps"]
 
 
 def _launch_rope_qkv(
@@ -480,7 +555,7 @@ def _launch_rope_qkv(
         kc.stride(0) if write_cache else 0, kc.stride(1) if write_cache else 0,
         vc.stride(0) if write_cache else 0, vc.stride(1) if write_cache else 0,
         HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, PASS=pass_, PASS_PAD=_pow2(pass_),
-        INTERLEAVED=interleaved, JOINT=_QKV_TUNE.get("JOINT", _JOINT_DEFAULT), BACKWARD=backward,
+        INTERLEAVED=interleaved, JOINT=bool({**_QKV_DEFAULTS, **_QKV_TUNE}["JOINT"]), BACKWARD=backward,
         WRITE_CACHE=write_cache, COPY_ALL=copy_all,
         BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )  # fmt: skip
@@ -597,23 +672,20 @@ TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 
 
 def _te_blocks(s: int, n_batch: int, n_heads: int, half_pad: int) -> tuple[int, int, int, int]:
-    """BLOCK_B, BLOCK_H, heads per program, num_warps for the TE kernel (tuned on an H100).
+    """BLOCK_B, BLOCK_H, heads per program, num_warps for the TE kernel (tuned on an H200).
 
     A program takes BLOCK_B batch entries of one position and walks its heads BLOCK_H at a time
-    (~TARGET pairs a step), so sin/cos are computed once for all of them. When that leaves too
-    few programs to fill the GPU, the heads are split over a third grid axis.
+    (~TARGET pairs a step), so sin/cos are computed once for all of them. When that leaves
+    fewer than MIN_PROGRAMS programs, the heads are split over a third grid axis.
     """
-    target = _TE_TUNE.get("TARGET", 4096)
-    block_b = min(_TE_TUNE.get("BLOCK_B", 16), _pow2(n_batch))
-    block_h = min(_pow2(n_heads), max(1, target // (half_pad * block_b)))
+    cfg = {**_TE_DEFAULTS, **_TE_TUNE}
+    block_b = min(cfg["BLOCK_B"], _pow2(n_batch))
+    block_h = min(_pow2(n_heads), max(1, cfg["TARGET"] // (half_pad * block_b)))
     n_h_blocks = triton.cdiv(n_heads, block_h)
     programs = s * triton.cdiv(n_batch, block_b)
-    split = max(
-        1, min(n_h_blocks, triton.cdiv(_TE_TUNE.get("MIN_PROGRAMS", _MIN_PROGRAMS), programs))
-    )
+    split = max(1, min(n_h_blocks, triton.cdiv(cfg["MIN_PROGRAMS"], programs)))
     heads_per_prog = triton.cdiv(n_h_blocks, split) * block_h
-    num_warps = _TE_TUNE.get("num_warps") or (8 if block_b * block_h * half_pad >= 4096 else 4)
-    return block_b, block_h, heads_per_prog, num_warps
+    return block_b, block_h, heads_per_prog, cfg["num_warps"]
 
 
 def _sbhd_view(
@@ -665,7 +737,8 @@ def _launch_rope_te(
         HALF=d2 // 2, HALF_PAD=half_pad, PASS=D - d2, PASS_PAD=_pow2(D - d2),
         IS_THD=is_thd, HAS_START=has_start, CP=cp_size > 1,
         SEARCH_STEPS=max(n_seqs, 1).bit_length() + 1,
-        INTERLEAVED=interleaved, JOINT=_TE_TUNE.get("JOINT", _JOINT_DEFAULT), BACKWARD=backward,
+        INTERLEAVED=interleaved, JOINT=bool({**_TE_DEFAULTS, **_TE_TUNE}["JOINT"]), BACKWARD=backward,
+        PIN=x.is_cuda and not interpreter_enabled(), PREFETCH=bool({**_TE_DEFAULTS, **_TE_TUNE}["PREFETCH"]),
         HEADS_PER_PROG=heads_per_prog, BLOCK_B=block_b, BLOCK_H=block_h, num_warps=num_warps,
     )  # fmt: skip
     return out
