@@ -304,7 +304,7 @@ def qkv_rows(model: str, device, dtype, quick: bool, copy_gbps: float) -> list[d
 
 
 # ----------------------------------------------------------------------------- tuning
-def tune(device, dtype, copy_gbps: float, budget_s: float = 100.0) -> pd.DataFrame:
+def tune(device, dtype, copy_gbps: float, budget_s: float = 75.0) -> pd.DataFrame:
     """Block-size sweep of both kernels (forward; backward is the same kernel), GPU time from
     CUDA-graph replay. Stops adding shapes once ``budget_s`` is spent."""
     from tqdm import tqdm
