@@ -41,7 +41,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="Meta checkpoint dir (params.json + consolidated.*.pth)")
     p.add_argument("--tokenizer", required=True, help="sentencepiece tokenizer.model")
-    p.add_argument("--data", required=True, help="HellaSwag jsonl (original or preprocessed)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="HellaSwag jsonl (original or preprocessed) or llama.cpp .txt[.bz2]",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N tasks only")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
@@ -191,7 +195,7 @@ def markdown(result: dict) -> str:
 def run(a: argparse.Namespace) -> dict:
     device = models.resolve_device(a.device)
     dtype = models.parse_dtype(a.dtype)
-    docs = hellaswag.load_jsonl(a.data, limit=a.limit)
+    docs = hellaswag.load(a.data, limit=a.limit)
     import nakta_model
 
     tok = nakta_model.Tokenizer(a.tokenizer)

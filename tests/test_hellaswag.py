@@ -153,3 +153,11 @@ def test_metrics_normalise_by_characters_not_bytes():
     assert hs.score_doc(doc, [-1.0, -1.0]).pred == 0  # ties: first wins (numpy argmax)
     with pytest.raises(ValueError, match="lls"):
         hs.evaluate([doc], [1.0])
+
+
+def test_llamacpp_text_file_equals_full_jsonl(shared_data):
+    txt = hs.load(shared_data / "hellaswag_val_full.txt.bz2")
+    full = hs.load(shared_data / "hellaswag_val_full.jsonl")
+    assert len(txt) == 10042
+    assert txt == full
+    assert hs.load(shared_data / "hellaswag_val_full.txt.bz2", limit=3) == full[:3]

@@ -91,6 +91,41 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Doc]:
     return docs
 
 
+def load_llamacpp_txt(path: str | Path, limit: int | None = None) -> list[Doc]:
+    """llama.cpp's HellaSwag text file (``.txt`` or ``.txt.bz2``): 6 lines per task
+    (``activity_label: ctx``, label, 4 endings), preprocessed like ``hellaswag_val_full.jsonl``
+    (which was derived from it). 2 MB compressed instead of 8 MB of jsonl."""
+    import bz2
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"path {path} is not a file")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    opener = bz2.open if path.suffix == ".bz2" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if len(lines) % 6:
+        raise ValueError(f"{path}: {len(lines)} lines, not a multiple of 6 (ctx, label, 4 endings)")
+    docs = []
+    for i in range(0, len(lines), 6):
+        ctx, label, *endings = lines[i : i + 6]
+        docs.append(process_doc({"ind": i // 6, "ctx": ctx, "endings": endings, "label": label}))
+        if limit is not None and len(docs) >= limit:
+            break
+    return docs
+
+
+def load(path: str | Path, limit: int | None = None) -> list[Doc]:
+    """Any local HellaSwag file: jsonl (either schema) or llama.cpp text (``.txt[.bz2]``)."""
+    name = Path(path).name
+    if name.endswith((".txt", ".txt.bz2")):
+        return load_llamacpp_txt(path, limit)
+    return load_jsonl(path, limit)
+
+
 def load_hf(split: str = "validation", limit: int | None = None) -> list[Doc]:
     """``Rowan/hellaswag`` through ``datasets`` (needs the network or a warm HF cache)."""
     try:

@@ -41,9 +41,9 @@ def load_local(hellaswag_jsonl: str | None = None, limit: int | None = None, **_
     """A ``DatasetDict`` with a ``validation`` split of processed docs (query, choices, label)."""
     import datasets
 
-    from nakta_model.tasks.hellaswag import load_jsonl
+    from nakta_model.tasks.hellaswag import load
 
-    docs = load_jsonl(data_path(hellaswag_jsonl), limit=limit)
+    docs = load(data_path(hellaswag_jsonl), limit=limit)
     rows = [
         {
             "query": d.query,
