@@ -171,3 +171,19 @@ def test_cli_wrapper_registers_and_forwards(capsys):
         lm_eval_cli.main(["run", "--help"])
     assert e.value.code == 0
     assert "--model_args" in capsys.readouterr().out
+
+
+def test_lm_eval_check_reproduces_parity(tiny, shared_data, tmp_path):
+    from accuracy_test import lm_eval_check
+
+    ckpt, tok = tiny
+    out = tmp_path / "check.json"
+    argv = ["--checkpoint", str(ckpt), "--tokenizer", str(tok), "--device", "cpu"]
+    argv += ["--data", str(shared_data / "hellaswag_val_full.txt.bz2"), "--limit", "4"]
+    argv += ["--batch-size", "4", "--out", str(out), "--no-progress"]
+    assert lm_eval_check.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["match"] is True
+    assert [r["model"] for r in result["models"]] == ["nakta", "llama_org"]
+    assert all(r["lm_eval"]["n"] == 4 for r in result["models"])
+    assert out.with_suffix(".md").is_file()

@@ -1,0 +1,122 @@
+"""Does lm-eval, through the ``nakta`` / ``llama_org`` adapters, report parity.py's numbers?
+
+    python -m accuracy_test.lm_eval_check --checkpoint ../shared/data/stories260K \\
+        --tokenizer ../shared/data/stories260K/tokenizer.model \\
+        --data ../shared/data/hellaswag_val_subset1000.jsonl --dtype bf16 --device cuda
+
+Runs ``parity.py``'s comparison, then lm-eval's ``simple_evaluate`` on the offline
+``hellaswag_local`` task (same data file, same batch limits) for both adapters, in one process,
+and checks that lm-eval's acc / acc_norm equal parity.py's for each model. Writes JSON +
+markdown (``accuracy_test/results/lm_eval_check_<model>_<dtype>_<device>.json`` by default);
+exit code 1 when a number differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from accuracy_test import parity
+from nakta_model.io_utils import atomic_write_text
+
+TASKS = Path(__file__).resolve().parent / "tasks"
+TASK = "hellaswag_local"
+
+
+def lm_eval_metrics(
+    model: str,
+    model_args: dict,
+    data: str | Path,
+    *,
+    limit: int | None,
+    batch_size: int,
+    device: str,
+) -> dict:
+    """acc / acc_norm (and the sample count) of one adapter on ``hellaswag_local`` over ``data``."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import accuracy_test.lm_eval_adapter  # noqa: F401  (registers the adapters)
+
+    old = os.environ.get("NAKTA_HELLASWAG_JSONL")
+    os.environ["NAKTA_HELLASWAG_JSONL"] = str(data)
+    try:
+        out = lm_eval.simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=[TASK],
+            task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+            device=device,
+            batch_size=batch_size,
+            limit=limit,
+        )
+    finally:
+        if old is None:
+            os.environ.pop("NAKTA_HELLASWAG_JSONL", None)
+        else:
+            os.environ["NAKTA_HELLASWAG_JSONL"] = old
+    res = out["results"][TASK]
+    return {"acc": res["acc,none"], "acc_norm": res["acc_norm,none"], "n": res["sample_len"]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parity.parse_args(argv)
+    if a.random:
+        raise SystemExit("lm_eval_check needs --checkpoint (the adapters load checkpoints)")
+    par = parity.run(a)
+    cfg = par["config"]
+    model_args = {
+        "checkpoint": a.checkpoint,
+        "tokenizer": a.tokenizer,
+        "dtype": a.dtype,
+        "token_budget": a.token_budget,
+    }
+    rows, ok = [], True
+    for name in ("nakta", "llama_org"):
+        got = lm_eval_metrics(
+            name, model_args, a.data, limit=a.limit, batch_size=a.batch_size, device=cfg["device"]
+        )
+        want = par[name]
+        match = got["n"] == cfg["n_tasks"] and all(got[k] == want[k] for k in ("acc", "acc_norm"))
+        ok &= match
+        rows.append(
+            {
+                "model": name,
+                "lm_eval": got,
+                "parity": {k: want[k] for k in ("acc", "acc_norm")},
+                "match": match,
+            }
+        )
+    result = {"match": ok, "models": rows, "parity": par, "lm_eval_task": TASK}
+    name = Path(a.checkpoint).resolve().name
+    out = (
+        Path(a.out)
+        if a.out
+        else parity.RESULTS / f"lm_eval_check_{name}_{a.dtype}_{cfg['device']}.json"
+    )
+    md = [
+        f"# lm-eval through the adapters vs parity.py ({name}, {a.dtype}, {cfg['device']})",
+        "",
+        f"{cfg['n_tasks']} tasks from `{cfg['data']}`; lm-eval task `{TASK}` on the same file.",
+        "",
+        "| model | lm-eval acc | parity acc | lm-eval acc_norm | parity acc_norm | match |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        md.append(
+            f"| {r['model']} | {r['lm_eval']['acc']:.4f} | {r['parity']['acc']:.4f} | "
+            f"{r['lm_eval']['acc_norm']:.4f} | {r['parity']['acc_norm']:.4f} | {r['match']} |"
+        )
+    md += ["", f"nakta vs llama_org flips: {par['n_flips']}"]
+    atomic_write_text(out, json.dumps(result, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"wrote {out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
