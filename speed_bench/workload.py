@@ -120,10 +120,13 @@ def synthetic_workload(
     cont_len = _sampler(hist["continuation_tokens"], rng)
     chars_per_token = hist["chars_per_continuation_token"]
     limit = max_length if max_length is not None else 1 << 30
+    shortest = min(int(k) for k in hist["continuation_tokens"])
+    if min(int(k) for k in hist["context_tokens_with_bos"]) + shortest > limit:
+        raise ValueError(f"max_length {max_length} is shorter than the shortest HellaSwag task")
     docs, requests = [], []
     for t in range(n_tasks):
         n_ctx = ctx_len()
-        while n_ctx + 1 > limit:
+        while n_ctx + shortest > limit:
             n_ctx = ctx_len()
         ctx = [1] + [rng.randrange(3, vocab_size) for _ in range(n_ctx - 1)]  # BOS = 1
         choices = []

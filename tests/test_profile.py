@@ -1,0 +1,72 @@
+"""model_profile: categorisation rules, GPU-trace summarising, and a tiny CPU profile end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_profile.profile import CATEGORIES, categorize, summarize_gpu_trace, top_table
+
+
+@pytest.mark.parametrize(
+    ("name", "op", "expected"),
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "aten::mm", "gemm"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", None, "gemm"),
+        ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_tn", "aten::bmm", "attention"),
+        ("void at::native::(anonymous)::cunn_SoftMaxForward<4, float>", "aten::_softmax", "attention"),
+        ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", None, "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "aten::_efficient_attention_forward", "attention"),
+        ("_rms_norm_fwd_kernel", None, "elementwise"),
+        ("void at::native::vectorized_elementwise_kernel<4, silu>", "aten::silu", "elementwise"),
+        ("Memcpy HtoD (Pageable -> Device)", None, "memcpy"),
+    ],
+)  # fmt: skip
+def test_categorize(name, op, expected):
+    assert categorize(name, op) == expected
+
+
+def test_summarize_gpu_trace_counts_busy_time_and_gaps():
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5,
+             "args": {"External id": 7}},
+            {"ph": "X", "cat": "kernel", "name": "some_gemm_kernel", "ts": 10, "dur": 20,
+             "args": {"External id": 7}},
+            # overlapping second stream: counted in its category, once in the busy timeline
+            {"ph": "X", "cat": "kernel", "name": "_rope_kernel", "ts": 25, "dur": 10, "args": {}},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 50, "dur": 5, "args": {}},
+            {"ph": "X", "cat": "kernel", "name": "some_gemm_kernel", "ts": 60, "dur": 20,
+             "args": {"External id": 7}},
+        ]
+    }  # fmt: skip
+    df, cats = summarize_gpu_trace(trace)
+    assert cats["gemm"] == 40 and cats["elementwise"] == 10 and cats["memcpy"] == 5
+    # span 10..80 = 70; busy = [10,35) + [50,55) + [60,80) = 25 + 5 + 20 = 50
+    assert cats["gaps"] == 20
+    assert cats["attention"] == 0
+    gemm = df[df["name"] == "some_gemm_kernel"].iloc[0]
+    assert gemm["calls"] == 2 and gemm["op"] == "aten::mm"
+    top = top_table(df, cats, top=2)
+    assert list(top["name"])[0] == "some_gemm_kernel" and len(top) == 2
+    assert abs(top["share"].iloc[0] - 40 / 75) < 1e-9
+
+
+def test_profile_tiny_cpu_end_to_end(tmp_path):
+    from model_profile.profile import main
+
+    result = main(["--preset", "tiny", "--tasks", "2", "--device", "cpu", "--out", str(tmp_path)])
+    engines = ("llama_org", "nakta", "nakta_cache")
+    assert set(result["engines"]) == set(engines)
+    for name in engines:
+        trace = json.loads((tmp_path / f"{name}.pt.trace.json").read_text())
+        assert trace["traceEvents"]
+        assert (tmp_path / f"kernels_{name}.md").read_text().startswith("# Top ops")
+        r = result["engines"][name]
+        assert set(r["categories_ms"]) == set(CATEGORIES)
+        assert r["categories_ms"]["gemm"] > 0  # the projections are matmuls
+        assert abs(sum(r["categories_ms"].values()) - r["profiled_ms"]) < 1e-6
+        assert r["top"] and all(0 <= t["share"] <= 1 for t in r["top"])
+    for f in ("categories.csv", "categories.md", "profile.png", "summary.json"):
+        assert (tmp_path / f).stat().st_size > 0

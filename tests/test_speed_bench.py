@@ -1,0 +1,196 @@
+"""speed_bench: embedded workload, token accounting, shared weights, and run_all end to end.
+
+The end-to-end run is the README's main job on the tiny preset: it must write a complete
+summary, and the engines must agree with Meta's code on the same random weights (same
+predictions, log-likelihoods equal to fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from nakta_model.config import preset
+from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
+from speed_bench.make_length_histogram import HISTOGRAM_PATH, measure
+from speed_bench.weights import RandomWeights, matmul_params, meta_params
+from speed_bench.workload import Workload, load_histogram, synthetic_workload
+
+
+def _hist_mean(counts: dict[str, int]) -> float:
+    return sum(int(k) * v for k, v in counts.items()) / sum(counts.values())
+
+
+# ----------------------------------------------------------------------------- histogram
+def test_committed_histogram_loads_and_describes_hellaswag():
+    hist = load_histogram()
+    assert hist["n_tasks"] == 10042
+    assert sum(hist["context_tokens_with_bos"].values()) == 10042
+    assert sum(hist["continuation_tokens"].values()) == 4 * 10042
+    # HellaSwag under the LLaMA tokenizer: ~57-token contexts (with BOS), ~33-token endings.
+    assert 50 < _hist_mean(hist["context_tokens_with_bos"]) < 65
+    assert 28 < _hist_mean(hist["continuation_tokens"]) < 38
+    assert 3.0 < hist["chars_per_continuation_token"] < 6.0
+
+
+def test_histogram_rejects_missing_fields(tmp_path):
+    bad = tmp_path / "h.json"
+    bad.write_text(json.dumps({"context_tokens_with_bos": {"3": 1}}))
+    with pytest.raises(ValueError, match="continuation_tokens"):
+        load_histogram(bad)
+
+
+def test_measure_matches_lm_eval_request_building(shared_data, tmp_path):
+    """The histogram script counts exactly the tokens nakta's lm-eval request builder makes."""
+    rows = (shared_data / "hellaswag_val_subset1000.jsonl").read_text().splitlines()[:40]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    tok = shared_data / "llama_tokenizer.model"
+    hist = measure(data, tok)
+    requests = build_requests(load_jsonl(data), sentencepiece_encoder(tok))
+    ctx_counts: dict[str, int] = {}
+    cont_counts: dict[str, int] = {}
+    for i, (ctx, cont) in enumerate(requests):
+        if i % 4 == 0:
+            ctx_counts[str(len(ctx))] = ctx_counts.get(str(len(ctx)), 0) + 1
+        cont_counts[str(len(cont))] = cont_counts.get(str(len(cont)), 0) + 1
+    assert hist["context_tokens_with_bos"] == dict(
+        sorted(ctx_counts.items(), key=lambda kv: int(kv[0]))
+    )
+    assert hist["continuation_tokens"] == dict(
+        sorted(cont_counts.items(), key=lambda kv: int(kv[0]))
+    )
+
+
+# ----------------------------------------------------------------------------- workload
+def test_synthetic_workload_follows_histogram_and_is_seeded():
+    hist = json.loads(HISTOGRAM_PATH.read_text())
+    w = synthetic_workload(600, 32000, seed=3)
+    assert w.n_tasks == 600 and len(w.requests) == 2400
+    ctx_mean = sum(len(c) for c, _ in w.requests[::4]) / 600
+    cont_mean = sum(len(x) for _, x in w.requests) / 2400
+    assert abs(ctx_mean - _hist_mean(hist["context_tokens_with_bos"])) < 3
+    assert abs(cont_mean - _hist_mean(hist["continuation_tokens"])) < 2
+    assert all(c[0] == 1 and min(c[1:] + x) >= 3 and max(c + x) < 32000 for c, x in w.requests)
+    # four endings share one context object per task
+    assert all(w.requests[4 * t][0] == w.requests[4 * t + 3][0] for t in range(600))
+    again = synthetic_workload(600, 32000, seed=3)
+    assert again.requests == w.requests and [d.label for d in again.docs] == [
+        d.label for d in w.docs
+    ]
+    assert synthetic_workload(600, 32000, seed=4).requests != w.requests
+
+
+def test_synthetic_workload_respects_max_length_and_bad_args():
+    w = synthetic_workload(50, 256, seed=0, max_length=40)
+    assert w.max_length() <= 40 - 1
+    assert w.max_token_id() < 256
+    with pytest.raises(ValueError, match="max_length"):
+        synthetic_workload(4, 256, max_length=10)
+    with pytest.raises(ValueError, match="n_tasks"):
+        synthetic_workload(0, 256)
+    with pytest.raises(ValueError, match="vocab_size"):
+        synthetic_workload(4, 2)
+
+
+def test_token_accounting_by_hand():
+    docs = [Doc("", ("aa", "bbb"), 0), Doc("", ("c",), 0)]
+    requests = [([1, 5, 6], [7, 8]), ([1, 5, 6], [9]), ([1, 4], [3, 3, 3])]
+    w = Workload("hand", docs, requests)
+    assert w.request_tokens() == (3 + 2 - 1) + (3 + 1 - 1) + (2 + 3 - 1)  # 4 + 3 + 4
+    assert w.unique_tokens() == (3 + 1 + 0) + (2 + 2)  # context once + cont - 1 each
+    assert w.scored_tokens() == 6
+    assert w.max_length() == 4
+    sub = w.spread(1)
+    assert sub.n_tasks == 1 and sub.requests == requests[:2]
+    with pytest.raises(ValueError, match="requests"):
+        Workload("bad", docs, requests[:2])
+
+
+# ----------------------------------------------------------------------------- weights
+def test_matmul_params_of_7b():
+    blocks, head = matmul_params(preset("7B"))
+    assert blocks == 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert head == 32000 * 4096
+
+
+def test_random_weights_are_reproducible_and_sane():
+    src = RandomWeights(preset("tiny"), "random-tiny", seed=1)
+    a = src.state_dict(torch.device("cpu"), torch.float32)
+    b = src.state_dict(torch.device("cpu"), torch.float32)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = RandomWeights(preset("tiny"), "random-tiny", seed=2).state_dict(
+        torch.device("cpu"), torch.float32
+    )
+    assert not torch.equal(a["layers.0.attention.wq.weight"], c["layers.0.attention.wq.weight"])
+    wq = a["layers.0.attention.wq.weight"]
+    assert abs(wq.std().item() - wq.shape[1] ** -0.5) < 0.2 * wq.shape[1] ** -0.5
+    assert torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
+    assert meta_params(preset("tiny"))["n_kv_heads"] == 2
+    assert "n_kv_heads" not in meta_params(preset("7B"))  # LLaMA-1 params.json has none
+
+
+def test_hf_weight_conversion_round_trips():
+    from nakta_model.checkpoint import from_hf_state_dict
+    from speed_bench.hf_speed import meta_to_hf
+
+    args = preset("tiny")
+    meta = RandomWeights(args, "t", seed=0).state_dict(torch.device("cpu"), torch.float32)
+    back = from_hf_state_dict(meta_to_hf(dict(meta), args), args)
+    assert back.keys() == meta.keys()
+    assert all(torch.equal(back[k], meta[k]) for k in meta)
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_run_all_tiny_end_to_end(tmp_path, capsys):
+    from speed_bench.hf_speed import unavailable_reason
+    from speed_bench.run_all import main
+
+    engines = ["nakta", "nakta_cache", "llama_org"] + ([] if unavailable_reason() else ["hf"])
+    summary = main(
+        ["--preset", "tiny", "--limit", "6", "--warmup", "1", "--device", "cpu",
+         "--engines", ",".join(engines), "--out", str(tmp_path), "--no-progress"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"results -> {tmp_path}" in printed and "nakta_cache_vs_llama_org" in printed
+    for f in ("summary.json", "speed.csv", "speed.md", "speed.png"):
+        assert (tmp_path / f).stat().st_size > 0, f
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["engines"].keys() == set(engines) == summary["engines"].keys()
+    wl = on_disk["workload"]
+    assert wl["tasks"] == 6 and wl["unique_tokens"] < wl["request_tokens"]
+    assert on_disk["reference_engine"] == "llama_org"
+    assert on_disk["peak_matmul_tflops"] > 0
+    for name, r in on_disk["engines"].items():
+        for key in ("tasks_per_s", "tokens_per_s", "mfu", "mfu_unique", "acc", "acc_norm",
+                    "wall_s", "computed_tokens"):  # fmt: skip
+            assert key in r, (name, key)
+        assert "peak_mem_gb" in r  # None on the CPU
+        assert r["tasks_per_s"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["mfu_unique"] <= r["mfu"] and r["mfu"] < 1.0
+        assert math.isclose(r["tokens_per_s"] / r["tasks_per_s"], wl["request_tokens"] / 6)
+        # same weights, same requests: same predictions as Meta's code, lls to fp32 rounding
+        assert r["pred_agree_vs_ref"] == 1.0, name
+        assert r["max_abs_ll_diff_vs_ref"] < 1e-3, name
+    acc = {n: (r["acc"], r["acc_norm"]) for n, r in on_disk["engines"].items()}
+    assert len(set(acc.values())) == 1, acc
+    assert on_disk["engines"]["nakta_cache"]["computed_tokens"] == wl["unique_tokens"]
+    assert on_disk["engines"]["nakta"]["computed_tokens"] == wl["request_tokens"]
+    assert set(on_disk["ratios_tasks_per_s"]) == {f"nakta_cache_vs_{e}" for e in engines} - {
+        "nakta_cache_vs_nakta_cache"
+    }
+
+
+def test_run_all_refuses_vocab_mismatch(shared_data, tmp_path):
+    from speed_bench.run_all import main
+
+    with pytest.raises(SystemExit, match="vocabulary"):
+        main(
+            ["--preset", "tiny", "--data", str(shared_data / "hellaswag_val_subset1000.jsonl"),
+             "--tokenizer", str(shared_data / "llama_tokenizer.model"), "--limit", "2",
+             "--device", "cpu", "--out", str(tmp_path), "--no-progress"]
+        )  # fmt: skip
