@@ -354,11 +354,20 @@ def test_bad_arguments_raise(fused, device, monkeypatch):
     with pytest.raises(TypeError, match="cu_seqlens must have dtype in"):
         call(packed, emb, "thd", cu_seqlens=cu.long())
     with pytest.raises(ValueError, match="non-decreasing"):
-        call(packed, emb, "thd", cu_seqlens=torch.tensor([0, 4, 3, 6], dtype=torch.int32))
+        call(
+            packed,
+            emb,
+            "thd",
+            cu_seqlens=torch.tensor([0, 4, 3, 6], dtype=torch.int32, device=device),
+        )
     with pytest.raises(ValueError, match="must equal t's token count 6"):
-        call(packed, emb, "thd", cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
+        call(
+            packed, emb, "thd", cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+        )
     with pytest.raises(ValueError, match="freqs has 4 positions but the input needs 5"):
-        call(packed, emb, "thd", cu_seqlens=torch.tensor([0, 1, 6], dtype=torch.int32))
+        call(
+            packed, emb, "thd", cu_seqlens=torch.tensor([0, 1, 6], dtype=torch.int32, device=device)
+        )
     with pytest.raises(ValueError, match="cu_seqlens is only valid"):
         call(t, emb, cu_seqlens=cu)
     with pytest.raises(TypeError, match="t must be a torch.Tensor"):
