@@ -4,9 +4,10 @@ Two families live here because they share the rotation math:
 
 * ``apply_rotary_pos_emb`` / ``RotaryPositionEmbedding``: same arguments and semantics as
   NVIDIA TransformerEngine's functions of these names (sbhd / bshd / packed thd, any strides,
-  partial rotary, ``start_positions``, context-parallel dual-chunk layout), so TE's tests run
-  unchanged. Angles come in as ``freqs``; sin/cos are computed in-kernel once per position and
-  reused across batch and heads.
+  partial rotary, ``start_positions``, context-parallel dual-chunk layout), so TE's test calls
+  run unchanged against it (only ``fused`` defaults to True here). Angles come in as ``freqs``;
+  sin/cos are computed in-kernel once per position per program and reused across the batch
+  block and all heads the program walks (all heads unless the grid is too small to fill the GPU).
 * ``apply_rope_qkv_``: the model's path. It rotates the Q and K heads of a fused ``wqkv``
   projection output IN PLACE in one launch (V untouched), reading per-token positions and a
   precomputed cos/sin table (``build_rope_cache``); optionally the same launch writes the
