@@ -147,7 +147,7 @@ def compare(
     }
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, max_flips: int | None = None) -> str:
     cfg = result["config"]
     lines = [
         f"# HellaSwag parity: nakta vs llama_org ({cfg['model']}, {cfg['dtype']}, {cfg['device']})",
@@ -183,12 +183,15 @@ def markdown(result: dict) -> str:
             "| task | ind | metric | label | nakta | llama_org | margin | nakta_margin | max ll diff |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for f in result["flips"]:
+        shown = result["flips"] if max_flips is None else result["flips"][:max_flips]
+        for f in shown:
             lines.append(
                 f"| {f['task']} | {f['ind']} | {f['metric']} | {f['label']} | {f['nakta']} | "
                 f"{f['llama_org']} | {f['margin']:.3g} | {f['nakta_margin']:.3g} | "
                 f"{f['max_ll_diff']:.3g} |"
             )
+        if len(shown) < len(result["flips"]):
+            lines.append(f"\n({len(result['flips']) - len(shown)} more flips in the saved files)")
     return "\n".join(lines) + "\n"
 
 
@@ -298,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(a.out) if a.out else default_out(a, result["config"]["device"])
     atomic_write_text(out, json.dumps(result, indent=2, sort_keys=True) + "\n")
     atomic_write_text(out.with_suffix(".md"), markdown(result))
-    print(markdown(result))
+    print(markdown(result, max_flips=20))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
