@@ -271,7 +271,11 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 def _model_attr(model: object, names: Sequence[str]) -> int | None:
-    for holder in (model, getattr(model, "args", None), getattr(model, "params", None)):
+    """A positive int attribute of the model's config (``args``/``params``) or of the model.
+
+    The config comes first: Nakta's ``model.max_seq_len`` is the KV-cache length (0 when none).
+    """
+    for holder in (getattr(model, "args", None), getattr(model, "params", None), model):
         if holder is None:
             continue
         for name in names:

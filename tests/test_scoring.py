@@ -229,6 +229,8 @@ def test_real_nakta_model_cache_on_off():
     plain = scoring.score_with_forward(lambda t: model(t, 0), reqs, max_length=64)
     assert_close(on, off, tol=1e-4)
     assert_close(on, plain, tol=1e-4)
+    model.setup_cache(1, 8)  # model.max_seq_len is now the cache length; args still rule
+    assert_close(scoring.score(model, reqs), on, tol=1e-4)
 
 
 def test_results_do_not_depend_on_request_order():
