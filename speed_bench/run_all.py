@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         if on_gpu
         else matmul_tflops(512, dtype=dtype, device="cpu")
     )
-    print(f"measured matmul peak: {peak_tflops:.1f} TFLOP/s")
+    print(f"measured matmul peak: {peak_tflops:.4g} TFLOP/s")
 
     rows: dict[str, dict] = {}
     skipped: dict[str, str] = {}

@@ -56,8 +56,8 @@ class Workload:
         """Tokens with each task's shared context counted once (what a prefix cache runs)."""
         total, i = 0, 0
         for doc in self.docs:
-            group = self.requests[i : i + len(doc.choices)]
-            contexts = {tuple(c) for c, _ in group}
+            group = {(tuple(c), tuple(x)) for c, x in self.requests[i : i + len(doc.choices)]}
+            contexts = {c for c, _ in group}  # identical requests are computed once, too
             total += sum(len(c) for c in contexts) + sum(len(x) - 1 for _, x in group)
             i += len(doc.choices)
         return total

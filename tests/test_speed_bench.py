@@ -108,6 +108,9 @@ def test_token_accounting_by_hand():
     assert sub.n_tasks == 1 and sub.requests == requests[:2]
     with pytest.raises(ValueError, match="requests"):
         Workload("bad", docs, requests[:2])
+    # an ending repeated within a task is computed once by the shared-context scorer
+    dup = Workload("dup", [Doc("", ("a", "a"), 0)], [([1, 2], [3, 4]), ([1, 2], [3, 4])])
+    assert dup.unique_tokens() == 2 + 1 and dup.request_tokens() == 6
 
 
 # ----------------------------------------------------------------------------- weights
