@@ -97,9 +97,17 @@ def load_histogram(path: str | Path = HISTOGRAM_PATH) -> dict:
 
 
 def _sampler(counts: dict[str, int], rng: random.Random):
-    lengths = [int(k) for k in counts]
-    weights = [counts[k] for k in counts]
-    return lambda: rng.choices(lengths, weights)[0]
+    """Draw a length from the histogram, restricted to lengths <= ``at_most``."""
+    table = sorted((int(k), v) for k, v in counts.items() if v > 0)
+    lengths, weights = [n for n, _ in table], [c for _, c in table]
+
+    def draw(at_most: int) -> int:
+        if at_most >= lengths[-1]:
+            return rng.choices(lengths, weights)[0]
+        fit = [(n, c) for n, c in table if n <= at_most]
+        return rng.choices([n for n, _ in fit], [c for _, c in fit])[0]
+
+    return draw
 
 
 def synthetic_workload(
@@ -107,8 +115,8 @@ def synthetic_workload(
 ) -> Workload:
     """``n_tasks`` random tasks with HellaSwag's token lengths (random labels and token ids).
 
-    ``max_length`` caps ``context + continuation`` (for tiny models with a short context window);
-    lengths above it are redrawn, so the cap trims the tail rather than piling tasks at it.
+    ``max_length`` caps ``context + continuation`` (for tiny models with a short context window)
+    by drawing from the histogram restricted to the lengths that fit.
     """
     if n_tasks < 1:
         raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
@@ -125,15 +133,11 @@ def synthetic_workload(
         raise ValueError(f"max_length {max_length} is shorter than the shortest HellaSwag task")
     docs, requests = [], []
     for t in range(n_tasks):
-        n_ctx = ctx_len()
-        while n_ctx + shortest > limit:
-            n_ctx = ctx_len()
+        n_ctx = ctx_len(limit - shortest)
         ctx = [1] + [rng.randrange(3, vocab_size) for _ in range(n_ctx - 1)]  # BOS = 1
         choices = []
         for _ in range(4):
-            n = cont_len()
-            while n_ctx + n > limit:
-                n = cont_len()
+            n = cont_len(limit - n_ctx)
             requests.append((ctx, [rng.randrange(3, vocab_size) for _ in range(n)]))
             choices.append("x" * max(1, round(n * chars_per_token)))
         docs.append(Doc(query="", choices=tuple(choices), label=rng.randrange(4), ind=t))
