@@ -6,7 +6,7 @@ warmed up on a spread sample of the tasks, timed between ``cuda.synchronize`` ca
 Reported per engine: wall time, tasks/s, tokens/s, MFU, peak GPU memory, acc and acc_norm, and
 whether its predictions agree with ``llama_org``'s.
 
-Counting (see ``speed_bench/README`` section of the main README):
+Counting (the README's speed-benchmark section says more):
 * ``tokens_per_s``: lm-eval's tokens (``len(context + continuation) - 1`` per request) per
   second -- the same work for every engine, so its ratios equal the tasks/s ratios;
 * ``mfu``: model FLOPs the engine computed / time / peak, where model FLOPs =
@@ -20,7 +20,7 @@ Counting (see ``speed_bench/README`` section of the main README):
     python -m speed_bench.run_all                     # tiny model + embedded workload on the CPU
     python -m speed_bench.run_all --preset 7B \\
         --data ../shared/data/hellaswag_val_full.jsonl --tokenizer ../shared/data/llama_tokenizer.model \\
-        --limit 2000 --select spread
+        --limit 1000 --select spread
 """
 
 from __future__ import annotations
