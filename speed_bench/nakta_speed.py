@@ -3,6 +3,10 @@
 Both run ``nakta_model.scoring.score`` on the same model: ``nakta_cache`` packs the four
 endings of a task behind one copy of its context under a tree mask, so the context is computed
 once; ``nakta`` feeds every request on its own, exactly the work lm-eval asks for.
+
+Under ``torchrun`` (``--tp/--dp``) each rank builds its tensor-parallel shard of the same
+weights, tensor by tensor, and the engine shards the requests over the data-parallel replicas
+(a task's endings stay together) and gathers the results back in request order.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from nakta_model.checkpoint import from_meta_state_dict
+from nakta_model.checkpoint import nakta_shapes, nakta_tensor
 from nakta_model.model import Transformer
+from nakta_model.parallel import ParallelContext, data_parallel_map
 from nakta_model.scoring import score
 
 from .engine import Engine, EngineConfig
@@ -20,24 +25,58 @@ from .weights import WeightSource
 from .workload import Request, Workload
 
 
-def build_model(weights: WeightSource, cfg: EngineConfig) -> Transformer:
-    """The Nakta model from the shared Meta weights, fused on the device (no host copy)."""
-    meta = weights.state_dict(cfg.device, cfg.dtype)
-    state = from_meta_state_dict(meta, weights.args)
-    del meta
+def build_model(
+    weights: WeightSource, cfg: EngineConfig, parallel: ParallelContext | None = None
+) -> Transformer:
+    """This rank's Nakta model from the shared Meta weights, fused on the device.
+
+    Built one Meta tensor at a time (``WeightSource.tensor``): a rank never holds more than
+    its shard plus one unsplit tensor, so a 30B model splits over two GPUs without first
+    materialising all 65 GB on each of them, and every tp gives the same weights.
+    """
+    ctx = parallel or ParallelContext()
+    args = weights.args
+    state = {}
+    for name, shape in nakta_shapes(args, ctx.tp_size).items():
+        t = nakta_tensor(
+            name, lambda n: weights.tensor(n, cfg.device, cfg.dtype), ctx.tp_rank, ctx.tp_size
+        )
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)  # drop the unsplit tensor
+        state[name] = t
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"{name}: built {tuple(state[name].shape)}, expected {shape}")
     with torch.device("meta"):
-        model = Transformer(weights.args)
+        model = Transformer(args, ctx)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
 
 
 class NaktaEngine(Engine):
-    def __init__(self, model: Transformer, cfg: EngineConfig, use_cache: bool):
+    def __init__(
+        self,
+        model: Transformer,
+        cfg: EngineConfig,
+        use_cache: bool,
+        parallel: ParallelContext | None = None,
+    ):
         self.model, self.cfg, self.use_cache = model, cfg, use_cache
+        self.parallel = parallel or ParallelContext()
         self.name = "nakta_cache" if use_cache else "nakta"
 
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
+        if self.parallel.dp_size == 1:
+            return self._score_local(requests)
+        return data_parallel_map(
+            self._score_local,
+            requests,
+            self.parallel,
+            costs=[len(c) + len(t) for c, t in requests],
+            keys=[tuple(c) for c, _ in requests],
+        )
+
+    def _score_local(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
         return score(
             self.model,
             requests,

@@ -21,6 +21,13 @@ Counting (the README's speed-benchmark section says more):
     python -m speed_bench.run_all --preset 7B \\
         --data ../shared/data/hellaswag_val_full.jsonl --tokenizer ../shared/data/llama_tokenizer.model \\
         --limit 1000 --select spread
+    torchrun --nproc_per_node 2 -m speed_bench.run_all --preset 30B --tp 2 ...   # 2 GPUs
+
+Multi-GPU (``--tp``/``--dp`` under ``torchrun``, world = tp x dp): the Nakta engines only; each
+rank builds its tensor-parallel shard of the same weights, requests are sharded over the
+data-parallel replicas; the clock runs between barriers on all ranks, MFU divides by the sum
+of every GPU's measured peak, peak memory is the largest rank's, and rank 0 alone prints and
+writes (default folder ``results/<device>/<model>-tp<N>-dp<M>/``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -37,6 +45,13 @@ import torch
 
 from nakta_model.bench.ceilings import device_slug, matmul_tflops
 from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from nakta_model.parallel import (
+    ParallelContext,
+    barrier,
+    gather_objects,
+    launch,
+    validate_grid,
+)
 from nakta_model.tasks.hellaswag import evaluate
 
 from .engine import Engine, EngineConfig
@@ -48,20 +63,29 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # ----------------------------------------------------------------------------- building
-def _nakta_family(weights: WeightSource, cfg: EngineConfig):
+def _nakta_family(weights: WeightSource, cfg: EngineConfig, ctx: ParallelContext):
     from .nakta_speed import build_model
 
-    return build_model(weights, cfg)
+    return build_model(weights, cfg, ctx)
 
 
-def make_engine(name: str, weights: WeightSource, cfg: EngineConfig, shared: dict) -> Engine:
+def make_engine(
+    name: str,
+    weights: WeightSource,
+    cfg: EngineConfig,
+    shared: dict,
+    ctx: ParallelContext | None = None,
+) -> Engine:
     """Build ``name``; ``nakta`` and ``nakta_cache`` share one model (kept in ``shared``)."""
+    ctx = ctx or ParallelContext()
     if name in ("nakta", "nakta_cache"):
         from .nakta_speed import NaktaEngine
 
         if "nakta" not in shared:
-            shared["nakta"] = _nakta_family(weights, cfg)
-        return NaktaEngine(shared["nakta"], cfg, use_cache=name == "nakta_cache")
+            shared["nakta"] = _nakta_family(weights, cfg, ctx)
+        return NaktaEngine(shared["nakta"], cfg, use_cache=name == "nakta_cache", parallel=ctx)
+    if ctx.world_size > 1:
+        raise ValueError(f"engine {name!r} runs on one GPU only (--tp 1 --dp 1)")
     if name == "llama_org":
         from .llama_speed import LlamaOrgEngine
 
@@ -73,7 +97,9 @@ def make_engine(name: str, weights: WeightSource, cfg: EngineConfig, shared: dic
     raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
 
 
-def skip_reason(name: str) -> str | None:
+def skip_reason(name: str, world_size: int = 1) -> str | None:
+    if world_size > 1 and name not in ("nakta", "nakta_cache"):
+        return "single-GPU engine: multi-GPU runs (--tp/--dp) time the Nakta engines only"
     if name == "hf":
         from .hf_speed import unavailable_reason
 
@@ -109,22 +135,33 @@ def run_engine(
     workload: Workload,
     warmup: Workload | None,
     cfg: EngineConfig,
+    ctx: ParallelContext | None = None,
 ) -> tuple[list[tuple[float, bool]], float, float]:
-    """Warm up, then time one full pass. Returns (results, seconds, peak GB)."""
+    """Warm up, then time one full pass. Returns (results, seconds, peak GB).
+
+    Under a grid the clock starts after a barrier and stops after the last rank is done (its
+    GPU work synchronised), so ``seconds`` is the whole grid's wall time; peak memory is the
+    largest rank's.
+    """
+    ctx = ctx or ParallelContext(device=cfg.device)
     if warmup is not None:
         engine.score(warmup.requests)
     _sync(cfg.device)
     if cfg.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(cfg.device)
+    barrier(ctx)
     t0 = time.perf_counter()
     results = engine.score(workload.requests)
     _sync(cfg.device)
+    barrier(ctx)
     seconds = time.perf_counter() - t0
     peak = (
         torch.cuda.max_memory_allocated(cfg.device) / 1e9
         if cfg.device.type == "cuda"
         else float("nan")
     )
+    if ctx.world_size > 1:
+        peak = max(gather_objects(peak))
     return results, seconds, peak
 
 
@@ -251,6 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", help="default cuda when present")
     p.add_argument("--out", type=Path, help="results folder (default results/<device>/)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica (torchrun)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (torchrun)")
     args = p.parse_args(argv)
     if args.data is not None and args.tokenizer is None:
         p.error("--data needs --tokenizer (the LLaMA sentencepiece model)")
@@ -268,20 +307,33 @@ def _default_preset(device: torch.device) -> str:
     return "tiny"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict | None:
+    """One process (``--tp 1 --dp 1``, plain ``python``) or one rank of a ``torchrun`` grid;
+    returns the summary (``None`` on ranks other than 0 of a grid)."""
     args = parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.tp * args.dp == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return _run(args, ParallelContext(device=device))
+    return launch(lambda ctx: _run(args, ctx), args.tp, args.dp, device=args.device)
+
+
+def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
+    device = ctx.device
     on_gpu = device.type == "cuda"
-    if on_gpu:
-        torch.cuda.set_device(device)
+    world = ctx.world_size
+    say = print if ctx.is_leader else (lambda *a, **k: None)
     dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for e in engines:
         if e not in ALL_ENGINES:
             raise SystemExit(f"--engines: unknown engine {e!r}; choose from {ALL_ENGINES}")
     preset_name = None if args.checkpoint else (args.preset or _default_preset(device))
+    preset_name = gather_objects(preset_name)[0]  # a grid runs rank 0's choice (free memory)
     weights = weight_source(preset_name, args.checkpoint, seed=args.seed)
     margs = weights.args
+    validate_grid(ctx.tp_size, ctx.dp_size, world, args=margs)  # every rank: same verdict
     limit = args.limit or (1000 if on_gpu else 16)
 
     if args.data is not None:
@@ -299,15 +351,15 @@ def main(argv: list[str] | None = None) -> dict:
         token_budget=args.token_budget or (16384 if on_gpu else 2048),
         max_length=margs.max_seq_len,
         max_rows=args.max_rows,
-        progress=not args.no_progress,
+        progress=not args.no_progress and ctx.is_leader,
     )
     # Warm-up meets many batch shapes (Triton specialises kernels on size divisibility, so one
     # batch is not enough to keep compilation out of the timed pass): 20% of tasks, >= 64.
     n_warm = args.warmup if args.warmup is not None else (max(64, limit // 5) if on_gpu else 2)
     warmup = workload.spread(n_warm) if n_warm > 0 else None
 
-    print(
-        f"device {device_slug(device)} | model {weights.name} ({sum(matmul_params(margs)) / 1e9:.2f}B "
+    say(
+        f"device {device_slug(device)} x {world} (tp {ctx.tp_size}, dp {ctx.dp_size}) | model {weights.name} ({sum(matmul_params(margs)) / 1e9:.2f}B "
         f"matmul params) {str(dtype).removeprefix('torch.')} | workload {workload.name}: "
         f"{workload.n_tasks} tasks, {workload.request_tokens()} tokens "
         f"({workload.unique_tokens()} unique) | token budget {cfg.token_budget}"
@@ -317,26 +369,28 @@ def main(argv: list[str] | None = None) -> dict:
         if on_gpu
         else matmul_tflops(512, dtype=dtype, device="cpu")
     )
-    print(f"measured matmul peak: {peak_tflops:.4g} TFLOP/s")
+    gpu_peaks = gather_objects(peak_tflops)  # every GPU measured at once, each its own
+    peak_tflops = sum(gpu_peaks)  # the grid's peak: MFU is per GPU, averaged over the grid
+    say(f"measured matmul peak: {peak_tflops:.4g} TFLOP/s ({world} x ~{peak_tflops / world:.4g})")
 
     rows: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     shared: dict = {}
     for i, name in enumerate(engines):
-        reason = skip_reason(name)
+        reason = skip_reason(name, world)
         if reason:
             skipped[name] = reason
-            print(f"[{name}] skipped: {reason}")
+            say(f"[{name}] skipped: {reason}")
             continue
         t0 = time.perf_counter()
-        engine = make_engine(name, weights, cfg, shared)
+        engine = make_engine(name, weights, cfg, shared, ctx)
         _sync(device)
-        build_s = time.perf_counter() - t0
-        results, seconds, peak = run_engine(engine, workload, warmup, cfg)
+        build_s = max(gather_objects(time.perf_counter() - t0))
+        results, seconds, peak = run_engine(engine, workload, warmup, cfg, ctx)
         rows[name] = engine_row(
             name, engine, workload, weights, results, seconds, peak, peak_tflops, build_s
         )
-        print(
+        say(
             f"[{name}] {seconds:.2f} s, {rows[name]['tasks_per_s']:.1f} tasks/s, "
             f"acc {rows[name]['acc']:.4f}"
         )
@@ -363,6 +417,9 @@ def main(argv: list[str] | None = None) -> dict:
     slug = device_slug(device)
     summary = {
         "device": slug,
+        "gpus": world,
+        "tp": ctx.tp_size,
+        "dp": ctx.dp_size,
         "host": platform.node(),
         "torch": torch.__version__,
         "model": weights.name,
@@ -370,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_params": {"blocks": matmul_params(margs)[0], "lm_head": matmul_params(margs)[1]},
         "dtype": str(dtype).removeprefix("torch."),
         "peak_matmul_tflops": peak_tflops,
+        "peak_matmul_tflops_per_gpu": gpu_peaks,
         "token_budget": cfg.token_budget,
         "max_rows": cfg.max_rows,
         "warmup_tasks": 0 if warmup is None else warmup.n_tasks,
@@ -388,12 +446,16 @@ def main(argv: list[str] | None = None) -> dict:
         "skipped": skipped,
         "ratios_tasks_per_s": ratios,
     }
+    if not ctx.is_leader:
+        return None
     out = args.out or results_dir(__file__, slug)
+    if world > 1 and args.out is None:
+        out = out / f"{weights.name}-tp{ctx.tp_size}-dp{ctx.dp_size}"
     notes = (
         f"{workload.name}: {workload.n_tasks} tasks, {workload.request_tokens()} lm-eval tokens "
         f"({workload.unique_tokens()} with contexts counted once); model {weights.name}, "
-        f"{summary['dtype']}, token budget {cfg.token_budget}; {slug}, measured matmul peak "
-        f"{peak_tflops:.0f} TFLOP/s. tokens_per_s counts lm-eval's tokens for every engine; "
+        f"{summary['dtype']}, token budget {cfg.token_budget}; {world} x {slug} (tp "
+        f"{ctx.tp_size}, dp {ctx.dp_size}), measured matmul peak {peak_tflops:.0f} TFLOP/s. tokens_per_s counts lm-eval's tokens for every engine; "
         "mfu counts the tokens the engine computed (no padding), mfu_unique only unique tokens; "
         "FLOPs = 2 x block matmul params x tokens + 2 x LM-head params x scored tokens. "
         f"pred_agree_vs_ref: share of tasks with the same acc and acc_norm predictions as "

@@ -62,6 +62,11 @@ class WeightSource:
     def state_dict(self, device: torch.device, dtype: torch.dtype) -> StateDict:
         raise NotImplementedError
 
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """One unsplit Meta tensor, equal to ``state_dict(...)[name]``: lets a tensor-parallel
+        rank build its shard one tensor at a time instead of holding the whole model first."""
+        raise NotImplementedError
+
 
 class RandomWeights(WeightSource):
     """Seeded random weights drawn directly on the device (never on the host).
@@ -75,24 +80,26 @@ class RandomWeights(WeightSource):
     def __init__(self, args: ModelArgs, name: str, seed: int = 0):
         super().__init__(args, name)
         self.seed = seed
+        self._shapes = meta_shapes(args)
+        self._index = {n: i for i, n in enumerate(self._shapes)}
 
     def state_dict(self, device: torch.device, dtype: torch.dtype) -> StateDict:
-        args = self.args
-        depth = 1.0 / math.sqrt(2 * args.n_layers)
-        out: StateDict = {}
+        return {name: self.tensor(name, device, dtype) for name in self._shapes}
+
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if name not in self._shapes:
+            raise KeyError(f"{name!r} is not a Meta tensor name of this model")
+        shape = self._shapes[name]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=dtype, device=device)
+        kind = name.split(".")[-2]
+        std = 1.0 if kind == "tok_embeddings" else shape[1] ** -0.5
+        if kind in ("wo", "w2"):
+            std *= 1.0 / math.sqrt(2 * self.args.n_layers)
         gen = torch.Generator(device=device)
-        for i, (name, shape) in enumerate(meta_shapes(args).items()):
-            if len(shape) == 1:
-                out[name] = torch.ones(shape, dtype=dtype, device=device)
-                continue
-            kind = name.split(".")[-2]
-            std = 1.0 if kind == "tok_embeddings" else shape[1] ** -0.5
-            if kind in ("wo", "w2"):
-                std *= depth
-            gen.manual_seed(self.seed * 1_000_003 + i)
-            t = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-            out[name] = t.mul_(std)
-        return out
+        gen.manual_seed(self.seed * 1_000_003 + self._index[name])
+        t = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        return t.mul_(std)
 
 
 class CheckpointWeights(WeightSource):
@@ -120,9 +127,10 @@ class CheckpointWeights(WeightSource):
         self._host = merge_meta_shards(pieces, args)
 
     def state_dict(self, device: torch.device, dtype: torch.dtype) -> StateDict:
-        return {
-            k: v.to(device=device, dtype=dtype, non_blocking=True) for k, v in self._host.items()
-        }
+        return {k: self.tensor(k, device, dtype) for k in self._host}
+
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self._host[name].to(device=device, dtype=dtype, non_blocking=True)
 
 
 def weight_source(

@@ -6,6 +6,8 @@ gathered back in order) compute logits and lm-eval scores; then every bad config
 and each rank records the error it raised. Rank 0 saves everything to OUT for the test to
 compare against one process.
 
+``speed JOB OUT``: speed_bench's Nakta engine at tp=2 and at dp=2, then ``run_all`` at tp=2.
+
 ``bad-world``: ``launch`` with tp=2, dp=2 in a world of 2: must exit 2 with one message.
 """
 
@@ -104,6 +106,33 @@ def grids(job_path: str, out_path: str) -> None:
     launch(main, tp=2, dp=1, device="cpu")
 
 
+def speed(job_path: str, out_path: str) -> None:
+    """speed_bench under grids: the engine on tp=2 and dp=2, then run_all's CLI at tp=2."""
+    import torch.distributed as dist
+
+    from speed_bench import run_all
+    from speed_bench.engine import EngineConfig
+    from speed_bench.nakta_speed import NaktaEngine, build_model
+    from speed_bench.weights import RandomWeights
+    from speed_bench.workload import synthetic_workload
+
+    job = json.loads(Path(job_path).read_text())
+    dist.init_process_group("gloo")  # one world for every grid below (init_parallel reuses it)
+    weights = RandomWeights(ModelArgs(**job["args"]), "tiny", seed=3)
+    workload = synthetic_workload(job["tasks"], weights.args.vocab_size, 1, 64)
+    cfg = EngineConfig(torch.device("cpu"), DTYPE, token_budget=512, max_length=64, progress=False)
+    out = {}
+    for tp, dp in ((2, 1), (1, 2)):
+        ctx = init_parallel(tp, dp, device="cpu")
+        engine = NaktaEngine(build_model(weights, cfg, ctx), cfg, use_cache=True, parallel=ctx)
+        out[f"tp{tp}_dp{dp}"] = engine.score(workload.requests)
+    argv = ["--preset", "tiny", "--tp", "2", "--engines", "nakta_cache,hf", "--limit", "6"]
+    out["summary"] = run_all.main([*argv, "--out", job["out_dir"], "--no-progress"])
+    if dist.get_rank() == 0:
+        torch.save(out, out_path)
+    dist.destroy_process_group()
+
+
 def bad_world() -> None:
     launch(lambda ctx: print("must not run", flush=True), tp=2, dp=2, device="cpu")
 
@@ -112,6 +141,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "grids":
         grids(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "speed":
+        speed(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "bad-world":
         bad_world()
     else:

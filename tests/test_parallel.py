@@ -301,3 +301,35 @@ def test_bad_grid_under_torchrun_exits_every_rank_with_one_message(tmp_path):
     assert "ParallelConfigError" not in text and '_dist_worker.py", line' not in text  # no trace
     assert "exitcode  : 2" in text  # rank 0 exits by itself (status 2), not killed by torchrun
     assert seconds < 60
+
+
+@pytest.mark.slow
+def test_speed_bench_engine_and_cli_under_torchrun(tmp_path):
+    """The bench's Nakta engine gives one process's scores at tp=2 and at dp=2 (the same
+    random weights, built shard by shard), and run_all --tp 2 writes one summary from rank 0."""
+    from speed_bench.engine import EngineConfig
+    from speed_bench.nakta_speed import NaktaEngine, build_model
+    from speed_bench.weights import RandomWeights
+    from speed_bench.workload import synthetic_workload
+
+    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=16)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"args": args, "tasks": 12, "out_dir": str(tmp_path / "res")}))
+    out = tmp_path / "out.pt"
+    _torchrun(["speed", str(job), str(out)], tmp_path)
+    got = torch.load(out, weights_only=False)
+
+    weights = RandomWeights(ModelArgs(**args), "tiny", seed=3)
+    workload = synthetic_workload(12, 512, 1, 64)
+    cfg = EngineConfig(torch.device("cpu"), torch.float32, 512, 64, progress=False)
+    want = NaktaEngine(build_model(weights, cfg), cfg, use_cache=True).score(workload.requests)
+    _close_scores(got["tp2_dp1"], want)
+    _close_scores(got["tp1_dp2"], want)
+
+    summary = got["summary"]
+    assert (summary["gpus"], summary["tp"], summary["dp"]) == (2, 2, 1)
+    assert list(summary["engines"]) == ["nakta_cache"]
+    assert "single-GPU engine" in summary["skipped"]["hf"]
+    assert len(summary["peak_matmul_tflops_per_gpu"]) == 2
+    saved = json.loads((tmp_path / "res" / "summary.json").read_text())
+    assert saved["engines"]["nakta_cache"]["tasks_per_s"] > 0
