@@ -98,7 +98,7 @@ def stories_nakta(tmp_path_factory):
 
 def _stories_pair(shared, nakta_dir, device, dtype):
     ref = Llama.build(
-        shared / "stories260K", shared / "stories260K" / "tokenizer.model", 512, 2,
+        shared / "stories260K", shared / "stories260K" / "tokenizer.model", 512, 4,
         device=device, dtype=dtype,
     )  # fmt: skip
     return ref, nakta_model.load(nakta_dir, device, dtype)
