@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.tp * args.dp == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda":
+            if device.index is None:  # set_device needs an index; "cuda" means the current one
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         return _run(args, ParallelContext(device=device))
     return launch(lambda ctx: _run(args, ctx), args.tp, args.dp, device=args.device)
@@ -445,6 +447,14 @@ def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
         },
         "skipped": skipped,
         "ratios_tasks_per_s": ratios,
+        # per task, as digits: lets runs on other grids (tp/dp) be checked prediction by prediction
+        "predictions": {
+            name: {
+                "acc": "".join(str(p) for p, _ in r["_preds"]),
+                "acc_norm": "".join(str(p) for _, p in r["_preds"]),
+            }
+            for name, r in rows.items()
+        },
     }
     if not ctx.is_leader:
         return None

@@ -36,13 +36,14 @@ DTYPE = torch.float32
 KERNELS = "reference"
 
 
-def run_case(case: dict) -> dict:
+def run_case(case: dict, device: str) -> dict:
     tokens = torch.tensor(case["tokens"])
     requests = [(list(c), list(t)) for c, t in case["requests"]]
     out: dict = {}
 
-    ctx = init_parallel(2, 1, checkpoint=case["ckpt_tp2"])
+    ctx = init_parallel(2, 1, checkpoint=case["ckpt_tp2"], device=device)
     model = load_model(case["ckpt_tp2"], ctx, DTYPE, kernels=KERNELS)
+    tokens = tokens.to(model.device)
     out["tp_logits"] = model(tokens)
     out["tp_scores"] = score(model, requests)
     model.setup_cache(tokens.shape[0], tokens.shape[1])
@@ -50,7 +51,7 @@ def run_case(case: dict) -> dict:
     out["tp_decode"] = model(tokens[:, -1:], tokens.shape[1] - 1)
     del model
 
-    ctx = init_parallel(1, 2, checkpoint=case["ckpt_tp1"])
+    ctx = init_parallel(1, 2, checkpoint=case["ckpt_tp1"], device=device)
     model = load_model(case["ckpt_tp1"], ctx, DTYPE, kernels=KERNELS)
     costs = [len(c) + len(t) for c, t in requests]
     keys = [tuple(c) for c, _ in requests]
@@ -60,9 +61,9 @@ def run_case(case: dict) -> dict:
     out["dp_shard_sizes"] = gather_objects(len(shard_requests(requests, ctx)))
     rows = list(tokens)
     out["dp_logits"] = torch.stack(
-        data_parallel_map(lambda rs: [model(r[None])[0] for r in rs], rows, ctx)
+        data_parallel_map(lambda rs: [model(r[None])[0].cpu() for r in rs], rows, ctx)
     )
-    return out
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
 def _error_of(fn) -> str:
@@ -79,16 +80,20 @@ def _fail_on_rank_1() -> int:
     return 0
 
 
-def bad_configs(job: dict) -> dict[str, list[str]]:
+def bad_configs(job: dict, device: str) -> dict[str, list[str]]:
     """Each bad set-up, tried in turn; the errors every rank raised, in rank order."""
     bad_heads = ModelArgs(dim=48, n_layers=1, n_heads=3, vocab_size=64)
     cases = {
-        "world": lambda: init_parallel(2, 2),
-        "heads": lambda: init_parallel(2, 1, args=bad_heads),
-        "checkpoint_tp": lambda: init_parallel(2, 1, checkpoint=job["cases"][0]["ckpt_tp1"]),
+        "world": lambda: init_parallel(2, 2, device=device),
+        "heads": lambda: init_parallel(2, 1, args=bad_heads, device=device),
+        "checkpoint_tp": lambda: init_parallel(
+            2, 1, checkpoint=job["cases"][0]["ckpt_tp1"], device=device
+        ),
         "one_rank_fails": lambda: collective_call(_fail_on_rank_1),
         "corrupt_shard": lambda: load_model(
-            job["corrupt_tp2"], init_parallel(2, 1, checkpoint=job["corrupt_tp2"]), DTYPE
+            job["corrupt_tp2"],
+            init_parallel(2, 1, checkpoint=job["corrupt_tp2"], device=device),
+            DTYPE,
         ),
     }
     return {name: gather_objects(_error_of(fn)) for name, fn in cases.items()}
@@ -96,14 +101,18 @@ def bad_configs(job: dict) -> dict[str, list[str]]:
 
 def grids(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
+    device = job.get("device", "cpu")
 
     def main(ctx: ParallelContext) -> None:
-        results = {"cases": [run_case(c) for c in job["cases"]], "errors": bad_configs(job)}
+        results = {
+            "cases": [run_case(c, device) for c in job["cases"]],
+            "errors": bad_configs(job, device),
+        }
         results["describe"] = gather_objects(ctx.describe())
         if ctx.is_leader:
             torch.save(results, out_path)
 
-    launch(main, tp=2, dp=1, device="cpu")
+    launch(main, tp=2, dp=1, device=device)
 
 
 def speed(job_path: str, out_path: str) -> None:

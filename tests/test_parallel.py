@@ -216,16 +216,16 @@ def _stories_case(tmp_path: Path, data: Path) -> tuple[dict, list]:
     return case, docs
 
 
-def _single_process(case: dict) -> dict:
-    model = load(case["ckpt_tp1"], "cpu", torch.float32, kernels="reference")
-    tokens = torch.tensor(case["tokens"])
-    return {"logits": model(tokens), "scores": score(model, case["requests"])}
+def _single_process(case: dict, device: str) -> dict:
+    model = load(case["ckpt_tp1"], device, torch.float32, kernels="reference")
+    tokens = torch.tensor(case["tokens"], device=model.device)
+    return {"logits": model(tokens).cpu(), "scores": score(model, case["requests"])}
 
 
-def _close_scores(got, want):
+def _close_scores(got, want, tol: float = 1e-5):
     assert len(got) == len(want)
     for (ll, greedy), (ll_ref, greedy_ref) in zip(got, want):
-        assert ll == pytest.approx(ll_ref, rel=1e-5, abs=1e-4)
+        assert ll == pytest.approx(ll_ref, rel=tol, abs=10 * tol)
         assert greedy == greedy_ref
 
 
@@ -239,6 +239,19 @@ def shared_data_or_none(request):
 
 @pytest.mark.slow
 def test_tp2_and_dp2_under_torchrun_equal_one_process(tmp_path, shared_data_or_none):
+    _check_grids(tmp_path, shared_data_or_none, "cpu", tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_tp2_and_dp2_on_two_gpus_with_nccl_equal_one_gpu(tmp_path, shared_data_or_none):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_grids(tmp_path, shared_data_or_none, "cuda", tol=1e-4)
+
+
+def _check_grids(tmp_path: Path, shared_data_or_none, device: str, tol: float) -> None:
+    """tp=2 and dp=2 on ``device`` (fp32, reference kernels) == one process; bad set-ups fail
+    the same way on both ranks."""
     cases, docs = [_tiny_case(tmp_path)], None
     if shared_data_or_none is not None:
         stories, docs = _stories_case(tmp_path, shared_data_or_none)
@@ -248,26 +261,30 @@ def test_tp2_and_dp2_under_torchrun_equal_one_process(tmp_path, shared_data_or_n
     shard1 = corrupt / "model.tp01-of-02.safetensors"
     shard1.write_bytes(shard1.read_bytes()[:-64])  # rank 1 alone sees a truncated shard
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"cases": cases, "corrupt_tp2": str(corrupt)}))
+    job.write_text(json.dumps({"cases": cases, "corrupt_tp2": str(corrupt), "device": device}))
     out = tmp_path / "out.pt"
     _torchrun(["grids", str(job), str(out)], tmp_path)
     got = torch.load(out, weights_only=False)
 
-    assert got["describe"] == ["rank 0/2: tp 0/2, dp 0/1, cpu", "rank 1/2: tp 1/2, dp 0/1, cpu"]
+    where = ["cpu", "cpu"] if device == "cpu" else ["cuda:0", "cuda:1"]
+    assert got["describe"] == [
+        f"rank 0/2: tp 0/2, dp 0/1, {where[0]}",
+        f"rank 1/2: tp 1/2, dp 0/1, {where[1]}",
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        want = [_single_process(c) for c in cases]
+        want = [_single_process(c, device) for c in cases]
     finally:
         torch.set_num_threads(threads)
-    tol = dict(rtol=1e-5, atol=1e-5)  # tp: the all-reduce sums in another order
+    close = dict(rtol=tol, atol=tol)  # tp: the all-reduce sums in another order
     for case, g, w in zip(cases, got["cases"], want):
-        torch.testing.assert_close(g["tp_logits"], w["logits"], **tol, msg=case["name"])
-        torch.testing.assert_close(g["tp_decode"], w["logits"][:, -1:], **tol, msg=case["name"])
-        _close_scores(g["tp_scores"], w["scores"])
-        # dp: each replica runs the unsplit model on its share; same batches -> same numbers
-        torch.testing.assert_close(g["dp_logits"], w["logits"], **tol, msg=case["name"])
-        _close_scores(g["dp_scores"], w["scores"])
+        torch.testing.assert_close(g["tp_logits"], w["logits"], **close, msg=case["name"])
+        torch.testing.assert_close(g["tp_decode"], w["logits"][:, -1:], **close, msg=case["name"])
+        _close_scores(g["tp_scores"], w["scores"], tol)
+        # dp: each replica runs the unsplit model on its share
+        torch.testing.assert_close(g["dp_logits"], w["logits"], **close, msg=case["name"])
+        _close_scores(g["dp_scores"], w["scores"], tol)
         assert sum(g["dp_shard_sizes"]) == len(case["requests"])
         assert min(g["dp_shard_sizes"]) > 0, "one replica got no work"
     if docs is not None:  # the real model: same HellaSwag predictions on every grid
@@ -333,3 +350,48 @@ def test_speed_bench_engine_and_cli_under_torchrun(tmp_path):
     assert len(summary["peak_matmul_tflops_per_gpu"]) == 2
     saved = json.loads((tmp_path / "res" / "summary.json").read_text())
     assert saved["engines"]["nakta_cache"]["tasks_per_s"] > 0
+
+
+def test_scaling_report_compares_each_grid_with_its_one_gpu_run(tmp_path):
+    from speed_bench import scaling
+
+    def run(name, tp, dp, tasks_per_s, preds):
+        s = {
+            "device": "gpu-x",
+            "model": "random-7B",
+            "tp": tp,
+            "dp": dp,
+            "gpus": tp * dp,
+            "dtype": "bfloat16",
+            "workload": {"name": "hellaswag", "tasks": 4},
+            "engines": {
+                "nakta_cache": {
+                    "tasks_per_s": tasks_per_s,
+                    "tokens_per_s": 10 * tasks_per_s,
+                    "mfu": 0.5,
+                    "peak_mem_gb": 20.0,
+                    "acc": 0.25,
+                    "acc_norm": 0.5,
+                }
+            },
+            "predictions": {"nakta_cache": {"acc": preds, "acc_norm": "0123"}},
+        }
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+        return str(tmp_path / name)
+
+    runs = [
+        run("a", 1, 1, 100.0, "0123"),
+        run("b", 1, 2, 190.0, "0123"),
+        run("c", 2, 1, 150, "0120"),
+    ]
+    df = scaling.main([*runs, "--out", str(tmp_path / "out")])
+    by = {(r.tp, r.dp): r for r in df.itertuples()}
+    assert by[(1, 2)].speedup_vs_1gpu == pytest.approx(1.9)
+    assert by[(1, 2)].efficiency == pytest.approx(0.95)
+    assert by[(1, 2)].pred_agree_vs_1gpu == 1.0
+    assert by[(2, 1)].pred_agree_vs_1gpu == 0.75
+    for f in ("scaling.csv", "scaling.md", "scaling.json", "scaling.png"):
+        assert (tmp_path / "out" / f).is_file()
+    with pytest.raises(FileNotFoundError, match="no run_all summary"):
+        scaling.load_summary(tmp_path / "nowhere")
