@@ -52,6 +52,7 @@ __all__ = [
     "init_parallel",
     "launch",
     "load_model",
+    "nakta_state_from_meta_shard",
     "shard_indices",
     "shard_range",
     "shard_requests",
@@ -385,6 +386,49 @@ def load_model(
     from nakta_model.model import load
 
     return collective_call(load, path, ctx.device, dtype, ctx, kernels=kernels, verify=verify)
+
+
+def nakta_state_from_meta_shard(
+    shard: dict[str, torch.Tensor], args: Any, ctx: ParallelContext
+) -> dict[str, torch.Tensor]:
+    """This rank's Nakta tensors from its own Meta model-parallel shard (``consolidated.0R.pth``
+    of a checkpoint with ``tp`` shards, or llama_org's state dict at MP = ``tp``).
+
+    fairscale splits exactly as Nakta does -- ``wq/wk/wv/w1/w3`` and the LM head by output rows,
+    ``wo``/``w2`` by input columns -- except the embedding, which Meta splits along ``dim`` and
+    Nakta replicates: it alone is all-gathered over the TP group. No rank ever needs the unsplit
+    checkpoint, so Meta's own shards load at tp = their count without ``convert.py``.
+    """
+    from nakta_model.checkpoint import CheckpointError, check_meta_names, nakta_shapes
+
+    shapes = nakta_shapes(args, ctx.tp_size)
+    emb = "tok_embeddings.weight"
+
+    def local() -> dict[str, torch.Tensor]:
+        check_meta_names(shard.keys(), args, what=f"Meta shard of rank {ctx.tp_rank}")
+        out = {}
+        for name, shape in shapes.items():
+            parts = name.split(".")
+            if parts[-2] in ("wqkv", "w13"):
+                pre = ".".join(parts[:-2])
+                keys = ("wq", "wk", "wv") if parts[-2] == "wqkv" else ("w1", "w3")
+                t = torch.cat([shard[f"{pre}.{k}.weight"] for k in keys], dim=0)
+            elif name == emb:
+                t = shard[name]
+                shape = (shape[0], shape[1] // ctx.tp_size)  # Meta: split along dim
+            else:
+                t = shard[name]
+            if tuple(t.shape) != shape:
+                raise CheckpointError(
+                    f"{name}: rank {ctx.tp_rank}'s Meta shard has shape {tuple(t.shape)}, "
+                    f"tp={ctx.tp_size} needs {shape} (is this a checkpoint of {ctx.tp_size} shards?)"
+                )
+            out[name] = t.contiguous()
+        return out
+
+    out = collective_call(local)  # every rank agrees the shards fit before the gather below
+    out[emb] = gather_last_dim(out[emb], ctx)
+    return out
 
 
 def launch(main: Callable[[ParallelContext], R], tp: int = 1, dp: int = 1, **init_kw: Any) -> R:

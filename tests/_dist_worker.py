@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from nakta_model.config import ModelArgs
+from nakta_model.model import from_state_dict
 from nakta_model.parallel import (
     ParallelContext,
     collective_call,
@@ -28,6 +29,7 @@ from nakta_model.parallel import (
     init_parallel,
     launch,
     load_model,
+    nakta_state_from_meta_shard,
     shard_requests,
 )
 from nakta_model.scoring import score
@@ -49,7 +51,14 @@ def run_case(case: dict, device: str) -> dict:
     model.setup_cache(tokens.shape[0], tokens.shape[1])
     model(tokens[:, :-1], 0)
     out["tp_decode"] = model(tokens[:, -1:], tokens.shape[1] - 1)
-    del model
+    # Meta's own shard of this rank -> Nakta without convert.py (embedding all-gathered)
+    shard = torch.load(
+        Path(case["meta_mp2"]) / f"consolidated.{ctx.tp_rank:02d}.pth", weights_only=True
+    )
+    state = nakta_state_from_meta_shard(shard, model.args, ctx)
+    direct = from_state_dict(state, model.args, model.device, DTYPE, ctx, kernels=KERNELS)
+    out["meta_shard_logits"] = direct(tokens)
+    del model, direct
 
     ctx = init_parallel(1, 2, checkpoint=case["ckpt_tp1"], device=device)
     model = load_model(case["ckpt_tp1"], ctx, DTYPE, kernels=KERNELS)
@@ -80,6 +89,14 @@ def _fail_on_rank_1() -> int:
     return 0
 
 
+def _one_shard_at_tp2(meta_dir: str, device: str) -> None:
+    """The single shard of a 1-shard Meta checkpoint handed to both ranks of tp=2."""
+    params = json.loads((Path(meta_dir) / "params.json").read_text())
+    shard = torch.load(Path(meta_dir) / "consolidated.00.pth", weights_only=True)
+    ctx = init_parallel(2, 1, device=device)
+    nakta_state_from_meta_shard(shard, ModelArgs.from_meta_params(params), ctx)
+
+
 def bad_configs(job: dict, device: str) -> dict[str, list[str]]:
     """Each bad set-up, tried in turn; the errors every rank raised, in rank order."""
     bad_heads = ModelArgs(dim=48, n_layers=1, n_heads=3, vocab_size=64)
@@ -90,6 +107,7 @@ def bad_configs(job: dict, device: str) -> dict[str, list[str]]:
             2, 1, checkpoint=job["cases"][0]["ckpt_tp1"], device=device
         ),
         "one_rank_fails": lambda: collective_call(_fail_on_rank_1),
+        "meta_shard_count": lambda: _one_shard_at_tp2(job["cases"][0]["meta_mp1"], device),
         "corrupt_shard": lambda: load_model(
             job["corrupt_tp2"],
             init_parallel(2, 1, checkpoint=job["corrupt_tp2"], device=device),

@@ -190,9 +190,12 @@ def _torchrun(args: list[str], tmp_path: Path, expect_ok: bool = True) -> tuple[
 
 def _tiny_case(tmp_path: Path) -> dict:
     meta = write_meta_checkpoint(tmp_path / "tiny_meta", TINY_PARAMS, seed=5)
+    meta2 = write_meta_checkpoint(tmp_path / "tiny_meta2", TINY_PARAMS, n_shards=2, seed=5)
     g = torch.Generator().manual_seed(0)
     return {
         "name": "tiny",
+        "meta_mp2": str(meta2),
+        "meta_mp1": str(meta),
         "ckpt_tp1": str(convert.convert(meta, tmp_path / "tiny_tp1", tp=1, quiet=True)),
         "ckpt_tp2": str(convert.convert(meta, tmp_path / "tiny_tp2", tp=2, quiet=True)),
         "tokens": torch.randint(3, 300, (3, 12), generator=g).tolist(),
@@ -208,6 +211,7 @@ def _stories_case(tmp_path: Path, data: Path) -> tuple[dict, list]:
     ref = json.loads((data / "stories260K_greedy_reference.json").read_text())
     case = {
         "name": "stories260K",
+        "meta_mp2": str(data / "stories260K_mp2"),
         "ckpt_tp1": str(convert.convert(data / "stories260K", tmp_path / "st1", quiet=True)),
         "ckpt_tp2": str(convert.convert(data / "stories260K_mp2", tmp_path / "st2", 2, quiet=True)),
         "tokens": [ref["tokens"][:40], ref["tokens"][20:60]],
@@ -282,6 +286,8 @@ def _check_grids(tmp_path: Path, shared_data_or_none, device: str, tol: float) -
         torch.testing.assert_close(g["tp_logits"], w["logits"], **close, msg=case["name"])
         torch.testing.assert_close(g["tp_decode"], w["logits"][:, -1:], **close, msg=case["name"])
         _close_scores(g["tp_scores"], w["scores"], tol)
+        # the same weights, straight from Meta's rank shards: the very same numbers
+        assert torch.equal(g["meta_shard_logits"], g["tp_logits"]), case["name"]
         # dp: each replica runs the unsplit model on its share
         torch.testing.assert_close(g["dp_logits"], w["logits"], **close, msg=case["name"])
         _close_scores(g["dp_scores"], w["scores"], tol)
@@ -304,6 +310,7 @@ def _check_grids(tmp_path: Path, shared_data_or_none, device: str, tol: float) -
         "heads": r"ParallelConfigError: --tp 2 cannot split .* n_heads = 3",
         "checkpoint_tp": r"ParallelConfigError: checkpoint .*tiny_tp1 is sharded for tp=1, but",
         "one_rank_fails": r"failed on 1 rank\(s\): rank 1: FileNotFoundError: shard 1 is missing",
+        "meta_shard_count": r"failed on 2 rank\(s\): rank 0: CheckpointError: .*shape .*2 shards",
         "corrupt_shard": r"load failed on 1 rank\(s\): rank 1: CheckpointError: .*tp01-of-02",
     }
     for name, pattern in expect.items():
