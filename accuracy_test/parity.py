@@ -165,6 +165,9 @@ def markdown(result: dict, max_flips: int | None = None) -> str:
     d = result["ll_abs_diff"]
     lines += [
         "",
+        "Seconds are this run's wall time, not a benchmark (speed_bench/ measures speed; on the "
+        "CPU nakta runs its PyTorch reference path).",
+        "",
         f"- acc difference: {result['acc_diff_pt']:+.3f} pt; "
         f"acc_norm difference: {result['acc_norm_diff_pt']:+.3f} pt",
         f"- per-request log-likelihood |nakta - llama_org|: max {d['max']:.3g}, mean {d['mean']:.3g}",
