@@ -19,6 +19,13 @@ packing, default true), ``max_gen_toks`` (default 256). ``--batch_size N`` caps 
 (``auto``: nakta is limited by the token budget only; llama_org uses 32, since Meta's KV cache
 is allocated for ``batch x max_length`` up front).
 
+Multi-GPU (``nakta``): ``tp`` and ``dp`` model args under ``torchrun --nproc_per_node tp*dp``
+(``python -m torch.distributed.run ... -m accuracy_test.lm_eval_cli ...``). Every rank sees all of
+lm-eval's requests (the adapter reports rank 0 of 1, lm-eval's TP convention: only
+``LOCAL_RANK`` 0 writes results); the adapter splits the model over ``tp`` GPUs and shards the
+requests over the ``dp`` replicas itself (a context's continuations stay together), gathering
+the answers back in order. ``llama_org`` runs Meta's model parallel: one process per shard.
+
 ``loglikelihood_rolling`` follows lm-eval's rolling windows (``get_rolling_token_windows`` with
 the BOS prefix, the text encoded without BOS). ``generate_until`` decodes greedily (or samples
 when ``do_sample``/``temperature > 0``) with the model's KV cache and cuts at the stop strings.
@@ -193,10 +200,22 @@ class NaktaLM(_ScoringLM):
         use_cache: bool | str = True,
         max_gen_toks: int | str = 256,
         kernels: str | None = None,
+        tp: int | str = 1,
+        dp: int | str = 1,
         **kw,
     ):
+        import os
+
+        from nakta_model.parallel import ParallelContext, init_parallel
+
+        self.parallel = ParallelContext()
+        if int(tp) * int(dp) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            self.parallel = init_parallel(int(tp), int(dp), device=device)
+            device = str(self.parallel.device)
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        self.handle = models.load_nakta(checkpoint, self.device, self.dtype, kernels=kernels)
+        self.handle = models.load_nakta(
+            checkpoint, self.device, self.dtype, kernels=kernels, parallel=self.parallel
+        )
         self.model = self.handle.model
         self._max_length = int(max_length) if max_length else self.model.args.max_seq_len
         self.rows = _rows(batch_size, None)
@@ -207,14 +226,38 @@ class NaktaLM(_ScoringLM):
         return self._max_length
 
     def _score(self, reqs, progress):
-        return scoring.score(
-            self.model,
+        from nakta_model.parallel import data_parallel_map
+
+        def local(part):
+            return scoring.score(
+                self.model,
+                part,
+                use_cache=self.use_cache,
+                token_budget=self.token_budget,
+                max_length=self.max_length,
+                max_rows=self.rows,
+                progress=progress and self.parallel.is_leader,
+            )
+
+        return data_parallel_map(
+            local,
             reqs,
-            use_cache=self.use_cache,
-            token_budget=self.token_budget,
-            max_length=self.max_length,
-            max_rows=self.rows,
-            progress=progress,
+            self.parallel,
+            costs=[len(c) + len(x) for c, x in reqs],
+            keys=[tuple(c) for c, _ in reqs],
+        )
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Requests sharded over the ``dp`` replicas (longer prompts weigh more), in order."""
+        from nakta_model.parallel import data_parallel_map
+
+        return data_parallel_map(
+            lambda part: super(NaktaLM, self).generate_until(
+                part, disable_tqdm or not self.parallel.is_leader
+            ),
+            list(requests),
+            self.parallel,
+            costs=[len(r.args[0]) + 1 for r in requests],
         )
 
     def _gen_rows(self) -> int:

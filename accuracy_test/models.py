@@ -70,33 +70,59 @@ class NaktaHandle:
             self._tmp = None
 
 
-def convert_meta(meta_dir: str | Path, out_dir: str | Path) -> Path:
-    """``python convert.py META_DIR OUT --tp 1 --dtype fp32`` in-process."""
+def convert_meta(meta_dir: str | Path, out_dir: str | Path, tp: int = 1) -> Path:
+    """``python convert.py META_DIR OUT --tp TP --dtype fp32`` in-process."""
     import convert
 
     out = Path(out_dir)
-    rc = convert.main([str(meta_dir), str(out), "--tp", "1", "--dtype", "fp32", "--quiet"])
+    argv = [str(meta_dir), str(out), "--tp", str(tp), "--dtype", "fp32", "--quiet"]
+    rc = convert.main(argv)
     if rc not in (None, 0):
         raise RuntimeError(f"convert.py {meta_dir} -> {out} failed with exit code {rc}")
     return out
 
 
 def load_nakta(
-    checkpoint: str | Path, device: torch.device, dtype: torch.dtype, kernels: str | None = None
+    checkpoint: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: str | None = None,
+    parallel=None,
 ) -> NaktaHandle:
-    """A Nakta model from a Nakta checkpoint, or from a Meta one converted to a temp dir."""
-    import nakta_model
+    """A Nakta model from a Nakta checkpoint, or from a Meta one converted to a temp dir.
 
+    ``parallel`` (a ``ParallelContext`` from ``init_parallel``): this rank's tensor-parallel
+    shard. A Meta dir is then converted once, by global rank 0, for the grid's ``tp`` (every
+    rank of this host reads the same temp dir); the load itself is collective, so a shard that
+    fails on one rank fails on all of them.
+    """
+    import nakta_model
+    from nakta_model.parallel import ParallelContext, gather_objects, load_model, validate_grid
+
+    ctx = parallel or ParallelContext()
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise ValueError(f"checkpoint {checkpoint} is not a directory")
     tmp = None
     path = checkpoint
-    if is_meta_checkpoint(checkpoint):
-        tmp = tempfile.TemporaryDirectory(prefix="nakta_convert_")
-        path = convert_meta(checkpoint, Path(tmp.name) / "nakta")
     try:
-        model = nakta_model.load(path, device, dtype, kernels=kernels)
+        if is_meta_checkpoint(checkpoint):
+            error = None
+            if ctx.is_leader:
+                tmp = tempfile.TemporaryDirectory(prefix="nakta_convert_")
+                try:
+                    path = convert_meta(checkpoint, Path(tmp.name) / "nakta", ctx.tp_size)
+                except Exception as e:  # noqa: BLE001 -- re-raised on every rank below
+                    error = f"{type(e).__name__}: {e}"
+            path, error = gather_objects((str(path), error))[0]  # rank 0's, on every rank
+            if error is not None:
+                raise ValueError(f"converting {checkpoint} for tp={ctx.tp_size}: {error}")
+            path = Path(path)
+        if ctx.world_size == 1:
+            model = nakta_model.load(path, device, dtype, kernels=kernels)
+        else:
+            validate_grid(ctx.tp_size, ctx.dp_size, ctx.world_size, checkpoint=path)
+            model = load_model(path, ctx, dtype, kernels=kernels)
     except BaseException:
         if tmp is not None:
             tmp.cleanup()
@@ -143,6 +169,7 @@ def random_pair(
     llama_max_seq_len: int,
     max_batch_size: int,
     seed: int = 0,
+    parallel=None,
 ):
     """(nakta model, llama_org Llama) holding the SAME seeded random weights of ``preset``.
 
@@ -150,11 +177,27 @@ def random_pair(
     that very state dict, fused into its layout by ``checkpoint.from_meta_state_dict``. Nakta
     keeps the preset's ``max_seq_len``; llama_org's KV cache is sized ``max_batch_size x
     llama_max_seq_len`` (Meta allocates it up front, so keep it to what the requests need).
+
+    Under ``torchrun`` llama_org splits over the whole world (Meta: MP = world size) and draws
+    each rank's shard; Nakta then needs ``tp`` = world (``parallel``) and takes its shard from
+    that rank's Meta shard (``nakta_state_from_meta_shard``: only the embedding is gathered).
     """
     from llama_org import Llama
     from nakta_model.checkpoint import from_meta_state_dict
     from nakta_model.config import PRESETS
     from nakta_model.model import from_state_dict
+    from nakta_model.parallel import (
+        ParallelConfigError,
+        ParallelContext,
+        nakta_state_from_meta_shard,
+    )
+
+    ctx = parallel or ParallelContext()
+    if ctx.world_size > 1 and ctx.tp_size != ctx.world_size:
+        raise ParallelConfigError(
+            f"random weights under torchrun need --tp = world size ({ctx.world_size}): "
+            "llama_org draws them split over every rank (Meta: MP = world size)"
+        )
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -170,9 +213,12 @@ def random_pair(
         seed=seed,
     )
     meta_sd = {k: v for k, v in llama.model.state_dict().items() if k != "rope.freqs"}
-    nakta_sd = from_meta_state_dict(meta_sd, args)
+    if ctx.world_size > 1:
+        nakta_sd = nakta_state_from_meta_shard(meta_sd, args, ctx)
+    else:
+        nakta_sd = from_meta_state_dict(meta_sd, args)
     del meta_sd
-    model = from_state_dict(nakta_sd, args, device, dtype)
+    model = from_state_dict(nakta_sd, args, ctx.device or device, dtype, parallel=ctx)
     del nakta_sd
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()

@@ -8,6 +8,14 @@
     python -m accuracy_test.parity --preset 7B --random --tokenizer .data/llama_tokenizer.model \\
         --data .data/hellaswag_val_subset1000.jsonl --dtype bf16 --device cuda
 
+    torchrun --nproc_per_node 2 -m accuracy_test.parity --tp 2 \\
+        --checkpoint ../shared/data/stories260K_mp2 --tokenizer ... --data ...
+
+Under ``torchrun`` llama_org runs as Meta runs it (model parallel over the whole world, one
+``consolidated.NN.pth`` per rank) and Nakta on the ``--tp x --dp`` grid of the same world
+(the Meta dir converted once for ``--tp``; requests sharded over the ``--dp`` replicas). With
+``--random``, ``--tp`` must equal the world size (Nakta takes llama_org's shards).
+
 Requests are built once (lm-eval's HellaSwag preprocessing and ``_encode_pair``) and scored by
 both models: nakta through the shared-context engine (``scoring.score``), llama_org through the
 plain scorer (``scoring.score_with_forward`` over ``Llama.model(tokens, 0)``), with the same
@@ -56,6 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--token-budget", type=int, default=scoring.DEFAULT_TOKEN_BUDGET)
     p.add_argument("--batch-size", type=int, default=64, help="max rows per batch (both models)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="Nakta tensor-parallel size (torchrun)")
+    p.add_argument("--dp", type=int, default=1, help="Nakta data-parallel replicas (torchrun)")
     a = p.parse_args(argv)
     if a.random != (a.preset is not None):
         p.error("--random and --preset go together")
@@ -198,8 +208,18 @@ def markdown(result: dict, max_flips: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(a: argparse.Namespace) -> dict:
-    device = models.resolve_device(a.device)
+def run(a: argparse.Namespace, ctx=None) -> dict:
+    from nakta_model.parallel import ParallelConfigError, ParallelContext, data_parallel_map
+
+    ctx = ctx or ParallelContext()
+    if ctx.world_size > 1 and not a.random:
+        n = len(list(Path(a.checkpoint).glob("consolidated.*.pth")))
+        if n != ctx.world_size:  # checked before any collective: the same verdict everywhere
+            raise ParallelConfigError(
+                f"llama_org runs Meta's model parallel (one shard per process): {a.checkpoint} "
+                f"has {n} consolidated.*.pth shard(s), the world has {ctx.world_size} processes"
+            )
+    device = ctx.device or models.resolve_device(a.device)
     dtype = models.parse_dtype(a.dtype)
     docs = hellaswag.load(a.data, limit=a.limit)
     import nakta_model
@@ -214,11 +234,11 @@ def run(a: argparse.Namespace) -> dict:
         max_length = PRESETS[a.preset].max_seq_len
         cache_len = min(max_length, longest)
         model, llama = models.random_pair(
-            a.preset, a.tokenizer, device, dtype, cache_len, a.batch_size, seed=a.seed
+            a.preset, a.tokenizer, device, dtype, cache_len, a.batch_size, a.seed, ctx
         )
         model_name = f"{a.preset}-random-seed{a.seed}"
     else:
-        handle = models.load_nakta(a.checkpoint, device, dtype)
+        handle = models.load_nakta(a.checkpoint, device, dtype, parallel=ctx)
         model = handle.model
         max_length = model.args.max_seq_len
         cache_len = min(max_length, longest)
@@ -231,18 +251,28 @@ def run(a: argparse.Namespace) -> dict:
         tok.encode(s, bos=True, eos=False) for s in check
     ]:
         raise RuntimeError("nakta and llama_org tokenizers disagree on the same text")
-    progress = not a.no_progress
-    try:
-        _sync(device)
-        t0 = time.perf_counter()
-        res_n = scoring.score(
+    progress = not a.no_progress and ctx.is_leader
+
+    def score_nakta(reqs):
+        return scoring.score(
             model,
-            requests,
+            reqs,
             use_cache=True,
             token_budget=a.token_budget,
             max_length=max_length,
             max_rows=a.batch_size,
             progress=progress,
+        )
+
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        res_n = data_parallel_map(
+            score_nakta,
+            requests,
+            ctx,
+            costs=[len(c) + len(x) for c, x in requests],
+            keys=[tuple(c) for c, _ in requests],
         )
         _sync(device)
         t1 = time.perf_counter()
@@ -283,6 +313,10 @@ def run(a: argparse.Namespace) -> dict:
         else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "git_commit": _git_commit(),
+        "world_size": ctx.world_size,
+        "nakta_tp": ctx.tp_size,
+        "nakta_dp": ctx.dp_size,
+        "llama_org_mp": ctx.world_size,
         "max_length": max_length,
         "token_budget": a.token_budget,
         "batch_size": a.batch_size,
@@ -299,8 +333,20 @@ def default_out(a: argparse.Namespace, device: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    from nakta_model.parallel import launch
+
     a = parse_args(argv)
-    result = run(a)
+    if a.tp * a.dp == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _finish(a, run(a))
+    # torchrun: every rank computes, rank 0 writes; bad grids exit 2 with one message
+    return launch(lambda ctx: _finish(a, run(a, ctx), ctx.is_leader), a.tp, a.dp, device=a.device)
+
+
+def _finish(a: argparse.Namespace, result: dict, leader: bool = True) -> int:
+    if not leader:
+        return 0
     out = Path(a.out) if a.out else default_out(a, result["config"]["device"])
     atomic_write_text(out, json.dumps(result, indent=2, sort_keys=True) + "\n")
     atomic_write_text(out.with_suffix(".md"), markdown(result))

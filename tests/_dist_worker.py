@@ -8,6 +8,8 @@ compare against one process.
 
 ``speed JOB OUT``: speed_bench's Nakta engine at tp=2 and at dp=2, then ``run_all`` at tp=2.
 
+``accuracy JOB OUT``: the lm-eval adapter and parity.py at tp=2 and at dp=2.
+
 ``bad-world``: ``launch`` with tp=2, dp=2 in a world of 2: must exit 2 with one message.
 """
 
@@ -160,6 +162,39 @@ def speed(job_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def accuracy(job_path: str, out_path: str) -> None:
+    """The lm-eval adapter and parity.py on tp=2 and on dp=2 (Meta's 2-shard checkpoint)."""
+    import torch.distributed as dist
+    from lm_eval.api.instance import Instance
+
+    from accuracy_test import lm_eval_adapter as adapter
+    from accuracy_test import parity
+
+    job = json.loads(Path(job_path).read_text())
+    dist.init_process_group("gloo")  # one world for every grid below
+    out: dict = {}
+    for tp, dp in ((2, 1), (1, 2)):
+        lm = adapter.NaktaLM(
+            checkpoint=job["meta_mp2"], tokenizer=job["tokenizer"], device="cpu",
+            dtype="fp32", batch_size=4, tp=tp, dp=dp,
+        )  # fmt: skip
+        lls = [Instance("loglikelihood", {}, tuple(p), i) for i, p in enumerate(job["pairs"])]
+        out[f"ll_tp{tp}_dp{dp}"] = lm.loglikelihood(lls, disable_tqdm=True)
+        gens = [Instance("generate_until", {}, (p, {"max_gen_toks": 8}), 0) for p in job["prompts"]]
+        out[f"gen_tp{tp}_dp{dp}"] = lm.generate_until(gens, disable_tqdm=True)
+        out[f"describe_tp{tp}_dp{dp}"] = lm.parallel.describe()
+        dist.barrier()
+        lm.handle.close()
+        res = Path(job["out_dir"]) / f"parity_tp{tp}_dp{dp}.json"
+        argv = ["--checkpoint", job["meta_mp2"], "--tokenizer", job["tokenizer"], "--no-progress"]
+        argv += ["--data", job["data"], "--limit", "6", "--device", "cpu", "--out", str(res)]
+        parity.main([*argv, "--tp", str(tp), "--dp", str(dp)])
+    if dist.get_rank() == 0:
+        torch.save(out, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def bad_world() -> None:
     launch(lambda ctx: print("must not run", flush=True), tp=2, dp=2, device="cpu")
 
@@ -170,6 +205,8 @@ if __name__ == "__main__":
         grids(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "speed":
         speed(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "accuracy":
+        accuracy(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "bad-world":
         bad_world()
     else:

@@ -402,3 +402,59 @@ def test_scaling_report_compares_each_grid_with_its_one_gpu_run(tmp_path):
         assert (tmp_path / "out" / f).is_file()
     with pytest.raises(FileNotFoundError, match="no run_all summary"):
         scaling.load_summary(tmp_path / "nowhere")
+
+
+@pytest.mark.slow
+def test_lm_eval_adapter_and_parity_under_torchrun(tmp_path, shared_data):
+    """Meta's real 2-shard stories260K under torchrun: the nakta adapter at tp=2 and at dp=2
+    gives one process's log-likelihoods and generations; parity.py finds nakta (on each grid)
+    and llama_org (Meta's model parallel over both ranks) in full agreement."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from accuracy_test import lm_eval_adapter as adapter
+
+    docs = hellaswag.load_jsonl(shared_data / "hellaswag_val_subset1000.jsonl", limit=3)
+    pairs = [list(p) for d in docs for p in hellaswag.doc_requests(d)] + [["", " the cat"]]
+    prompts = ["Once upon a time", "Lily went to the park. She", "The dog"]
+    tok = str(shared_data / "stories260K" / "tokenizer.model")
+    job = tmp_path / "job.json"
+    job.write_text(
+        json.dumps(
+            {
+                "meta_mp2": str(shared_data / "stories260K_mp2"),
+                "tokenizer": tok,
+                "data": str(shared_data / "hellaswag_val_subset1000.jsonl"),
+                "pairs": pairs,
+                "prompts": prompts,
+                "out_dir": str(tmp_path),
+            }
+        )
+    )
+    out = tmp_path / "out.pt"
+    _torchrun(["accuracy", str(job), str(out)], tmp_path)
+    got = torch.load(out, weights_only=False)
+
+    one = adapter.NaktaLM(
+        checkpoint=str(shared_data / "stories260K"), tokenizer=tok, device="cpu", dtype="fp32",
+        batch_size=4,
+    )  # fmt: skip
+    want_ll = one.loglikelihood(
+        [Instance("loglikelihood", {}, tuple(p), i) for i, p in enumerate(pairs)], True
+    )
+    want_gen = one.generate_until(
+        [Instance("generate_until", {}, (p, {"max_gen_toks": 8}), 0) for p in prompts], True
+    )
+    one.handle.close()
+    assert got["describe_tp2_dp1"] == "rank 0/2: tp 0/2, dp 0/1, cpu"
+    assert got["describe_tp1_dp2"] == "rank 0/2: tp 0/1, dp 0/2, cpu"
+    for grid in ("tp2_dp1", "tp1_dp2"):
+        _close_scores(got[f"ll_{grid}"], want_ll)
+        assert got[f"gen_{grid}"] == want_gen
+        res = json.loads((tmp_path / f"parity_{grid}.json").read_text())
+        assert res["identical_predictions"], grid
+        assert res["ll_abs_diff"]["max"] < 1e-3
+        assert (res["config"]["nakta_tp"], res["config"]["nakta_dp"]) == (
+            (2, 1) if grid == "tp2_dp1" else (1, 2)
+        )
+        assert res["config"]["llama_org_mp"] == 2
