@@ -369,7 +369,7 @@ def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
     peak_tflops = (
         matmul_tflops(8192, dtype=torch.bfloat16, device=str(device))
         if on_gpu
-        else matmul_tflops(512, dtype=dtype, device="cpu")
+        else matmul_tflops(1024, dtype=dtype, device="cpu")  # a CPU run measures overhead
     )
     gpu_peaks = gather_objects(peak_tflops)  # every GPU measured at once, each its own
     peak_tflops = sum(gpu_peaks)  # the grid's peak: MFU is per GPU, averaged over the grid
