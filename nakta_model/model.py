@@ -465,7 +465,8 @@ def random_model(
 
     Scale keeps activations finite over 80 layers: matrices ~ N(0, 1/fan_in) with the residual
     projections (``wo``, ``w2``) further scaled by 1/sqrt(2 n_layers), embeddings ~ N(0, 1),
-    norm weights 1. Different ranks draw different shards (seeded by seed and rank).
+    norm weights 1. Different ranks draw different shards (seeded by seed and rank); the
+    replicated embedding is the same on every rank.
     """
     ctx = parallel or ParallelContext()
     device, dtype = _resolve(device, dtype)
@@ -474,6 +475,8 @@ def random_model(
         model = Transformer(args, ctx, kernels).to(dtype)  # dtype first: no fp32 copy on device
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed * 1000003 + ctx.tp_rank)
+    # Replicated tensors must be equal on every rank: drawn from a rank-independent stream.
+    shared_gen = torch.Generator(device=device).manual_seed(seed * 1000003 + 999983)
     depth_scale = 1.0 / math.sqrt(2 * args.n_layers)
     fan_in = {
         "wqkv": args.dim,
@@ -488,7 +491,7 @@ def random_model(
             if p.dim() == 1:
                 p.fill_(1.0)
             elif kind == "tok_embeddings":
-                p.normal_(0.0, 1.0, generator=gen)
+                p.normal_(0.0, 1.0, generator=shared_gen)
             else:
                 std = fan_in[kind] ** -0.5 * (depth_scale if kind in ("wo", "w2") else 1.0)
                 p.normal_(0.0, std, generator=gen)

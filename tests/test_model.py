@@ -279,6 +279,8 @@ def test_random_model_under_tp_holds_only_its_shard():
     assert r0.output.weight.shape == (args.vocab_size // 2, args.dim)
     assert r0.tok_embeddings.weight.shape == (args.vocab_size, args.dim)
     assert not torch.equal(r0.layers[0].attention.wo.weight, r1.layers[0].attention.wo.weight)
+    # the embedding is replicated under TP: every rank must hold the same one
+    assert torch.equal(r0.tok_embeddings.weight, r1.tok_embeddings.weight)
 
 
 def test_from_state_dict_is_strict():
