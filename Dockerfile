@@ -12,9 +12,14 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Triton compiles its small launcher stubs with the system C compiler at first use; the runtime
+# image has none.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /nakta
 COPY . .
 # torch and triton come with the base image; pip keeps them (the requirement is torch>=2.4).
-RUN python -m pip install -e ".[eval,test]"
+RUN python -m pip install -e ".[eval,hf,test]"
 
 CMD ["python", "-m", "pytest", "-q"]
