@@ -306,6 +306,18 @@ def hf_to_meta_name(name: str) -> str | None:
     raise CheckpointError(f"unknown tensor name {name!r} in the HF checkpoint")
 
 
+def meta_to_hf_name(name: str) -> str:
+    """Meta tensor name -> HF LLaMA name (the inverse of :func:`hf_to_meta_name`)."""
+    for hf, meta in _HF_TOP.items():
+        if meta == name:
+            return hf
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    for hf, meta in _HF_LAYER.items():
+        if m and meta == m.group(2):
+            return f"model.layers.{m.group(1)}.{hf}.weight"
+    raise CheckpointError(f"unknown Meta tensor name {name!r}")
+
+
 def unpermute_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo HF's q/k row permutation (rotate-half RoPE) -> Meta's adjacent-pair layout."""
     rows, cols = w.shape

@@ -14,30 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-from nakta_model.checkpoint import permute_for_hf
+from nakta_model.checkpoint import meta_to_hf_name, permute_for_hf
 from nakta_model.config import ModelArgs
 from nakta_model.scoring import score_with_forward
 
 from .engine import Engine, EngineConfig
 from .weights import StateDict, WeightSource
 from .workload import Request
-
-_LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
 def unavailable_reason() -> str | None:
@@ -57,16 +40,11 @@ def meta_to_hf(meta: StateDict, args: ModelArgs) -> StateDict:
     out: StateDict = {}
     for name in list(meta):
         w = meta.pop(name)
-        if name in _TOP_NAMES:
-            out[_TOP_NAMES[name]] = w
-            continue
-        _, layer, *rest = name.split(".")
-        key = ".".join(rest[:-1])  # e.g. attention.wq
-        if key == "attention.wq":
+        if name.endswith("attention.wq.weight"):
             w = permute_for_hf(w, args.n_heads)
-        elif key == "attention.wk":
+        elif name.endswith("attention.wk.weight"):
             w = permute_for_hf(w, args.n_kv_heads)
-        out[f"model.layers.{layer}.{_LAYER_NAMES[key]}.weight"] = w
+        out[meta_to_hf_name(name)] = w
     return out
 
 

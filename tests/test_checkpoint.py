@@ -179,3 +179,11 @@ def test_existing_output_is_refused_without_force(tmp_path, meta_sd):
     _, sd = ck.load_rank_state_dict(out)
     assert torch.equal(sd["norm.weight"], other["norm.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck1"]  # no temp dirs left behind
+
+
+def test_meta_to_hf_name_inverts_hf_to_meta_name():
+    for name in meta_state_dict(TINY_PARAMS):
+        hf = ck.meta_to_hf_name(name)
+        assert hf != name and ck.hf_to_meta_name(hf) == name
+    with pytest.raises(ck.CheckpointError, match="unknown Meta tensor name"):
+        ck.meta_to_hf_name("layers.0.attention.wz.weight")
