@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nakta_model.scoring import score_with_forward
+
 from .workload import Request, Workload
 
 
@@ -34,6 +36,22 @@ class Engine:
 
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
         raise NotImplementedError
+
+    def score_plain(
+        self, forward, requests: Sequence[Request], cfg: EngineConfig, vocab_size: int
+    ) -> list[tuple[float, bool]]:
+        """The peers' scoring: one padded row per request through ``forward`` (tokens ->
+        logits), under the same limits as Nakta's engines."""
+        return score_with_forward(
+            forward,
+            requests,
+            max_length=cfg.max_length,
+            batch_size=cfg.max_rows,
+            token_budget=cfg.token_budget,
+            vocab_size=vocab_size,
+            device=cfg.device,
+            progress=cfg.progress,
+        )
 
     def computed_tokens(self, workload: Workload) -> int:
         """Non-padding tokens this engine pushes through the blocks for ``workload``."""

@@ -16,7 +16,6 @@ import torch
 
 from nakta_model.checkpoint import meta_to_hf_name, permute_for_hf
 from nakta_model.config import ModelArgs
-from nakta_model.scoring import score_with_forward
 
 from .engine import Engine, EngineConfig
 from .weights import StateDict, WeightSource
@@ -100,16 +99,7 @@ class HFEngine(Engine):
         return self.model(input_ids=tokens, use_cache=False).logits
 
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
-        return score_with_forward(
-            self.forward,
-            requests,
-            max_length=self.cfg.max_length,
-            batch_size=self.cfg.max_rows,
-            token_budget=self.cfg.token_budget,
-            vocab_size=self.model.config.vocab_size,
-            device=self.cfg.device,
-            progress=self.cfg.progress,
-        )
+        return self.score_plain(self.forward, requests, self.cfg, self.model.config.vocab_size)
 
     def close(self) -> None:
         self.model = None

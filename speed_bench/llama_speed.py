@@ -18,8 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from nakta_model.scoring import score_with_forward
-
 from .engine import Engine, EngineConfig
 from .weights import WeightSource, meta_params
 from .workload import Request
@@ -64,16 +62,7 @@ class LlamaOrgEngine(Engine):
         return self.model(tokens, 0)
 
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
-        return score_with_forward(
-            self.forward,
-            requests,
-            max_length=self.cfg.max_length,
-            batch_size=self.cfg.max_rows,
-            token_budget=self.cfg.token_budget,
-            vocab_size=self.model.params.vocab_size,
-            device=self.cfg.device,
-            progress=self.cfg.progress,
-        )
+        return self.score_plain(self.forward, requests, self.cfg, self.model.params.vocab_size)
 
     def close(self) -> None:
         self.model = None
