@@ -304,33 +304,48 @@ def qkv_rows(model: str, device, dtype, quick: bool, copy_gbps: float) -> list[d
 
 
 # ----------------------------------------------------------------------------- tuning
-def tune(device, dtype, copy_gbps: float, budget_s: float = 75.0) -> pd.DataFrame:
+def tune(
+    device, dtype, copy_gbps: float, budget_s: float = 75.0, te_only: bool = False
+) -> pd.DataFrame:
     """Block-size sweep of both kernels (forward; backward is the same kernel), GPU time from
-    CUDA-graph replay. Stops adding shapes once ``budget_s`` is spent."""
+    CUDA-graph replay. TE configurations run one at a time over every shape (the committed
+    heuristic first), so a spent ``budget_s`` drops whole configurations, never shapes."""
     from tqdm import tqdm
 
     te_shapes = {
         "default": {},
         "seq512": {"seq_length": 512},
         "batch2": {"batch": 2},
+        "batch4": {"batch": 4},
+        "batch8": {"batch": 8},
         "heads8": {"heads": 8},
-        "hidden512": {"hidden": 512},
         "rotary0.5": {"rotary_percent": 0.5},
     }
+    base = dict(
+        BLOCK_B=16, ROWS=16, TARGET=4096, num_warps=4, MIN_PROGRAMS=1024, PREFETCH=False,
+        JOINT=False,
+    )  # fmt: skip
     te_confs = [
-        dict(BLOCK_B=bb, TARGET=tg, num_warps=4, MIN_PROGRAMS=mp, PREFETCH=pf, JOINT=False)
-        for bb, tg, mp, pf in itertools.product((16,), (2048, 4096), (1024, 4096), (False, True))
-    ] + [
-        dict(BLOCK_B=4, TARGET=2048, num_warps=4, MIN_PROGRAMS=1024, PREFETCH=pf, JOINT=j)
-        for pf, j in ((False, False), (True, False), (False, True))
+        {**base, **change}
+        for change in (
+            dict(TARGET=2048),  # the previous heuristic
+            dict(ROWS=1, TARGET=2048),  # one position per program: only the early first loads
+            dict(PREFETCH=True, TARGET=2048),
+            dict(MIN_PROGRAMS=2048, TARGET=2048),
+            dict(num_warps=8),
+            dict(ROWS=4, TARGET=2048),
+            dict(ROWS=1, TARGET=2048, PREFETCH=True),
+            dict(ROWS=1),
+            dict(MIN_PROGRAMS=512, TARGET=2048),
+        )
     ]
     qkv_shapes = {"7B": (32, False), "13B": (40, False), "65B": (64, False)}
     qkv_confs = [
         dict(JOINT=j, TARGET=tg, num_warps=w)
         for j, tg, w in itertools.product((False, True), (2048, 4096), (4, 8))
     ]
-    jobs = [("qkv", n, c) for n in qkv_shapes for c in [None, *qkv_confs]]
-    jobs += [("te", n, c) for n in te_shapes for c in [None, *te_confs]]
+    jobs = [] if te_only else [("qkv", n, c) for n in qkv_shapes for c in [None, *qkv_confs]]
+    jobs += [("te", n, c) for c in [None, *te_confs] for n in te_shapes]
     rows, cache, t_start = [], {}, time.perf_counter()
     for kind, shape, conf in tqdm(jobs, desc="tune"):
         if time.perf_counter() - t_start > budget_s:
@@ -338,8 +353,6 @@ def tune(device, dtype, copy_gbps: float, budget_s: float = 75.0) -> pd.DataFram
             break
         key = (kind, shape)
         if key not in cache:
-            cache.clear()
-            torch.cuda.empty_cache()
             if kind == "te":
                 extra = te_shapes[shape]
                 cfg = {**DEFAULT, **{k: v for k, v in extra.items() if k != "interleaved"}}
@@ -503,6 +516,8 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     p = argparse.ArgumentParser(description="RoPE paths vs copy bandwidth.")
     p.add_argument("--quick", action="store_true", help="fewer sweep points and repetitions")
     p.add_argument("--tune", action="store_true", help="only sweep Nakta block sizes")
+    p.add_argument("--te-only", action="store_true", help="--tune: the TE-API kernel only")
+    p.add_argument("--tune-budget", type=float, default=75.0, help="--tune: seconds")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="results folder (default results/<device>)")
@@ -522,8 +537,9 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     if args.tune:
         if not on_gpu:
             raise SystemExit("--tune needs a GPU")
-        print("host us per call:", host_overheads(device, dtype))
-        tdf = tune(device, dtype, copy_gbps)
+        if not args.te_only:
+            print("host us per call:", host_overheads(device, dtype))
+        tdf = tune(device, dtype, copy_gbps, args.tune_budget, args.te_only)
         write_table(
             tdf,
             out,

@@ -154,6 +154,10 @@ def test_positions_near_2_pow_20(device):
         dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, JOINT=False),  # two loads per row
         dict(BLOCK_B=1, TARGET=8, MIN_PROGRAMS=1, PREFETCH=True),  # pipelined walk
         dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, PREFETCH=True, JOINT=True),
+        # several positions per program: 2 x 2 rows over s=3, b=3 (ragged in both)
+        dict(BLOCK_B=2, ROWS=4, TARGET=16, MIN_PROGRAMS=1),
+        dict(BLOCK_B=1, ROWS=4, TARGET=8, MIN_PROGRAMS=1, PREFETCH=True),
+        dict(BLOCK_B=4, ROWS=16, TARGET=64, MIN_PROGRAMS=2),  # ROWS capped to keep 2 programs
     ],
 )
 def test_block_configs(tune, monkeypatch, device):
@@ -168,6 +172,38 @@ def test_block_configs(tune, monkeypatch, device):
         d80 = torch.rand(2, 3, 2, 80, device=device).requires_grad_()
         emb80 = RotaryPositionEmbedding(80, device=device)(2)
         run_fused_vs_unfused(d80, emb80, non_overlapping_grad)
+
+
+@pytest.mark.parametrize("rows", [4, 8])
+def test_multi_position_tiles(rows, monkeypatch, device):
+    """Several positions per program (BLOCK_S > 1) with ragged tails, for every position rule:
+    thd search (empty sequence, start positions), context parallel, bshd strides."""
+    monkeypatch.setattr(rope_module, "_TE_TUNE", dict(BLOCK_B=2, ROWS=rows, MIN_PROGRAMS=1))
+    assert rope_module._te_blocks(7, 3, 3, 8)[0] == rows // 2
+    cu = torch.tensor([0, 5, 8, 8, 15], dtype=torch.int32, device=device)
+    starts = torch.tensor([1, 0, 3, 2], dtype=torch.int32, device=device)
+    t = torch.rand(15, 3, 16, device=device).requires_grad_()
+    emb = RotaryPositionEmbedding(16, 0.5, device=device)(12)
+    run_fused_vs_unfused(t, emb, non_overlapping_grad, tensor_format="thd", cu_seqlens=cu)
+    run_fused_vs_unfused(
+        t, emb, non_overlapping_grad, tensor_format="thd", cu_seqlens=cu, start_positions=starts
+    )
+    cu2 = torch.tensor([0, 4, 8, 8, 20], dtype=torch.int32, device=device)
+    t2 = torch.rand(10, 2, 16, device=device).requires_grad_()
+    emb2 = RotaryPositionEmbedding(16, interleaved=True, device=device)(20)
+    for rank in range(2):
+        run_fused_vs_unfused(
+            t2, emb2, overlapping_grad, tensor_format="thd", cu_seqlens=cu2, cp_size=2,
+            cp_rank=rank, interleaved=True,
+        )  # fmt: skip
+    tb = with_layout(torch.rand(3, 6, 3, 16, device=device), (2, 3)).requires_grad_()
+    for rank in range(2):
+        run_fused_vs_unfused(
+            tb, emb, non_overlapping_grad, tensor_format="bshd", cp_size=2, cp_rank=rank
+        )
+    ts = torch.rand(7, 3, 3, 16, device=device).requires_grad_()
+    s3 = torch.tensor([0, 4, 2], dtype=torch.int32, device=device)
+    run_fused_vs_unfused(ts, emb, non_overlapping_grad, start_positions=s3)
 
 
 # ---------------------------------------------------------------------------- thd
@@ -455,8 +491,11 @@ def test_gpu_large_tensor_int64_offsets():
 
 
 @pytest.mark.gpu
-def test_gpu_start_position_past_table_poisons_with_nan():
-    """A fused CUDA call does not synchronise on start_positions: a bad one gives NaN rows."""
+@pytest.mark.parametrize("tune", [{}, dict(BLOCK_B=2, ROWS=8, MIN_PROGRAMS=1)])
+def test_gpu_start_position_past_table_poisons_with_nan(tune, monkeypatch):
+    """A fused CUDA call does not synchronise on start_positions: a bad one gives NaN rows
+    (also with several positions per program)."""
+    monkeypatch.setattr(rope_module, "_TE_TUNE", tune)
     t = torch.rand(4, 2, 2, 8, device="cuda")
     emb = RotaryPositionEmbedding(8)(6)
     starts = torch.tensor([0, 5], dtype=torch.int32, device="cuda")  # 5 + 4 > 6 positions

@@ -7,7 +7,9 @@ Two families live here because they share the rotation math:
   partial rotary, ``start_positions``, context-parallel dual-chunk layout), so TE's test calls
   run unchanged against it (only ``fused`` defaults to True here). Angles come in as ``freqs``;
   sin/cos are computed in-kernel once per position per program and reused across the batch
-  block and all heads the program walks (all heads unless the grid is too small to fill the GPU).
+  block and all heads the program walks (all heads unless the grid is too small to fill the GPU);
+  a small batch takes several positions per program, and each program's first data loads are in
+  flight before that angle work starts.
 * ``apply_rope_qkv_``: the model's path. It rotates the Q and K heads of a fused ``wqkv``
   projection output IN PLACE in one launch (V untouched), reading per-token positions and a
   precomputed cos/sin table (``build_rope_cache``); optionally the same launch writes the
@@ -329,6 +331,49 @@ def _copy_pass(
 
 
 @triton.jit
+def _te_position(
+    s_idx,
+    cu_ptr,
+    start_ptr,
+    S,
+    n_seqs,
+    cp_size,
+    cp_rank,
+    IS_THD: tl.constexpr,
+    HAS_START: tl.constexpr,
+    CP: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+):
+    """Angle row of local index ``s_idx`` (a scalar, or one per tile row), without a per-batch
+    start: context-parallel dual-chunk mapping, thd sequence found by binary search in
+    ``cu_seqlens`` (plus that sequence's start position)."""
+    if IS_THD:
+        lo = s_idx * 0
+        hi = lo + n_seqs
+        for _ in range(SEARCH_STEPS):  # largest i with cu[i] / cp <= token
+            mid = (lo + hi) // 2
+            go_right = tl.load(cu_ptr + mid) // cp_size <= s_idx
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        seq_start = tl.load(cu_ptr + lo) // cp_size
+        L = tl.load(cu_ptr + lo + 1) // cp_size - seq_start
+        j = s_idx - seq_start
+    else:
+        L = S
+        j = s_idx
+    if CP:
+        half_l = L // 2
+        p = tl.where(
+            j < half_l, j + cp_rank * half_l, L * cp_size - (cp_rank + 1) * half_l + j - half_l
+        )
+    else:
+        p = j
+    if HAS_START and IS_THD:
+        p = p + tl.load(start_ptr + lo)
+    return p
+
+
+@triton.jit
 def _rope_te_kernel(
     x_ptr,
     out_ptr,
@@ -365,53 +410,62 @@ def _rope_te_kernel(
     PIN: tl.constexpr,
     PREFETCH: tl.constexpr,
     HEADS_PER_PROG,
+    BLOCK_S: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """One program: one sequence index ``s`` (a token for thd) x BLOCK_B batch entries x
-    HEADS_PER_PROG heads (all of them unless the grid is small).
+    """One program: BLOCK_S sequence indices (tokens for thd) x BLOCK_B batch entries x
+    HEADS_PER_PROG heads (all of them unless the grid is small), walked BLOCK_H heads at a time
+    over a tile of BLOCK_S * BLOCK_B rows.
 
     The tensor is seen as ``[S, B, H, D]`` through strides (bshd swaps the first two strides,
-    thd has B = 1). The angle row is found from the local index (context-parallel dual-chunk
-    mapping, thd sequence found by binary search in ``cu_seqlens``), plus ``start_positions``.
+    thd has B = 1). The first chunk's loads are issued before any position or angle work
+    (freqs load, thd search, sin/cos), so that latency hides behind them instead of delaying
+    every program's first byte: what dominated small shapes, where a program has few chunks.
     """
     pid_s = tl.program_id(0)
     pid_b = tl.program_id(1)
-    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    mask_b = offs_b < B
-
-    # Local index j inside its sequence of local length L, and the start offset.
-    if IS_THD:
-        lo = pid_s * 0
-        hi = lo + n_seqs
-        for _ in range(SEARCH_STEPS):  # largest i with cu[i] / cp <= token
-            mid = (lo + hi) // 2
-            go_right = tl.load(cu_ptr + mid) // cp_size <= pid_s
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(go_right, hi, mid)
-        seq_start = tl.load(cu_ptr + lo) // cp_size
-        L = tl.load(cu_ptr + lo + 1) // cp_size - seq_start
-        j = pid_s - seq_start
+    r = tl.arange(0, BLOCK_S * BLOCK_B)
+    b_row = pid_b * BLOCK_B + r % BLOCK_B
+    if BLOCK_S == 1:
+        s_row = pid_s
+        mask_r = b_row < B
     else:
-        L = S
-        j = pid_s
-    if CP:
-        half_l = L // 2
-        p = tl.where(
-            j < half_l, j + cp_rank * half_l, L * cp_size - (cp_rank + 1) * half_l + j - half_l
-        )
-    else:
-        p = j
+        s_row = pid_s * BLOCK_S + r // BLOCK_B
+        mask_r = (s_row < S) & (b_row < B)
+    b64 = b_row.to(tl.int64)
+    s64 = s_row.to(tl.int64)
+    x_row = x_ptr + (s64 * stride_xs + b64 * stride_xb)[:, None, None]
+    o_row = out_ptr + (s64 * stride_os + b64 * stride_ob)[:, None, None]
+    mask_r3 = mask_r[:, None, None]
+    h_begin = tl.program_id(2) * HEADS_PER_PROG
+    h_end = tl.minimum(h_begin + HEADS_PER_PROG, H)
 
-    if HAS_START and not IS_THD:  # one angle row per batch entry
-        pos = p + tl.load(start_ptr + offs_b, mask=mask_b, other=0)
+    # First chunk in flight before the angle work below.
+    offs_h = h_begin + tl.arange(0, BLOCK_H)
+    xa, xb = _load_pairs(
+        x_row + offs_h.to(tl.int64)[None, :, None] * stride_xh,
+        stride_xd,
+        mask_r3 & (offs_h < h_end)[None, :, None],
+        HALF,
+        HALF_PAD,
+        INTERLEAVED,
+        JOINT,
+    )
+
+    p = _te_position(
+        s_row, cu_ptr, start_ptr, S, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, CP, SEARCH_STEPS
+    )
+    if HAS_START and not IS_THD:  # one angle row per tile row (per batch entry)
+        pos = p + tl.load(start_ptr + b_row, mask=mask_r, other=0)
         pos2 = pos.to(tl.int64)[:, None]
-        pok2 = (mask_b & (pos >= 0) & (pos < n_freqs))[:, None]
-    else:
-        if HAS_START:
-            p = p + tl.load(start_ptr + lo)
+        pok2 = (mask_r & (pos >= 0) & (pos < n_freqs))[:, None]
+    elif BLOCK_S == 1:  # one position for the whole program
         pos2 = tl.full((1, 1), 0, tl.int64) + p
         pok2 = (pos2 >= 0) & (pos2 < n_freqs)
+    else:
+        pos2 = p.to(tl.int64)[:, None]
+        pok2 = (mask_r & (p >= 0) & (p < n_freqs))[:, None]
     # Positions past the table were rejected on the host; NaN here if one slips through.
     cos_a, sin_a, cos_b, sin_b = _freq_angles(
         freqs_ptr, pos2, pok2, stride_fs, stride_fd, HALF, HALF_PAD, INTERLEAVED, PIN
@@ -421,51 +475,31 @@ def _rope_te_kernel(
     cos_b = cos_b[:, None, :]
     sin_b = sin_b[:, None, :]
 
-    b3 = offs_b.to(tl.int64)[:, None, None]
-    x_row = x_ptr + pid_s.to(tl.int64) * stride_xs + b3 * stride_xb
-    o_row = out_ptr + pid_s.to(tl.int64) * stride_os + b3 * stride_ob
-    h_begin = tl.program_id(2) * HEADS_PER_PROG
-    h_end = tl.minimum(h_begin + HEADS_PER_PROG, H)
-    mask_b3 = mask_b[:, None, None]
-    if PREFETCH:  # software pipelining: the next chunk's loads are in flight during this one
-        offs_h = h_begin + tl.arange(0, BLOCK_H)
-        mask_row = mask_b3 & (offs_h < h_end)[None, :, None]
-        x_base = x_row + offs_h.to(tl.int64)[None, :, None] * stride_xh
-        xa, xb = _load_pairs(x_base, stride_xd, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
-        for h0 in range(h_begin, h_end, BLOCK_H):
-            offs_n = h0 + BLOCK_H + tl.arange(0, BLOCK_H)
-            mask_n = mask_b3 & (offs_n < h_end)[None, :, None]
-            x_next = x_row + offs_n.to(tl.int64)[None, :, None] * stride_xh
+    for h0 in range(h_begin, h_end, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h3 = offs_h.to(tl.int64)[None, :, None]
+        mask_row = mask_r3 & (offs_h < h_end)[None, :, None]
+        offs_n = h0 + BLOCK_H + tl.arange(0, BLOCK_H)
+        x_next = x_row + offs_n.to(tl.int64)[None, :, None] * stride_xh
+        mask_n = mask_r3 & (offs_n < h_end)[None, :, None]
+        if PREFETCH:  # software pipelining: the next chunk's loads fly during this one
             na, nb = _load_pairs(x_next, stride_xd, mask_n, HALF, HALF_PAD, INTERLEAVED, JOINT)
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask_row = mask_b3 & (offs_h < h_end)[None, :, None]
-            h3 = offs_h.to(tl.int64)[None, :, None]
-            ya, yb = _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD)
-            _store_pairs(
-                o_row + h3 * stride_oh, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT
-            )
-            _copy_pass(
-                x_row + h3 * stride_xh,
-                o_row + h3 * stride_oh,
-                stride_xd,
-                mask_row,
-                HALF,
-                PASS,
-                PASS_PAD,
-            )
+        ya, yb = _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD)
+        _store_pairs(o_row + h3 * stride_oh, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
+        _copy_pass(
+            x_row + h3 * stride_xh,
+            o_row + h3 * stride_oh,
+            stride_xd,
+            mask_row,
+            HALF,
+            PASS,
+            PASS_PAD,
+        )
+        if PREFETCH:
             xa = na
             xb = nb
-    else:
-        for h0 in range(h_begin, h_end, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            h3 = offs_h.to(tl.int64)[None, :, None]
-            mask_row = mask_b3 & (offs_h < h_end)[None, :, None]
-            x_base = x_row + h3 * stride_xh
-            o_base = o_row + h3 * stride_oh
-            xa, xb = _load_pairs(x_base, stride_xd, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
-            ya, yb = _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD)
-            _store_pairs(o_base, ya, yb, mask_row, HALF, HALF_PAD, INTERLEAVED, JOINT)
-            _copy_pass(x_base, o_base, stride_xd, mask_row, HALF, PASS, PASS_PAD)
+        else:  # the next chunk (fully masked after the last one)
+            xa, xb = _load_pairs(x_next, stride_xd, mask_n, HALF, HALF_PAD, INTERLEAVED, JOINT)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -481,7 +515,7 @@ def _debug_checks() -> bool:
 # Launch configurations, chosen with ``kernel_benchmark/bench_rope.py --tune`` on an H200
 # (results/<device>/rope_tune.*). The *_TUNE dicts override them (set by the benchmark only).
 _TE_DEFAULTS = dict(
-    BLOCK_B=16, TARGET=2048, num_warps=4, MIN_PROGRAMS=1024, JOINT=False, PREFETCH=False
+    BLOCK_B=16, ROWS=16, TARGET=4096, num_warps=4, MIN_PROGRAMS=1024, JOINT=False, PREFETCH=False
 )
 _QKV_DEFAULTS = dict(TARGET=2048, num_warps=4, JOINT=True)
 _QKV_TUNE: dict[str, int] = {}
@@ -672,21 +706,28 @@ def _check_slots(slots: torch.Tensor, n_k: int, n_v: int) -> None:
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 
 
-def _te_blocks(s: int, n_batch: int, n_heads: int, half_pad: int) -> tuple[int, int, int, int]:
-    """BLOCK_B, BLOCK_H, heads per program, num_warps for the TE kernel (tuned on an H200).
+def _te_blocks(s: int, n_batch: int, n_heads: int, half_pad: int) -> tuple[int, int, int, int, int]:
+    """BLOCK_S, BLOCK_B, BLOCK_H, heads per program, num_warps for the TE kernel (tuned on an H200).
 
-    A program takes BLOCK_B batch entries of one position and walks its heads BLOCK_H at a time
-    (~TARGET pairs a step), so sin/cos are computed once for all of them. When that leaves
-    fewer than MIN_PROGRAMS programs, the heads are split over a third grid axis.
+    A program takes BLOCK_B batch entries of BLOCK_S positions (rows of its tile) and walks its
+    heads BLOCK_H at a time (~TARGET pairs a step), so sin/cos are computed once for all of
+    them. A small batch gets several positions (up to ROWS rows), as long as that leaves
+    MIN_PROGRAMS programs: more chunks per program amortise its fixed start. When there are
+    still fewer than MIN_PROGRAMS programs, the heads are split over a third grid axis.
     """
     cfg = {**_TE_DEFAULTS, **_TE_TUNE}
     block_b = min(cfg["BLOCK_B"], _pow2(n_batch))
-    block_h = min(_pow2(n_heads), max(1, cfg["TARGET"] // (half_pad * block_b)))
+    n_b_blocks = triton.cdiv(n_batch, block_b)
+    block_s = min(max(1, cfg.get("ROWS", 1) // block_b), _pow2(s))
+    while block_s > 1 and triton.cdiv(s, block_s) * n_b_blocks < cfg["MIN_PROGRAMS"]:
+        block_s //= 2
+    rows = block_s * block_b
+    block_h = min(_pow2(n_heads), max(1, cfg["TARGET"] // (half_pad * rows)))
     n_h_blocks = triton.cdiv(n_heads, block_h)
-    programs = s * triton.cdiv(n_batch, block_b)
+    programs = triton.cdiv(s, block_s) * n_b_blocks
     split = max(1, min(n_h_blocks, triton.cdiv(cfg["MIN_PROGRAMS"], programs)))
     heads_per_prog = triton.cdiv(n_h_blocks, split) * block_h
-    return block_b, block_h, heads_per_prog, cfg["num_warps"]
+    return block_s, block_b, block_h, heads_per_prog, cfg["num_warps"]
 
 
 def _sbhd_view(
@@ -726,8 +767,8 @@ def _launch_rope_te(
     is_thd = tensor_format == "thd"
     has_start = start_positions is not None
     n_seqs = cu_seqlens.shape[0] - 1 if is_thd else 0
-    block_b, block_h, heads_per_prog, num_warps = _te_blocks(S, B, H, half_pad)
-    grid = (S, triton.cdiv(B, block_b), triton.cdiv(H, heads_per_prog))
+    block_s, block_b, block_h, heads_per_prog, num_warps = _te_blocks(S, B, H, half_pad)
+    grid = (triton.cdiv(S, block_s), triton.cdiv(B, block_b), triton.cdiv(H, heads_per_prog))
     _rope_te_kernel[grid](
         x, out, freqs,
         start_positions if has_start else x,
@@ -740,7 +781,8 @@ def _launch_rope_te(
         SEARCH_STEPS=max(n_seqs, 1).bit_length() + 1,
         INTERLEAVED=interleaved, JOINT=bool({**_TE_DEFAULTS, **_TE_TUNE}["JOINT"]), BACKWARD=backward,
         PIN=x.is_cuda and not interpreter_enabled(), PREFETCH=bool({**_TE_DEFAULTS, **_TE_TUNE}["PREFETCH"]),
-        HEADS_PER_PROG=heads_per_prog, BLOCK_B=block_b, BLOCK_H=block_h, num_warps=num_warps,
+        HEADS_PER_PROG=heads_per_prog, BLOCK_S=block_s, BLOCK_B=block_b, BLOCK_H=block_h,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
