@@ -255,20 +255,21 @@ def bench_shape(m, n, dtype, device, copy_gbps) -> list[dict]:
 
 def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
     """Launch configurations of the Nakta kernels (launchers called directly, CUDA-graph time),
-    at one width per column block (4096 -> block 4096; 8192 -> block 8192, shared by 5120 and
-    6656)."""
+    at each width of the sweep (the forward holds each as its own column chunks)."""
     import itertools
 
     rows = []
     sm = torch.cuda.get_device_properties(device).multi_processor_count
     stream = torch.cuda.current_stream()
-    for n in (4096, 8192):
+    fwd = list(itertools.product((1, 2), (4, 8, 16)))
+    bwd = [(1, 8, 2), (2, 8, 1), (2, 16, 1), (4, 8, 1), (4, 16, 1), (2, 8, 2)]
+    for n in (4096, 5120, 6656, 8192):
         x = torch.randn(tokens, n, device=device, dtype=dtype)
         w = torch.randn(n, device=device, dtype=dtype)
         dy = torch.randn_like(x)
         _, _, rstd = rms_norm_forward(x, w, EPS, store_rstd=True)
         e = x.element_size()
-        for bm, warps in itertools.product((1, 2, 4), (4, 8, 16)):
+        for bm, warps in fwd:
             call = functools.partial(rms_norm_forward, x, w, EPS, block_m=bm, num_warps=warps)
             us = graph_ms([call], stream, budget_ms=10) * 1e3
             rows.append(
@@ -276,7 +277,7 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
                 | {"programs_per_sm": 0, "us": us}
                 | {"pct_copy_bw": 100 * min_bytes("fwd", tokens, n, e) / us / 1e3 / copy_gbps}
             )
-        for bm, warps, per_sm in itertools.product((1, 2, 4), (8, 16), (1, 2, 4)):
+        for bm, warps, per_sm in bwd:
             call = functools.partial(
                 rms_norm_backward, dy, x, w, rstd, block_m=bm, num_warps=warps, programs=per_sm * sm
             )
@@ -291,19 +292,22 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
 
 
 def apply_tuning(tdf: pd.DataFrame) -> list[str]:
-    """Put the fastest configuration per column block into the kernel module's tables, so the
+    """Put the fastest configuration per row layout into the kernel module's tables, so the
     comparison below runs with them (copy the printed values into rmsnorm.py to keep them)."""
     lines = []
     for (n, kernel), grp in tdf.groupby(["hidden", "kernel"]):
         b = grp.sort_values("us").iloc[0]
-        block_n = 1 << (int(n) - 1).bit_length()
+        # the forward holds split rows; the backward one padded power-of-2 block
+        held = sum(rmsnorm_kernels.column_chunks(int(n)))
+        if kernel == "bwd":
+            held = 1 << (int(n) - 1).bit_length()
         if kernel == "fwd":
-            rmsnorm_kernels.FWD_CONFIGS[block_n] = (int(b.block_m), int(b.num_warps))
-            cfg = rmsnorm_kernels.FWD_CONFIGS[block_n]
+            rmsnorm_kernels.FWD_CONFIGS[held] = (int(b.block_m), int(b.num_warps))
+            cfg = rmsnorm_kernels.FWD_CONFIGS[held]
         else:
             cfg = (int(b.block_m), int(b.num_warps), int(b.programs_per_sm))
-            rmsnorm_kernels.BWD_CONFIGS[block_n] = cfg
-        lines.append(f"tuned {kernel} block {block_n}: {cfg} -> {b.pct_copy_bw:.1f}% of copy bw")
+            rmsnorm_kernels.BWD_CONFIGS[held] = cfg
+        lines.append(f"tuned {kernel} width {held}: {cfg} -> {b.pct_copy_bw:.1f}% of copy bw")
     return lines
 
 

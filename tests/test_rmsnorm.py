@@ -14,6 +14,7 @@ import torch
 
 from nakta_model.kernels.rmsnorm import (
     MAX_SINGLE_BLOCK,
+    column_chunks,
     rms_norm,
     rms_norm_backward,
     rms_norm_forward,
@@ -123,6 +124,42 @@ def test_column_loop_path(device, dtype, residual):
     _assert_close_ulp(y, y_ref, _ulps(dtype), _frac(dtype))
     if residual:
         assert torch.equal(h, ref[1])
+
+
+def test_column_chunks_cover_rows_with_little_padding():
+    """Non-power-of-2 widths split into at most three power-of-2 chunks, largest first."""
+    assert column_chunks(5120) == (4096, 1024, 0)
+    assert column_chunks(6656) == (4096, 2048, 512)
+    assert column_chunks(4096) == (4096, 0, 0)
+    assert column_chunks(100) == (128, 0, 0)
+    for n in range(1, 16385, 37):
+        c = column_chunks(n)
+        assert sum(c) >= n and all(x == 0 or x & (x - 1) == 0 for x in c)
+        assert list(c) == sorted(c, reverse=True)
+        assert sum(c) < 2 * n + 256
+
+
+@pytest.mark.parametrize("n", [5120, 6656, 4097])
+@pytest.mark.parametrize("residual", [False, True])
+def test_chunked_rows_forward_and_backward(device, n, residual):
+    """Rows held as 2 or 3 column chunks (LLaMA-13B/30B widths): forward, and gradients with
+    the default (padded-block) and the split-row backward."""
+    x, w, r = _inputs(3, n, torch.bfloat16, device, residual)
+    out, ref = rms_norm(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
+    if residual:
+        assert torch.equal(out[1], ref[1])
+        out, ref = out[0], ref[0]
+    _assert_close_ulp(out, ref, 2, 0.01)
+    _grads_vs_fp64(x, w, r, "meta", torch.bfloat16)
+    # the backward on split rows (not the default) against fp64 autograd
+    h = x + r if residual else x
+    _, _, rstd = rms_norm_forward(h, w, 1e-6, store_rstd=True)
+    dy = torch.randn_like(x)
+    dx, _, dw = rms_norm_backward(dy, h, w, rstd, split_rows=True)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    (rms_norm_reference(h64, w64, 1e-6) * dy.double()).sum().backward()
+    assert _rel_err(dx, h64.grad) < GRAD_TOL[torch.bfloat16]
+    assert _rel_err(dw, w64.grad) < GRAD_TOL[torch.bfloat16]
 
 
 def test_widest_row_uses_column_loop(device):

@@ -70,6 +70,66 @@ def _rsqrt(x, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def _fwd_load(
+    X,
+    R,
+    H,
+    rows,
+    row_ok,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_h,
+    START: tl.constexpr,
+    SIZE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """One column chunk of h = x (+ residual, rounded and written to H), in fp32."""
+    cols = START + tl.arange(0, SIZE)
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    h = h.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        h_low = _round_to(h + r.to(tl.float32), X.dtype.element_ty, EMULATE_RNE)
+        tl.store(H + rows[:, None] * stride_h + cols[None, :], h_low, mask=mask)
+        h = h_low.to(tl.float32)
+    return h
+
+
+@triton.jit
+def _fwd_store(
+    W,
+    Y,
+    h,
+    rstd,
+    rows,
+    row_ok,
+    n_cols,
+    stride_w,
+    stride_y,
+    START: tl.constexpr,
+    SIZE: tl.constexpr,
+    CAST_META: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+    x_dtype: tl.constexpr,
+):
+    """Normalize one column chunk, multiply by the weight, round and store."""
+    cols = START + tl.arange(0, SIZE)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
+    n = h * rstd[:, None]
+    if CAST_META:
+        y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w[None, :]
+    else:
+        y = w[None, :] * n
+    y = _round_to(y, Y.dtype.element_ty, EMULATE_RNE)
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     X,
     R,
@@ -90,45 +150,132 @@ def _rms_norm_fwd_kernel(
     STORE_RSTD: tl.constexpr,
     CAST_META: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    C0: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    """One program normalizes BLOCK_M whole rows (one row when it needs a column loop)."""
+    """One program normalizes BLOCK_M whole rows (one row when it needs a column loop of C0)."""
     pid = tl.program_id(0).to(tl.int64)
     x_dtype = X.dtype.element_ty
     y_dtype = Y.dtype.element_ty
-    cols = tl.arange(0, BLOCK_N)
     if SINGLE_BLOCK:
+        # The row is held as up to three power-of-2 column chunks (C0 >= C1 >= C2, 0 = unused),
+        # e.g. 5120 = 4096 + 1024: no registers spent on a padded 8192-wide block.
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
-        col_ok = cols < n_cols
-        mask = row_ok[:, None] & col_ok[None, :]
-        w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
-        h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        h = h.to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            h_low = _round_to(h + r.to(tl.float32), x_dtype, EMULATE_RNE)
-            tl.store(H + rows[:, None] * stride_h + cols[None, :], h_low, mask=mask)
-            h = h_low.to(tl.float32)
-        rstd = _rsqrt(tl.sum(h * h, axis=1) * inv_n + eps, ACCURATE)
+        h0 = _fwd_load(
+            X,
+            R,
+            H,
+            rows,
+            row_ok,
+            n_cols,
+            stride_x,
+            stride_r,
+            stride_h,
+            0,
+            C0,
+            HAS_RESIDUAL,
+            EMULATE_RNE,
+        )
+        ss = tl.sum(h0 * h0, axis=1)
+        if C1 > 0:
+            h1 = _fwd_load(
+                X,
+                R,
+                H,
+                rows,
+                row_ok,
+                n_cols,
+                stride_x,
+                stride_r,
+                stride_h,
+                C0,
+                C1,
+                HAS_RESIDUAL,
+                EMULATE_RNE,
+            )
+            ss += tl.sum(h1 * h1, axis=1)
+        if C2 > 0:
+            h2 = _fwd_load(
+                X,
+                R,
+                H,
+                rows,
+                row_ok,
+                n_cols,
+                stride_x,
+                stride_r,
+                stride_h,
+                C0 + C1,
+                C2,
+                HAS_RESIDUAL,
+                EMULATE_RNE,
+            )
+            ss += tl.sum(h2 * h2, axis=1)
+        rstd = _rsqrt(ss * inv_n + eps, ACCURATE)
         if STORE_RSTD:
             tl.store(RSTD + rows, rstd, mask=row_ok)
-        n = h * rstd[:, None]
-        if CAST_META:
-            y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w[None, :]
-        else:
-            y = w[None, :] * n
-        y = _round_to(y, y_dtype, EMULATE_RNE)
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+        _fwd_store(
+            W,
+            Y,
+            h0,
+            rstd,
+            rows,
+            row_ok,
+            n_cols,
+            stride_w,
+            stride_y,
+            0,
+            C0,
+            CAST_META,
+            EMULATE_RNE,
+            x_dtype,
+        )
+        if C1 > 0:
+            _fwd_store(
+                W,
+                Y,
+                h1,
+                rstd,
+                rows,
+                row_ok,
+                n_cols,
+                stride_w,
+                stride_y,
+                C0,
+                C1,
+                CAST_META,
+                EMULATE_RNE,
+                x_dtype,
+            )
+        if C2 > 0:
+            _fwd_store(
+                W,
+                Y,
+                h2,
+                rstd,
+                rows,
+                row_ok,
+                n_cols,
+                stride_w,
+                stride_y,
+                C0 + C1,
+                C2,
+                CAST_META,
+                EMULATE_RNE,
+                x_dtype,
+            )
     else:
         # Row wider than one block: pass 1 sums squares (and writes h), pass 2 normalizes.
         # Pass 2 recomputes h from x and residual rather than reading back what pass 1 wrote.
         row = pid
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
+        cols = tl.arange(0, C0)
+        acc = tl.zeros([C0], dtype=tl.float32)
+        for start in range(0, n_cols, C0):
             c = start + cols
             mask = c < n_cols
             h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
@@ -141,7 +288,7 @@ def _rms_norm_fwd_kernel(
         rstd = _rsqrt(tl.sum(acc, axis=0) * inv_n + eps, ACCURATE)
         if STORE_RSTD:
             tl.store(RSTD + row, rstd)
-        for start in range(0, n_cols, BLOCK_N):
+        for start in range(0, n_cols, C0):
             c = start + cols
             mask = c < n_cols
             h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
@@ -155,6 +302,80 @@ def _rms_norm_fwd_kernel(
             else:
                 y = w * n
             tl.store(Y + row * stride_y + c, _round_to(y, y_dtype, EMULATE_RNE), mask=mask)
+
+
+@triton.jit
+def _bwd_load(
+    DY,
+    H,
+    W,
+    rows,
+    row_ok,
+    rstd,
+    n_cols,
+    stride_dy,
+    stride_h,
+    stride_w,
+    START: tl.constexpr,
+    SIZE: tl.constexpr,
+):
+    """One column chunk: (dy, n = h * rstd, dn = dy * w), all fp32."""
+    cols = START + tl.arange(0, SIZE)
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+    w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
+    dy = dy.to(tl.float32)
+    n = h.to(tl.float32) * rstd[:, None]
+    return dy, n, dy * w[None, :]
+
+
+@triton.jit
+def _bwd_store(
+    DH_OUT,
+    DX,
+    DR,
+    dy,
+    n,
+    dn,
+    rstd,
+    dot,
+    rows,
+    row_ok,
+    n_cols,
+    stride_dh_out,
+    stride_dx,
+    stride_dr,
+    START: tl.constexpr,
+    SIZE: tl.constexpr,
+    HAS_DH_OUT: tl.constexpr,
+    HAS_DR: tl.constexpr,
+    CAST_META: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+    h_dtype: tl.constexpr,
+):
+    """dh for one column chunk (stored to DX and DR); returns this tile's dw contribution."""
+    cols = START + tl.arange(0, SIZE)
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    dh = rstd[:, None] * (dn - n * dot[:, None])
+    if HAS_DH_OUT:
+        dho = tl.load(DH_OUT + rows[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0)
+        dh += dho.to(tl.float32)
+    dh_low = _round_to(dh, DX.dtype.element_ty, EMULATE_RNE)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dh_low, mask=mask)
+    if HAS_DR:
+        tl.store(DR + rows[:, None] * stride_dr + cols[None, :], dh_low, mask=mask)
+    if COMPUTE_DW:
+        if CAST_META:
+            n_used = _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
+        else:
+            n_used = n
+        part = tl.sum(dy * n_used, axis=0)
+    else:
+        part = tl.zeros([SIZE], dtype=tl.float32)
+    return part
 
 
 @triton.jit
@@ -183,7 +404,9 @@ def _rms_norm_bwd_kernel(
     CAST_META: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    C0: tl.constexpr,
+    C1: tl.constexpr,
+    C2: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
@@ -194,54 +417,140 @@ def _rms_norm_bwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     h_dtype = H.dtype.element_ty
     dx_dtype = DX.dtype.element_ty
-    cols = tl.arange(0, BLOCK_N)
     if SINGLE_BLOCK:
         # Tiles of BLOCK_M rows, interleaved over programs (tile pid, pid + programs, ...), so
-        # the programs running at one moment stream through neighbouring rows.
+        # the programs running at one moment stream through neighbouring rows. The row is held
+        # as up to three power-of-2 column chunks C0, C1, C2 (see the forward).
         num_programs = tl.num_programs(0)
-        col_ok = cols < n_cols
-        w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dw0 = tl.zeros([C0], dtype=tl.float32)
+        if C1 > 0:
+            dw1 = tl.zeros([C1], dtype=tl.float32)
+        if C2 > 0:
+            dw2 = tl.zeros([C2], dtype=tl.float32)
         for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
             rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < n_rows
-            mask = row_ok[:, None] & col_ok[None, :]
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-            h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
-            dy = dy.to(tl.float32)
-            h = h.to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            n = h * rstd[:, None]
-            dn = dy * w[None, :]
-            dot = tl.sum(dn * n, axis=1) * inv_n
-            dh = rstd[:, None] * (dn - n * dot[:, None])
-            if HAS_DH_OUT:
-                dho = tl.load(
-                    DH_OUT + rows[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0
+            dy0, n0, dn0 = _bwd_load(
+                DY, H, W, rows, row_ok, rstd, n_cols, stride_dy, stride_h, stride_w, 0, C0
+            )
+            dot = tl.sum(dn0 * n0, axis=1)
+            if C1 > 0:
+                dy1, n1, dn1 = _bwd_load(
+                    DY, H, W, rows, row_ok, rstd, n_cols, stride_dy, stride_h, stride_w, C0, C1
                 )
-                dh += dho.to(tl.float32)
-            dh_low = _round_to(dh, dx_dtype, EMULATE_RNE)
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dh_low, mask=mask)
-            if HAS_DR:
-                tl.store(DR + rows[:, None] * stride_dr + cols[None, :], dh_low, mask=mask)
-            if COMPUTE_DW:
-                if CAST_META:
-                    n_used = _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
-                else:
-                    n_used = n
-                dw += tl.sum(dy * n_used, axis=0)
+                dot += tl.sum(dn1 * n1, axis=1)
+            if C2 > 0:
+                dy2, n2, dn2 = _bwd_load(
+                    DY,
+                    H,
+                    W,
+                    rows,
+                    row_ok,
+                    rstd,
+                    n_cols,
+                    stride_dy,
+                    stride_h,
+                    stride_w,
+                    C0 + C1,
+                    C2,
+                )
+                dot += tl.sum(dn2 * n2, axis=1)
+            dot = dot * inv_n
+            dw0 += _bwd_store(
+                DH_OUT,
+                DX,
+                DR,
+                dy0,
+                n0,
+                dn0,
+                rstd,
+                dot,
+                rows,
+                row_ok,
+                n_cols,
+                stride_dh_out,
+                stride_dx,
+                stride_dr,
+                0,
+                C0,
+                HAS_DH_OUT,
+                HAS_DR,
+                CAST_META,
+                COMPUTE_DW,
+                EMULATE_RNE,
+                h_dtype,
+            )
+            if C1 > 0:
+                dw1 += _bwd_store(
+                    DH_OUT,
+                    DX,
+                    DR,
+                    dy1,
+                    n1,
+                    dn1,
+                    rstd,
+                    dot,
+                    rows,
+                    row_ok,
+                    n_cols,
+                    stride_dh_out,
+                    stride_dx,
+                    stride_dr,
+                    C0,
+                    C1,
+                    HAS_DH_OUT,
+                    HAS_DR,
+                    CAST_META,
+                    COMPUTE_DW,
+                    EMULATE_RNE,
+                    h_dtype,
+                )
+            if C2 > 0:
+                dw2 += _bwd_store(
+                    DH_OUT,
+                    DX,
+                    DR,
+                    dy2,
+                    n2,
+                    dn2,
+                    rstd,
+                    dot,
+                    rows,
+                    row_ok,
+                    n_cols,
+                    stride_dh_out,
+                    stride_dx,
+                    stride_dr,
+                    C0 + C1,
+                    C2,
+                    HAS_DH_OUT,
+                    HAS_DR,
+                    CAST_META,
+                    COMPUTE_DW,
+                    EMULATE_RNE,
+                    h_dtype,
+                )
         if COMPUTE_DW:
-            tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_ok)
+            c = tl.arange(0, C0)
+            tl.store(DW_PARTIAL + pid * n_cols + c, dw0, mask=c < n_cols)
+            if C1 > 0:
+                c = C0 + tl.arange(0, C1)
+                tl.store(DW_PARTIAL + pid * n_cols + c, dw1, mask=c < n_cols)
+            if C2 > 0:
+                c = C0 + C1 + tl.arange(0, C2)
+                tl.store(DW_PARTIAL + pid * n_cols + c, dw2, mask=c < n_cols)
     else:
         # Row wider than one block; each program owns a contiguous chunk of rows. Phase A:
         # per-row dot(dn, n) into DOT[row]. Phase B: one column block at a time over the
         # chunk, so the weight-gradient partial stays in registers.
         row_start = pid * rows_per_program
         row_end = tl.minimum(row_start + rows_per_program, n_rows)
+        cols = tl.arange(0, C0)
         for row in range(row_start, row_end):
             rstd = tl.load(RSTD + row)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
+            acc = tl.zeros([C0], dtype=tl.float32)
+            for start in range(0, n_cols, C0):
                 c = start + cols
                 col_ok = c < n_cols
                 dy = tl.load(DY + row * stride_dy + c, mask=col_ok, other=0.0).to(tl.float32)
@@ -250,11 +559,11 @@ def _rms_norm_bwd_kernel(
                 acc += dy * w * (h * rstd)
             tl.store(DOT + row, tl.sum(acc, axis=0) * inv_n)
         tl.debug_barrier()  # DOT written above must be visible to every thread below
-        for start in range(0, n_cols, BLOCK_N):
+        for start in range(0, n_cols, C0):
             c = start + cols
             col_ok = c < n_cols
             w = tl.load(W + c * stride_w, mask=col_ok, other=0.0).to(tl.float32)
-            dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+            dw = tl.zeros([C0], dtype=tl.float32)
             for row in range(row_start, row_end):
                 rstd = tl.load(RSTD + row)
                 dot = tl.load(DOT + row)
@@ -345,20 +654,58 @@ def _check_inputs(
     return x2, r2
 
 
-def _block_n(n_cols: int, block_n: int | None) -> tuple[int, bool]:
-    """Column block and whether a whole row fits in it (else the kernels loop over blocks)."""
-    if block_n is None:
-        full = triton.next_power_of_2(n_cols)
-        block_n = full if full <= MAX_SINGLE_BLOCK else MULTI_BLOCK_N
-    return block_n, block_n >= n_cols
+MIN_CHUNK = 256  # smallest column chunk of a split row
 
 
-# Launch configurations by column block, chosen by ``kernel_benchmark/bench_rmsnorm.py --tune``
-# on an NVIDIA H200 (16K rows, bf16; results/nvidia-h200/rmsnorm_tune.csv). The bench rewrites
+def column_chunks(n_cols: int) -> tuple[int, int, int]:
+    """Up to three power-of-2 column chunks, largest first, that hold a row of ``n_cols``.
+
+    Why: one power-of-2 block pads 5120 to 8192 (and 6656 to 8192), so registers and threads
+    are spent on masked lanes; 4096 + 1024 (and 4096 + 2048 + 512) cover those rows exactly.
+    Widths are rounded up to MIN_CHUNK; a remainder needing more than three chunks is padded.
+    """
+    m = -(-n_cols // MIN_CHUNK) * MIN_CHUNK
+    chunks = []
+    while m and len(chunks) < 2:
+        c = 1 << (m.bit_length() - 1)
+        chunks.append(c)
+        m -= c
+    if m:
+        chunks.append(triton.next_power_of_2(m))
+    if n_cols <= MIN_CHUNK:
+        chunks = [triton.next_power_of_2(n_cols)]
+    return tuple(chunks + [0] * (3 - len(chunks)))
+
+
+def _layout(
+    n_cols: int, block_n: int | None, split_rows: bool = True
+) -> tuple[tuple[int, int, int], bool]:
+    """``((C0, C1, C2), single)``: the chunks of a row held at once, or (block, 0, 0) and
+    False when the kernels loop over column blocks. ``block_n`` forces one block of that size;
+    ``split_rows=False`` holds the row in one padded power-of-2 block.
+    """
+    if block_n is not None:
+        return (block_n, 0, 0), block_n >= n_cols
+    full = triton.next_power_of_2(n_cols)
+    if full > MAX_SINGLE_BLOCK:
+        return (MULTI_BLOCK_N, 0, 0), False
+    return (column_chunks(n_cols) if split_rows else (full, 0, 0)), True
+
+
+# Launch configurations by the row width held (sum of the column chunks), chosen by
+# ``kernel_benchmark/bench_rmsnorm.py --tune`` on an NVIDIA H200 (16K rows, bf16; results/nvidia-h200/rmsnorm_tune.csv). The bench rewrites
 # these tables for its own run; the values kept here are the ones its published results used.
 # Other block sizes follow the rules below.
-FWD_CONFIGS: dict[int, tuple[int, int]] = {4096: (1, 8), 8192: (1, 16)}  # (block_m, warps)
-BWD_CONFIGS: dict[int, tuple[int, int, int]] = {4096: (4, 8, 1), 8192: (2, 16, 1)}  # + per SM
+FWD_CONFIGS: dict[int, tuple[int, int]] = {  # (block_m, warps)
+    4096: (2, 8),
+    5120: (1, 4),
+    6656: (1, 4),
+    8192: (2, 16),
+}
+BWD_CONFIGS: dict[int, tuple[int, int, int]] = {  # (block_m, warps, programs per SM)
+    4096: (2, 8, 2),
+    8192: (2, 16, 1),
+}
 
 
 def _fwd_config(block_n: int, single: bool) -> tuple[int, int]:
@@ -417,8 +764,8 @@ def rms_norm_forward(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if store_rstd else None
     if n_rows == 0:
         return y, h, rstd
-    block_n, single = _block_n(n_cols, block_n)
-    default_m, default_warps = _fwd_config(block_n, single)
+    chunks, single = _layout(n_cols, block_n)
+    default_m, default_warps = _fwd_config(sum(chunks), single)
     block_m = (block_m or default_m) if single else 1
     num_warps = num_warps or default_warps
     y2 = y.view(-1, n_cols)
@@ -444,7 +791,9 @@ def rms_norm_forward(
         STORE_RSTD=rstd is not None,
         CAST_META=cast_meta,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        C0=chunks[0],
+        C1=chunks[1],
+        C2=chunks[2],
         SINGLE_BLOCK=single,
         ACCURATE=not interp,
         EMULATE_RNE=interp,
@@ -468,11 +817,15 @@ def rms_norm_backward(
     block_m: int | None = None,
     num_warps: int | None = None,
     programs: int | None = None,
+    split_rows: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: ``(dx, dresidual, dweight)`` (None where not needed).
 
     ``h`` is the normalized input (x, or x + residual), ``rstd`` the forward's fp32 1/rms per
     row, ``dh_out`` the gradient flowing into the returned ``h`` (residual variant only).
+    ``split_rows`` holds rows as column chunks like the forward; off by default: on an H200
+    (16K rows, bf16) it was no faster at 5120 (196 vs 200 us) and slower at 6656 (248 vs
+    213 us) than one padded block.
     """
     cast_meta = _check_cast(cast)
     h2 = _rows_view("h", h)
@@ -483,8 +836,8 @@ def rms_norm_backward(
     n_rows, n_cols = h2.shape
     dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     dr = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dr else None
-    block_n, single = _block_n(n_cols, block_n)
-    default_m, default_warps, per_sm = _bwd_config(block_n, single)
+    chunks, single = _layout(n_cols, block_n, split_rows)
+    default_m, default_warps, per_sm = _bwd_config(sum(chunks), single)
     block_m = (block_m or default_m) if single else 1
     num_warps = num_warps or default_warps
     if programs is None:
@@ -528,7 +881,9 @@ def rms_norm_backward(
             CAST_META=cast_meta,
             COMPUTE_DW=need_dw,
             BLOCK_M=block_m,
-            BLOCK_N=block_n,
+            C0=chunks[0],
+            C1=chunks[1],
+            C2=chunks[2],
             SINGLE_BLOCK=single,
             EMULATE_RNE=interpreter_enabled(),
             num_warps=num_warps,
