@@ -37,6 +37,7 @@ from nakta_model.kernels._checks import (
     check_triton_device,
     interpreter_enabled,
 )
+from nakta_model.kernels._triton_math import round_to
 
 CAST_MODES = ("meta", "fp32")
 MAX_SINGLE_BLOCK = 16384  # widest row held in registers at once; wider rows loop over blocks
@@ -47,17 +48,6 @@ MAX_HIDDEN = 65536
 # ----------------------------------------------------------------------------------------------
 # 1. Triton kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """fp32 -> ``dtype`` rounding to nearest even (the interpreter truncates to bf16)."""
-    if EMULATE_RNE:  # noqa: SIM102 (nested: keep the dtype test out of compiled kernels)
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -92,7 +82,7 @@ def _fwd_load(
     h = h.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        h_low = _round_to(h + r.to(tl.float32), X.dtype.element_ty, EMULATE_RNE)
+        h_low = round_to(h + r.to(tl.float32), X.dtype.element_ty, EMULATE_RNE)
         tl.store(H + rows[:, None] * stride_h + cols[None, :], h_low, mask=mask)
         h = h_low.to(tl.float32)
     return h
@@ -121,10 +111,10 @@ def _fwd_store(
     w = tl.load(W + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
     n = h * rstd[:, None]
     if CAST_META:
-        y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w[None, :]
+        y = round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w[None, :]
     else:
         y = w[None, :] * n
-    y = _round_to(y, Y.dtype.element_ty, EMULATE_RNE)
+    y = round_to(y, Y.dtype.element_ty, EMULATE_RNE)
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
 
@@ -281,7 +271,7 @@ def _rms_norm_fwd_kernel(
             h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-                h_low = _round_to(h + r, x_dtype, EMULATE_RNE)
+                h_low = round_to(h + r, x_dtype, EMULATE_RNE)
                 tl.store(H + row * stride_h + c, h_low, mask=mask)
                 h = h_low.to(tl.float32)
             acc += h * h
@@ -294,14 +284,14 @@ def _rms_norm_fwd_kernel(
             h = tl.load(X + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(R + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-                h = _round_to(h + r, x_dtype, EMULATE_RNE).to(tl.float32)
+                h = round_to(h + r, x_dtype, EMULATE_RNE).to(tl.float32)
             w = tl.load(W + c * stride_w, mask=mask, other=0.0).to(tl.float32)
             n = h * rstd
             if CAST_META:
-                y = _round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
+                y = round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
             else:
                 y = w * n
-            tl.store(Y + row * stride_y + c, _round_to(y, y_dtype, EMULATE_RNE), mask=mask)
+            tl.store(Y + row * stride_y + c, round_to(y, y_dtype, EMULATE_RNE), mask=mask)
 
 
 @triton.jit
@@ -363,13 +353,13 @@ def _bwd_store(
     if HAS_DH_OUT:
         dho = tl.load(DH_OUT + rows[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0)
         dh += dho.to(tl.float32)
-    dh_low = _round_to(dh, DX.dtype.element_ty, EMULATE_RNE)
+    dh_low = round_to(dh, DX.dtype.element_ty, EMULATE_RNE)
     tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dh_low, mask=mask)
     if HAS_DR:
         tl.store(DR + rows[:, None] * stride_dr + cols[None, :], dh_low, mask=mask)
     if COMPUTE_DW:
         if CAST_META:
-            n_used = _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
+            n_used = round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
         else:
             n_used = n
         part = tl.sum(dy * n_used, axis=0)
@@ -575,13 +565,13 @@ def _rms_norm_bwd_kernel(
                     dh += tl.load(DH_OUT + row * stride_dh_out + c, mask=col_ok, other=0.0).to(
                         tl.float32
                     )
-                dh_low = _round_to(dh, dx_dtype, EMULATE_RNE)
+                dh_low = round_to(dh, dx_dtype, EMULATE_RNE)
                 tl.store(DX + row * stride_dx + c, dh_low, mask=col_ok)
                 if HAS_DR:
                     tl.store(DR + row * stride_dr + c, dh_low, mask=col_ok)
                 if COMPUTE_DW:
                     if CAST_META:
-                        dw += dy * _round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
+                        dw += dy * round_to(n, h_dtype, EMULATE_RNE).to(tl.float32)
                     else:
                         dw += dy * n
             if COMPUTE_DW:

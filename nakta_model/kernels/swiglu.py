@@ -28,6 +28,7 @@ from nakta_model.kernels._checks import (
     check_triton_device,
     interpreter_enabled,
 )
+from nakta_model.kernels._triton_math import round_to
 
 # Launch configurations (block_m rows x block_n columns per program, num_warps), chosen by
 # ``kernel_benchmark/bench_swiglu.py --tune`` on an NVIDIA H200 (16K tokens, bf16; best mean over
@@ -39,17 +40,6 @@ BWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 1024, "num_warps": 4}
 # ----------------------------------------------------------------------------------------------
 # 1. Triton kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """fp32 -> ``dtype`` rounding to nearest even (the interpreter truncates to bf16)."""
-    if EMULATE_RNE:  # noqa: SIM102 (nested: keep the dtype test out of compiled kernels)
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -90,8 +80,8 @@ def _silu_mul_fwd_kernel(
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     dtype = OUT.dtype.element_ty
-    silu = _round_to(tl.math.div_rn(g, 1.0 + _exp(-g, ACCURATE)), dtype, EMULATE_RNE)
-    out = _round_to(silu.to(tl.float32) * u, dtype, EMULATE_RNE)
+    silu = round_to(tl.math.div_rn(g, 1.0 + _exp(-g, ACCURATE)), dtype, EMULATE_RNE)
+    out = round_to(silu.to(tl.float32) * u, dtype, EMULATE_RNE)
     tl.store(OUT + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 
@@ -127,11 +117,11 @@ def _silu_mul_bwd_kernel(
     u = u.to(tl.float32)
     dtype = DG.dtype.element_ty
     e = _exp(-g, ACCURATE)
-    silu = _round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_RNE).to(tl.float32)
+    silu = round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_RNE).to(tl.float32)
     sig = tl.math.div_rn(1.0, 1.0 + e)
-    d_silu = _round_to(dout * u, dtype, EMULATE_RNE).to(tl.float32)
-    du = _round_to(dout * silu, dtype, EMULATE_RNE)
-    dg = _round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), dtype, EMULATE_RNE)
+    d_silu = round_to(dout * u, dtype, EMULATE_RNE).to(tl.float32)
+    du = round_to(dout * silu, dtype, EMULATE_RNE)
+    dg = round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), dtype, EMULATE_RNE)
     tl.store(DG + rows[:, None] * stride_dg + cols[None, :], dg, mask=mask)
     tl.store(DU + rows[:, None] * stride_du + cols[None, :], du, mask=mask)
 
