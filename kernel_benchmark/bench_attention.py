@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from nakta_model.attention import attention_bias, causal_attention, masked_attention
 from nakta_model.bench.ceilings import device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_table
+from nakta_model.bench.timing import eager_ms
 
 TOKEN_BUDGET = 16384
 
@@ -147,21 +147,7 @@ def sdpa_backend(name: str) -> Callable:
 # ----------------------------------------------------------------------------- timing
 def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> float:
     """Median milliseconds (CUDA events through triton's do_bench; wall clock on the CPU)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(
-            triton.testing.do_bench(
-                fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median"
-            )
-        )
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
+    return eager_ms(fn, device, warmup=10 if quick else 25, rep=40 if quick else 100)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor | None = None) -> float:

@@ -38,6 +38,7 @@ import torch
 
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from nakta_model.bench.timing import eager_ms
 from nakta_model.kernels import rope as rope_module
 from nakta_model.kernels.rope import (
     RotaryPositionEmbedding,
@@ -66,21 +67,7 @@ TARGETS = {"default": 90.0, "sweep": 80.0, "qkv": 90.0}
 def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> float:
     """Median milliseconds of eager calls: CUDA events via triton's do_bench (L2 flushed between
     calls). Includes the host's launch overhead wherever it exceeds the GPU time."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(
-            triton.testing.do_bench(
-                fn, warmup=10 if quick else 25, rep=30 if quick else 60, return_mode="median"
-            )
-        )
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
+    return eager_ms(fn, device, warmup=10 if quick else 25, rep=30 if quick else 60)
 
 
 def graph_ms(fn: Callable[[], object], quick: bool) -> float:

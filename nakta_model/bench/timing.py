@@ -1,0 +1,69 @@
+"""Timing primitives shared by the kernel benchmarks: eager calls, CUDA-graph replays, and
+how many input copies defeat the L2 cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def eager_ms(
+    fn: Callable[[], object], device: torch.device, warmup: int = 5, rep: int = 10
+) -> float:
+    """Median ms per call launched from Python (do_bench: events, L2 flushed between calls;
+    ``warmup``/``rep`` in ms); wall clock, median of 3, on the CPU.
+
+    Includes the host's launch overhead wherever it exceeds the GPU time."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 20.0) -> float:
+    """GPU ms per call: calls cycled inside one CUDA graph, median of 3 replays.
+
+    Graph replay removes host launch overhead. ``calls`` use distinct input sets, together
+    larger than L2 (see ``input_sets``), so each call reads its inputs from DRAM."""
+    for c in calls:  # warm-up: compilation, autotuning, allocator
+        c()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    calls[0]()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    reps = max(1, min(24 // len(calls) + 1, int(budget_ms / max(est, 1e-3) / len(calls))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            for c in calls:
+                c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(calls)))
+    del graph
+    return sorted(times)[1]
+
+
+def input_sets(device: torch.device, bytes_per_call: int) -> int:
+    """Copies of the inputs to cycle through so that one pass over them exceeds 3x L2."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(8, -(-3 * l2 // bytes_per_call)))
