@@ -146,18 +146,28 @@ def test_positions_near_2_pow_20(device):
 @pytest.mark.parametrize(
     "tune",
     [
-        dict(BLOCK_B=1, TARGET=8, MIN_PROGRAMS=1),  # one program walks all heads, 1 at a time
-        dict(BLOCK_B=2, TARGET=16, MIN_PROGRAMS=1),  # ... 2 heads at a time, ragged last step
-        dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12),  # heads split over 2 programs, uneven
-        dict(BLOCK_B=16, TARGET=4096, MIN_PROGRAMS=1, num_warps=2),
-        dict(BLOCK_B=2, TARGET=16, MIN_PROGRAMS=1, JOINT=True),  # one [2, half] load per row
-        dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, JOINT=False),  # two loads per row
-        dict(BLOCK_B=1, TARGET=8, MIN_PROGRAMS=1, PREFETCH=True),  # pipelined walk
-        dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, PREFETCH=True, JOINT=True),
+        dict(
+            BLOCK_B=1, TARGET=8, MIN_PROGRAMS=1, MIN_SPLIT=1
+        ),  # one program walks all heads, 1 at a time
+        dict(
+            BLOCK_B=2, TARGET=16, MIN_PROGRAMS=1, MIN_SPLIT=1
+        ),  # ... 2 heads at a time, ragged last step
+        dict(
+            BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, MIN_SPLIT=12
+        ),  # heads split over 2 programs, uneven
+        dict(BLOCK_B=16, TARGET=4096, MIN_PROGRAMS=1, MIN_SPLIT=1, num_warps=2),
+        dict(
+            BLOCK_B=2, TARGET=16, MIN_PROGRAMS=1, MIN_SPLIT=1, JOINT=True
+        ),  # one [2, half] load per row
+        dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, MIN_SPLIT=12, JOINT=False),  # two loads per row
+        dict(BLOCK_B=1, TARGET=8, MIN_PROGRAMS=1, MIN_SPLIT=1, PREFETCH=True),  # pipelined walk
+        dict(BLOCK_B=4, TARGET=16, MIN_PROGRAMS=12, MIN_SPLIT=12, PREFETCH=True, JOINT=True),
         # several positions per program: 2 x 2 rows over s=3, b=3 (ragged in both)
-        dict(BLOCK_B=2, ROWS=4, TARGET=16, MIN_PROGRAMS=1),
-        dict(BLOCK_B=1, ROWS=4, TARGET=8, MIN_PROGRAMS=1, PREFETCH=True),
-        dict(BLOCK_B=4, ROWS=16, TARGET=64, MIN_PROGRAMS=2),  # ROWS capped to keep 2 programs
+        dict(BLOCK_B=2, ROWS=4, TARGET=16, MIN_PROGRAMS=1, MIN_SPLIT=1),
+        dict(BLOCK_B=1, ROWS=4, TARGET=8, MIN_PROGRAMS=1, MIN_SPLIT=1, PREFETCH=True),
+        dict(
+            BLOCK_B=4, ROWS=16, TARGET=64, MIN_PROGRAMS=2, MIN_SPLIT=2
+        ),  # ROWS capped to keep 2 programs
     ],
 )
 def test_block_configs(tune, monkeypatch, device):
@@ -174,11 +184,28 @@ def test_block_configs(tune, monkeypatch, device):
         run_fused_vs_unfused(d80, emb80, non_overlapping_grad)
 
 
+def test_default_blocks_at_benchmark_shapes():
+    """The launch rule the H200 tune chose: s=512, b=16 keeps 512 whole-head programs (no
+    head split below MIN_PROGRAMS, only below MIN_SPLIT) and pipelines their 16-step walk; a
+    batch of 2 trades positions per program for 1024 programs, unpipelined; 8 heads are too
+    short a walk to pipeline; tiny grids still split their heads."""
+    blocks = rope_module._te_blocks
+    block_s, block_b, block_h, heads_per_prog, _, prefetch = blocks(512, 16, 32, 64)
+    assert (block_s, block_b, block_h, heads_per_prog, prefetch) == (1, 16, 2, 32, True)
+    block_s, block_b, _, heads_per_prog, _, prefetch = blocks(4096, 2, 32, 64)
+    assert (block_s, block_b, heads_per_prog, prefetch) == (4, 2, 32, False)
+    assert blocks(4096, 16, 8, 64)[5] is False
+    _, _, block_h, heads_per_prog, _, _ = blocks(8, 1, 64, 128)
+    assert heads_per_prog == block_h == 32
+
+
 @pytest.mark.parametrize("rows", [4, 8])
 def test_multi_position_tiles(rows, monkeypatch, device):
     """Several positions per program (BLOCK_S > 1) with ragged tails, for every position rule:
     thd search (empty sequence, start positions), context parallel, bshd strides."""
-    monkeypatch.setattr(rope_module, "_TE_TUNE", dict(BLOCK_B=2, ROWS=rows, MIN_PROGRAMS=1))
+    monkeypatch.setattr(
+        rope_module, "_TE_TUNE", dict(BLOCK_B=2, ROWS=rows, MIN_PROGRAMS=1, MIN_SPLIT=1)
+    )
     assert rope_module._te_blocks(7, 3, 3, 8)[0] == rows // 2
     cu = torch.tensor([0, 5, 8, 8, 15], dtype=torch.int32, device=device)
     starts = torch.tensor([1, 0, 3, 2], dtype=torch.int32, device=device)
@@ -491,7 +518,7 @@ def test_gpu_large_tensor_int64_offsets():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tune", [{}, dict(BLOCK_B=2, ROWS=8, MIN_PROGRAMS=1)])
+@pytest.mark.parametrize("tune", [{}, dict(BLOCK_B=2, ROWS=8, MIN_PROGRAMS=1, MIN_SPLIT=1)])
 def test_gpu_start_position_past_table_poisons_with_nan(tune, monkeypatch):
     """A fused CUDA call does not synchronise on start_positions: a bad one gives NaN rows
     (also with several positions per program)."""

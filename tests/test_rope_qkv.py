@@ -141,6 +141,8 @@ def test_positions_near_2_pow_20(device):
         dict(BLOCK_T=1, TARGET=16, num_warps=2),
         dict(BLOCK_T=2, JOINT=True),
         dict(BLOCK_T=2, JOINT=False),
+        dict(BLOCK_T=4, TARGET=32, HEADS_FASTEST=False),  # 2-D grid, tokens fastest
+        dict(BLOCK_T=2, BLOCK_H=4, HEADS_FASTEST=True),  # 1-D grid, heads fastest
     ],
 )
 @pytest.mark.parametrize("interleaved", [False, True])
