@@ -168,6 +168,50 @@ def test_backward_launcher_strided_outputs(device):
 
 
 # ----------------------------------------------------------------------------------------------
+# exact=False: the fast forward
+
+
+def _within_ulps(out: torch.Tensor, ref: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """Per element: equal, both NaN, or at most ``n`` representable values apart."""
+    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    ib = bits[out.dtype]
+    mag_mask = (1 << (8 * out.element_size() - 1)) - 1
+    o = out.view(ib).long()
+    r = ref.view(ib).long()
+    same_sign = (o < 0) == (r < 0)
+    mag_o, mag_r = o & mag_mask, r & mag_mask
+    neighbours = same_sign & ((mag_o - mag_r).abs() <= n)
+    tiny = (mag_o <= n) & (mag_r <= n)  # +-0 next to the smallest denormals of either sign
+    return (out == ref) | (torch.isnan(out) & torch.isnan(ref)) | neighbours | tiny
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_forward_within_ulps(device, dtype):
+    """silu(gate) within 1 ulp of eager (up = 1), silu(gate) * up within 2 (fp32: 8, as the
+    fast exp and division each add a few fp32 ulp)."""
+    gu = _gate_up(5, 999, dtype, device)
+    n = 8 if dtype == torch.float32 else 1
+    ones = torch.ones(5, 999, device=device, dtype=dtype)
+    gate, up = gu[:, :999], gu[:, 999:]
+    assert _within_ulps(silu_mul(gate, ones, exact=False), silu_mul_reference(gate, ones), n).all()
+    assert _within_ulps(swiglu(gu, exact=False), swiglu_reference(gu), 2 * n).all()
+    assert _within_ulps(silu_mul(gate, up, exact=False), silu_mul_reference(gate, up), 2 * n).all()
+
+
+def test_fast_forward_gradients_are_the_exact_backward(device):
+    gu = _gate_up(3, 100, torch.bfloat16, device).requires_grad_()
+    dout = torch.randn(3, 100, device=device).bfloat16()
+    (g_fast,) = torch.autograd.grad(swiglu(gu, exact=False), gu, dout)
+    (g_exact,) = torch.autograd.grad(swiglu(gu), gu, dout)
+    assert torch.equal(g_fast, g_exact)
+
+
+def test_exact_must_be_bool(device):
+    with pytest.raises(TypeError, match="exact must be a bool"):
+        swiglu(torch.randn(2, 64, device=device), exact=1)
+
+
+# ----------------------------------------------------------------------------------------------
 # bad input
 
 
@@ -217,3 +261,32 @@ def test_gpu_large_row_offsets():
     gu = torch.randn(50000, 2 * 22016, device="cuda", dtype=torch.bfloat16)
     out = swiglu(gu)
     assert torch.equal(out[-3:], swiglu_reference(gu[-3:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_fast_forward_every_half_gate_within_one_ulp(dtype):
+    """All 65,536 gate bit patterns (denormals, +-0, +-inf, NaN): the fast silu is at most
+    one ulp from eager's, and differs on few of them."""
+    gate = torch.arange(-(2**15), 2**15, device="cuda", dtype=torch.int32).to(torch.int16)
+    gate = gate.view(dtype).reshape(256, 256)
+    up = torch.ones_like(gate)
+    out, ref = silu_mul(gate, up, exact=False), silu_mul_reference(gate, up)
+    assert _within_ulps(out, ref, 1).all()
+    differ = ~((out == ref) | (torch.isnan(out) & torch.isnan(ref)))
+    assert differ.double().mean().item() < 0.01
+
+
+@pytest.mark.gpu
+def test_gpu_fast_forward_fp32_relative_bound():
+    """fp32: a 1-in-4099 sweep of all bit patterns, finite results within 2^-20 relative."""
+    x = torch.arange(0, 2**32, 4099, device="cuda", dtype=torch.int64)
+    x = (x - 2**31).to(torch.int32).view(torch.float32)
+    x = x[torch.isfinite(x)]
+    one = torch.ones_like(x)
+    out, ref = silu_mul(x, one, exact=False), silu_mul_reference(x, one)
+    ok = torch.isfinite(ref)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    err = (out[ok].double() - ref[ok].double()).abs()
+    tiny = 2.0**-126  # below fp32's normal range the bound is absolute
+    assert (err <= 2.0**-20 * ref[ok].double().abs() + tiny * 2.0**-20).all()
