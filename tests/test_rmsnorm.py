@@ -171,14 +171,18 @@ def test_widest_row_uses_column_loop(device):
     _assert_close_ulp(y, y_ref, 2, 0.01)
 
 
-@pytest.mark.parametrize("block_m", [2, 4])
-def test_row_tiles(device, block_m):
-    """Several rows per program (a 2-D tile), with a partial last tile."""
-    x, w, r = _inputs(7, 200, torch.float16, device, True)
-    y, h, _ = rms_norm_forward(x, w, 1e-6, r, block_m=block_m)
+@pytest.mark.parametrize("block_m", [1, 2, 4])
+@pytest.mark.parametrize("n", [200, 1280])
+def test_row_tiles(device, block_m, n):
+    """One row per program (1-D vectors) or several (a 2-D tile, partial last tile); 1280
+    columns are held as two chunks (1024 + 256); rstd is stored as the backward needs it."""
+    x, w, r = _inputs(7, n, torch.float16, device, True)
+    y, h, rstd = rms_norm_forward(x, w, 1e-6, r, store_rstd=True, block_m=block_m)
     y_ref, h_ref = rms_norm_reference(x, w, 1e-6, r)
     assert torch.equal(h, h_ref)
     _assert_close_ulp(y, y_ref, 2, 0.01)
+    want = torch.rsqrt(h_ref.float().pow(2).mean(-1) + 1e-6)
+    torch.testing.assert_close(rstd, want, rtol=1e-5, atol=0)
 
 
 def test_non_contiguous_rows(device):
