@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Kernel GPU job (one H100/H200, two calls of < 10 min): the kernels' GPU tests and their
+# benchmarks against PyTorch, torch.compile, Liger-Kernel (and TE when importable). Run from the
+# repo root with `.whl/` (liger-kernel wheel) carried; results come back through $OUT:
+#   kernels_<part>.tar.gz  the files written under kernel_benchmark/results/<device>/
+#   kernels_<part>_log.txt the full log
+# Usage on the device: bash scripts/gpu_kernels.sh rope    (GPU tests + RoPE benchmark)
+#                      bash scripts/gpu_kernels.sh norm    (RMSNorm + SwiGLU benchmarks)
+set -uo pipefail
+: "${OUT:?OUT must be set (the device tool sets it)}"
+PART=${1:?usage: gpu_kernels.sh rope|norm}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+LOG=$OUT/kernels_${PART}_log.txt
+: >"$LOG"
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log everything
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s) ===" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s ===" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || status=1
+  return 0
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+SLUG=$(python3 -c "from nakta_model.bench.ceilings import device_slug; print(device_slug())")
+K=kernel_benchmark/results/$SLUG
+case $PART in
+  rope)
+    step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_rope.py tests/test_rope_qkv.py tests/test_rmsnorm.py tests/test_swiglu.py
+    step bench_rope 330 python3 -m kernel_benchmark.bench_rope
+    files=$(ls $K/rope* 2>/dev/null)
+    ;;
+  norm)
+    step bench_rmsnorm 270 python3 -m kernel_benchmark.bench_rmsnorm
+    step bench_swiglu 300 python3 -m kernel_benchmark.bench_swiglu
+    files=$(ls $K/rmsnorm* $K/swiglu* 2>/dev/null)
+    ;;
+  *) echo "unknown part $PART" && exit 2 ;;
+esac
+grep -v -E "it/s\]|%\|" "$LOG" | cut -c1-200 | tail -80
+# shellcheck disable=SC2086
+[ -n "$files" ] && tar czf "$OUT/kernels_${PART}.tar.gz" $files
+exit $status
