@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Kernel GPU job (one H100/H200, two calls of < 10 min): the kernels' GPU tests and their
+# Kernel GPU job (one H100/H200, three calls of < 10 min): every GPU test, and the kernel
 # benchmarks against PyTorch, torch.compile, Liger-Kernel (and TE when importable). Run from the
-# repo root with `.whl/` (liger-kernel wheel) carried; results come back through $OUT:
+# repo root with `.whl/` (fairscale, liger-kernel wheels) and `.data/` (copy of shared/data)
+# carried; results come back through $OUT:
 #   kernels_<part>.tar.gz  the files written under kernel_benchmark/results/<device>/
 #   kernels_<part>_log.txt the full log
-# Usage on the device: bash scripts/gpu_kernels.sh rope    (GPU tests + RoPE benchmark)
-#                      bash scripts/gpu_kernels.sh norm    (RMSNorm + SwiGLU benchmarks)
+# Usage on the device: bash scripts/gpu_kernels.sh tests   (pytest -m gpu, all test files)
+#                      bash scripts/gpu_kernels.sh rope    (RoPE + RMSNorm benchmarks)
+#                      bash scripts/gpu_kernels.sh swiglu  (SwiGLU benchmark)
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
-PART=${1:?usage: gpu_kernels.sh rope|norm}
+PART=${1:?usage: gpu_kernels.sh tests|rope|swiglu}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -35,16 +37,18 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1
 SLUG=$(python3 -c "from nakta_model.bench.ceilings import device_slug; print(device_slug())")
 K=kernel_benchmark/results/$SLUG
 case $PART in
-  rope)
-    step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_rope.py tests/test_rope_qkv.py tests/test_rmsnorm.py tests/test_swiglu.py
-    step bench_rope 330 python3 -m kernel_benchmark.bench_rope
-    files=$(ls $K/rope* 2>/dev/null)
+  tests)
+    step gpu_tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests
+    files=""
     ;;
-  norm)
-    step bench_rmsnorm 270 python3 -m kernel_benchmark.bench_rmsnorm
-    step bench_swiglu 300 python3 -m kernel_benchmark.bench_swiglu
-    files=$(ls $K/rmsnorm* $K/swiglu* 2>/dev/null)
+  rope)
+    step bench_rope 330 python3 -m kernel_benchmark.bench_rope
+    step bench_rmsnorm 220 python3 -m kernel_benchmark.bench_rmsnorm
+    files=$(ls $K/rope* $K/rmsnorm* 2>/dev/null)
+    ;;
+  swiglu)
+    step bench_swiglu 540 python3 -m kernel_benchmark.bench_swiglu
+    files=$(ls $K/swiglu* 2>/dev/null)
     ;;
   *) echo "unknown part $PART" && exit 2 ;;
 esac
