@@ -185,17 +185,32 @@ def _within_ulps(out: torch.Tensor, ref: torch.Tensor, n: int = 1) -> torch.Tens
     return (out == ref) | (torch.isnan(out) & torch.isnan(ref)) | neighbours | tiny
 
 
+# The hardware exp reduces its argument as x * log2(e) in fp32: the exponent carries 2^-24
+# relative error, i.e. up to ~2^-17.5 relative in exp(-x) at |x| ~ 88 (the end of its range).
+FAST_FP32_REL = 2.0**-16
+
+
+def _fast_close(out: torch.Tensor, ref: torch.Tensor, n_ulps: int) -> bool:
+    """Half dtypes: within ``n_ulps``; fp32: within FAST_FP32_REL (times ``n_ulps``) relative,
+    plus one denormal step."""
+    if out.dtype != torch.float32:
+        return bool(_within_ulps(out, ref, n_ulps).all())
+    if not torch.equal(torch.isnan(out), torch.isnan(ref)):
+        return False
+    ok = torch.isfinite(ref)
+    err = (out[ok].double() - ref[ok].double()).abs()
+    return bool((err <= n_ulps * FAST_FP32_REL * ref[ok].double().abs() + 2.0**-149).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fast_forward_within_ulps(device, dtype):
-    """silu(gate) within 1 ulp of eager (up = 1), silu(gate) * up within 2 (fp32: 8, as the
-    fast exp and division each add a few fp32 ulp)."""
+def test_fast_forward_within_bound(device, dtype):
+    """silu(gate) within 1 ulp of eager (up = 1), silu(gate) * up within 2; fp32 relative."""
     gu = _gate_up(5, 999, dtype, device)
-    n = 8 if dtype == torch.float32 else 1
     ones = torch.ones(5, 999, device=device, dtype=dtype)
     gate, up = gu[:, :999], gu[:, 999:]
-    assert _within_ulps(silu_mul(gate, ones, exact=False), silu_mul_reference(gate, ones), n).all()
-    assert _within_ulps(swiglu(gu, exact=False), swiglu_reference(gu), 2 * n).all()
-    assert _within_ulps(silu_mul(gate, up, exact=False), silu_mul_reference(gate, up), 2 * n).all()
+    assert _fast_close(silu_mul(gate, ones, exact=False), silu_mul_reference(gate, ones), 1)
+    assert _fast_close(swiglu(gu, exact=False), swiglu_reference(gu), 2)
+    assert _fast_close(silu_mul(gate, up, exact=False), silu_mul_reference(gate, up), 2)
 
 
 def test_fast_forward_gradients_are_the_exact_backward(device):
@@ -279,14 +294,9 @@ def test_gpu_fast_forward_every_half_gate_within_one_ulp(dtype):
 
 @pytest.mark.gpu
 def test_gpu_fast_forward_fp32_relative_bound():
-    """fp32: a 1-in-4099 sweep of all bit patterns, finite results within 2^-20 relative."""
+    """fp32: a 1-in-4099 sweep of all bit patterns, within FAST_FP32_REL of eager."""
     x = torch.arange(0, 2**32, 4099, device="cuda", dtype=torch.int64)
     x = (x - 2**31).to(torch.int32).view(torch.float32)
     x = x[torch.isfinite(x)]
     one = torch.ones_like(x)
-    out, ref = silu_mul(x, one, exact=False), silu_mul_reference(x, one)
-    ok = torch.isfinite(ref)
-    assert torch.equal(torch.isnan(out), torch.isnan(ref))
-    err = (out[ok].double() - ref[ok].double()).abs()
-    tiny = 2.0**-126  # below fp32's normal range the bound is absolute
-    assert (err <= 2.0**-20 * ref[ok].double().abs() + tiny * 2.0**-20).all()
+    assert _fast_close(silu_mul(x, one, exact=False), silu_mul_reference(x, one), 1)

@@ -10,14 +10,16 @@ The backward repeats the roundings of autograd on ``F.silu(a) * b``:
 ``d_gate = round(d_silu * s * (1 + gate * (1 - s)))`` with ``s = 1 / (1 + exp(-gate))``.
 
 ``exact=False`` (forward only) computes ``silu`` with the hardware ``ex2`` and an approximate
-division instead (a few fp32 ulp, the arithmetic Liger-Kernel's sigmoid uses); after rounding
-to bf16/fp16, ``silu(gate)`` differs from eager's by at most one ulp of the dtype, and only
-where the fp32 value sits next to a rounding midpoint, so ``silu * up`` by at most two (the GPU
-tests sweep every bf16/fp16 gate; fp32 is bounded at 2^-20 relative). Measured on an H200 (16K x 11008 bf16): exact 99-100% of copy
-bandwidth, fast 102%, Liger 102%. The division is the difference: a branch-free correctly
-rounded division (reciprocal + Newton + residual with exact 2^-64 scaling, equal to ``div.rn``
-on all 2^32 fp32 gates) had fewer instructions but ran at 90%, because ptxas then interleaves
-the loads with the arithmetic instead of issuing them all first.
+division instead (the arithmetic Liger-Kernel's sigmoid uses). After rounding to bf16/fp16,
+``silu(gate)`` differs from eager's by at most one ulp of the dtype, and only where the fp32
+value sits next to a rounding midpoint, so ``silu * up`` by at most two (the GPU tests sweep
+every bf16/fp16 gate). In fp32 the bound is 2^-16 relative: the hardware exp reduces its
+argument as ``x * log2(e)`` in fp32, an error that grows with |x| up to ~2^-17.5 at |x| ~ 88.
+Measured on an H200 (16K x 11008 bf16): exact 100-101% of copy bandwidth, fast 103-105%,
+Liger 102-104%. The division is the difference: a branch-free correctly rounded division
+(reciprocal + Newton + residual with exact 2^-64 scaling, equal to ``div.rn`` on all 2^32
+fp32 gates) had fewer instructions but ran at 90%, because ptxas then interleaves the loads
+with the arithmetic instead of issuing them all first (results/nvidia-h200/ab/).
 
 ``swiglu(gate_up)`` takes the fused ``[..., 2F]`` projection (gate first, up second) and reads
 the two halves as strided views: no split copies.
