@@ -38,7 +38,7 @@ import torch
 
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_table
-from nakta_model.bench.timing import eager_ms, graph_ms, input_sets
+from nakta_model.bench.timing import eager_ms, graph_ms, input_sets, interleaved_ms
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import rmsnorm as rmsnorm_kernels
 from nakta_model.kernels.rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward
@@ -281,21 +281,51 @@ def plot(df: pd.DataFrame, title: str):
     return fig
 
 
-def summarize(df: pd.DataFrame) -> list[str]:
-    """The issue's targets at 16K tokens x 4096, bf16: % of copy bandwidth vs Liger."""
+TARGETS = {"fwd": 92, "bwd": 80}  # % of copy bandwidth at 16K tokens x 4096, bf16
+
+
+def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096) -> pd.DataFrame:
+    """Nakta vs Liger at the target shape, every mode, timed in alternating rounds
+    (``interleaved_ms``): the sweep times paths one after another, and at ~1% apart the
+    drift between those measurements decides their order."""
+    plain, residual = paths(device)
+    e = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for mode in MODES:
+        table = residual if mode == "fwd+res" else plain
+        names = [p for p in ("nakta", "liger") if p in table]
+        n_sets = input_sets(device, min_bytes(mode, m, n, e))
+        sets = [make_inputs(m, n, dtype, device, 11 + i) for i in range(n_sets)]
+        calls = {p: [make_call(mode, table[p], t) for t in sets] for p in names}
+        for p, (ms, spread) in interleaved_ms(calls, device).items():
+            us = ms * 1e3
+            pct = 100 * min_bytes(mode, m, n, e) / us / 1e3 / copy_gbps
+            rows.append(
+                {"tokens": m, "hidden": n, "mode": mode, "path": p, "us": us}
+                | {"pct_copy_bw": pct, "spread": spread}
+            )
+        del sets, calls
+    return pd.DataFrame(rows)
+
+
+def summarize(df: pd.DataFrame, h2h: pd.DataFrame | None = None) -> list[str]:
+    """The issue's targets at 16K tokens x 4096, bf16: % of copy bandwidth vs Liger, from the
+    sweep and (the "vs Liger" verdict) from the head-to-head rounds when they ran."""
     lines = []
-    targets = {"fwd": 92, "bwd": 80}
-    for mode, target in targets.items():
+    for mode, target in TARGETS.items():
         sel = df[(df.tokens == 16384) & (df.hidden == 4096) & (df["mode"] == mode)]
         sel = sel[(sel.dtype == "bfloat16") & sel.status.str.startswith("ok")].set_index("path")
         if "nakta" not in sel.index:
             continue
         ours = sel.loc["nakta", "pct_copy_bw"]
         liger = sel.loc["liger", "pct_copy_bw"] if "liger" in sel.index else float("nan")
-        lines.append(
-            f"target {mode} 16Kx4096 bf16: nakta {ours:.1f}% of copy bw (target {target}%), "
-            f"liger {liger:.1f}% -> {'MET' if ours >= target and not ours < liger else 'MISSED'}"
-        )
+        line = f"target {mode} 16Kx4096 bf16: sweep nakta {ours:.1f}% of copy bw (target {target}%), liger {liger:.1f}%"
+        if h2h is not None and len(h2h):
+            hh = h2h[h2h["mode"] == mode].set_index("path")["pct_copy_bw"]
+            ours, liger = hh.get("nakta", float("nan")), hh.get("liger", float("nan"))
+            line += f"; head-to-head nakta {ours:.1f}%, liger {liger:.1f}%"
+        ok = ours >= target and not ours < liger
+        lines.append(f"{line} -> {'MET' if ok else 'MISSED'}")
     return lines
 
 
@@ -372,7 +402,20 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
     print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for _, r in df[df["status"] != "ok"].iterrows():
         print(f"{r['tokens']}x{r['hidden']} {r['mode']} {r['path']}: {r['status']}")
-    for line in summarize(df) + tuned:
+    h2h = None
+    if on_gpu:
+        h2h = head_to_head(dtype, device, copy_gbps)
+        write_table(
+            h2h,
+            out,
+            f"{stem}_head_to_head",
+            "RMSNorm head-to-head at the target shape: Nakta vs Liger in alternating rounds",
+            f"Device: {slug}; {args.dtype}; copy bandwidth {copy_gbps:.0f} GB/s. Median of 15 "
+            "rounds; each round replays one CUDA graph per path, in turn; spread = (max - min) "
+            "/ median. Same byte counts as the sweep.",
+        )
+        print(h2h.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    for line in summarize(df, h2h) + tuned:
         print(line)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; results -> {out}")
     return df

@@ -6,11 +6,11 @@
 #   kernels_<part>.tar.gz  the files written under kernel_benchmark/results/<device>/
 #   kernels_<part>_log.txt the full log
 # Usage on the device: bash scripts/gpu_kernels.sh tests   (pytest -m gpu, all test files)
-#                      bash scripts/gpu_kernels.sh rope    (RoPE + RMSNorm benchmarks)
-#                      bash scripts/gpu_kernels.sh swiglu  (SwiGLU benchmark)
+#                      bash scripts/gpu_kernels.sh rope    (RoPE benchmark)
+#                      bash scripts/gpu_kernels.sh norm    (RMSNorm + SwiGLU benchmarks)
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
-PART=${1:?usage: gpu_kernels.sh tests|rope|swiglu}
+PART=${1:?usage: gpu_kernels.sh tests|rope|norm}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -42,13 +42,13 @@ case $PART in
     files=""
     ;;
   rope)
-    step bench_rope 330 python3 -m kernel_benchmark.bench_rope
-    step bench_rmsnorm 220 python3 -m kernel_benchmark.bench_rmsnorm
-    files=$(ls $K/rope* $K/rmsnorm* 2>/dev/null)
+    step bench_rope 540 python3 -m kernel_benchmark.bench_rope
+    files=$(ls $K/rope* 2>/dev/null)
     ;;
-  swiglu)
-    step bench_swiglu 540 python3 -m kernel_benchmark.bench_swiglu
-    files=$(ls $K/swiglu* 2>/dev/null)
+  norm)
+    step bench_rmsnorm 200 python3 -m kernel_benchmark.bench_rmsnorm
+    step bench_swiglu 340 python3 -m kernel_benchmark.bench_swiglu
+    files=$(ls $K/rmsnorm* $K/swiglu* 2>/dev/null)
     ;;
   *) echo "unknown part $PART" && exit 2 ;;
 esac

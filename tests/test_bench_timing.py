@@ -1,6 +1,6 @@
 import torch
 
-from nakta_model.bench.timing import eager_ms, input_sets
+from nakta_model.bench.timing import eager_ms, input_sets, interleaved_ms
 
 
 def test_eager_ms_times_a_call_on_the_cpu():
@@ -11,3 +11,15 @@ def test_eager_ms_times_a_call_on_the_cpu():
 
 def test_input_sets_is_one_on_the_cpu():
     assert input_sets(torch.device("cpu"), 1 << 20) == 1
+
+
+def test_interleaved_ms_alternates_paths_on_the_cpu():
+    order = []
+    calls = {
+        "a": [lambda: order.append("a"), lambda: order.append("a")],
+        "b": [lambda: order.append("b")],
+    }
+    res = interleaved_ms(calls, torch.device("cpu"), rounds=3)
+    assert set(res) == {"a", "b"}
+    assert all(ms >= 0.0 and spread >= 0.0 for ms, spread in res.values())
+    assert order == ["a", "a", "b"] * 3  # every round runs each path once, in turn

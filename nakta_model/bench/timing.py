@@ -67,3 +67,64 @@ def input_sets(device: torch.device, bytes_per_call: int) -> int:
         return 1
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     return max(1, min(8, -(-3 * l2 // bytes_per_call)))
+
+
+def interleaved_ms(
+    calls: dict[str, list[Callable[[], object]]],
+    device: torch.device,
+    rounds: int = 15,
+    budget_ms: float = 4.0,
+) -> dict[str, tuple[float, float]]:
+    """Head-to-head GPU ms per call of several paths: ``name -> (median, spread)``.
+
+    One CUDA graph per path (its calls cycled, repeated to ~``budget_ms``); each round replays
+    every graph once, in turn, so clock and temperature drift hit every path alike. Sequential
+    measurements of paths within ~1% of each other (RMSNorm, SwiGLU vs Liger on an H200) can
+    come out in either order; alternating rounds settle which is faster. ``spread`` is
+    (max - min) / median over the rounds. On the CPU, eager calls alternate the same way.
+    Run it on a side stream on CUDA (graphs cannot be captured on the default stream).
+    """
+    if device.type != "cuda":
+        times = {n: [] for n in calls}
+        for _ in range(rounds):
+            for n, cs in calls.items():
+                t0 = time.perf_counter()
+                for c in cs:
+                    c()
+                times[n].append((time.perf_counter() - t0) * 1e3 / len(cs))
+        return {n: _median_spread(ts) for n, ts in times.items()}
+    graphs = {}
+    for n, cs in calls.items():
+        for c in cs:  # warm-up: compilation, autotuning, allocator
+            c()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cs[0]()
+        torch.cuda.synchronize()
+        est = (time.perf_counter() - t0) * 1e3
+        reps = max(2, min(64, int(budget_ms / max(est, 1e-3) / len(cs))))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+            for _ in range(reps):
+                for c in cs:
+                    c()
+        graph.replay()
+        graphs[n] = (graph, reps * len(cs))
+    torch.cuda.synchronize()
+    times = {n: [] for n in graphs}
+    for _ in range(rounds):
+        for n, (graph, k) in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[n].append(start.elapsed_time(end) / k)
+    del graphs
+    return {n: _median_spread(ts) for n, ts in times.items()}
+
+
+def _median_spread(ts: list[float]) -> tuple[float, float]:
+    s = sorted(ts)
+    med = s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+    return med, (s[-1] - s[0]) / med if med > 0 else float("nan")

@@ -1,0 +1,31 @@
+"""CPU smoke runs of the kernel benchmarks (interpreter, tiny shapes): every path runs, the
+result files are written, and the head-to-head timer measures every path in each mode."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from kernel_benchmark import bench_rmsnorm, bench_rope, bench_swiglu
+
+
+@pytest.mark.parametrize(
+    "bench,stem", [(bench_rmsnorm, "rmsnorm"), (bench_swiglu, "swiglu"), (bench_rope, "rope")]
+)
+def test_bench_smoke_writes_results(bench, stem, tmp_path):
+    bench.main(["--out", str(tmp_path)])
+    for ext in ("csv", "md", "png"):
+        assert (tmp_path / f"{stem}.{ext}").stat().st_size > 0
+    df = pd.read_csv(tmp_path / f"{stem}.csv")
+    assert len(df) and "nakta" in set(df["path"])
+
+
+def test_head_to_head_covers_every_mode_and_path():
+    cpu = torch.device("cpu")
+    rms = bench_rmsnorm.head_to_head(torch.float32, cpu, float("nan"), m=2, n=128)
+    assert set(rms["mode"]) == set(bench_rmsnorm.MODES) and set(rms["path"]) == {"nakta"}
+    sw = bench_swiglu.head_to_head(torch.float32, cpu, float("nan"), m=2, f=128)
+    assert set(sw["mode"]) == set(bench_swiglu.MODES)
+    assert {"nakta", "nakta_fast", "nakta_silu_mul"} <= set(sw["path"])
+    assert (sw["us"] > 0).all() and (rms["us"] > 0).all()
