@@ -295,8 +295,14 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096)
         table = residual if mode == "fwd+res" else plain
         names = [p for p in ("nakta", "liger") if p in table]
         n_sets = input_sets(device, min_bytes(mode, m, n, e))
-        sets = [make_inputs(m, n, dtype, device, 11 + i) for i in range(n_sets)]
-        calls = {p: [make_call(mode, table[p], t) for t in sets] for p in names}
+        # every path gets its own inputs, in case a peer's backward reuses them in place
+        calls = {
+            p: [
+                make_call(mode, table[p], make_inputs(m, n, dtype, device, 11 + i))
+                for i in range(n_sets)
+            ]
+            for p in names
+        }
         for p, (ms, spread) in interleaved_ms(calls, device).items():
             us = ms * 1e3
             pct = 100 * min_bytes(mode, m, n, e) / us / 1e3 / copy_gbps
@@ -304,7 +310,7 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096)
                 {"tokens": m, "hidden": n, "mode": mode, "path": p, "us": us}
                 | {"pct_copy_bw": pct, "spread": spread}
             )
-        del sets, calls
+        del calls
     return pd.DataFrame(rows)
 
 

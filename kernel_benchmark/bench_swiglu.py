@@ -252,8 +252,14 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, f: int = 11008
     rows = []
     for mode in MODES:
         n_sets = input_sets(device, ELEMS[mode] * m * f * e)
-        sets = [make_inputs(m, f, dtype, device, 13 + i) for i in range(n_sets)]
-        calls = {p: [make_call(mode, kind, fn, t) for t in sets] for p, (kind, fn) in table.items()}
+        # every path gets its own inputs: Liger's backward writes its gradients into them
+        calls = {
+            p: [
+                make_call(mode, kind, fn, make_inputs(m, f, dtype, device, 13 + i))
+                for i in range(n_sets)
+            ]
+            for p, (kind, fn) in table.items()
+        }
         for p, (ms, spread) in interleaved_ms(calls, device).items():
             us = ms * 1e3
             pct = 100 * ELEMS[mode] * m * f * e / us / 1e3 / copy_gbps
@@ -261,7 +267,7 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, f: int = 11008
                 {"tokens": m, "ffn": f, "mode": mode, "path": p, "us": us}
                 | {"pct_copy_bw": pct, "spread": spread}
             )
-        del sets, calls
+        del calls
     return pd.DataFrame(rows)
 
 
