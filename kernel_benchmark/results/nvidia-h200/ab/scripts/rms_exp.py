@@ -40,3 +40,26 @@ def launch(x, w, y, bm, nw, evict, native, one_d):
     grid = (triton.cdiv(n_rows, bm),)
     rms_fwd[grid](x, w, y, n_rows, n_cols, x.stride(0), y.stride(0), 1e-6, 1.0 / n_cols, BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n_cols), EVICT=evict, NATIVE=native, ONE_D=one_d, num_warps=nw)
     return y
+
+
+@triton.jit
+def rms_rows(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, inv_n,
+             BLOCK_N: tl.constexpr, RPP: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < n_cols
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dtype = Y.dtype.element_ty
+    base = tl.program_id(0).to(tl.int64) * RPP
+    for i in tl.static_range(RPP):
+        row = base + i
+        ok = cmask & (row < n_rows)
+        x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = libdevice.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+        y = (x * rstd).to(dtype).to(tl.float32) * w
+        tl.store(Y + row * stride_y + cols, y.to(dtype), mask=ok)
+
+
+def rows_launch(x, w, y, rpp, nw):
+    n_rows, n_cols = x.shape
+    rms_rows[(triton.cdiv(n_rows, rpp),)](x, w, y, n_rows, n_cols, x.stride(0), y.stride(0), 1e-6, 1.0 / n_cols, BLOCK_N=triton.next_power_of_2(n_cols), RPP=rpp, num_warps=nw)
+    return y
