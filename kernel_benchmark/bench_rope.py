@@ -593,7 +593,9 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         "torch.autograd.grad on a retained graph. Liger rotates q and k in place, so for "
         "rotary_percent < 1 it never touches the pass-through channels that Nakta (a new "
         "tensor, TE semantics) must copy: its % there exceeds 100. "
-        f"Launch configs: {launch['te']}."
+        + ("" if _te() is not None else "TransformerEngine is not importable here: no TE rows. ")
+        + ("" if _liger() is not None else "Liger-Kernel is not importable here: no liger rows. ")
+        + f"Launch configs: {launch['te']}."
     )
     write_table(te, out, stem, "RoPE (TE-compatible API): Nakta vs PyTorch, Liger, TE", notes)
     if len(qkv):
