@@ -42,10 +42,11 @@ from nakta_model.kernels._checks import (
 )
 from nakta_model.kernels._triton_math import round_to
 
-# Launch configurations (block_m rows x block_n columns per program, num_warps), chosen by
-# ``kernel_benchmark/bench_swiglu.py --tune`` on an NVIDIA H200 (16K tokens, bf16; best mean over
-# F = 11008 and 22016, results/nvidia-h200/swiglu_tune.csv). The bench rewrites these for its
-# own run; the values kept here are the ones its published results used.
+# Launch configurations (block_m rows x block_n columns per program, num_warps) on an NVIDIA
+# H200 (16K tokens, bf16): the forwards from interleaved A/B runs over 7 tiles at F = 11008 and
+# 22016 (results/nvidia-h200/ab/ab3_*: one-warp 1x512 tiles best for both), the backward from
+# ``kernel_benchmark/bench_swiglu.py --tune`` (results/nvidia-h200/swiglu_tune.csv). ``--tune``
+# rewrites these for its own run; the values kept here are the ones the published results used.
 FWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 512, "num_warps": 1}
 FWD_FAST_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 512, "num_warps": 1}
 BWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 1024, "num_warps": 4}
