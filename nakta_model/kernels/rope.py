@@ -519,7 +519,9 @@ def _debug_checks() -> bool:
 
 
 # Launch configurations, chosen with ``kernel_benchmark/bench_rope.py --tune`` on an H200
-# (results/<device>/rope_tune.*). The *_TUNE dicts override them (set by the benchmark only).
+# (results/<device>/rope_tune.*); MIN_SPLIT, PREFETCH "auto" (PIPE_*) and HEADS_FASTEST "auto"
+# from interleaved A/B runs (results/nvidia-h200/ab/ab1-ab3). The *_TUNE dicts override them
+# (set by the benchmark and the tests only).
 _TE_DEFAULTS = dict(
     BLOCK_B=16,
     ROWS=16,
