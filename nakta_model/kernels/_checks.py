@@ -70,3 +70,21 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     for name, t in items[1:]:
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def rows_view(name: str, t: torch.Tensor, last: str = "features") -> torch.Tensor:
+    """``t`` as ``[rows, last]`` without copying: the last dim must be unit-stride and the
+    leading dims must collapse into one row stride (kernels take that one stride)."""
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension, got a scalar")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must be unit-stride along its last dimension, got strides {t.stride()}"
+        )
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError as e:
+        raise ValueError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
+            f"[rows, {last}] with one row stride; pass a tensor whose leading dims collapse"
+        ) from e

@@ -36,6 +36,7 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     interpreter_enabled,
+    rows_view,
 )
 from nakta_model.kernels._triton_math import round_to
 
@@ -641,21 +642,10 @@ def _check_eps(eps: object) -> float:
 
 
 def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, N]`` without copying: the last dim must be unit-stride and the leading
-    dims must collapse into one row stride (any slice of rows of a 2-D tensor qualifies)."""
+    """``t`` as ``[rows, N]`` (``rows_view``), with a non-empty last dimension."""
     if t.dim() < 1 or t.shape[-1] == 0:
         raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(
-            f"{name} must be unit-stride along its last dimension, got strides {t.stride()}"
-        )
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError as e:
-        raise ValueError(
-            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
-            "[rows, hidden] with one row stride; pass a tensor whose leading dims collapse"
-        ) from e
+    return rows_view(name, t, "hidden")
 
 
 def _check_inputs(

@@ -39,6 +39,7 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     interpreter_enabled,
+    rows_view,
 )
 from nakta_model.kernels._triton_math import round_to
 
@@ -150,23 +151,6 @@ def _silu_mul_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, F]`` without copying (unit-stride last dim, leading dims collapse)."""
-    if t.dim() < 1:
-        raise ValueError(f"{name} must have at least one dimension, got a scalar")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(
-            f"{name} must be unit-stride along its last dimension, got strides {t.stride()}"
-        )
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError as e:
-        raise ValueError(
-            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
-            "[rows, features] with one row stride; pass a tensor whose leading dims collapse"
-        ) from e
-
-
 def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_tensor("gate", gate)
     check_tensor("up", up)
@@ -180,7 +164,7 @@ def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, tor
         raise TypeError(f"gate and up must have the same dtype, got {gate.dtype} and {up.dtype}")
     check_same_device(gate=gate, up=up)
     check_triton_device("gate", gate)
-    return _rows_view("gate", gate), _rows_view("up", up)
+    return rows_view("gate", gate), rows_view("up", up)
 
 
 def _split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,7 +211,7 @@ def silu_mul_forward(
     g2, u2 = _check_pair(gate, up)
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    o2 = _rows_view("out", out)
+    o2 = rows_view("out", out)
     n_rows, n_cols = g2.shape
     if n_rows == 0 or n_cols == 0:
         return out
@@ -269,12 +253,12 @@ def silu_mul_backward(
     g2, u2 = _check_pair(gate, up)
     if dout.shape != gate.shape:
         raise ValueError(f"dout must have shape {tuple(gate.shape)}, got {tuple(dout.shape)}")
-    d2 = _rows_view("dout", dout)
+    d2 = rows_view("dout", dout)
     if dgate is None:
         dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if dup is None:
         dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    dg2, du2 = _rows_view("dgate", dgate), _rows_view("dup", dup)
+    dg2, du2 = rows_view("dgate", dgate), rows_view("dup", dup)
     n_rows, n_cols = g2.shape
     if n_rows == 0 or n_cols == 0:
         return dgate, dup
