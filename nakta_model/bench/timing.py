@@ -34,31 +34,45 @@ def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 20.0)
 
     Graph replay removes host launch overhead. ``calls`` use distinct input sets, together
     larger than L2 (see ``input_sets``), so each call reads its inputs from DRAM."""
-    for c in calls:  # warm-up: compilation, autotuning, allocator
+    est = _warm_ms(calls)
+    reps = max(1, min(24 // len(calls) + 1, int(budget_ms / max(est, 1e-3) / len(calls))))
+    graph = _capture(calls, reps, stream)
+    torch.cuda.synchronize()
+    times = [_replay_ms(graph) / (reps * len(calls)) for _ in range(3)]
+    del graph
+    return sorted(times)[1]
+
+
+def _warm_ms(calls: list[Callable[[], object]]) -> float:
+    """Run every call once (compilation, autotuning, allocator), then time one: host ms."""
+    for c in calls:
         c()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     calls[0]()
     torch.cuda.synchronize()
-    est = (time.perf_counter() - t0) * 1e3
-    reps = max(1, min(24 // len(calls) + 1, int(budget_ms / max(est, 1e-3) / len(calls))))
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _capture(calls: list[Callable[[], object]], reps: int, stream):
+    """One CUDA graph of ``reps`` passes over ``calls``, replayed once (a warm replay)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(reps):
             for c in calls:
                 c()
     graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (reps * len(calls)))
-    del graph
-    return sorted(times)[1]
+    return graph
+
+
+def _replay_ms(graph) -> float:
+    """GPU ms of one replay, between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def input_sets(device: torch.device, bytes_per_call: int) -> int:
@@ -95,31 +109,13 @@ def interleaved_ms(
         return {n: _median_spread(ts) for n, ts in times.items()}
     graphs = {}
     for n, cs in calls.items():
-        for c in cs:  # warm-up: compilation, autotuning, allocator
-            c()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        cs[0]()
-        torch.cuda.synchronize()
-        est = (time.perf_counter() - t0) * 1e3
-        reps = max(2, min(64, int(budget_ms / max(est, 1e-3) / len(cs))))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
-            for _ in range(reps):
-                for c in cs:
-                    c()
-        graph.replay()
-        graphs[n] = (graph, reps * len(cs))
+        reps = max(2, min(64, int(budget_ms / max(_warm_ms(cs), 1e-3) / len(cs))))
+        graphs[n] = (_capture(cs, reps, torch.cuda.current_stream()), reps * len(cs))
     torch.cuda.synchronize()
     times = {n: [] for n in graphs}
     for _ in range(rounds):
         for n, (graph, k) in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[n].append(start.elapsed_time(end) / k)
+            times[n].append(_replay_ms(graph) / k)
     del graphs
     return {n: _median_spread(ts) for n, ts in times.items()}
 
