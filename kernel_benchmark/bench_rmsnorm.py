@@ -28,7 +28,6 @@ the fraction of forward outputs that differ from Meta's eager result in any bit.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -36,9 +35,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kernel_benchmark.common import (
+    cli,
+    compiled,
+    head_to_head_rows,
+    plot_modes,
+    write_head_to_head,
+)
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_table
-from nakta_model.bench.timing import eager_ms, graph_ms, input_sets, interleaved_ms
+from nakta_model.bench.timing import eager_ms, graph_ms, input_sets
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import rmsnorm as rmsnorm_kernels
 from nakta_model.kernels.rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward
@@ -70,19 +76,6 @@ def _liger():
     except ImportError:
         return None
     return LigerRMSNormFunction, LigerFusedAddRMSNormFunction
-
-
-def compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)``, with donated buffers off so a retained graph can run backward
-    more than once, and room for the recompiles a sweep of shapes and grad modes causes."""
-    import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
-
-    functorch_config.donated_buffer = False
-    for knob in ("cache_size_limit", "recompile_limit"):
-        if hasattr(dynamo_config, knob):
-            setattr(dynamo_config, knob, 64)
-    return torch.compile(fn)
 
 
 @functools.lru_cache(maxsize=4)
@@ -253,34 +246,6 @@ def apply_tuning(tdf: pd.DataFrame) -> list[str]:
     return lines
 
 
-def plot(df: pd.DataFrame, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = df[df["status"].str.startswith("ok")]
-    value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "us_eager"  # CPU: no graphs
-    modes = [m for m in MODES if m in set(ok["mode"])] or ["fwd"]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.5), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
-        sub = ok[ok["mode"] == mode].copy()
-        if sub.empty:
-            continue
-        sub["case"] = sub["tokens"].map(lambda t: f"{t // 1024}K") + "x" + sub["hidden"].map(str)
-        table = sub.pivot_table(index="case", columns="path", values=value, sort=False)
-        table.plot(ax=ax, marker="o")
-        ax.set_title(mode)
-        ax.set_ylabel("% of copy bandwidth" if value == "pct_copy_bw" else "us per call")
-        ax.set_xticks(range(len(table.index)))
-        ax.set_xticklabels(table.index, rotation=60, ha="right", fontsize=7)
-        ax.axhline(100, color="gray", lw=0.8, ls="--")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
 TARGETS = {"fwd": 92, "bwd": 80}  # % of copy bandwidth at 16K tokens x 4096, bf16
 
 
@@ -303,13 +268,8 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096)
             ]
             for p in names
         }
-        for p, (ms, spread) in interleaved_ms(calls, device).items():
-            us = ms * 1e3
-            pct = 100 * min_bytes(mode, m, n, e) / us / 1e3 / copy_gbps
-            rows.append(
-                {"tokens": m, "hidden": n, "mode": mode, "path": p, "us": us}
-                | {"pct_copy_bw": pct, "spread": spread}
-            )
+        nbytes = min_bytes(mode, m, n, e)
+        rows += head_to_head_rows(calls, device, nbytes, copy_gbps, tokens=m, hidden=n, mode=mode)
         del calls
     return pd.DataFrame(rows)
 
@@ -336,20 +296,7 @@ def summarize(df: pd.DataFrame, h2h: pd.DataFrame | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    p = argparse.ArgumentParser(description="RMSNorm paths vs copy bandwidth.")
-    p.add_argument("--quick", action="store_true", help="fewer shapes")
-    p.add_argument(
-        "--tune", action="store_true", help="sweep Nakta launch configs first, use the best"
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="results folder (default results/<device>)")
-    args = p.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = device.type == "cuda"
-    # CUDA graphs cannot be captured on the default stream: everything runs on a side stream.
-    with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
-        return run(args, device)
+    return cli("RMSNorm paths vs copy bandwidth.", run, argv)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
@@ -397,7 +344,7 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         # written after every shape, so a run cut short still leaves its rows
         df = pd.DataFrame(rows)
         write_table(df, out, stem, "RMSNorm: Nakta vs PyTorch, compile, Liger", notes)
-        fig = plot(df, f"RMSNorm ({args.dtype}) on {slug}")
+        fig = plot_modes(df, f"RMSNorm ({args.dtype}) on {slug}", MODES, "hidden")
         save_figure(fig, out / f"{stem}.png")
         plt.close(fig)
     show = df[df["status"].str.startswith("ok")]
@@ -411,16 +358,7 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
     h2h = None
     if on_gpu:
         h2h = head_to_head(dtype, device, copy_gbps)
-        write_table(
-            h2h,
-            out,
-            f"{stem}_head_to_head",
-            "RMSNorm head-to-head at the target shape: Nakta vs Liger in alternating rounds",
-            f"Device: {slug}; {args.dtype}; copy bandwidth {copy_gbps:.0f} GB/s. Median of 15 "
-            "rounds; each round replays one CUDA graph per path, in turn; spread = (max - min) "
-            "/ median. Same byte counts as the sweep.",
-        )
-        print(h2h.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        write_head_to_head(h2h, out, stem, "RMSNorm", slug, args.dtype, copy_gbps)
     for line in summarize(df, h2h) + tuned:
         print(line)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; results -> {out}")

@@ -22,7 +22,6 @@ outputs that differ in any bit from eager PyTorch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -30,10 +29,18 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
+import triton
 
+from kernel_benchmark.common import (
+    cli,
+    compiled,
+    head_to_head_rows,
+    plot_modes,
+    write_head_to_head,
+)
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_table
-from nakta_model.bench.timing import eager_ms, graph_ms, input_sets, interleaved_ms
+from nakta_model.bench.timing import eager_ms, graph_ms, input_sets
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import swiglu as swiglu_kernels
 from nakta_model.kernels.swiglu import silu_mul, silu_mul_backward, silu_mul_forward, swiglu
@@ -69,19 +76,6 @@ def paths(device: torch.device) -> dict[str, tuple[str, Callable]]:
             out["liger_fused"] = ("fused", lambda y: LigerFusedGateUpSiLUMulFunction.apply(y))
             out["liger"] = ("split", LigerSiLUMulFunction.apply)
     return out
-
-
-def compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)``, with donated buffers off so a retained graph can run backward
-    more than once, and room for the recompiles a sweep of shapes and grad modes causes."""
-    import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
-
-    functorch_config.donated_buffer = False
-    for knob in ("cache_size_limit", "recompile_limit"):
-        if hasattr(dynamo_config, knob):
-            setattr(dynamo_config, knob, 64)
-    return torch.compile(fn)
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -173,7 +167,7 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
         dg, du = torch.empty_like(dout), torch.empty_like(dout)
         e = gate_up.element_size()
         # plus one whole row per program, as Liger does
-        for bm, bn, warps in [*configs, (1, triton_next_pow2(f), 16)]:
+        for bm, bn, warps in [*configs, (1, triton.next_power_of_2(f), 16)]:
             cfg = {"block_m": bm, "block_n": bn, "num_warps": warps}
             for kernel, call, elems in (
                 ("fwd", functools.partial(silu_mul_forward, gate, up, **cfg), 3),
@@ -208,37 +202,6 @@ def apply_tuning(tdf: pd.DataFrame) -> list[str]:
     return lines
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def plot(df: pd.DataFrame, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = df[df["status"].str.startswith("ok")]
-    value = "pct_copy_bw" if ok["pct_copy_bw"].notna().any() else "us_eager"  # CPU: no graphs
-    fig, axes = plt.subplots(1, len(MODES), figsize=(5 * len(MODES), 4.5), squeeze=False)
-    for ax, mode in zip(axes[0], MODES):
-        sub = ok[ok["mode"] == mode].copy()
-        if sub.empty:
-            continue
-        sub["case"] = sub["tokens"].map(lambda t: f"{t // 1024}K") + "x" + sub["ffn"].map(str)
-        table = sub.pivot_table(index="case", columns="path", values=value, sort=False)
-        table.plot(ax=ax, marker="o")
-        ax.set_title(mode)
-        ax.set_ylabel("% of copy bandwidth" if value == "pct_copy_bw" else "us per call")
-        ax.set_xticks(range(len(table.index)))
-        ax.set_xticklabels(table.index, rotation=60, ha="right", fontsize=7)
-        ax.axhline(100, color="gray", lw=0.8, ls="--")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
 TARGETS = {"fwd": 95, "bwd": 85}  # % of copy bandwidth at 16K tokens x 11008, bf16
 
 
@@ -260,13 +223,8 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, f: int = 11008
             ]
             for p, (kind, fn) in table.items()
         }
-        for p, (ms, spread) in interleaved_ms(calls, device).items():
-            us = ms * 1e3
-            pct = 100 * ELEMS[mode] * m * f * e / us / 1e3 / copy_gbps
-            rows.append(
-                {"tokens": m, "ffn": f, "mode": mode, "path": p, "us": us}
-                | {"pct_copy_bw": pct, "spread": spread}
-            )
+        nbytes = ELEMS[mode] * m * f * e
+        rows += head_to_head_rows(calls, device, nbytes, copy_gbps, tokens=m, ffn=f, mode=mode)
         del calls
     return pd.DataFrame(rows)
 
@@ -300,20 +258,7 @@ def summarize(df: pd.DataFrame, h2h: pd.DataFrame | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    p = argparse.ArgumentParser(description="SwiGLU paths vs copy bandwidth.")
-    p.add_argument("--quick", action="store_true", help="fewer shapes")
-    p.add_argument(
-        "--tune", action="store_true", help="sweep Nakta launch configs first, use the best"
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="results folder (default results/<device>)")
-    args = p.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = device.type == "cuda"
-    # CUDA graphs cannot be captured on the default stream: everything runs on a side stream.
-    with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
-        return run(args, device)
+    return cli("SwiGLU paths vs copy bandwidth.", run, argv)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
@@ -363,7 +308,7 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         # written after every shape, so a run cut short still leaves its rows
         df = pd.DataFrame(rows)
         write_table(df, out, stem, "SwiGLU: Nakta vs eager, compile, Liger", notes)
-        fig = plot(df, f"SwiGLU ({args.dtype}) on {slug}")
+        fig = plot_modes(df, f"SwiGLU ({args.dtype}) on {slug}", MODES, "ffn")
         save_figure(fig, out / f"{stem}.png")
         plt.close(fig)
     show = df[df["status"].str.startswith("ok")]
@@ -377,16 +322,7 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
     h2h = None
     if on_gpu:
         h2h = head_to_head(dtype, device, copy_gbps)
-        write_table(
-            h2h,
-            out,
-            f"{stem}_head_to_head",
-            "SwiGLU head-to-head at the target shape: Nakta vs Liger in alternating rounds",
-            f"Device: {slug}; {args.dtype}; copy bandwidth {copy_gbps:.0f} GB/s. Median of 15 "
-            "rounds; each round replays one CUDA graph per path, in turn; spread = (max - min) "
-            "/ median. Same byte counts as the sweep.",
-        )
-        print(h2h.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        write_head_to_head(h2h, out, stem, "SwiGLU", slug, args.dtype, copy_gbps)
     for line in summarize(df, h2h) + tuned:
         print(line)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; results -> {out}")

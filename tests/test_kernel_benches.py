@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernel_benchmark import bench_rmsnorm, bench_rope, bench_swiglu
+from kernel_benchmark.common import write_head_to_head
 
 # On a GPU the benchmarks run their full sweeps (minutes each): scripts/gpu_kernels.sh runs them.
 cpu_only = pytest.mark.skipif(
@@ -30,7 +31,7 @@ def test_bench_smoke_writes_results(bench, stem, tmp_path):
 
 
 @cpu_only
-def test_head_to_head_covers_every_mode_and_path():
+def test_head_to_head_covers_every_mode_and_path(tmp_path):
     cpu = torch.device("cpu")
     rms = bench_rmsnorm.head_to_head(torch.float32, cpu, float("nan"), m=2, n=128)
     assert set(rms["mode"]) == set(bench_rmsnorm.MODES) and set(rms["path"]) == {"nakta"}
@@ -38,3 +39,7 @@ def test_head_to_head_covers_every_mode_and_path():
     assert set(sw["mode"]) == set(bench_swiglu.MODES)
     assert {"nakta", "nakta_fast", "nakta_silu_mul"} <= set(sw["path"])
     assert (sw["us"] > 0).all() and (rms["us"] > 0).all()
+    write_head_to_head(sw, tmp_path, "swiglu", "SwiGLU", "cpu", "float32", float("nan"))
+    written = pd.read_csv(tmp_path / "swiglu_head_to_head.csv")
+    assert list(written.columns) == ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "spread"]
+    assert "alternating rounds" in (tmp_path / "swiglu_head_to_head.md").read_text()
