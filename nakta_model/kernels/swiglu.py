@@ -66,8 +66,18 @@ def _exp(x, ACCURATE: tl.constexpr):
         return tl.exp(x)
 
 
-# One program per (row tile, column block), column blocks fastest: the programs running at one
-# moment read consecutive addresses of the same rows, which keeps DRAM streaming.
+@triton.jit
+def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's ``[BLOCK_M, BLOCK_N]`` tile: row indices ``[BLOCK_M, 1]`` (int64), column
+    indices ``[1, BLOCK_N]`` and the in-bounds mask. One program per (row tile, column block),
+    column blocks fastest: the programs running at one moment read consecutive addresses of
+    the same rows, which keeps DRAM streaming."""
+    pid = tl.program_id(0).to(tl.int64)
+    col_blocks = tl.cdiv(n_cols, BLOCK_N)
+    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return rows[:, None], cols[None, :], mask
 
 
 @triton.jit
@@ -86,13 +96,9 @@ def _silu_mul_fwd_kernel(
     ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    col_blocks = tl.cdiv(n_cols, BLOCK_N)
-    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    r, c, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    g = tl.load(G + r * stride_g + c, mask=mask, other=0.0)
+    u = tl.load(U + r * stride_u + c, mask=mask, other=0.0)
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     dtype = OUT.dtype.element_ty
@@ -102,7 +108,7 @@ def _silu_mul_fwd_kernel(
         silu = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)
     silu = round_to(silu, dtype, EMULATE_RNE)
     out = round_to(silu.to(tl.float32) * u, dtype, EMULATE_RNE)
-    tl.store(OUT + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
+    tl.store(OUT + r * stride_out + c, out, mask=mask)
 
 
 @triton.jit
@@ -124,14 +130,10 @@ def _silu_mul_bwd_kernel(
     ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    col_blocks = tl.cdiv(n_cols, BLOCK_N)
-    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    dout = tl.load(DOUT + rows[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0)
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    r, c, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    dout = tl.load(DOUT + r * stride_dout + c, mask=mask, other=0.0)
+    g = tl.load(G + r * stride_g + c, mask=mask, other=0.0)
+    u = tl.load(U + r * stride_u + c, mask=mask, other=0.0)
     dout = dout.to(tl.float32)
     g = g.to(tl.float32)
     u = u.to(tl.float32)
@@ -142,8 +144,8 @@ def _silu_mul_bwd_kernel(
     d_silu = round_to(dout * u, dtype, EMULATE_RNE).to(tl.float32)
     du = round_to(dout * silu, dtype, EMULATE_RNE)
     dg = round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), dtype, EMULATE_RNE)
-    tl.store(DG + rows[:, None] * stride_dg + cols[None, :], dg, mask=mask)
-    tl.store(DU + rows[:, None] * stride_du + cols[None, :], du, mask=mask)
+    tl.store(DG + r * stride_dg + c, dg, mask=mask)
+    tl.store(DU + r * stride_du + c, du, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
