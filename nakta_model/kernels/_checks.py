@@ -1,4 +1,4 @@
-"""Input checks shared by every kernel launcher.
+"""Input checks shared by every kernel launcher, and the row views they hand to the kernels.
 
 Launchers validate before they launch: a Triton kernel fed a wrong shape reads garbage
 instead of failing, so every check here raises ``ValueError`` / ``TypeError`` with a message
@@ -88,3 +88,17 @@ def rows_view(name: str, t: torch.Tensor, last: str = "features") -> torch.Tenso
             f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
             f"[rows, {last}] with one row stride; pass a tensor whose leading dims collapse"
         ) from e
+
+
+def grad_rows(g: torch.Tensor | None) -> torch.Tensor | None:
+    """An incoming gradient ready to be read by rows. Gradients may be broadcast views
+    (``y.sum().backward()`` gives stride 0); those, and only those, are materialized."""
+    if g is None:
+        return None
+    if g.stride(-1) == 1:
+        try:
+            g.view(-1, g.shape[-1])
+            return g
+        except RuntimeError:
+            pass
+    return g.contiguous()

@@ -35,6 +35,7 @@ from nakta_model.kernels._checks import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    grad_rows,
     interpreter_enabled,
     rows_view,
 )
@@ -929,20 +930,6 @@ def rms_norm_backward(
 # ----------------------------------------------------------------------------------------------
 
 
-def _grad_rows(g: torch.Tensor | None) -> torch.Tensor | None:
-    """Incoming gradients may be broadcast views (``y.sum().backward()`` gives stride 0);
-    those, and only those, are materialized before the kernel reads them by row."""
-    if g is None:
-        return None
-    if g.stride(-1) == 1:
-        try:
-            g.view(-1, g.shape[-1])
-            return g
-        except RuntimeError:
-            pass
-    return g.contiguous()
-
-
 class RMSNormFunction(torch.autograd.Function):
     """``rms_norm`` with a Triton backward; returns ``y`` or ``(y, h)`` with a residual."""
 
@@ -962,7 +949,7 @@ class RMSNormFunction(torch.autograd.Function):
             dy = torch.zeros(
                 h.shape, dtype=torch.promote_types(h.dtype, weight.dtype), device=h.device
             )
-        dy, dh_out = _grad_rows(dy), _grad_rows(dh_out)
+        dy, dh_out = grad_rows(dy), grad_rows(dh_out)
         dx, dr, dw = rms_norm_backward(
             dy,
             h,

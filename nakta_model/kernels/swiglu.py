@@ -38,6 +38,7 @@ from nakta_model.kernels._checks import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    grad_rows,
     interpreter_enabled,
     rows_view,
 )
@@ -289,17 +290,6 @@ def silu_mul_backward(
     return dgate, dup
 
 
-def _grad_rows(g: torch.Tensor) -> torch.Tensor:
-    """Incoming gradients may be broadcast views (stride 0); only those are materialized."""
-    if g.stride(-1) == 1:
-        try:
-            g.view(-1, g.shape[-1])
-            return g
-        except RuntimeError:
-            pass
-    return g.contiguous()
-
-
 # ----------------------------------------------------------------------------------------------
 # 3. Autograd
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +306,7 @@ class SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        return (*silu_mul_backward(_grad_rows(dout), gate, up), None)
+        return (*silu_mul_backward(grad_rows(dout), gate, up), None)
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -334,7 +324,7 @@ class SwiGLUFunction(torch.autograd.Function):
         gate, up = _split_gate_up(gate_up)
         d_gate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
         dgate, dup = _split_gate_up(d_gate_up)
-        silu_mul_backward(_grad_rows(dout), gate, up, dgate, dup)
+        silu_mul_backward(grad_rows(dout), gate, up, dgate, dup)
         return d_gate_up, None
 
 
