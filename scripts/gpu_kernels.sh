@@ -11,28 +11,13 @@
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
 PART=${1:?usage: gpu_kernels.sh tests|rope|norm}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+use_wheels
 export PYTHONUNBUFFERED=1
 LOG=$OUT/kernels_${PART}_log.txt
 : >"$LOG"
 status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log everything
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s) ===" | tee -a "$LOG"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >>"$LOG" 2>&1
-  local rc=$?
-  echo "=== $name: rc=$rc in $((SECONDS - t0))s ===" | tee -a "$LOG"
-  [ "$rc" -eq 0 ] || status=1
-  return 0
-}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
 SLUG=$(python3 -c "from nakta_model.bench.ceilings import device_slug; print(device_slug())")
 K=kernel_benchmark/results/$SLUG

@@ -1,0 +1,24 @@
+# Sourced by the scripts/gpu_*.sh jobs (not run on its own): the carried wheels on PYTHONPATH,
+# and a time-limited, logged step that lets the other steps run when one fails.
+
+use_wheels() {  # install .whl/*.whl (fairscale, liger-kernel) into /tmp/site when carried
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+  else
+    export PYTHONPATH=$PWD
+  fi
+}
+
+step() {  # step NAME SECONDS CMD...: run with a time limit into $LOG; a failure sets status=1
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s) ===" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s ===" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || status=1
+  return 0
+}
