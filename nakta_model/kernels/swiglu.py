@@ -2,24 +2,31 @@
 
 PyTorch's ``F.silu(a) * b`` in a half dtype computes ``a / (1 + exp(-a))`` in fp32, rounds it
 to the dtype, then multiplies the two rounded operands in fp32 and rounds again. The kernel
-does the same steps with the same functions on the GPU (libdevice ``expf`` and IEEE division,
-which is what PyTorch's CUDA kernel compiles to), so outputs can match bit for bit.
+does the same steps, in fp16/fp32 with the same functions on the GPU (libdevice ``expf`` and
+IEEE division, which is what PyTorch's CUDA kernel compiles to), in bf16 with faster ones that
+round the same (below), so outputs match bit for bit.
 
 The backward repeats the roundings of autograd on ``F.silu(a) * b``:
 ``d_silu = round(dout * up)``, ``d_up = round(dout * round(silu(gate)))``,
 ``d_gate = round(d_silu * s * (1 + gate * (1 - s)))`` with ``s = 1 / (1 + exp(-gate))``.
 
-``exact=False`` (forward only) computes ``silu`` with the hardware ``ex2`` and an approximate
-division instead (the arithmetic Liger-Kernel's sigmoid uses). After rounding to bf16/fp16,
-``silu(gate)`` differs from eager's by at most one ulp of the dtype, and only where the fp32
-value sits next to a rounding midpoint, so ``silu * up`` by at most two (the GPU tests sweep
-every bf16/fp16 gate). In fp32 the bound is 2^-16 relative: the hardware exp reduces its
-argument as ``x * log2(e)`` in fp32, an error that grows with |x| up to ~2^-17.5 at |x| ~ 88.
-Measured on an H200 (16K x 11008 bf16): exact 100-101% of copy bandwidth, fast 103-105%,
-Liger 102-104%. The division is the difference: a branch-free correctly rounded division
-(reciprocal + Newton + residual with exact 2^-64 scaling, equal to ``div.rn`` on all 2^32
-fp32 gates) had fewer instructions but ran at 90%, because ptxas then interleaves the loads
-with the arithmetic instead of issuing them all first (results/nvidia-h200/ab/).
+Which arithmetic gives PyTorch's bits depends on the dtype, because a half-precision gate has
+only 65,536 values and every one can be checked. For bf16 the fast arithmetic (the hardware
+``ex2`` and an approximate division, what Liger-Kernel's sigmoid uses) rounds to the same bf16
+silu as eager on every gate: it was found so on an H200 by exhaustion, and the GPU test
+``test_gpu_exact_forward_every_half_gate`` re-checks all of them on whatever GPU runs it. So
+bf16 always runs the fast kernel (16K x 11008: 102.6% of copy bandwidth vs 99.3% with the IEEE
+division, Liger 101.8%; results/nvidia-h200/ab/ab12). fp16 (2 of 65,536 gates differ by one ulp)
+and fp32 keep libdevice ``expf`` and IEEE ``div.rn`` unless ``exact=False`` is asked for.
+
+``exact=False`` (forward only) then uses the fast arithmetic for every dtype: in fp16
+``silu(gate)`` differs from eager's by at most one ulp (where the fp32 value sits next to a
+rounding midpoint), so ``silu * up`` by at most two. In fp32 the bound is 2^-16 relative: the
+hardware exp reduces its argument as ``x * log2(e)`` in fp32, an error that grows with |x| up
+to ~2^-17.5 at |x| ~ 88. The division is the cost of the exact path: a branch-free correctly
+rounded division (reciprocal + Newton + residual with exact 2^-64 scaling, equal to ``div.rn``
+on all 2^32 fp32 gates) had fewer instructions but ran at 90%, because ptxas then interleaves
+the loads with the arithmetic instead of issuing them all first (results/nvidia-h200/ab/).
 
 ``swiglu(gate_up)`` takes the fused ``[..., 2F]`` projection (gate first, up second) and reads
 the two halves as strided views: no split copies.
@@ -50,6 +57,8 @@ from nakta_model.kernels._triton_math import round_to
 # ``kernel_benchmark/bench_swiglu.py --tune`` (results/nvidia-h200/swiglu_tune.csv). ``--tune``
 # rewrites these for its own run; the values kept here are the ones the published results used.
 FWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 512, "num_warps": 1}
+# Dtypes whose silu the fast arithmetic rounds like eager on every input (module docstring).
+FAST_IS_EXACT_DTYPES = (torch.bfloat16,)
 FWD_FAST_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 512, "num_warps": 1}
 BWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 1024, "num_warps": 4}
 
@@ -103,9 +112,9 @@ def _silu_mul_fwd_kernel(
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     dtype = OUT.dtype.element_ty
-    if EXACT:  # libdevice expf + IEEE division: PyTorch's bits
+    if EXACT:  # libdevice expf + IEEE division: PyTorch's bits in fp16 and fp32
         silu = tl.math.div_rn(g, 1.0 + _exp(-g, ACCURATE))
-    else:  # hardware ex2 + approximate division (what Liger's sigmoid uses)
+    else:  # hardware ex2 + approximate division: PyTorch's bits in bf16 (every gate checked)
         silu = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)
     silu = round_to(silu, dtype, EMULATE_RNE)
     out = round_to(silu.to(tl.float32) * u, dtype, EMULATE_RNE)
@@ -208,7 +217,8 @@ def silu_mul_forward(
 ) -> torch.Tensor:
     """Launch the forward kernel; ``out`` (optional) must be a fresh ``[..., F]`` tensor.
 
-    ``exact=False`` trades PyTorch's bits for speed (see the module docstring)."""
+    ``exact=False`` trades PyTorch's bits for speed in fp16/fp32; bf16 is exact either way
+    (see the module docstring)."""
     if not isinstance(exact, bool):
         raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
     g2, u2 = _check_pair(gate, up)
@@ -218,7 +228,8 @@ def silu_mul_forward(
     n_rows, n_cols = g2.shape
     if n_rows == 0 or n_cols == 0:
         return out
-    default = FWD_CONFIG if exact else FWD_FAST_CONFIG
+    fast = not exact or gate.dtype in FAST_IS_EXACT_DTYPES
+    default = FWD_FAST_CONFIG if fast else FWD_CONFIG
     block_m, block_n, num_warps = _grid_config(default, n_cols, block_m, block_n, num_warps)
     interp = interpreter_enabled()
     grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
@@ -233,7 +244,7 @@ def silu_mul_forward(
         o2.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        EXACT=exact,
+        EXACT=not fast,
         ACCURATE=not interp,
         EMULATE_RNE=interp,
         num_warps=num_warps,
@@ -340,8 +351,8 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, exact: bool = True) -> torch.Tensor:
-    """``silu(gate) * up`` rounded like PyTorch eager (``exact=False``: within 1 ulp, faster);
-    gate/up may be strided row views."""
+    """``silu(gate) * up`` rounded like PyTorch eager (``exact=False``: fp16/fp32 within 1 ulp,
+    faster; bf16 is exact either way); gate/up may be strided row views."""
     if _needs_grad(gate, up):
         return SiluMulFunction.apply(gate, up, exact)
     return silu_mul_forward(gate, up, exact=exact)
