@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from nakta_model.kernels.rmsnorm import (
+    LOOPED_THREE_CHUNK_BLOCK,
     MAX_SINGLE_BLOCK,
+    _fwd_layout,
     column_chunks,
     rms_norm,
     rms_norm_backward,
@@ -139,11 +141,22 @@ def test_column_chunks_cover_rows_with_little_padding():
         assert sum(c) < 2 * n + 256
 
 
+def test_forward_layout_loops_three_chunk_rows_without_residual():
+    """6656 without residual loops over 2048-column blocks (measured faster); with the residual,
+    and rows of one or two chunks, the row stays in registers; explicit block_n wins."""
+    assert _fwd_layout(6656, None, False) == ((LOOPED_THREE_CHUNK_BLOCK, 0, 0), False)
+    assert _fwd_layout(6656, None, True) == ((4096, 2048, 512), True)
+    assert _fwd_layout(5120, None, False) == ((4096, 1024, 0), True)
+    assert _fwd_layout(4096, None, False) == ((4096, 0, 0), True)
+    assert _fwd_layout(6656, 8192, False) == ((8192, 0, 0), True)
+
+
 @pytest.mark.parametrize("n", [5120, 6656, 4097])
 @pytest.mark.parametrize("residual", [False, True])
 def test_chunked_rows_forward_and_backward(device, n, residual):
-    """Rows held as 2 or 3 column chunks (LLaMA-13B/30B widths): forward, and gradients with
-    the default (padded-block) and the split-row backward."""
+    """Rows held as 2 or 3 column chunks (LLaMA-13B/30B widths; 6656 without residual takes
+    the column loop): forward, and gradients with the default (padded-block) and the split-row
+    backward."""
     x, w, r = _inputs(3, n, torch.bfloat16, device, residual)
     out, ref = rms_norm(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
     if residual:
