@@ -11,7 +11,9 @@ output written once), whatever a path actually moves:
 * forward+backward: the sum.
 
 Times: ``us`` is GPU time from CUDA-graph replays (host launch overhead removed; inputs
-cycled over enough copies to exceed L2), ``us_eager`` is a Python-launched call (triton's
+cycled over enough copies to exceed L2), the median of 3 rounds in which every path at that
+shape and mode is replayed in turn (``rotated_ms``: drift between paths averages out),
+``us_eager`` is a Python-launched call (triton's
 do_bench), which includes the host overhead of each path's Python/autograd code wherever that
 exceeds the GPU time. ``pct_copy_bw`` uses ``us``.
 
@@ -40,6 +42,7 @@ from kernel_benchmark.common import (
     compiled,
     head_to_head_rows,
     plot_modes,
+    sweep_point_rows,
     write_head_to_head,
 )
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
@@ -147,45 +150,37 @@ def bench_shape(m, n, dtype, device, copy_gbps) -> list[dict]:
     x, r, w = sets[0]["x"], sets[0]["r"], sets[0]["w"]
     with torch.no_grad():
         refs = {"fwd": meta_rms_norm(x, w), "fwd+res": meta_rms_norm(x + r, w)}
-    stream = torch.cuda.current_stream() if device.type == "cuda" else None  # a side stream
     rows = []
-    jobs = [(mode, name, fn) for name, fn in plain.items() for mode in ("fwd", "bwd", "fwd+bwd")]
-    jobs += [("fwd+res", name, fn) for name, fn in residual.items()]
-    for mode, name, fn in jobs:
-        row = {"tokens": m, "hidden": n, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
-        row |= {"path": name, "input_sets": n_sets[mode]}
-        nbytes = min_bytes(mode, m, n, e)
-        try:
-            calls = [make_call(mode, fn, t) for t in sets[: n_sets[mode]]]
-            mism = float("nan")
-            if mode in refs:
-                out = calls[0]()
-                out = out[0] if isinstance(out, tuple) else out
-                mism = (out != refs[mode]).float().mean().item()
-            us_eager = eager_ms(calls[0], device) * 1e3
-        except Exception as ex:  # a peer that does not take this shape or mode
-            rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
-            continue
-        status, us = "ok", float("nan")
-        if device.type == "cuda":
-            try:
-                us = graph_ms(calls, stream) * 1e3
-            except Exception as ex:
-                status = f"ok; no CUDA graph: {str(ex).splitlines()[0][:60]}"
-        del calls
-        rows.append(
-            {
-                **row,
-                "status": status,
-                "us": us,
-                "GB/s": nbytes / us / 1e3,
-                "pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps,
-                "us_eager": us_eager,
-                "pct_copy_bw_eager": 100 * nbytes / us_eager / 1e3 / copy_gbps,
-                "mismatch_vs_meta": mism,
+    for mode in MODES:
+        table = residual if mode == "fwd+res" else plain
+        entries = {}
+        for name, fn in table.items():
+            row = {
+                "tokens": m,
+                "hidden": n,
+                "dtype": str(dtype).removeprefix("torch."),
+                "mode": mode,
             }
-        )
-    return rows
+            row |= {"path": name, "input_sets": n_sets[mode]}
+            try:
+                calls = [make_call(mode, fn, t) for t in sets[: n_sets[mode]]]
+                mism = float("nan")
+                if mode in refs:
+                    out = calls[0]()
+                    out = out[0] if isinstance(out, tuple) else out
+                    mism = (out != refs[mode]).float().mean().item()
+                us_eager = eager_ms(calls[0], device) * 1e3
+            except Exception as ex:  # a peer that does not take this shape or mode
+                rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
+                continue
+            entries[name] = (row, calls, {"us_eager": us_eager, "mismatch_vs_meta": mism})
+        rows += sweep_point_rows(entries, device, min_bytes(mode, m, n, e), copy_gbps)
+        del entries
+    # rows path by path (plain modes first, the residual mode last), as the table reads them
+    order = {name: i for i, name in enumerate(plain)}
+    return sorted(
+        rows, key=lambda r: (r["mode"] == "fwd+res", order[r["path"]], MODES.index(r["mode"]))
+    )
 
 
 def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
@@ -250,9 +245,9 @@ TARGETS = {"fwd": 92, "bwd": 80}  # % of copy bandwidth at 16K tokens x 4096, bf
 
 
 def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096) -> pd.DataFrame:
-    """Nakta vs Liger at the target shape, every mode, timed in alternating rounds
-    (``interleaved_ms``): the sweep times paths one after another, and at ~1% apart the
-    drift between those measurements decides their order."""
+    """Nakta vs Liger at the target shape, every mode, timed in 3 blocks of 15 alternating
+    rounds (``head_to_head_rows``), each path on its own inputs: the sweep's 3 rounds leave
+    ~0.5% of noise, more than the margin between the two at 4096."""
     plain, residual = paths(device)
     e = torch.empty((), dtype=dtype).element_size()
     rows = []
@@ -260,17 +255,21 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096)
         table = residual if mode == "fwd+res" else plain
         names = [p for p in ("nakta", "liger") if p in table]
         n_sets = input_sets(device, min_bytes(mode, m, n, e))
-        # every path gets its own inputs, in case a peer's backward reuses them in place
-        calls = {
-            p: [
-                make_call(mode, table[p], make_inputs(m, n, dtype, device, 11 + i))
-                for i in range(n_sets)
-            ]
-            for p in names
-        }
+
+        def make_calls(block, mode=mode, table=table, names=names, n_sets=n_sets):
+            # every path gets its own inputs, in case a peer's backward reuses them in place
+            return {
+                p: [
+                    make_call(mode, table[p], make_inputs(m, n, dtype, device, 11 + i + 97 * block))
+                    for i in range(n_sets)
+                ]
+                for p in names
+            }
+
         nbytes = min_bytes(mode, m, n, e)
-        rows += head_to_head_rows(calls, device, nbytes, copy_gbps, tokens=m, hidden=n, mode=mode)
-        del calls
+        rows += head_to_head_rows(
+            make_calls, device, nbytes, copy_gbps, tokens=m, hidden=n, mode=mode
+        )
     return pd.DataFrame(rows)
 
 
@@ -322,7 +321,8 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         "(bytes read + written). GB/s = minimal bytes (each input read once, each output "
         "written once; see bench_rmsnorm.py) / time, the same count for every path. `us` = "
         "GPU time per call from CUDA-graph replays (inputs cycled over `input_sets` copies to "
-        "defeat L2); `us_eager` = Python-launched call incl. host overhead. Backward = "
+        "defeat L2), median of 3 rounds that replay every path of a shape and mode in turn; "
+        "`us_eager` = Python-launched call incl. host overhead. Backward = "
         "torch.autograd.grad on a retained graph. `mismatch_vs_meta` = fraction of forward "
         "outputs differing in any bit from Meta's eager RMSNorm. Nakta launch configurations "
         f"(block -> config): fwd {rmsnorm_kernels.FWD_CONFIGS}, bwd (block_m, warps, programs "

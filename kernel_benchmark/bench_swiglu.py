@@ -11,7 +11,10 @@ read as strided views), ``nakta_silu_mul`` (``silu_mul`` on two separate contigu
 ``liger_fused`` (``LigerFusedGateUpSiLUMulFunction`` on ``[T, 2F]``) and ``liger``
 (``LigerSiLUMulFunction`` on separate tensors). Backward rows time ``torch.autograd.grad`` on a
 retained graph, the same for every path. Times: ``us`` is GPU time from CUDA-graph replays
-(host launch overhead removed; inputs cycled over enough copies to exceed L2), ``us_eager`` a
+(host launch overhead removed; inputs cycled over enough copies to exceed L2), the median of 3
+rounds in which every path at that shape and mode is replayed in turn (``rotated_ms``: drift
+between paths averages out; ``liger``'s backward, which writes into its inputs, gets its own
+copies), ``us_eager`` a
 Python-launched call (triton's do_bench), which includes each path's host overhead wherever
 that exceeds the GPU time; ``pct_copy_bw`` uses ``us``. ``mismatch_vs_eager`` is the fraction of forward
 outputs that differ in any bit from eager PyTorch.
@@ -36,6 +39,7 @@ from kernel_benchmark.common import (
     compiled,
     head_to_head_rows,
     plot_modes,
+    sweep_point_rows,
     write_head_to_head,
 )
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
@@ -108,21 +112,28 @@ def make_call(mode: str, kind: str, fn: Callable, t: dict) -> Callable[[], objec
     return lambda: torch.autograd.grad(fn(*leaves), leaves, dout)
 
 
+# Paths whose backward writes into its inputs (LigerSiLUMulFunction stores d_gate / d_up in
+# gate / up): they get their own copies, so the paths timed beside them keep their values.
+MUTATES_INPUTS = ("liger",)
+
+
 def bench_shape(m, f, dtype, device, copy_gbps) -> list[dict]:
     e = torch.empty((), dtype=dtype).element_size()
     n_sets = {mode: input_sets(device, ELEMS[mode] * m * f * e) for mode in MODES}
     sets = [make_inputs(m, f, dtype, device, m * 7 + f + i) for i in range(max(n_sets.values()))]
     with torch.no_grad():
         ref = eager_swiglu(sets[0]["gate_up"])
-    stream = torch.cuda.current_stream() if device.type == "cuda" else None  # a side stream
     rows = []
-    for name, (kind, fn) in paths(device).items():
-        for mode in MODES:
+    for mode in MODES:
+        entries = {}
+        for name, (kind, fn) in paths(device).items():
             row = {"tokens": m, "ffn": f, "dtype": str(dtype).removeprefix("torch.")}
             row |= {"mode": mode, "path": name, "input_sets": n_sets[mode]}
-            nbytes = ELEMS[mode] * m * f * e
+            inputs = sets[: n_sets[mode]]
+            if mode != "fwd" and name in MUTATES_INPUTS:
+                inputs = [{**t, "gate": t["gate"].clone(), "up": t["up"].clone()} for t in inputs]
             try:
-                calls = [make_call(mode, kind, fn, t) for t in sets[: n_sets[mode]]]
+                calls = [make_call(mode, kind, fn, t) for t in inputs]
                 mism = float("nan")
                 if mode == "fwd":
                     mism = (calls[0]() != ref).float().mean().item()
@@ -130,26 +141,12 @@ def bench_shape(m, f, dtype, device, copy_gbps) -> list[dict]:
             except Exception as ex:  # a peer that does not take this shape or mode
                 rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
                 continue
-            status, us = "ok", float("nan")
-            if device.type == "cuda":
-                try:
-                    us = graph_ms(calls, stream) * 1e3
-                except Exception as ex:
-                    status = f"ok; no CUDA graph: {str(ex).splitlines()[0][:60]}"
-            del calls
-            rows.append(
-                {
-                    **row,
-                    "status": status,
-                    "us": us,
-                    "GB/s": nbytes / us / 1e3,
-                    "pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps,
-                    "us_eager": us_eager,
-                    "pct_copy_bw_eager": 100 * nbytes / us_eager / 1e3 / copy_gbps,
-                    "mismatch_vs_eager": mism,
-                }
-            )
-    return rows
+            entries[name] = (row, calls, {"us_eager": us_eager, "mismatch_vs_eager": mism})
+        rows += sweep_point_rows(entries, device, ELEMS[mode] * m * f * e, copy_gbps)
+        del entries
+    # rows in the order of the paths, then the modes, as the table and plot read them
+    order = {name: i for i, name in enumerate(paths(device))}
+    return sorted(rows, key=lambda r: (order[r["path"]], MODES.index(r["mode"])))
 
 
 def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
@@ -169,11 +166,14 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
         # plus one whole row per program, as Liger does
         for bm, bn, warps in [*configs, (1, triton.next_power_of_2(f), 16)]:
             cfg = {"block_m": bm, "block_n": bn, "num_warps": warps}
-            for kernel, call, elems in (
+            kernels = [
                 ("fwd", functools.partial(silu_mul_forward, gate, up, **cfg), 3),
                 ("fwd_fast", functools.partial(silu_mul_forward, gate, up, exact=False, **cfg), 3),
                 ("bwd", functools.partial(silu_mul_backward, dout, gate, up, dg, du, **cfg), 5),
-            ):
+            ]
+            if dtype in swiglu_kernels.FAST_IS_EXACT_DTYPES:  # exact runs the fast kernel here:
+                kernels = kernels[1:]  # FWD_CONFIG (fp16/fp32 only) cannot be tuned in this dtype
+            for kernel, call, elems in kernels:
                 us = graph_ms([call], stream, budget_ms=10) * 1e3
                 rows.append(
                     {"ffn": f, "kernel": kernel, **cfg, "us": us}
@@ -195,6 +195,8 @@ def apply_tuning(tdf: pd.DataFrame) -> list[str]:
     )
     for kernel, target in targets:
         stats = tdf[tdf.kernel == kernel].groupby(keys)["pct_copy_bw"].agg(["mean", "count"])
+        if stats.empty:  # not tuned in this dtype
+            continue
         grp = stats[stats["count"] == tdf.ffn.nunique()]["mean"]  # measured at every width
         best = grp.idxmax()
         target.update({k: int(v) for k, v in zip(keys, best)})
@@ -207,25 +209,27 @@ TARGETS = {"fwd": 95, "bwd": 85}  # % of copy bandwidth at 16K tokens x 11008, b
 
 def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, f: int = 11008) -> pd.DataFrame:
     """Nakta (exact and fast) vs Liger (both entry points) at the target shape, every mode,
-    timed in alternating rounds (``interleaved_ms``): the sweep times paths one after
-    another, and at ~1% apart the drift between those measurements decides their order."""
+    timed in 3 blocks of 15 alternating rounds (``head_to_head_rows``), each path on its own
+    inputs: the sweep's 3 rounds leave ~0.5% of noise, as much as the margins being judged."""
     e = torch.empty((), dtype=dtype).element_size()
     names = ("nakta", "nakta_fast", "nakta_silu_mul", "liger_fused", "liger")
     table = {k: v for k, v in paths(device).items() if k in names}
     rows = []
     for mode in MODES:
         n_sets = input_sets(device, ELEMS[mode] * m * f * e)
-        # every path gets its own inputs: Liger's backward writes its gradients into them
-        calls = {
-            p: [
-                make_call(mode, kind, fn, make_inputs(m, f, dtype, device, 13 + i))
-                for i in range(n_sets)
-            ]
-            for p, (kind, fn) in table.items()
-        }
+
+        def make_calls(block, mode=mode, n_sets=n_sets):
+            # every path gets its own inputs: Liger's backward writes its gradients into them
+            return {
+                p: [
+                    make_call(mode, kind, fn, make_inputs(m, f, dtype, device, 13 + i + 97 * block))
+                    for i in range(n_sets)
+                ]
+                for p, (kind, fn) in table.items()
+            }
+
         nbytes = ELEMS[mode] * m * f * e
-        rows += head_to_head_rows(calls, device, nbytes, copy_gbps, tokens=m, ffn=f, mode=mode)
-        del calls
+        rows += head_to_head_rows(make_calls, device, nbytes, copy_gbps, tokens=m, ffn=f, mode=mode)
     return pd.DataFrame(rows)
 
 
@@ -283,12 +287,14 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         f"Device: {slug}; {args.dtype}; copy bandwidth measured in this run: {copy_gbps:.0f} GB/s "
         "(bytes read + written). GB/s = (3 fwd, 5 bwd, 8 fwd+bwd) x tokens x F x element size "
         "/ time, the same count for every path. `us` = GPU time per call from CUDA-graph "
-        "replays (inputs cycled over `input_sets` copies to defeat L2); `us_eager` = "
+        "replays (inputs cycled over `input_sets` copies to defeat L2), median of 3 rounds "
+        "that replay every path of a shape and mode in turn; `us_eager` = "
         "Python-launched call incl. host overhead. Backward = torch.autograd.grad on a retained "
         "graph. `mismatch_vs_eager` = fraction of outputs differing in any bit from "
         "F.silu(gate) * up. `nakta_fast` = `swiglu(exact=False)`: hardware ex2 and an "
-        "approximate division in the forward (silu within 1 ulp of eager; its backward is the "
-        "exact one). Nakta launch configurations: fwd "
+        "approximate division in the forward for every dtype (bf16: the arithmetic `nakta` "
+        "uses too, bit-exact on every bf16 gate; fp16/fp32: silu within 1 ulp of eager); its "
+        "backward is the exact one). Nakta launch configurations: fwd "
         f"{swiglu_kernels.FWD_CONFIG}, fwd fast {swiglu_kernels.FWD_FAST_CONFIG}, "
         f"bwd {swiglu_kernels.BWD_CONFIG}."
     )

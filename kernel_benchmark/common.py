@@ -1,5 +1,6 @@
 """What the RMSNorm and SwiGLU benchmarks share: their command line, the torch.compile peer,
-the one-panel-per-mode plot, and the head-to-head vs Liger (rows and table)."""
+the timing of one sweep point, the one-panel-per-mode plot, and the head-to-head vs Liger
+(rows and table)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import pandas as pd
 import torch
 
 from nakta_model.bench.report import write_table
-from nakta_model.bench.timing import interleaved_ms
+from nakta_model.bench.timing import interleaved_ms, rotated_ms
 
 
 def compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)``, with donated buffers off so a retained graph can run backward
-    more than once, and room for the recompiles a sweep of shapes and grad modes causes."""
+    """``torch.compile(fn, dynamic=False)``, with donated buffers off so a retained graph can
+    run backward more than once, and room for the recompiles a sweep of shapes and grad modes
+    causes. Static shapes: left to itself, torch.compile recompiles a function for dynamic
+    shapes once it sees a second shape, and on an H200 those kernels ran RMSNorm at ~45% of
+    copy bandwidth where the first (static) shape ran at ~87%, so every shape after the first
+    measured a slower peer than torch.compile can be."""
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
 
@@ -25,7 +30,7 @@ def compiled(fn: Callable) -> Callable:
     for knob in ("cache_size_limit", "recompile_limit"):
         if hasattr(dynamo_config, knob):
             setattr(dynamo_config, knob, 64)
-    return torch.compile(fn)
+    return torch.compile(fn, dynamic=False)
 
 
 def cli(
@@ -48,6 +53,34 @@ def cli(
     on_gpu = device.type == "cuda"
     with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
         return run(args, device)
+
+
+def sweep_point_rows(
+    entries: dict[str, tuple[dict, list[Callable[[], object]], dict]],
+    device: torch.device,
+    nbytes: int,
+    copy_gbps: float,
+) -> list[dict]:
+    """The rows of one sweep point (shape and mode): ``entries`` maps each path to its row
+    keys, its calls and the columns measured before (eager time, mismatch). On CUDA the paths
+    are timed together in rotated rounds (``rotated_ms``), so the order they are listed in does
+    not decide close comparisons; ``us_eager`` (launch overhead included) is kept as measured."""
+    times, errors = ({}, {})
+    if device.type == "cuda":
+        times, errors = rotated_ms({p: calls for p, (_, calls, _) in entries.items()})
+    rows = []
+    for p, (keys, _, measured) in entries.items():
+        us = times.get(p, float("nan")) * 1e3
+        status = f"ok; no CUDA graph: {errors[p]}" if p in errors else "ok"
+        us_eager = measured["us_eager"]
+        rows.append(
+            keys
+            | {"status": status, "us": us, "GB/s": nbytes / us / 1e3}
+            | {"pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps, "us_eager": us_eager}
+            | {"pct_copy_bw_eager": 100 * nbytes / us_eager / 1e3 / copy_gbps}
+            | {k: v for k, v in measured.items() if k != "us_eager"}
+        )
+    return rows
 
 
 def plot_modes(df: pd.DataFrame, title: str, modes: tuple[str, ...], width: str):
@@ -81,19 +114,37 @@ def plot_modes(df: pd.DataFrame, title: str, modes: tuple[str, ...], width: str)
 
 
 def head_to_head_rows(
-    calls: dict[str, list[Callable[[], object]]],
+    make_calls: Callable[[int], dict[str, list[Callable[[], object]]]],
     device: torch.device,
     nbytes: int,
     copy_gbps: float,
+    blocks: int = 3,
     **keys: object,
 ) -> list[dict]:
-    """Time ``calls`` (path -> calls) in alternating rounds (``interleaved_ms``): one row per
-    path with ``keys``, us, % of copy bandwidth for ``nbytes`` per call, and the spread."""
+    """Time the paths of ``make_calls(block)`` (path -> calls, on inputs it allocates afresh for
+    each block) in ``blocks`` blocks of alternating rounds (``interleaved_ms``), the path order
+    reversed in every other block: one row per path with ``keys``, us (median of the block
+    medians), % of copy bandwidth for ``nbytes`` per call, the largest in-block spread and the
+    block medians. Fresh inputs and both orders, because a single block of rounds left ~0.5%
+    between processes at 16K x 4096 (RMSNorm vs Liger), in either direction."""
+    per_block: dict[str, list[tuple[float, float]]] = {}
+    for block in range(blocks):
+        calls = make_calls(block)
+        if block % 2:
+            calls = dict(reversed(list(calls.items())))
+        for p, res in interleaved_ms(calls, device).items():
+            per_block.setdefault(p, []).append(res)
+        del calls
     rows = []
-    for p, (ms, spread) in interleaved_ms(calls, device).items():
-        us = ms * 1e3
+    for p, res in per_block.items():
+        meds = sorted(ms * 1e3 for ms, _ in res)
+        us = meds[len(meds) // 2] if len(meds) % 2 else 0.5 * sum(meds[len(meds) // 2 - 1 :][:2])
         pct = 100 * nbytes / us / 1e3 / copy_gbps
-        rows.append(keys | {"path": p, "us": us, "pct_copy_bw": pct, "spread": spread})
+        rows.append(
+            keys
+            | {"path": p, "us": us, "pct_copy_bw": pct, "spread": max(sp for _, sp in res)}
+            | {"us_blocks": "/".join(f"{ms * 1e3:.1f}" for ms, _ in res)}
+        )
     return rows
 
 
@@ -106,8 +157,10 @@ def write_head_to_head(
         out,
         f"{stem}_head_to_head",
         f"{kernel} head-to-head at the target shape: Nakta vs Liger in alternating rounds",
-        f"Device: {slug}; {dtype}; copy bandwidth {copy_gbps:.0f} GB/s. Median of 15 "
-        "rounds; each round replays one CUDA graph per path, in turn; spread = (max - min) "
-        "/ median. Same byte counts as the sweep.",
+        f"Device: {slug}; {dtype}; copy bandwidth {copy_gbps:.0f} GB/s. 3 blocks of 15 "
+        "rounds, each block on freshly allocated inputs and the path order reversed in the "
+        "second; each round replays one CUDA graph per path, in turn. us = median of the "
+        "block medians (us_blocks); spread = largest (max - min) / median within a block. "
+        "Same byte counts as the sweep.",
     )
     print(h2h.to_string(index=False, float_format=lambda v: f"{v:.3g}"))

@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from nakta_model.bench.timing import eager_ms, input_sets, interleaved_ms
+from nakta_model.bench.timing import eager_ms, input_sets, interleaved_ms, rotated_ms
 
 
 def test_eager_ms_times_a_call_on_the_cpu():
@@ -23,3 +24,21 @@ def test_interleaved_ms_alternates_paths_on_the_cpu():
     assert set(res) == {"a", "b"}
     assert all(ms >= 0.0 and spread >= 0.0 for ms, spread in res.values())
     assert order == ["a", "a", "b"] * 3  # every round runs each path once, in turn
+
+
+@pytest.mark.gpu
+def test_rotated_ms_times_each_path_and_reports_what_cannot_be_captured():
+    """Twice the bytes take longer; a call that syncs with the host (not capturable) is
+    reported with its reason and the other paths are still timed."""
+    small = torch.empty(1 << 24, device="cuda")
+    big = torch.empty(1 << 25, device="cuda")
+    calls = {
+        "small": [lambda: small.mul_(1.0)],
+        "host_sync": [lambda: small.sum().item()],
+        "big": [lambda: big.mul_(1.0)],
+    }
+    with torch.cuda.stream(torch.cuda.Stream()):
+        times, errors = rotated_ms(calls, rounds=3)
+    assert set(times) == {"small", "big"} and set(errors) == {"host_sync"}
+    assert errors["host_sync"]
+    assert times["big"] > 1.5 * times["small"] > 0.0

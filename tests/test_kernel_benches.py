@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_benchmark import bench_rmsnorm, bench_rope, bench_swiglu
-from kernel_benchmark.common import write_head_to_head
+from kernel_benchmark.common import head_to_head_rows, write_head_to_head
 
 # On a GPU the benchmarks run their full sweeps (minutes each): scripts/gpu_kernels.sh runs them.
 cpu_only = pytest.mark.skipif(
@@ -41,5 +41,23 @@ def test_head_to_head_covers_every_mode_and_path(tmp_path):
     assert (sw["us"] > 0).all() and (rms["us"] > 0).all()
     write_head_to_head(sw, tmp_path, "swiglu", "SwiGLU", "cpu", "float32", float("nan"))
     written = pd.read_csv(tmp_path / "swiglu_head_to_head.csv")
-    assert list(written.columns) == ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "spread"]
+    cols = ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "spread", "us_blocks"]
+    assert list(written.columns) == cols
+    assert (written["us_blocks"].str.count("/") == 2).all()  # three blocks
     assert "alternating rounds" in (tmp_path / "swiglu_head_to_head.md").read_text()
+
+
+@cpu_only
+def test_head_to_head_rows_fresh_inputs_per_block_and_both_orders():
+    """Each block asks for fresh calls; the second block runs the paths in reverse order."""
+    order, blocks = [], []
+
+    def make_calls(block):
+        blocks.append(block)
+        return {p: [lambda p=p: order.append((block, p))] for p in ("a", "b")}
+
+    rows = head_to_head_rows(make_calls, torch.device("cpu"), 1, float("nan"), mode="fwd")
+    assert blocks == [0, 1, 2] and [r["path"] for r in rows] == ["a", "b"]
+    firsts = [next(p for b, p in order if b == block) for block in blocks]
+    assert firsts == ["a", "b", "a"]
+    assert all(r["mode"] == "fwd" and r["us"] > 0 for r in rows)

@@ -43,6 +43,41 @@ def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 20.0)
     return sorted(times)[1]
 
 
+def rotated_ms(
+    calls: dict[str, list[Callable[[], object]]], rounds: int = 3, budget_ms: float = 10.0
+) -> tuple[dict[str, float], dict[str, str]]:
+    """GPU ms per call of every path at one point of a sweep: ``(path -> median, path -> why
+    it could not be timed)``.
+
+    Each round captures each path's CUDA graph in turn (its calls cycled, repeated to
+    ~``budget_ms``), replays it once warm, times one replay and frees it; the median over the
+    rounds is kept. So drift (clocks, temperature) between paths averages out as in
+    ``interleaved_ms``, while only one path's graph memory is held at a time, which the
+    largest sweep shapes need. A path whose graph cannot be captured is reported, not timed.
+    """
+    times: dict[str, list[float]] = {n: [] for n in calls}
+    reps: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    stream = torch.cuda.current_stream()
+    for _ in range(rounds):
+        for n, cs in calls.items():
+            if n in errors:
+                continue
+            try:
+                if n not in reps:
+                    est = _warm_ms(cs)
+                    reps[n] = max(
+                        1, min(24 // len(cs) + 1, int(budget_ms / max(est, 1e-3) / len(cs)))
+                    )
+                graph = _capture(cs, reps[n], stream)
+                times[n].append(_replay_ms(graph) / (reps[n] * len(cs)))
+                del graph
+            except Exception as ex:  # e.g. a peer that syncs with the host inside its call
+                errors[n] = str(ex).splitlines()[0][:60] if str(ex) else type(ex).__name__
+    medians = {n: _median_spread(ts)[0] for n, ts in times.items() if ts and n not in errors}
+    return medians, errors
+
+
 def _warm_ms(calls: list[Callable[[], object]]) -> float:
     """Run every call once (compilation, autotuning, allocator), then time one: host ms."""
     for c in calls:
