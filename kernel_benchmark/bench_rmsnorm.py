@@ -245,9 +245,9 @@ TARGETS = {"fwd": 92, "bwd": 80}  # % of copy bandwidth at 16K tokens x 4096, bf
 
 
 def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096) -> pd.DataFrame:
-    """Nakta vs Liger at the target shape, every mode, timed in 3 blocks of 15 alternating
-    rounds (``head_to_head_rows``), each path on its own inputs: the sweep's 3 rounds leave
-    ~0.5% of noise, more than the margin between the two at 4096."""
+    """Nakta vs Liger at the target shape, every mode, in alternating rounds with the input
+    allocations rotated between them (``head_to_head_rows``): the sweep's 3 rounds leave ~0.5%
+    of noise, more than the margin between the two at 4096."""
     plain, residual = paths(device)
     e = torch.empty((), dtype=dtype).element_size()
     rows = []
@@ -256,19 +256,15 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, n: int = 4096)
         names = [p for p in ("nakta", "liger") if p in table]
         n_sets = input_sets(device, min_bytes(mode, m, n, e))
 
-        def make_calls(block, mode=mode, table=table, names=names, n_sets=n_sets):
-            # every path gets its own inputs, in case a peer's backward reuses them in place
-            return {
-                p: [
-                    make_call(mode, table[p], make_inputs(m, n, dtype, device, 11 + i + 97 * block))
-                    for i in range(n_sets)
-                ]
-                for p in names
-            }
+        def make_sets(seed, n_sets=n_sets):
+            return [make_inputs(m, n, dtype, device, 11 + i + 7 * seed) for i in range(n_sets)]
+
+        def make_calls(path, sets, mode=mode, table=table):
+            return [make_call(mode, table[path], t) for t in sets]
 
         nbytes = min_bytes(mode, m, n, e)
         rows += head_to_head_rows(
-            make_calls, device, nbytes, copy_gbps, tokens=m, hidden=n, mode=mode
+            names, make_sets, make_calls, device, nbytes, copy_gbps, tokens=m, hidden=n, mode=mode
         )
     return pd.DataFrame(rows)
 

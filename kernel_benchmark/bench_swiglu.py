@@ -208,9 +208,10 @@ TARGETS = {"fwd": 95, "bwd": 85}  # % of copy bandwidth at 16K tokens x 11008, b
 
 
 def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, f: int = 11008) -> pd.DataFrame:
-    """Nakta (exact and fast) vs Liger (both entry points) at the target shape, every mode,
-    timed in 3 blocks of 15 alternating rounds (``head_to_head_rows``), each path on its own
-    inputs: the sweep's 3 rounds leave ~0.5% of noise, as much as the margins being judged."""
+    """Nakta (exact and fast) vs Liger (both entry points) at the target shape, every mode, in
+    alternating rounds with the input allocations rotated between them
+    (``head_to_head_rows``): the sweep's 3 rounds leave ~0.5% of noise, as much as the margins
+    being judged."""
     e = torch.empty((), dtype=dtype).element_size()
     names = ("nakta", "nakta_fast", "nakta_silu_mul", "liger_fused", "liger")
     table = {k: v for k, v in paths(device).items() if k in names}
@@ -218,18 +219,25 @@ def head_to_head(dtype, device, copy_gbps: float, m: int = 16384, f: int = 11008
     for mode in MODES:
         n_sets = input_sets(device, ELEMS[mode] * m * f * e)
 
-        def make_calls(block, mode=mode, n_sets=n_sets):
-            # every path gets its own inputs: Liger's backward writes its gradients into them
-            return {
-                p: [
-                    make_call(mode, kind, fn, make_inputs(m, f, dtype, device, 13 + i + 97 * block))
-                    for i in range(n_sets)
-                ]
-                for p, (kind, fn) in table.items()
-            }
+        def make_sets(seed, n_sets=n_sets):
+            return [make_inputs(m, f, dtype, device, 13 + i + 7 * seed) for i in range(n_sets)]
+
+        def make_calls(path, sets, mode=mode):
+            kind, fn = table[path]
+            return [make_call(mode, kind, fn, t) for t in sets]
 
         nbytes = ELEMS[mode] * m * f * e
-        rows += head_to_head_rows(make_calls, device, nbytes, copy_gbps, tokens=m, ffn=f, mode=mode)
+        rows += head_to_head_rows(
+            list(table),
+            make_sets,
+            make_calls,
+            device,
+            nbytes,
+            copy_gbps,
+            tokens=m,
+            ffn=f,
+            mode=mode,
+        )
     return pd.DataFrame(rows)
 
 

@@ -113,37 +113,52 @@ def plot_modes(df: pd.DataFrame, title: str, modes: tuple[str, ...], width: str)
     return fig
 
 
+InputSets = list[dict[str, torch.Tensor]]
+
+
 def head_to_head_rows(
-    make_calls: Callable[[int], dict[str, list[Callable[[], object]]]],
+    names: list[str],
+    make_sets: Callable[[int], InputSets],
+    make_calls: Callable[[str, InputSets], list[Callable[[], object]]],
     device: torch.device,
     nbytes: int,
     copy_gbps: float,
-    blocks: int = 3,
     **keys: object,
 ) -> list[dict]:
-    """Time the paths of ``make_calls(block)`` (path -> calls, on inputs it allocates afresh for
-    each block) in ``blocks`` blocks of alternating rounds (``interleaved_ms``), the path order
-    reversed in every other block: one row per path with ``keys``, us (median of the block
-    medians), % of copy bandwidth for ``nbytes`` per call, the largest in-block spread and the
-    block medians. Fresh inputs and both orders, because a single block of rounds left ~0.5%
-    between processes at 16K x 4096 (RMSNorm vs Liger), in either direction."""
-    per_block: dict[str, list[tuple[float, float]]] = {}
-    for block in range(blocks):
-        calls = make_calls(block)
-        if block % 2:
-            calls = dict(reversed(list(calls.items())))
+    """Head-to-head of the paths ``names`` in alternating rounds (``interleaved_ms``): one row
+    per path with ``keys``, us, % of copy bandwidth for ``nbytes`` per call, the largest
+    in-block spread and the median of every block.
+
+    ``make_sets(seed)`` makes one group of input sets and ``make_calls(path, sets)`` a path's
+    calls on them. Each of the P paths gets its own group, allocated once; block ``b`` (of 2P)
+    gives path ``j`` the group ``(j + b) mod P``, refilled with fresh values first (a peer may
+    write into its inputs), and the second P blocks run the paths in reverse order. So every
+    path runs on every allocation, in both orders: the same kernel measured ~1% apart on two
+    allocations of one shape (results/nvidia-h200/ab/ab16), which a fixed assignment turns
+    into a difference between paths. us = median of the 2P block medians."""
+    n = len(names)
+    groups = [make_sets(k) for k in range(n)]
+    per_block: dict[str, list[tuple[float, float]]] = {p: [] for p in names}
+    for block in range(2 * n):
+        if block:  # fresh values, same tensors (so the same allocations)
+            for k, group in enumerate(groups):
+                for old, new in zip(group, make_sets(k + n * block)):
+                    for name, t in old.items():
+                        t.copy_(new[name])
+        order = names if block < n else names[::-1]
+        calls = {p: make_calls(p, groups[(names.index(p) + block) % n]) for p in order}
         for p, res in interleaved_ms(calls, device).items():
-            per_block.setdefault(p, []).append(res)
+            per_block[p].append(res)
         del calls
     rows = []
-    for p, res in per_block.items():
-        meds = sorted(ms * 1e3 for ms, _ in res)
-        us = meds[len(meds) // 2] if len(meds) % 2 else 0.5 * sum(meds[len(meds) // 2 - 1 :][:2])
-        pct = 100 * nbytes / us / 1e3 / copy_gbps
+    for p in names:
+        meds = sorted(ms * 1e3 for ms, _ in per_block[p])
+        us = 0.5 * (meds[(len(meds) - 1) // 2] + meds[len(meds) // 2])
         rows.append(
             keys
-            | {"path": p, "us": us, "pct_copy_bw": pct, "spread": max(sp for _, sp in res)}
-            | {"us_blocks": "/".join(f"{ms * 1e3:.1f}" for ms, _ in res)}
+            | {"path": p, "us": us, "pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps}
+            | {"spread": max(sp for _, sp in per_block[p])}
+            | {"us_blocks": "/".join(f"{ms * 1e3:.1f}" for ms, _ in per_block[p])}
         )
     return rows
 
@@ -157,10 +172,10 @@ def write_head_to_head(
         out,
         f"{stem}_head_to_head",
         f"{kernel} head-to-head at the target shape: Nakta vs Liger in alternating rounds",
-        f"Device: {slug}; {dtype}; copy bandwidth {copy_gbps:.0f} GB/s. 3 blocks of 15 "
-        "rounds, each block on freshly allocated inputs and the path order reversed in the "
-        "second; each round replays one CUDA graph per path, in turn. us = median of the "
-        "block medians (us_blocks); spread = largest (max - min) / median within a block. "
-        "Same byte counts as the sweep.",
+        f"Device: {slug}; {dtype}; copy bandwidth {copy_gbps:.0f} GB/s. 2P blocks (P paths) "
+        "of 15 rounds; each round replays one CUDA graph per path, in turn; every path runs "
+        "on each path's input allocation (refilled with fresh values per block), in both path "
+        "orders. us = median of the block medians (us_blocks); spread = largest (max - min) "
+        "/ median within a block. Same byte counts as the sweep.",
     )
     print(h2h.to_string(index=False, float_format=lambda v: f"{v:.3g}"))

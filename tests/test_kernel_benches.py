@@ -43,21 +43,34 @@ def test_head_to_head_covers_every_mode_and_path(tmp_path):
     written = pd.read_csv(tmp_path / "swiglu_head_to_head.csv")
     cols = ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "spread", "us_blocks"]
     assert list(written.columns) == cols
-    assert (written["us_blocks"].str.count("/") == 2).all()  # three blocks
+    n_paths = written["path"].nunique()
+    assert (written["us_blocks"].str.count("/") == 2 * n_paths - 1).all()  # 2P blocks
     assert "alternating rounds" in (tmp_path / "swiglu_head_to_head.md").read_text()
 
 
 @cpu_only
-def test_head_to_head_rows_fresh_inputs_per_block_and_both_orders():
-    """Each block asks for fresh calls; the second block runs the paths in reverse order."""
-    order, blocks = [], []
+def test_head_to_head_rows_rotates_allocations_and_orders():
+    """2P blocks: each path runs on every path's inputs (refilled in place per block, so the
+    same tensors), first in the given order, then reversed."""
+    runs = []  # (block, path, id of the tensor it read, its first value)
+    made = []
 
-    def make_calls(block):
-        blocks.append(block)
-        return {p: [lambda p=p: order.append((block, p))] for p in ("a", "b")}
+    def make_sets(seed):
+        made.append(seed)
+        return [{"x": torch.full((4,), float(seed))}]
 
-    rows = head_to_head_rows(make_calls, torch.device("cpu"), 1, float("nan"), mode="fwd")
-    assert blocks == [0, 1, 2] and [r["path"] for r in rows] == ["a", "b"]
-    firsts = [next(p for b, p in order if b == block) for block in blocks]
-    assert firsts == ["a", "b", "a"]
-    assert all(r["mode"] == "fwd" and r["us"] > 0 for r in rows)
+    def make_calls(path, sets):
+        t = sets[0]["x"]
+        return [lambda: runs.append((len(made), path, id(t), float(t[0])))]
+
+    rows = head_to_head_rows(["a", "b"], make_sets, make_calls, torch.device("cpu"), 1, 1.0, m=1)
+    assert [r["path"] for r in rows] == ["a", "b"] and all(r["us"] > 0 for r in rows)
+    assert all(r["us_blocks"].count("/") == 3 for r in rows)  # 2P = 4 blocks
+    assert made == [0, 1, 2, 3, 4, 5, 6, 7]  # two groups, then refills per block
+    blocks = sorted({b for b, _, _, _ in runs})
+    first = [next(p for b, p, _, _ in runs if b == blk) for blk in blocks]
+    assert first == ["a", "a", "b", "b"]
+    tensors = {p: {i for _, q, i, _ in runs if q == p} for p in ("a", "b")}
+    assert tensors["a"] == tensors["b"] and len(tensors["a"]) == 2
+    values = [v for b, p, _, v in runs if b == blocks[1] and p == "a"]
+    assert values[0] == 3.0  # block 1, group 1 refilled from seed 1 + 2 * 1
