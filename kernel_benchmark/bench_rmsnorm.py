@@ -41,12 +41,12 @@ from kernel_benchmark.common import (
     cli,
     compiled,
     head_to_head_rows,
-    plot_modes,
+    run_sweep,
     sweep_point_rows,
     write_head_to_head,
 )
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_table
+from nakta_model.bench.report import results_dir
 from nakta_model.bench.timing import eager_ms, graph_ms, input_sets
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import rmsnorm as rmsnorm_kernels
@@ -324,33 +324,20 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         f"(block -> config): fwd {rmsnorm_kernels.FWD_CONFIGS}, bwd (block_m, warps, programs "
         f"per SM) {rmsnorm_kernels.BWD_CONFIGS}."
     )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from tqdm import tqdm
-
-    rows = []
-    # 16K tokens (the targets) first, so a run cut short still has them
-    shapes = [(m, n) for m in sorted(tokens, key=lambda t: (t != 16384, t)) for n in hidden]
-    for m, n in tqdm(shapes, desc="rmsnorm shapes"):
-        rows += bench_shape(m, n, dtype, device, copy_gbps)
-        if on_gpu:
-            torch.cuda.empty_cache()
-        # written after every shape, so a run cut short still leaves its rows
-        df = pd.DataFrame(rows)
-        write_table(df, out, stem, "RMSNorm: Nakta vs PyTorch, compile, Liger", notes)
-        fig = plot_modes(df, f"RMSNorm ({args.dtype}) on {slug}", MODES, "hidden")
-        save_figure(fig, out / f"{stem}.png")
-        plt.close(fig)
-    show = df[df["status"].str.startswith("ok")]
-    if on_gpu:
-        show = show[show.tokens == 16384]
-    cols = ["tokens", "hidden", "mode", "path", "us", "pct_copy_bw", "us_eager"]
-    cols += ["mismatch_vs_meta"]
-    print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    for _, r in df[df["status"] != "ok"].iterrows():
-        print(f"{r['tokens']}x{r['hidden']} {r['mode']} {r['path']}: {r['status']}")
+    df = run_sweep(
+        lambda m, w: bench_shape(m, w, dtype, device, copy_gbps),
+        tokens,
+        hidden,
+        width="hidden",
+        modes=MODES,
+        out=out,
+        stem=stem,
+        title="RMSNorm: Nakta vs PyTorch, compile, Liger",
+        notes=notes,
+        plot_title=f"RMSNorm ({args.dtype}) on {slug}",
+        mismatch="mismatch_vs_meta",
+        on_gpu=on_gpu,
+    )
     h2h = None
     if on_gpu:
         h2h = head_to_head(dtype, device, copy_gbps)

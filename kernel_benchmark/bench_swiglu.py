@@ -38,12 +38,12 @@ from kernel_benchmark.common import (
     cli,
     compiled,
     head_to_head_rows,
-    plot_modes,
+    run_sweep,
     sweep_point_rows,
     write_head_to_head,
 )
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_table
+from nakta_model.bench.report import results_dir
 from nakta_model.bench.timing import eager_ms, graph_ms, input_sets
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import swiglu as swiglu_kernels
@@ -306,33 +306,20 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         f"{swiglu_kernels.FWD_CONFIG}, fwd fast {swiglu_kernels.FWD_FAST_CONFIG}, "
         f"bwd {swiglu_kernels.BWD_CONFIG}."
     )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from tqdm import tqdm
-
-    rows = []
-    # 16K tokens (the targets) first, so a run cut short still has them
-    shapes = [(m, f) for m in sorted(tokens, key=lambda t: (t != 16384, t)) for f in ffn]
-    for m, f in tqdm(shapes, desc="swiglu shapes"):
-        rows += bench_shape(m, f, dtype, device, copy_gbps)
-        if on_gpu:
-            torch.cuda.empty_cache()
-        # written after every shape, so a run cut short still leaves its rows
-        df = pd.DataFrame(rows)
-        write_table(df, out, stem, "SwiGLU: Nakta vs eager, compile, Liger", notes)
-        fig = plot_modes(df, f"SwiGLU ({args.dtype}) on {slug}", MODES, "ffn")
-        save_figure(fig, out / f"{stem}.png")
-        plt.close(fig)
-    show = df[df["status"].str.startswith("ok")]
-    if on_gpu:
-        show = show[show.tokens == 16384]
-    cols = ["tokens", "ffn", "mode", "path", "us", "pct_copy_bw", "us_eager"]
-    cols += ["mismatch_vs_eager"]
-    print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    for _, r in df[df["status"] != "ok"].iterrows():
-        print(f"{r['tokens']}x{r['ffn']} {r['mode']} {r['path']}: {r['status']}")
+    df = run_sweep(
+        lambda m, w: bench_shape(m, w, dtype, device, copy_gbps),
+        tokens,
+        ffn,
+        width="ffn",
+        modes=MODES,
+        out=out,
+        stem=stem,
+        title="SwiGLU: Nakta vs eager, compile, Liger",
+        notes=notes,
+        plot_title=f"SwiGLU ({args.dtype}) on {slug}",
+        mismatch="mismatch_vs_eager",
+        on_gpu=on_gpu,
+    )
     h2h = None
     if on_gpu:
         h2h = head_to_head(dtype, device, copy_gbps)

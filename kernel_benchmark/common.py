@@ -1,6 +1,6 @@
 """What the RMSNorm and SwiGLU benchmarks share: their command line, the torch.compile peer,
-the timing of one sweep point, the one-panel-per-mode plot, and the head-to-head vs Liger
-(rows and table)."""
+the sweep loop and the timing of one sweep point, the one-panel-per-mode plot, and the
+head-to-head vs Liger (rows and table)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from nakta_model.bench.report import write_table
+from nakta_model.bench.report import save_figure, write_table
 from nakta_model.bench.timing import interleaved_ms, rotated_ms
 
 
@@ -81,6 +81,51 @@ def sweep_point_rows(
             | {k: v for k, v in measured.items() if k != "us_eager"}
         )
     return rows
+
+
+def run_sweep(
+    bench_shape: Callable[[int, int], list[dict]],
+    tokens: list[int],
+    widths: list[int],
+    *,
+    width: str,
+    modes: tuple[str, ...],
+    out: Path,
+    stem: str,
+    title: str,
+    notes: str,
+    plot_title: str,
+    mismatch: str,
+    on_gpu: bool,
+) -> pd.DataFrame:
+    """``bench_shape(tokens, width)`` over every shape, 16K tokens (the targets) first so a run
+    cut short still has them; the table and plot are rewritten after every shape, so a cut-short
+    run leaves its rows. Prints the 16K rows (every row on the CPU) and each path that failed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tqdm import tqdm
+
+    rows = []
+    shapes = [(m, w) for m in sorted(tokens, key=lambda t: (t != 16384, t)) for w in widths]
+    for m, w in tqdm(shapes, desc=f"{stem} shapes"):
+        rows += bench_shape(m, w)
+        if on_gpu:
+            torch.cuda.empty_cache()
+        df = pd.DataFrame(rows)
+        write_table(df, out, stem, title, notes)
+        fig = plot_modes(df, plot_title, modes, width)
+        save_figure(fig, out / f"{stem}.png")
+        plt.close(fig)
+    show = df[df["status"].str.startswith("ok")]
+    if on_gpu:
+        show = show[show.tokens == 16384]
+    cols = ["tokens", width, "mode", "path", "us", "pct_copy_bw", "us_eager", mismatch]
+    print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    for _, r in df[df["status"] != "ok"].iterrows():
+        print(f"{r['tokens']}x{r[width]} {r['mode']} {r['path']}: {r['status']}")
+    return df
 
 
 def plot_modes(df: pd.DataFrame, title: str, modes: tuple[str, ...], width: str):
