@@ -34,8 +34,7 @@ def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 20.0)
 
     Graph replay removes host launch overhead. ``calls`` use distinct input sets, together
     larger than L2 (see ``input_sets``), so each call reads its inputs from DRAM."""
-    est = _warm_ms(calls)
-    reps = max(1, min(24 // len(calls) + 1, int(budget_ms / max(est, 1e-3) / len(calls))))
+    reps = _graph_reps(calls, budget_ms)
     graph = _capture(calls, reps, stream)
     torch.cuda.synchronize()
     times = [_replay_ms(graph) / (reps * len(calls)) for _ in range(3)]
@@ -65,10 +64,7 @@ def rotated_ms(
                 continue
             try:
                 if n not in reps:
-                    est = _warm_ms(cs)
-                    reps[n] = max(
-                        1, min(24 // len(cs) + 1, int(budget_ms / max(est, 1e-3) / len(cs)))
-                    )
+                    reps[n] = _graph_reps(cs, budget_ms)
                 graph = _capture(cs, reps[n], stream)
                 times[n].append(_replay_ms(graph) / (reps[n] * len(cs)))
                 del graph
@@ -76,6 +72,13 @@ def rotated_ms(
                 errors[n] = str(ex).splitlines()[0][:60] if str(ex) else type(ex).__name__
     medians = {n: _median_spread(ts)[0] for n, ts in times.items() if ts and n not in errors}
     return medians, errors
+
+
+def _graph_reps(calls: list[Callable[[], object]], budget_ms: float) -> int:
+    """Passes over ``calls`` in one graph: ~``budget_ms`` of work by a warm host timing, at
+    least one and at most ~24 calls."""
+    est = _warm_ms(calls)
+    return max(1, min(24 // len(calls) + 1, int(budget_ms / max(est, 1e-3) / len(calls))))
 
 
 def _warm_ms(calls: list[Callable[[], object]]) -> float:
