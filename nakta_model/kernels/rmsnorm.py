@@ -755,7 +755,8 @@ def _layout(
 # over column blocks of this width instead, in two passes (the second reads the row back from
 # L2): 3% faster at 6656 on an H200 and level with torch.compile's looped kernel, where every
 # chunked launch configuration measured slower (results/nvidia-h200/ab/ab14, ab15). With the
-# residual add the chunked rows stay faster (the loop re-reads x and the residual).
+# residual add the chunked rows stay (97-99% of copy bandwidth at 6656 in the sweep); the loop
+# was not measured with the residual, where its second pass re-reads x and the residual.
 LOOPED_THREE_CHUNK_BLOCK = 2048
 
 
