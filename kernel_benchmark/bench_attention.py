@@ -1,16 +1,20 @@
 """Attention at HellaSwag scoring shapes and long prefill: Nakta's paths vs Meta's eager attention.
 
 Why: Meta's LLaMA runs attention as ``softmax(q @ k^T / sqrt(d) + mask).float()`` then ``@ v``,
-materialising the score matrix; Nakta sends every path through SDPA (``nakta_model.attention``).
+materialising the score matrix; Nakta's cache paths go through SDPA (``nakta_model.attention``)
+and its scoring engine through the packed Triton kernel (``kernels/packed_attention.py``).
 This sweep times, on the same inputs:
 
 * ``meta_eager``   -- Meta's matmul-softmax-matmul with an additive float mask;
 * ``sdpa_flash`` / ``sdpa_efficient`` / ``sdpa_cudnn`` -- the SDPA backends forced one at a time
   (causal only; a backend that refuses the shape is reported as skipped);
 * ``nakta_causal`` -- ``nakta_model.attention.causal_attention`` as the model calls it;
-* ``nakta_tree``   -- shared-context scoring: one row per task holding the context once and the
-  four endings after it, masked so each ending sees the context and itself
-  (``attention_bias`` + ``masked_attention``), against ``meta_eager`` on the same tree mask.
+* ``sdpa_bias``    -- shared-context scoring as Nakta did it before the packed kernel: one row
+  per task holding the context once and the four endings after it, an additive ``[B, 1, L, L]``
+  bias (row stride padded to 16) through SDPA, which picks cuDNN and plans per shape;
+* ``nakta_packed`` -- the packed kernel on the same tokens laid out as one stream (what the
+  scoring engine runs): reads Q/K/V in place from a fused ``[T, 3 H D]`` projection, masks from
+  per-token sequence starts and branch ids; for plain and prefill rows it is varlen causal.
 
 HellaSwag shapes: 4 endings x tasks, context 20-120 tokens, endings 5-40 tokens, about 16K
 tokens per call (the scorer's token budget); long prefill: 2K-8K causal. TFLOP/s count only the
@@ -26,6 +30,7 @@ against an fp32 reference (``rel_err``). Results: CSV + markdown + PNG in
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,10 +39,11 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from nakta_model.attention import attention_bias, causal_attention, masked_attention
+from nakta_model.attention import causal_attention
 from nakta_model.bench.ceilings import device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_table
 from nakta_model.bench.timing import eager_ms
+from nakta_model.kernels import packed_attention as packed
 
 TOKEN_BUDGET = 16384
 
@@ -128,6 +134,31 @@ def meta_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return add.view(-1, 1, *allowed.shape[-2:]) if allowed.dim() == 3 else add[None, None]
 
 
+def sdpa_bias(allowed: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``[B, 1, L, L]`` bias the pre-packed scorer built once per batch (row stride
+    padded to a multiple of 16 so the efficient kernel takes it without a copy)."""
+    length = allowed.shape[-1]
+    padded = -(-length // 16) * 16
+    bias = torch.full((batch, 1, length, padded), float("-inf"), dtype=dtype, device=allowed.device)
+    bias = bias[..., :length]
+    bias.masked_fill_(allowed[None, None], 0.0)
+    return bias
+
+
+def packed_layout(q, k, v, shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qkv [T, 3 H D], seq_start [T], branch [T])``: the batch's rows as one token stream."""
+    b, h, length, d = q.shape
+    qkv = torch.cat([q, k, v], dim=1).permute(0, 2, 1, 3).reshape(b * length, 3 * h * d)
+    start = (torch.arange(b, device=q.device, dtype=torch.int32) * length).repeat_interleave(length)
+    if shape.kind == "tree":
+        pos = torch.arange(length, device=q.device)
+        row = torch.where(pos < shape.ctx, 0, (pos - shape.ctx) // max(shape.ending, 1) + 1)
+        branch = row.to(torch.int32).repeat(b)
+    else:
+        branch = torch.zeros(b * length, dtype=torch.int32, device=q.device)
+    return qkv.contiguous(), start, branch
+
+
 def sdpa_backend(name: str) -> Callable:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -172,10 +203,10 @@ def bench_shape(
     if shape.kind == "tree":
         allowed = tree_mask(shape, device)
         mask_add = meta_mask(allowed, dtype)
-        bias = attention_bias(allowed.expand(shape.batch, -1, -1).contiguous(), dtype)
+        bias = sdpa_bias(allowed, shape.batch, dtype)
         paths = {
             "meta_eager": lambda: meta_eager(q, k, v, mask_add),
-            "nakta_tree": lambda: masked_attention(q, k, v, bias),
+            "sdpa_bias": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
         }
     else:
         pos = torch.arange(shape.seq, device=device)
@@ -188,6 +219,16 @@ def bench_shape(
         if device.type == "cuda":
             for name in ("flash", "efficient", "cudnn"):
                 paths[f"sdpa_{name}"] = (lambda f: lambda: f(q, k, v))(sdpa_backend(name))
+    qkv, start, branch = packed_layout(q, k, v, shape)
+    run_packed = (
+        packed.packed_attention if device.type == "cuda" else packed.packed_attention_reference
+    )
+    h = heads
+    paths["nakta_packed"] = lambda: (
+        run_packed(qkv, start, branch, h, h, head_dim)
+        .view(shape.batch, shape.seq, h, head_dim)
+        .transpose(1, 2)
+    )
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed)
     rows, base_ms = [], None
     for name, fn in paths.items():
@@ -228,6 +269,52 @@ def bench_shape(
     return rows
 
 
+PACKED_GRID = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --tune
+    (bm, bn, w, st)
+    for bm in (64, 128)
+    for bn in (32, 64, 128)
+    for w in (4, 8)
+    for st in (2, 3, 4)
+    if not (bm == 128 and bn == 128 and st == 4)
+]
+
+
+def tune_packed(shapes: list[Shape], heads: int, head_dim: int, dtype, device) -> pd.DataFrame:
+    """Time the packed kernel over PACKED_GRID on every shape; one row per (shape, config)."""
+    from tqdm import tqdm
+
+    rows = []
+    for shape in tqdm(shapes, desc="tune packed"):
+        g = torch.Generator(device=device).manual_seed(7)
+        size = (shape.batch, heads, shape.seq, head_dim)
+        q, k, v = (torch.randn(size, generator=g, device=device, dtype=dtype) for _ in range(3))
+        qkv, start, branch = packed_layout(q, k, v, shape)
+        flops = 4 * head_dim * shape.allowed_pairs() * heads
+        for bm, bn, w, st in PACKED_GRID:
+            packed._TUNE.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            fn = functools.partial(
+                packed.packed_attention, qkv, start, branch, heads, heads, head_dim
+            )
+            try:
+                ms = time_ms(fn, device, quick=True)
+            except Exception as e:  # noqa: BLE001 -- out of resources for this config
+                rows.append(
+                    {"case": shape.label(), "config": (bm, bn, w, st), "status": str(e)[:60]}
+                )
+                continue
+            rows.append(
+                {
+                    "case": shape.label(),
+                    "config": f"{bm}x{bn} w{w} s{st}",
+                    "status": "ok",
+                    "ms": ms,
+                    "tflops": flops / (ms * 1e-3) / 1e12,
+                }
+            )
+        packed._TUNE.clear()
+    return pd.DataFrame(rows)
+
+
 def plot(df: pd.DataFrame, title: str):
     import matplotlib
 
@@ -257,6 +344,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     p.add_argument("--no-prefill", action="store_true", help="skip the 2K-8K prefill rows")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="results folder (default results/<device>)")
+    p.add_argument(
+        "--tune", action="store_true", help="GPU: sweep the packed kernel's launch configs first"
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
@@ -265,6 +355,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     budget = args.budget or (TOKEN_BUDGET if on_gpu else 512)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     shapes = hellaswag_shapes(args.quick, budget)
+    from pathlib import Path
+
+    slug = device_slug(device)
+    out = Path(args.out) if args.out else results_dir(__file__, slug)
+    if args.tune and on_gpu:
+        tuned = tune_packed(shapes, heads, head_dim, dtype, device)
+        write_table(tuned, out, "attention_tune", "Packed attention launch configs", slug)
+        ok = tuned[tuned["status"] == "ok"]
+        mean = ok.groupby("config")["ms"].apply(lambda x: x.prod() ** (1 / len(x)))
+        print("packed attention configs, geometric-mean ms over shapes (best 8):")
+        print(mean.sort_values().head(8).to_string())
     if not args.no_prefill:
         shapes += prefill_shapes(args.quick, budget) if on_gpu else [Shape("prefill", 1, 256)]
     from tqdm import tqdm
@@ -275,17 +376,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if on_gpu:
             torch.cuda.empty_cache()  # the last shape's tensors are gone; return their blocks
     df = pd.DataFrame(rows)
-    slug = device_slug(device)
-    from pathlib import Path
-
-    out = Path(args.out) if args.out else results_dir(__file__, slug)
     notes = (
         f"Device: {slug}; {heads} heads x {head_dim}, {str(dtype).removeprefix('torch.')}; "
         f"~{budget} tokens per call. TFLOP/s = 4 * head_dim * allowed (query, key) pairs / time: "
         "causal counts s(s+1)/2 pairs, tree masks only the pairs they allow, padding nothing. "
         "`plain` = one causal row per request (context + ending - 1 tokens, 4 rows per task); "
         "`tree` = one row per task, context once + 4 endings, tree mask. `us_per_task` compares "
-        "the two ways to score the same tasks. `rel_err` vs an fp32 reference."
+        "the two ways to score the same tasks. `nakta_packed` runs the same rows as one packed "
+        "stream (the scoring engine's kernel; on the CPU its PyTorch reference). `rel_err` vs an "
+        "fp32 reference."
     )
     write_table(df, out, "attention", "Attention: Nakta paths vs Meta eager", notes)
     save_figure(plot(df, f"Attention TFLOP/s on {slug}"), out / "attention.png")

@@ -1,7 +1,8 @@
 """The Nakta Transformer: LLaMA with fused weights and Triton kernels, readable in one sitting.
 
 Per block: RMSNorm (fused with the residual add) -> ONE ``wqkv`` GEMM -> in-place QK RoPE that
-also writes K/V into the cache -> SDPA (flash when it applies) -> ``wo`` -> RMSNorm + residual ->
+also writes K/V into the cache -> attention (SDPA flash with a cache / causal rows; the packed
+Triton kernel for scoring) -> ``wo`` -> RMSNorm + residual ->
 ONE ``w13`` GEMM -> SwiGLU -> ``w2``. Same math as Meta's LLaMA-1 (``llama_org``), fewer launches.
 
 Tensor parallel (``ParallelContext``): each rank holds its Q/K/V heads and FFN columns; ``wo``
@@ -9,7 +10,8 @@ and ``w2`` are row-split and end in one all-reduce each; the embedding is replic
 head is split over the vocabulary and gathered only at the rows that are scored.
 
 Entry points: ``model(tokens, start_pos)`` (logits for every position, KV cache when set up),
-``model.forward_scored(...)`` (tree masks, logits only at the scored rows), :func:`load`,
+``model.forward_packed(...)`` (packed sequences with shared-context trees, logits only at the
+scored rows), :func:`load`,
 :func:`random_model`.
 """
 
@@ -23,8 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from nakta_model.attention import attention_bias, causal_attention, masked_attention
+from nakta_model.attention import causal_attention
 from nakta_model.config import ModelArgs
+from nakta_model.kernels import packed_attention as _packed
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
 from nakta_model.kernels import swiglu as _swiglu
@@ -77,6 +80,11 @@ class _Ops:
         fn = _rope.apply_rope_qkv_ if self.triton(qkv) else _rope.apply_rope_qkv_reference
         return fn(qkv, *args, **kw)
 
+    def packed_attention(self, qkv, *args, **kw):
+        ok = self.triton(qkv)
+        fn = _packed.packed_attention if ok else _packed.packed_attention_reference
+        return fn(qkv, *args, **kw)
+
 
 @dataclass
 class _Step:
@@ -89,7 +97,7 @@ class _Step:
     sin: torch.Tensor
     cache_slots: torch.Tensor | None = None  # int [batch * seqlen]: write K/V here
     key_len: int = 0  # with a cache: attend over cache positions [0, key_len)
-    bias: torch.Tensor | None = None  # additive [B, 1, L, L] mask (forward_scored)
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_start, branch) [T] each
 
 
 class RMSNorm(nn.Module):
@@ -133,6 +141,9 @@ class Attention(nn.Module):
             interleaved=self.interleaved,
             **cache,
         )
+        if step.packed is not None:  # one flat stream of sequences: read QKV in place
+            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd)
+            return all_reduce(self.wo(out), self.ctx)
         heads = qkv.view(b, s, hq + 2 * hkv, hd)
         q = heads[:, :, :hq].transpose(1, 2)
         if step.cache_slots is not None:
@@ -142,10 +153,7 @@ class Attention(nn.Module):
         else:
             k = heads[:, :, hq : hq + hkv].transpose(1, 2)
             v = heads[:, :, hq + hkv :].transpose(1, 2)
-        if step.bias is not None:
-            out = masked_attention(q, k, v, step.bias)
-        else:
-            out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v)
         out = out.transpose(1, 2).reshape(b * s, hq * hd)
         return all_reduce(self.wo(out), self.ctx)
 
@@ -333,38 +341,44 @@ class Transformer(nn.Module):
         return self._head(delta[last], residual[last])
 
     @torch.no_grad()
-    def forward_scored(
+    def forward_packed(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        attn_mask: torch.Tensor | None,
+        seq_start: torch.Tensor,
+        branch: torch.Tensor,
         logits_index: torch.Tensor,
     ) -> torch.Tensor:
-        """Score packed sequences: fp32 logits ``[N, vocab]`` at ``logits_index`` only.
+        """Score a packed token stream: fp32 logits ``[N, vocab]`` at ``logits_index`` only.
 
-        ``tokens``/``positions`` are ``[B, L]``; ``attn_mask`` is a bool ``[B, L, L]`` (True =
-        may attend; e.g. a shared context followed by several continuations) or None for plain
-        causal attention; ``logits_index`` holds N indices into the flattened ``B * L`` rows.
-        The final norm and the LM head run only on those N rows. The KV cache is not used.
+        All inputs but ``logits_index`` are 1-D ``[T]``: sequences back to back with no padding
+        between them; ``seq_start[t]`` is the index of the first token of t's sequence and
+        ``branch[t]`` 0 for a shared context, k > 0 for its k-th continuation branch (a token
+        sees the earlier context tokens of its sequence and the earlier tokens of its own
+        branch; see ``kernels/packed_attention.py``). ``positions`` restart per sequence and per
+        branch as the caller lays them out. The final norm and the LM head run on the N rows of
+        ``logits_index`` only. The KV cache is not used.
         """
-        self._check_tokens(tokens)
-        b, length = tokens.shape
-        if not isinstance(positions, torch.Tensor) or positions.shape != tokens.shape:
-            raise ValueError(f"positions must be a tensor of shape {tuple(tokens.shape)}")
-        if positions.dtype not in (torch.int64, torch.int32):
-            raise TypeError("positions must be an int64/int32 tensor")
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError("tokens must be an int64/int32 tensor [T]")
+        if tokens.dim() != 1 or tokens.shape[0] == 0:
+            raise ValueError(f"tokens must have shape [T>0], got {tuple(tokens.shape)}")
+        if tokens.device != self.device:
+            raise ValueError(f"tokens are on {tokens.device}, the model on {self.device}")
+        n = tokens.shape[0]
+        for name, t in (("positions", positions), ("seq_start", seq_start), ("branch", branch)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
+                raise ValueError(f"{name} must be a tensor of shape ({n},)")
+            if t.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"{name} must be an int64/int32 tensor")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the model on {self.device}")
         if not isinstance(logits_index, torch.Tensor) or logits_index.dim() != 1:
-            raise ValueError("logits_index must be a 1-D integer tensor of flattened row indices")
+            raise ValueError("logits_index must be a 1-D integer tensor of token indices")
         if logits_index.dtype not in (torch.int64, torch.int32):
             raise TypeError("logits_index must be an int64/int32 tensor")
-        cos, sin = self._rope_tables(length)
-        step = _Step(b, length, positions.reshape(-1).to(self.device), cos, sin)
-        if attn_mask is not None:
-            if tuple(attn_mask.shape) != (b, length, length):
-                raise ValueError(
-                    f"attn_mask must have shape {(b, length, length)}, got {tuple(attn_mask.shape)}"
-                )
-            step.bias = attention_bias(attn_mask.to(self.device), self.dtype)
+        cos, sin = self._rope_tables(self.args.max_seq_len)
+        step = _Step(1, n, positions, cos, sin, packed=(seq_start, branch))
         delta, residual = self._trunk(tokens, step)
         idx = logits_index.to(self.device)
         return self._head(delta.index_select(0, idx), residual.index_select(0, idx))

@@ -6,7 +6,7 @@ HF backend computes (same left truncation, same per-token log-softmax in fp32).
 
 Why an engine and not a loop over requests: multiple-choice benchmarks score several
 continuations of ONE context (HellaSwag: 4 endings of ~17 tokens after a ~34-token context).
-With ``use_cache=True`` the requests sharing a context are packed into one row
+With ``use_cache=True`` the requests sharing a context become one row
 
     [ctx..., cont1[:-1]..., cont2[:-1]..., ...]
 
@@ -14,13 +14,18 @@ whose positions restart at ``len(ctx)`` for every continuation, under a tree mas
 continuation sees the whole context and its own causal prefix). The context is computed once,
 with no K/V copies, and the first token of every continuation is predicted from the one shared
 last-context position. That halves the tokens of a HellaSwag run. Only the scored positions go
-through the LM head and the log-softmax (``forward_scored``'s ``logits_index``), never
+through the LM head and the log-softmax (``forward_packed``'s ``logits_index``), never
 ``[rows, len, vocab]``.
 
-Batches are filled up to a token budget (rows x padded length), longest rows first, so padding
-stays small. ``score_with_forward`` is the plain (no-cache) scorer for any model callable
+Batches are packed, not padded: rows go back to back into one token stream of at most
+``token_budget`` tokens (best fit decreasing, so batches come out nearly full), and the model's
+packed attention keeps each row to itself. No token is spent on padding except the few that
+round a stream up to a multiple of ``PAD_MULTIPLE``; every full batch has (nearly) the same
+token count, so the forward meets few distinct shapes and no per-shape planning.
+``score_with_forward`` is the plain (no-cache) scorer for any model callable
 ``tokens [b, s] -> logits [b, s, V]`` (llama_org, HF peers): same requests, same truncation,
-same batching limits, same log-prob gather, so speed and parity comparisons are like for like.
+right-padded rows under the same limits, same log-prob gather, so speed and parity comparisons
+are like for like.
 
 Truncation (as lm-eval's HF causal LM): a request longer than ``max_length + 1`` tokens keeps
 ``(ctx + cont)[-(max_length + 1):][:-1]`` as model input, i.e. the context loses tokens on the
@@ -29,6 +34,7 @@ LEFT; a continuation longer than ``max_length`` cannot be scored (ValueError).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -137,8 +143,9 @@ def _row_key(row: _Row) -> tuple:
     return (-len(row), row.ctx, [c for _, c in row.branches])
 
 
-def _batches(rows: list[_Row], token_budget: int, max_rows: int | None) -> list[list[_Row]]:
-    """Longest rows first; a batch holds rows while rows x longest length <= token_budget.
+def _padded_batches(rows: list[_Row], token_budget: int, max_rows: int | None) -> list[list[_Row]]:
+    """For row-padded peers: longest rows first; a batch holds rows while rows x longest
+    length <= token_budget (and at most ``max_rows`` rows).
 
     Rows (and branches within a row) are put in a canonical order that depends on their tokens
     only, so the same set of requests gives the same batches, and the same rounding, in any
@@ -161,95 +168,159 @@ def _batches(rows: list[_Row], token_budget: int, max_rows: int | None) -> list[
     return out
 
 
+def _packed_batches(rows: list[_Row], token_budget: int, max_rows: int | None) -> list[list[_Row]]:
+    """For the packed engine: rows go into batches of at most ``token_budget`` tokens (no padding
+    between rows) and ``max_rows`` rows, best fit decreasing: each row, longest first, joins the
+    batch with the least room that still fits it, so batches come out nearly full and their
+    token counts (the forward's only shape) nearly equal. A row longer than the budget gets a
+    batch of its own. Canonical row order, as in :func:`_padded_batches`.
+    """
+    rows = sorted(rows, key=_row_key)
+    batches: list[list[_Row]] = []
+    sizes: list[int] = []
+    room: list[tuple[int, int]] = []  # sorted (free tokens, batch id) of batches still open
+    for row in rows:
+        n = len(row)
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            free, b = room.pop(at)
+        else:
+            b = len(batches)
+            batches.append([])
+            sizes.append(0)
+            free = max(token_budget, n)
+        batches[b].append(row)
+        sizes[b] += n
+        free -= n
+        if free > 0 and (max_rows is None or len(batches[b]) < max_rows):
+            bisect.insort(room, (free, b))
+    return batches
+
+
+@dataclass
+class _Packed:
+    """Host-side tensors of one packed batch (built before the device work starts)."""
+
+    tokens: torch.Tensor  # [T] long: every row's tokens back to back, then padding
+    positions: torch.Tensor  # [T] long
+    seq_start: torch.Tensor  # [T] int32: first token of each token's row
+    branch: torch.Tensor  # [T] int32: 0 context, k > 0 branch k
+    flat_index: torch.Tensor  # [N] long: scored token indices
+    src: torch.Tensor  # [S] long: row of the [N, V] logits that predicts each target
+    target: torch.Tensor  # [S] long: target token ids
+    req: torch.Tensor  # [S] long: request index of each target
+    n_real: int  # tokens before the padding
+
+
+PAD_MULTIPLE = 128  # token counts are rounded up to this: few distinct forward shapes
+
+
+def _pack(batch: list[_Row], pin: bool = False) -> _Packed:
+    """Lay out a batch as one token stream: each row is its context, then every branch's
+    tokens but the last (the last token of a continuation is a target, never an input), with
+    positions restarting at ``len(ctx)`` for every branch. Scored positions: the last context
+    token (predicts every branch's first target), then every branch token.
+
+    The stream is padded to a multiple of ``PAD_MULTIPLE``; a pad token is a sequence of its
+    own (it attends to itself only) and is never scored.
+
+    ``pin``: page-locked host tensors, so their copies to the GPU are truly asynchronous (a
+    copy from pageable memory waits for the stream to drain and would idle the GPU while the
+    host packs the next batch).
+    """
+    toks: list[int] = []
+    pos: list[int] = []
+    start: list[int] = []
+    branch: list[int] = []
+    flat: list[int] = []
+    src: list[int] = []
+    target: list[int] = []
+    req: list[int] = []
+    for row in batch:
+        s0 = len(toks)
+        c = len(row.ctx)
+        toks += row.ctx
+        pos += range(c)
+        branch += [0] * c
+        first_scored = len(flat)
+        flat.append(s0 + c - 1)  # predicts the first token of every branch
+        for k, (i, cont) in enumerate(row.branches, start=1):
+            m = len(cont)
+            b0 = len(toks)
+            toks += cont[:-1]
+            pos += range(c, c + m - 1)
+            branch += [k] * (m - 1)
+            src.append(first_scored)
+            src += range(len(flat), len(flat) + m - 1)
+            flat += range(b0, b0 + m - 1)
+            target += cont
+            req += [i] * m
+        start += [s0] * (len(toks) - s0)
+    n_real = len(toks)
+    n_pad = -n_real % PAD_MULTIPLE
+    toks += [0] * n_pad
+    pos += [0] * n_pad
+    start += range(n_real, n_real + n_pad)
+    branch += [0] * n_pad
+    out = _Packed(
+        tokens=torch.tensor(toks, dtype=torch.long),
+        positions=torch.tensor(pos, dtype=torch.long),
+        seq_start=torch.tensor(start, dtype=torch.int32),
+        branch=torch.tensor(branch, dtype=torch.int32),
+        flat_index=torch.tensor(flat, dtype=torch.long),
+        src=torch.tensor(src, dtype=torch.long),
+        target=torch.tensor(target, dtype=torch.long),
+        req=torch.tensor(req, dtype=torch.long),
+        n_real=n_real,
+    )
+    if pin:
+        for name in ("tokens", "positions", "seq_start", "branch", "flat_index", "src"):
+            setattr(out, name, getattr(out, name).pin_memory())
+        out.target, out.req = out.target.pin_memory(), out.req.pin_memory()
+    return out
+
+
 @dataclass
 class _Batch:
-    """Host-side tensors of one batch (built before the device work starts)."""
+    """Host-side tensors of one row-padded batch (the plain scorer's layout)."""
 
     tokens: torch.Tensor  # [B, L] long
-    positions: torch.Tensor  # [B, L] long
-    segments: torch.Tensor | None  # [B, L] long: 0 context, k>0 branch k, -1 padding
     flat_index: torch.Tensor  # [N] long: scored positions, flattened b * L + t
     src: torch.Tensor  # [T] long: row of the [N, V] logits that predicts each target
     target: torch.Tensor  # [T] long: target token ids
     req: torch.Tensor  # [T] long: request index of each target
-    n_tokens: int
 
 
-def _pack(batch: list[_Row], tree: bool, pin: bool = False) -> _Batch:
-    """Lay out a batch: tokens, positions, tree segments and the scored-position gather maps.
-
-    ``pin``: page-locked host tensors, so their copies to the GPU are truly asynchronous. A copy
-    from pageable memory first waits for the stream to drain, which would leave the GPU idle
-    while the host packs the next batch.
-    """
+def _pad_rows(batch: list[_Row], pin: bool = False) -> _Batch:
+    """Right-padded ``[B, L]`` rows of single-branch rows (``ctx + cont[:-1]``) for peers whose
+    forward takes a token matrix; scored positions as in :func:`_pack`."""
     width = max(len(r) for r in batch)
-    n = len(batch)
-    tokens = torch.zeros(n, width, dtype=torch.long)
-    positions = torch.zeros(n, width, dtype=torch.long)
-    segments = torch.full((n, width), -1, dtype=torch.long) if tree else None
+    tokens = torch.zeros(len(batch), width, dtype=torch.long)
     flat, src, target, req = [], [], [], []
-    n_scored = 0
     for b, row in enumerate(batch):
+        ((i, cont),) = row.branches
+        toks = row.ctx + cont[:-1]
+        tokens[b, : len(toks)] = torch.tensor(toks)
         c = len(row.ctx)
-        toks = list(row.ctx)
-        pos = list(range(c))
-        seg = [0] * c
-        for k, (_, cont) in enumerate(row.branches, start=1):
-            toks += cont[:-1]
-            pos += range(c, c + len(cont) - 1)
-            seg += [k] * (len(cont) - 1)
-        length = len(toks)
-        tokens[b, :length] = torch.tensor(toks)
-        positions[b, :length] = torch.tensor(pos)
-        if segments is not None:
-            segments[b, :length] = torch.tensor(seg)
-        # Scored positions of this row: the last context token, then every branch token.
-        flat.append(torch.arange(b * width + c - 1, b * width + length))
-        off = c  # row offset of the current branch's first token
-        for i, cont in row.branches:
-            m = len(cont)
-            # target j is predicted from row position c-1 (j=0) or off+j-1 (j>0)
-            row_pos = [c - 1] + list(range(off, off + m - 1))
-            src += [n_scored + p - (c - 1) for p in row_pos]
-            target += cont
-            req += [i] * m
-            off += m - 1
-        n_scored += length - c + 1
+        src += range(len(flat), len(flat) + len(cont))
+        flat += range(b * width + c - 1, b * width + len(toks))
+        target += cont
+        req += [i] * len(cont)
     out = _Batch(
         tokens=tokens,
-        positions=positions,
-        segments=segments,
-        flat_index=torch.cat(flat),
+        flat_index=torch.tensor(flat, dtype=torch.long),
         src=torch.tensor(src, dtype=torch.long),
         target=torch.tensor(target, dtype=torch.long),
         req=torch.tensor(req, dtype=torch.long),
-        n_tokens=n * width,
     )
     if pin:
-        for name in ("tokens", "positions", "segments", "flat_index", "src", "target", "req"):
-            t = getattr(out, name)
-            if t is not None:
-                setattr(out, name, t.pin_memory())
+        for name in ("tokens", "flat_index", "src", "target", "req"):
+            setattr(out, name, getattr(out, name).pin_memory())
     return out
 
 
-def tree_mask(segments: torch.Tensor) -> torch.Tensor:
-    """Bool ``[B, L, L]`` (True = attend) from segment ids (0 context, k branch k, -1 pad).
-
-    A query attends to keys at or before it that are context or in its own branch; a padding
-    query attends to itself only (its output is never read, but its softmax must not be empty).
-    """
-    q = segments[:, :, None]
-    k = segments[:, None, :]
-    L = segments.shape[1]
-    idx = torch.arange(L, device=segments.device)
-    causal = idx[None, :, None] >= idx[None, None, :]
-    allowed = causal & (q >= 0) & (k >= 0) & ((k == 0) | (k == q))
-    return allowed | torch.eye(L, dtype=torch.bool, device=segments.device)[None]
-
-
 def _accumulate(
-    logits: torch.Tensor, batch: _Batch, sums: torch.Tensor, misses: torch.Tensor
+    logits: torch.Tensor, batch: _Packed | _Batch, sums: torch.Tensor, misses: torch.Tensor
 ) -> None:
     """Add this batch's per-token log-probs into ``sums`` and count non-argmax tokens, on device."""
     device = logits.device
@@ -318,42 +389,49 @@ def score(
 ) -> list[tuple[float, bool]]:
     """lm-eval ``loglikelihood`` over token requests with a Nakta model.
 
-    ``model`` needs ``forward_scored(tokens, positions, attn_mask, logits_index)`` (fp32 logits
-    at the flattened ``logits_index`` positions only). ``max_length`` defaults to the model's
-    ``max_seq_len``; ``use_cache`` packs the continuations of a shared context into one row.
-    Results equal ``use_cache=False`` up to the model dtype's rounding.
+    ``model`` needs ``forward_packed(tokens, positions, seq_start, branch, logits_index)``
+    (fp32 logits at ``logits_index`` only; see ``Transformer.forward_packed``). ``max_length``
+    defaults to the model's ``max_seq_len``; ``use_cache`` packs the continuations of a shared
+    context behind one copy of it. Results equal ``use_cache=False`` up to the model dtype's
+    rounding. ``token_budget`` (tokens per forward) bounds memory; ``max_rows`` optionally caps
+    the rows (contexts with their continuations) per forward.
     """
-    if not hasattr(model, "forward_scored"):
-        raise TypeError("model must have forward_scored(tokens, positions, attn_mask, index)")
-    max_length = max_length or _model_attr(model, ("max_seq_len", "max_length"))
+    if not hasattr(model, "forward_packed"):
+        raise TypeError(
+            "model must have forward_packed(tokens, positions, seq_start, branch, logits_index)"
+        )
     if max_length is None:
-        raise ValueError("max_length is required: the model exposes no max_seq_len")
+        max_length = _model_attr(model, ("max_seq_len", "max_length"))
+        if max_length is None:
+            raise ValueError("max_length is required: the model exposes no max_seq_len")
     _check_budget(token_budget, max_rows)
     vocab = _model_attr(model, ("vocab_size",))
     reqs = _check_requests(requests, vocab, max_length)
     rows, dup = _build_rows(reqs, use_cache, max_length)
-    batches = _batches(rows, token_budget, max_rows)
+    batches = _packed_batches(rows, token_budget, max_rows)
     device = _model_device(model)
     sums = torch.zeros(len(reqs), dtype=torch.float64, device=device)
     misses = torch.zeros(len(reqs), dtype=torch.int32, device=device)
     total = sum(len(r) for r in rows)
+    pin = device.type == "cuda"
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
     with torch.inference_mode(), _progress(total, progress, "scoring") as bar:
         for rows_b in batches:
-            tree = use_cache and any(len(r.branches) > 1 for r in rows_b)
-            b = _pack(rows_b, tree, pin=device.type == "cuda")
-            tokens = b.tokens.to(device, non_blocking=True)
-            positions = b.positions.to(device, non_blocking=True)
-            segments = b.segments
-            mask = tree_mask(segments.to(device, non_blocking=True)) if tree else None
-            index = b.flat_index.to(device, non_blocking=True)
-            logits = model.forward_scored(tokens, positions, mask, index)
+            b = _pack(rows_b, pin=pin)
+            index = put(b.flat_index)
+            logits = model.forward_packed(
+                put(b.tokens), put(b.positions), put(b.seq_start), put(b.branch), index
+            )
             if logits.shape[0] != index.shape[0]:
                 raise RuntimeError(
-                    f"forward_scored returned {tuple(logits.shape)} logits for "
+                    f"forward_packed returned {tuple(logits.shape)} logits for "
                     f"{index.shape[0]} scored positions"
                 )
             _accumulate(logits, b, sums, misses)
-            bar.update(sum(len(r) for r in rows_b))
+            bar.update(b.n_real)
     return _finish(sums, misses, len(reqs), dup)
 
 
@@ -378,13 +456,13 @@ def score_with_forward(
     _check_budget(token_budget, batch_size)
     reqs = _check_requests(requests, vocab_size, max_length)
     rows, _ = _build_rows(reqs, False, max_length)
-    batches = _batches(rows, token_budget, batch_size)
+    batches = _padded_batches(rows, token_budget, batch_size)
     device = torch.device(device or "cpu")
     sums = misses = None
     total = sum(len(r) for r in rows)
     with torch.inference_mode(), _progress(total, progress, "scoring") as bar:
         for rows_b in batches:
-            b = _pack(rows_b, tree=False, pin=device.type == "cuda")
+            b = _pad_rows(rows_b, pin=device.type == "cuda")
             logits = forward_fn(b.tokens.to(device, non_blocking=True))
             if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(b.tokens.shape):
                 raise RuntimeError(

@@ -1,4 +1,4 @@
-"""nakta_model.Transformer: KV cache, forward_scored tree masks, logits gather, TP, dtypes, errors.
+"""nakta_model.Transformer: KV cache, packed tree scoring, logits gather, TP, dtypes, errors.
 
 Parity with Meta's code is in test_parity_llama_org.py; here the model is checked against itself
 along independent paths (cache vs no cache, packed tree vs separate sequences, Triton vs
@@ -60,22 +60,6 @@ def test_causal_attention_is_bottom_right_aligned_with_gqa(s, t):
         attention.causal_attention(torch.randn(1, 4, 9, 8), k[:1], v[:1])
 
 
-def test_attention_bias_is_aligned_and_keeps_empty_rows_finite():
-    mask = torch.rand(3, 21, 21) > 0.5
-    mask[:, 4] = False  # a row that may attend to nothing (padding)
-    bias = attention.attention_bias(mask, torch.float32)
-    assert bias.shape == (3, 1, 21, 21) and bias.stride(-2) % 16 == 0 and bias.stride(0) % 16 == 0
-    q, k, v = torch.randn(3, 4, 21, 8), torch.randn(3, 2, 21, 8), torch.randn(3, 2, 21, 8)
-    out = attention.masked_attention(q, k, v, bias)
-    assert torch.isfinite(out).all()
-    mask[:, 4, 4] = True  # what the bias turns an empty row into
-    torch.testing.assert_close(out, naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
-    with pytest.raises(TypeError, match="torch.bool"):
-        attention.attention_bias(mask.float(), torch.float32)
-    with pytest.raises(ValueError, match=r"\[B, L, L\]"):
-        attention.attention_bias(mask[:, :3], torch.float32)
-
-
 # ------------------------------------------------------------------------------------ KV cache
 
 
@@ -126,95 +110,98 @@ def test_forward_without_cache_at_an_offset_rotates_from_start_pos():
     torch.testing.assert_close(model(tokens, 10), model(tokens, 0), rtol=1e-4, atol=1e-4)
 
 
-# ------------------------------------------------------------------------------ forward_scored
+# ------------------------------------------------------------------------------ forward_packed
 
 
-def tree_batch(c=5, a=3, b=4, pad=2):
-    """Row 0: context C, continuations A and B (each sees C and its own prefix), 2 pad slots.
-    Row 1: one plain causal sequence of the same length."""
-    length = c + a + b + pad
-    tokens = torch.randint(3, VOCAB, (2, length))
-    positions = torch.zeros(2, length, dtype=torch.long)
-    positions[0, :c] = torch.arange(c)
-    positions[0, c : c + a] = torch.arange(c, c + a)
-    positions[0, c + a : c + a + b] = torch.arange(c, c + b)
-    positions[1] = torch.arange(length)
-    mask = torch.zeros(2, length, length, dtype=torch.bool)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    mask[0, :c, :c] = causal[:c, :c]
-    mask[0, c : c + a, :c] = True
-    mask[0, c : c + a, c : c + a] = causal[:a, :a]
-    mask[0, c + a : c + a + b, :c] = True
-    mask[0, c + a : c + a + b, c + a : c + a + b] = causal[:b, :b]
-    mask[1] = causal
-    return tokens, positions, mask, (c, a, b, length)
+def tree_stream(c=5, a=3, b=4, plain=9, pad=2):
+    """One packed stream: a row of context C with branches A and B (each sees C and its own
+    prefix), then a plain causal row of ``plain`` tokens, then ``pad`` pad tokens (each a
+    sequence of its own). Returns tokens, positions, seq_start, branch and the row lengths."""
+    row0 = c + a + b
+    n = row0 + plain + pad
+    tokens = torch.randint(3, VOCAB, (n,))
+    positions = torch.cat(
+        [
+            torch.arange(c),
+            torch.arange(c, c + a),
+            torch.arange(c, c + b),
+            torch.arange(plain),
+            torch.zeros(pad, dtype=torch.long),
+        ]
+    )
+    seq_start = torch.tensor([0] * row0 + [row0] * plain + list(range(row0 + plain, n)))
+    branch = torch.tensor([0] * c + [1] * a + [2] * b + [0] * (plain + pad))
+    return tokens, positions, seq_start, branch, (c, a, b, plain, n)
 
 
 @pytest.mark.parametrize("params", [TINY_PARAMS, TINY_PARAMS_MHA], ids=["gqa", "mha"])
-def test_forward_scored_tree_mask_equals_separate_forwards(params):
-    model = make(params)
-    tokens, positions, mask, (c, a, b, length) = tree_batch()
-    index = torch.arange(2 * length)  # every row, pad rows included (they must stay finite)
-    out = model.forward_scored(tokens, positions, mask, index).view(2, length, -1)
-    assert out.dtype == torch.float32 and torch.isfinite(out).all()
-    ca = model(torch.cat([tokens[:1, :c], tokens[:1, c : c + a]], 1))[0]
-    cb = model(torch.cat([tokens[:1, :c], tokens[:1, c + a : c + a + b]], 1))[0]
-    tol = dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out[0, :c], ca[:c], **tol)
-    torch.testing.assert_close(out[0, c : c + a], ca[c:], **tol)
-    torch.testing.assert_close(out[0, c + a : c + a + b], cb[c:], **tol)
-    torch.testing.assert_close(out[1], model(tokens[1:])[0], **tol)
-    # attn_mask=None means causal
-    torch.testing.assert_close(
-        model.forward_scored(tokens[1:], positions[1:], None, torch.arange(length)),
-        model(tokens[1:])[0],
-        **tol,
-    )
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_forward_packed_equals_separate_forwards(params, kernels):
+    model = make(params, kernels=kernels)
+    tokens, positions, seq_start, branch, (c, a, b, plain, n) = tree_stream()
+    index = torch.arange(n)  # every token, pads included (they must stay finite)
+    out = model.forward_packed(tokens, positions, seq_start, branch, index)
+    assert out.dtype == torch.float32 and out.shape == (n, VOCAB) and torch.isfinite(out).all()
+    ref = make(params)
+    ca = ref(torch.cat([tokens[:c], tokens[c : c + a]])[None])[0]
+    cb = ref(torch.cat([tokens[:c], tokens[c + a : c + a + b]])[None])[0]
+    row1 = ref(tokens[c + a + b : c + a + b + plain][None])[0]
+    tol = dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out[:c], ca[:c], **tol)
+    torch.testing.assert_close(out[c : c + a], ca[c:], **tol)
+    torch.testing.assert_close(out[c + a : c + a + b], cb[c:], **tol)
+    torch.testing.assert_close(out[c + a + b : c + a + b + plain], row1, **tol)
 
 
 def test_logits_index_gathers_rows_and_the_lm_head_sees_only_them():
     model = make()
-    tokens, positions, mask, (_, _, _, length) = tree_batch()
-    full = model.forward_scored(tokens, positions, mask, torch.arange(2 * length))
-    index = torch.tensor([13, 4, 5, 27, 6, 4])  # any order, repeats allowed
+    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    full = model.forward_packed(tokens, positions, seq_start, branch, torch.arange(n))
+    index = torch.tensor([13, 4, 5, 20, 6, 4])  # any order, repeats allowed
     rows_seen = []
     hook = model.output.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
     try:
-        got = model.forward_scored(tokens, positions, mask, index)
+        got = model.forward_packed(tokens, positions, seq_start, branch, index)
     finally:
         hook.remove()
     assert rows_seen == [len(index)]
     torch.testing.assert_close(got, full[index], rtol=1e-6, atol=1e-6)
 
 
-def test_forward_scored_ignores_the_kv_cache_and_returns_plain_tensors():
+def test_forward_packed_ignores_the_kv_cache_and_returns_plain_tensors():
     model = make()
-    tokens, positions, mask, (_, _, _, length) = tree_batch()
-    idx = torch.arange(2 * length)
-    before = model.forward_scored(tokens, positions, mask, idx)
+    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    idx = torch.arange(n)
+    before = model.forward_packed(tokens, positions, seq_start, branch, idx)
     model.setup_cache(1, 4)  # too small for this batch: must not be touched
-    after = model.forward_scored(tokens, positions, mask, idx)
+    after = model.forward_packed(tokens, positions, seq_start, branch, idx)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     after.sub_(after.max())  # callers may edit logits in place (no inference tensors)
     assert not after.is_inference()
 
 
-def test_forward_scored_rejects_bad_inputs():
+def test_forward_packed_rejects_bad_inputs():
     model = make()
-    tokens, positions, mask, _ = tree_batch()
+    tokens, positions, seq_start, branch, _ = tree_stream()
     idx = torch.tensor([0])
-    with pytest.raises(ValueError, match="attn_mask must have shape"):
-        model.forward_scored(tokens, positions, mask[:, :-1, :-1], idx)
-    with pytest.raises(TypeError, match="torch.bool"):
-        model.forward_scored(tokens, positions, mask.float(), idx)
     with pytest.raises(ValueError, match="positions must be a tensor of shape"):
-        model.forward_scored(tokens, positions[:, :-1], mask, idx)
+        model.forward_packed(tokens, positions[:-1], seq_start, branch, idx)
+    with pytest.raises(TypeError, match="branch must be an int64/int32"):
+        model.forward_packed(tokens, positions, seq_start, branch.float(), idx)
     with pytest.raises(TypeError, match="logits_index must be an int64/int32"):
-        model.forward_scored(tokens, positions, mask, idx.float())
+        model.forward_packed(tokens, positions, seq_start, branch, idx.float())
+    with pytest.raises(ValueError, match=r"tokens must have shape \[T>0\]"):
+        model.forward_packed(tokens[None], positions, seq_start, branch, idx)
+    backwards = seq_start.clone()
+    backwards[-1] = 0  # the last token claims the first sequence: not contiguous
+    with pytest.raises(ValueError, match="seq_start must be non-decreasing"):
+        model.forward_packed(tokens, positions, backwards, branch, idx)
+    with pytest.raises(ValueError, match=r"seq_start\[t\] must lie in \[0, t\]"):
+        model.forward_packed(tokens, positions, seq_start.flip(0), branch, idx)
     with pytest.raises(TypeError, match="tokens must be an int64/int32"):
-        model(tokens.float())
+        model(tokens[None].float())
     with pytest.raises(ValueError, match="start_pos must be an int"):
-        model(tokens, -1)
+        model(tokens[None], -1)
 
 
 # ------------------------------------------------------------------------- kernels and dtypes
@@ -223,30 +210,31 @@ def test_forward_scored_rejects_bad_inputs():
 def test_triton_kernels_match_reference_path():
     """The Triton kernels (interpreter on CPU) give the reference path's logits, all three paths."""
     ref, tri = make(kernels="reference"), make(kernels="triton")
-    tokens, positions, mask, (_, _, _, length) = tree_batch()
-    idx = torch.arange(2 * length)
+    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    idx = torch.arange(n)
     tol = dict(rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(
-        tri.forward_scored(tokens, positions, mask, idx),
-        ref.forward_scored(tokens, positions, mask, idx),
+        tri.forward_packed(tokens, positions, seq_start, branch, idx),
+        ref.forward_packed(tokens, positions, seq_start, branch, idx),
         **tol,
     )
+    rows = tokens[:12].view(2, 6)
     for m in (ref, tri):
         m.setup_cache(2, 16)
-    a = [m(tokens[:, :5], 0) for m in (ref, tri)]
-    b = [m(tokens[:, 5:6], 5) for m in (ref, tri)]
+    a = [m(rows[:, :5], 0) for m in (ref, tri)]
+    b = [m(rows[:, 5:6], 5) for m in (ref, tri)]
     torch.testing.assert_close(a[1], a[0], **tol)
     torch.testing.assert_close(b[1], b[0], **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_forward_tracks_fp32(dtype):
-    tokens, positions, mask, (_, _, _, length) = tree_batch()
-    idx = torch.arange(2 * length)
-    want = make().forward_scored(tokens, positions, mask, idx)
+    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    idx = torch.arange(n)
+    want = make().forward_packed(tokens, positions, seq_start, branch, idx)
     model = make(dtype=dtype)
     assert model.dtype == dtype
-    got = model.forward_scored(tokens, positions, mask, idx)
+    got = model.forward_packed(tokens, positions, seq_start, branch, idx)
     assert got.dtype == torch.float32
     # bf16 keeps 8 bits of mantissa: a few percent of the logit scale after 2 layers
     assert (got - want).abs().max() < 0.05 * want.abs().max()
@@ -304,15 +292,11 @@ def _tp_worker(rank: int, world: int, init_file: str, inputs: dict, out_file: st
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         model = make(rank=rank, tp=world)
-        res = {
-            "scored": model.forward_scored(
-                inputs["tokens"], inputs["positions"], inputs["mask"], inputs["index"]
-            ),
-            "full": model(inputs["tokens"]),
-        }
+        rows = inputs.pop("rows")
+        res = {"scored": model.forward_packed(**inputs), "full": model(rows)}
         model.setup_cache(2, 16)
-        model(inputs["tokens"][:, :5], 0)
-        res["decode"] = model(inputs["tokens"][:, 5:6], 5)
+        model(rows[:, :5], 0)
+        res["decode"] = model(rows[:, 5:6], 5)
         if rank == 0:
             torch.save(res, out_file)
     finally:
@@ -321,9 +305,14 @@ def _tp_worker(rank: int, world: int, init_file: str, inputs: dict, out_file: st
 
 @pytest.mark.slow  # two fresh interpreters importing torch: a few seconds
 def test_tensor_parallel_two_gloo_ranks_match_single_process(tmp_path):
-    tokens, positions, mask, (_, _, _, length) = tree_batch()
+    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
     inputs = dict(
-        tokens=tokens, positions=positions, mask=mask, index=torch.arange(0, 2 * length, 3)
+        tokens=tokens,
+        positions=positions,
+        seq_start=seq_start,
+        branch=branch,
+        logits_index=torch.arange(0, n, 3),
+        rows=tokens[:12].view(2, 6),
     )
     out_file = tmp_path / "tp.pt"
     mp.start_processes(
@@ -336,18 +325,10 @@ def test_tensor_parallel_two_gloo_ranks_match_single_process(tmp_path):
     got = torch.load(out_file, weights_only=True)
     model = make()
     tol = dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got["scored"], model.forward_scored(**_kw(inputs)), **tol)
-    torch.testing.assert_close(got["full"], model(tokens), **tol)
-    torch.testing.assert_close(got["decode"], model(tokens[:, :6])[:, 5:], **tol)
-
-
-def _kw(inputs):
-    return dict(
-        tokens=inputs["tokens"],
-        positions=inputs["positions"],
-        attn_mask=inputs["mask"],
-        logits_index=inputs["index"],
-    )
+    rows = inputs.pop("rows")
+    torch.testing.assert_close(got["scored"], model.forward_packed(**inputs), **tol)
+    torch.testing.assert_close(got["full"], model(rows), **tol)
+    torch.testing.assert_close(got["decode"], model(rows[:, :6])[:, 5:], **tol)
 
 
 # --------------------------------------------------------------------------------------- GPU
@@ -355,41 +336,36 @@ def _kw(inputs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_paths_agree_with_fp32_and_the_tree_mask(dtype):
-    """On CUDA: Triton kernels + flash/efficient SDPA; tree-masked scoring == separate forwards."""
+def test_gpu_paths_agree_with_fp32_and_the_packed_tree(dtype):
+    """On CUDA: Triton kernels (packed attention included); tree rows == separate forwards."""
     args = ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1000, multiple_of=64)
     model = random_model(args, "cuda", dtype, seed=1)
     ref = random_model(args, "cuda", torch.float32, seed=1)
     ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     ref.kernels = "reference"
-    c, a, b = 37, 11, 9
-    length = c + a + b + 7
+    c, a, b, rows = 37, 11, 9, 4
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tokens = torch.randint(3, 1000, (4, length), device="cuda", generator=gen)
-    positions = torch.zeros(4, length, dtype=torch.long, device="cuda")
-    mask = torch.zeros(4, length, length, dtype=torch.bool, device="cuda")
-    causal = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
-    for r in range(4):
-        positions[r, :c] = torch.arange(c)
-        positions[r, c : c + a] = torch.arange(c, c + a)
-        positions[r, c + a : c + a + b] = torch.arange(c, c + b)
-        mask[r, :c, :c] = causal[:c, :c]
-        mask[r, c : c + a, :c] = True
-        mask[r, c : c + a, c : c + a] = causal[:a, :a]
-        mask[r, c + a : c + a + b, :c] = True
-        mask[r, c + a : c + a + b, c + a : c + a + b] = causal[:b, :b]
-    idx = torch.arange(4 * length, device="cuda")
-    out = model.forward_scored(tokens, positions, mask, idx).view(4, length, -1)
-    want = ref.forward_scored(tokens, positions, mask, idx).view(4, length, -1)
+    tokens = torch.randint(3, 1000, (rows, c + a + b), device="cuda", generator=gen)
+    row = c + a + b
+    positions = torch.cat([torch.arange(c), torch.arange(c, c + a), torch.arange(c, c + b)])
+    branch = torch.tensor([0] * c + [1] * a + [2] * b)
+    flat = dict(
+        tokens=tokens.reshape(-1),
+        positions=positions.repeat(rows).cuda(),
+        seq_start=torch.arange(rows).repeat_interleave(row).mul(row).cuda(),
+        branch=branch.repeat(rows).cuda(),
+        logits_index=torch.arange(rows * row, device="cuda"),
+    )
+    out = model.forward_packed(**flat).view(rows, row, -1)
+    want = ref.forward_packed(**flat).view(rows, row, -1)
     assert torch.isfinite(out).all()
     scale = want.abs().max()
     assert (out - want).abs().max() < 0.05 * scale
     ca = model(torch.cat([tokens[:, :c], tokens[:, c : c + a]], 1))
-    cb = model(torch.cat([tokens[:, :c], tokens[:, c + a : c + a + b]], 1))
-    real = out[:, : c + a + b]
+    cb = model(torch.cat([tokens[:, :c], tokens[:, c + a :]], 1))
     sep = torch.cat([ca, cb[:, c:]], 1)
-    assert (real - sep).abs().max() < 0.03 * scale
-    model.setup_cache(4, length)
+    assert (out - sep).abs().max() < 0.03 * scale
+    model.setup_cache(rows, row)
     pre = model(tokens[:, :c], 0)
     dec = torch.cat([model(tokens[:, i : i + 1], i) for i in range(c, c + 5)], 1)
     model.clear_cache()

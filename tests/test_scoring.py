@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from nakta_model import scoring
+from nakta_model.kernels.packed_attention import packed_attention_mask
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding -> one rotary attention layer -> MLP -> head; ``forward_scored`` like Nakta's."""
+    """Embedding -> one rotary attention layer -> MLP -> head; ``forward_packed`` like Nakta's."""
 
     def __init__(self, vocab: int = 37, dim: int = 16, max_seq_len: int = 64, seed: int = 0):
         super().__init__()
@@ -29,7 +30,7 @@ class TinyLM(torch.nn.Module):
         self.wq, self.wk, self.wv = p(dim, dim) / dim**0.5, p(dim, dim) / dim**0.5, p(dim, dim)
         self.w1, self.w2 = p(dim, 2 * dim) / dim**0.5, p(2 * dim, dim) / (2 * dim) ** 0.5
         self.head = p(dim, vocab)
-        self.calls: list[tuple[tuple[int, ...], int]] = []  # (tokens shape, scored rows)
+        self.calls: list[dict[str, int]] = []  # per forward: sequences, scored rows, longest
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         half = self.dim // 2
@@ -57,9 +58,14 @@ class TinyLM(torch.nn.Module):
         pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
         return self.hidden(tokens, pos, None) @ self.head
 
-    def forward_scored(self, tokens, positions, attn_mask, logits_index):
-        self.calls.append((tuple(tokens.shape), int(logits_index.numel())))
-        h = self.hidden(tokens, positions, attn_mask).reshape(-1, self.dim)
+    def forward_packed(self, tokens, positions, seq_start, branch, logits_index):
+        real = seq_start[logits_index].unique()  # sequences with a scored token (not padding)
+        lengths = [int((seq_start == s).sum()) for s in real.tolist()]
+        self.calls.append(
+            {"seqs": len(real), "scored": int(logits_index.numel()), "longest": max(lengths)}
+        )
+        mask = packed_attention_mask(seq_start, branch)[None]
+        h = self.hidden(tokens[None], positions[None], mask).reshape(-1, self.dim)
         return (h[logits_index] @ self.head).float()
 
 
@@ -107,10 +113,10 @@ def test_cache_packs_contexts_once_and_scores_fewer_positions():
     model = TinyLM()
     reqs = make_requests(random.Random(2), 10, model.vocab_size, n_choices=(4, 4))
     on = scoring.score(model, reqs, use_cache=True, token_budget=10**6)
-    (rows_on, _), scored_on = model.calls[0][0], model.calls[0][1]
+    rows_on, scored_on = model.calls[0]["seqs"], model.calls[0]["scored"]
     model.calls.clear()
     off = scoring.score(model, reqs, use_cache=False, token_budget=10**6)
-    (rows_off, _), scored_off = model.calls[0][0], model.calls[0][1]
+    rows_off, scored_off = model.calls[0]["seqs"], model.calls[0]["scored"]
     assert_close(on, off)
     assert (rows_on, rows_off) == (10, 40)  # one row per context vs one per request
     # the shared last-context position is scored once per context, not once per request
@@ -157,7 +163,7 @@ def test_packed_rows_respect_max_length():
     want = brute_force(model, reqs, 20)
     got = scoring.score(model, reqs, use_cache=True, max_length=20)
     assert_close(got, want)
-    assert max(s[1] for s, _ in model.calls) <= 20
+    assert max(c["longest"] for c in model.calls) <= 20
 
 
 def test_duplicates_and_single_token_continuations():
@@ -177,14 +183,45 @@ def test_score_with_forward_matches_and_batches():
         assert_close(got, want)
 
 
-def test_tree_mask_shape_and_rules():
-    seg = torch.tensor([[0, 0, 1, 1, 2, -1]])
-    m = scoring.tree_mask(seg)[0]
-    assert m.dtype == torch.bool and m.shape == (6, 6)
-    assert m[3].tolist() == [True, True, True, True, False, False]  # ctx + own branch
-    assert m[4].tolist() == [True, True, False, False, True, False]  # skips branch 1
-    assert m[5].tolist() == [False] * 5 + [True]  # padding sees itself only
+def test_packed_layout_and_its_mask():
+    """One batch of two rows: positions restart per branch, the scored positions and targets
+    line up, padding is a sequence of its own, and the mask keeps rows and branches apart."""
+    rows = [scoring._Row([5, 6], [(0, [7, 8]), (1, [9])]), scoring._Row([4], [(2, [3, 2])])]
+    b = scoring._pack(rows)
+    n = b.n_real
+    assert b.tokens[:n].tolist() == [5, 6, 7, 4, 3]  # ctx, cont0[:-1], cont1[:-1] (empty)
+    assert b.positions[:n].tolist() == [0, 1, 2, 0, 1]
+    assert b.seq_start[:n].tolist() == [0, 0, 0, 3, 3]
+    assert b.branch[:n].tolist() == [0, 0, 1, 0, 1]
+    assert b.tokens.shape[0] == scoring.PAD_MULTIPLE
+    assert b.seq_start[n:].tolist() == list(range(n, scoring.PAD_MULTIPLE))  # pads: alone
+    assert b.flat_index.tolist() == [1, 2, 3, 4]
+    # targets 7, 8 | 9 | 3, 2 predicted from flat rows 0, 1 | 0 | 2, 3
+    assert b.target.tolist() == [7, 8, 9, 3, 2]
+    assert b.src.tolist() == [0, 1, 0, 2, 3]
+    assert b.req.tolist() == [0, 0, 1, 2, 2]
+    m = packed_attention_mask(
+        torch.tensor([0, 0, 0, 0, 4, 4, 6]), torch.tensor([0, 0, 1, 2, 0, 1, 0])
+    )
+    assert m.dtype == torch.bool and m.shape == (7, 7)
+    assert m[2].tolist() == [True, True, True, False, False, False, False]  # ctx + own branch
+    assert m[3].tolist() == [True, True, False, True, False, False, False]  # skips branch 1
+    assert m[5].tolist() == [False] * 4 + [True, True, False]  # its own row only
+    assert m[6].tolist() == [False] * 6 + [True]  # a pad sees itself only
     assert not m[0, 1]  # causal within the context
+
+
+def test_packed_batches_fill_the_budget_best_fit():
+    lens = [9, 7, 6, 5, 4, 3, 2, 2, 1, 1]
+    rows = [scoring._Row(list(range(n)), [(i, [1])]) for i, n in enumerate(lens)]
+    batches = scoring._packed_batches(rows, token_budget=10, max_rows=None)
+    sizes = sorted(sum(len(r) for r in b) for b in batches)
+    assert sum(sizes) == sum(lens) and max(sizes) <= 10
+    assert len(batches) == 4  # 40 tokens in bins of 10: best fit leaves no gap
+    capped = scoring._packed_batches(rows, token_budget=10, max_rows=2)
+    assert max(len(b) for b in capped) == 2
+    big = scoring._packed_batches([scoring._Row(list(range(30)), [(0, [1])])], 10, None)
+    assert [len(b) for b in big] == [1]  # a row over the budget runs alone
 
 
 @pytest.mark.parametrize(
@@ -207,7 +244,7 @@ def test_bad_requests(reqs, exc, msg):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="token_budget"):
         scoring.score(TinyLM(), [([1], [2])], token_budget=0)
-    with pytest.raises(TypeError, match="forward_scored"):
+    with pytest.raises(TypeError, match="forward_packed"):
         scoring.score(object(), [([1], [2])])
     with pytest.raises(ValueError, match="vocabulary"):
         scoring.score_with_forward(TinyLM(), [([1], [40])], max_length=64)
@@ -215,7 +252,7 @@ def test_bad_arguments():
 
 
 def test_real_nakta_model_cache_on_off():
-    """The real Transformer's forward_scored with the tree mask agrees with plain causal rows."""
+    """The real Transformer's packed forward (tree rows) agrees with plain causal rows."""
     nakta_model = pytest.importorskip("nakta_model")
     if not hasattr(nakta_model, "random_model"):
         pytest.skip("nakta_model.random_model not available yet")

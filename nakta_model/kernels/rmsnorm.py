@@ -162,7 +162,8 @@ def _fwd_store(
     tl.store(Y + y_off, y, mask=mask)
 
 
-@triton.jit
+# The row/token count is not specialised on: every batch size runs one compiled kernel.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_fwd_kernel(
     X,
     R,

@@ -134,7 +134,8 @@ def _rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD: tl.constexpr):
     return ya, yb
 
 
-@triton.jit
+# The row/token count is not specialised on: every batch size runs one compiled kernel.
+@triton.jit(do_not_specialize=["n_tokens"])
 def _rope_qkv_kernel(
     x_ptr,
     out_ptr,

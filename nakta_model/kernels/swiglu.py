@@ -90,7 +90,8 @@ def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return rows[:, None], cols[None, :], mask
 
 
-@triton.jit
+# The row/token count is not specialised on: every batch size runs one compiled kernel.
+@triton.jit(do_not_specialize=["n_rows"])
 def _silu_mul_fwd_kernel(
     G,
     U,
