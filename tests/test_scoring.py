@@ -244,6 +244,9 @@ def test_bad_requests(reqs, exc, msg):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="token_budget"):
         scoring.score(TinyLM(), [([1], [2])], token_budget=0)
+    for bad in (0, -3):  # not silently replaced by the model's default
+        with pytest.raises(ValueError, match="max_length must be a positive int"):
+            scoring.score(TinyLM(), [([1], [2])], max_length=bad)
     with pytest.raises(TypeError, match="forward_packed"):
         scoring.score(object(), [([1], [2])])
     with pytest.raises(ValueError, match="vocabulary"):

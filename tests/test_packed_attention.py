@@ -1,0 +1,165 @@
+"""The packed tree/varlen attention kernel against plain fp64 attention over the same mask.
+
+CPU: the Triton kernel in interpreter mode on small odd shapes; GPU: 7B-like heads in bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from nakta_model.kernels.packed_attention import (
+    packed_attention,
+    packed_attention_mask,
+    packed_attention_reference,
+)
+
+
+def layout(rows: list[tuple[int, list[int]]], pad: int = 0, device="cpu"):
+    """seq_start / branch of rows (context length, branch lengths), then ``pad`` pad tokens."""
+    start, branch = [], []
+    for ctx, branches in rows:
+        s = len(start)
+        n = ctx + sum(branches)
+        start += [s] * n
+        branch += [0] * ctx
+        for k, b in enumerate(branches, start=1):
+            branch += [k] * b
+    n = len(start)
+    start += range(n, n + pad)
+    branch += [0] * pad
+    i32 = dict(dtype=torch.int32, device=device)
+    return torch.tensor(start, **i32), torch.tensor(branch, **i32)
+
+
+def naive(qkv, seq_start, branch, hq, hkv, hd):
+    """fp64 softmax attention with the packed mask, GQA by repeating KV heads."""
+    t = qkv.shape[0]
+    heads = qkv.double().view(t, hq + 2 * hkv, hd)
+    q = heads[:, :hq].transpose(0, 1)
+    k = heads[:, hq : hq + hkv].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+    v = heads[:, hq + hkv :].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(hd)
+    s = s.masked_fill(~packed_attention_mask(seq_start, branch)[None], float("-inf"))
+    return (s.softmax(-1) @ v).transpose(0, 1).reshape(t, hq * hd)
+
+
+def random_rows(rng: random.Random, n: int) -> list[tuple[int, list[int]]]:
+    return [
+        (rng.randint(1, 23), [rng.randint(1, 9) for _ in range(rng.randint(0, 4))])
+        for _ in range(n)
+    ]
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "hq, hkv, hd",
+    [(4, 2, 16), (2, 2, 8), (3, 1, 24), (2, 1, 40)],
+    ids=["gqa", "mha8", "mqa", "hd40"],
+)
+def test_matches_fp64_attention_on_random_trees(dtype, hq, hkv, hd):
+    rng = random.Random(hq * 100 + hd)
+    seq_start, branch = layout(random_rows(rng, 4), pad=3)
+    t = seq_start.shape[0]
+    qkv = torch.randn(t, (hq + 2 * hkv) * hd).to(dtype)
+    out = torch.full((t, hq * hd), float("nan"), dtype=dtype)  # poisoned: every element written
+    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, out=out)
+    assert got is out and torch.isfinite(got).all()
+    want = naive(qkv, seq_start, branch, hq, hkv, hd)
+    err = (got.double() - want).norm() / want.norm()
+    assert err < TOL[dtype], err
+    ref = packed_attention_reference(qkv, seq_start, branch, hq, hkv, hd)
+    assert (ref.double() - want).norm() / want.norm() < TOL[dtype]
+
+
+def test_strided_qkv_rows_and_custom_scale():
+    seq_start, branch = layout([(5, [3, 4]), (7, [])])
+    t, hq, hkv, hd = seq_start.shape[0], 2, 1, 16
+    big = torch.randn(t, (hq + 2 * hkv) * hd + 9)  # row stride > width: a column slice
+    qkv = big[:, 3 : 3 + (hq + 2 * hkv) * hd]
+    assert not qkv.is_contiguous()
+    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, scale=0.3)
+    want = packed_attention(qkv.contiguous(), seq_start, branch, hq, hkv, hd, scale=0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref = packed_attention_reference(qkv, seq_start, branch, hq, hkv, hd, scale=0.3)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_rows_and_branches_do_not_see_each_other():
+    """Changing one row's (or branch's) keys leaves every other row's output untouched."""
+    seq_start, branch = layout([(4, [3, 5]), (6, [2])])
+    t, hq, hkv, hd = seq_start.shape[0], 2, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * hd)
+    base = packed_attention(qkv, seq_start, branch, hq, hkv, hd)
+    changed = qkv.clone()
+    changed[4:7, hq * hd :] += 5.0  # K/V of row 0's first branch (tokens 4..6)
+    out = packed_attention(changed, seq_start, branch, hq, hkv, hd)
+    same = [i for i in range(t) if not 4 <= i < 7]
+    torch.testing.assert_close(out[same], base[same], rtol=0, atol=0)
+    assert not torch.equal(out[4:7], base[4:7])
+
+
+def test_one_branch_per_row_is_causal_varlen_attention():
+    lengths = [5, 1, 17, 9]
+    seq_start, branch = layout([(n, []) for n in lengths])
+    hq, hd = 2, 16
+    qkv = torch.randn(seq_start.shape[0], 3 * hq * hd)
+    got = packed_attention(qkv, seq_start, branch, hq, hq, hd)
+    at = 0
+    for n in lengths:
+        h = qkv[at : at + n].view(n, 3, hq, hd).permute(1, 2, 0, 3)
+        o = torch.nn.functional.scaled_dot_product_attention(h[0], h[1], h[2], is_causal=True)
+        torch.testing.assert_close(
+            got[at : at + n], o.transpose(0, 1).reshape(n, hq * hd), rtol=2e-5, atol=2e-5
+        )
+        at += n
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    seq_start, branch = layout([(3, [2])])
+    t = seq_start.shape[0]
+    qkv = torch.randn(t, 4 * 16)
+    with pytest.raises(ValueError, match="qkv must have"):
+        packed_attention(qkv, seq_start, branch, 2, 2, 16)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        packed_attention(torch.randn(t, 7 * 16), seq_start, branch, 3, 2, 16)
+    with pytest.raises(TypeError, match="seq_start must have dtype"):
+        packed_attention(qkv, seq_start.float(), branch, 2, 1, 16)
+    with pytest.raises(ValueError, match="branch must have 5 entries"):
+        packed_attention(qkv, seq_start, branch[:-1], 2, 1, 16)
+    with pytest.raises(ValueError, match="n_q_heads must be a positive int"):
+        packed_attention(qkv, seq_start, branch, 0, 1, 16)
+    with pytest.raises(TypeError, match="qkv must have dtype"):
+        packed_attention(qkv.double(), seq_start, branch, 2, 1, 16)
+    with pytest.raises(ValueError, match="seq_start must point at the first token"):
+        packed_attention(qkv, torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32), branch, 2, 1, 16)
+    with pytest.raises(ValueError, match="out must be"):
+        packed_attention(qkv, seq_start, branch, 2, 1, 16, out=torch.empty(t, 16))
+    empty = packed_attention(torch.randn(0, 64), seq_start[:0], branch[:0], 2, 1, 16)
+    assert empty.shape == (0, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv", [(32, 32), (32, 8), (40, 40)])
+def test_gpu_hellaswag_shaped_stream(dtype, hq, hkv):
+    """A full 16K-token stream of HellaSwag-like trees (context + 4 endings) at 7B/13B heads."""
+    rng = random.Random(0)
+    rows, n = [], 0
+    while n < 16000:
+        ctx, ends = rng.randint(20, 120), [rng.randint(5, 40) for _ in range(4)]
+        rows.append((ctx, ends))
+        n += ctx + sum(ends)
+    seq_start, branch = layout(rows, pad=-n % 128, device="cuda")
+    t, hd = seq_start.shape[0], 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * hd, device="cuda", dtype=dtype)
+    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd)
+    want = packed_attention_reference(qkv.float(), seq_start, branch, hq, hkv, hd)
+    err = (got.float() - want).norm() / want.norm()
+    assert torch.isfinite(got).all() and err < 1e-2, err
