@@ -268,10 +268,14 @@ class Transformer(nn.Module):
             delta, residual = layer(delta, residual, step)
         return delta, residual
 
-    def _head(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Final residual add + norm + LM head on these rows only; fp32 logits [rows, vocab]."""
+    def _head(
+        self, delta: torch.Tensor, residual: torch.Tensor, upcast: bool = True
+    ) -> torch.Tensor:
+        """Final residual add + norm + LM head on these rows only: logits [rows, vocab], fp32
+        unless ``upcast`` is False (then the model's dtype: the scorer reads them in fp32 itself)."""
         y, _ = self.ops.rms_norm(delta, self.norm.weight, self.norm.eps, residual=residual)
-        return gather_last_dim(self.output(y), self.parallel).float()
+        logits = gather_last_dim(self.output(y), self.parallel)
+        return logits.float() if upcast else logits
 
     # ---------------------------------------------------------------------- KV cache
     def setup_cache(self, max_batch_size: int, max_seq_len: int) -> None:
@@ -348,8 +352,11 @@ class Transformer(nn.Module):
         seq_start: torch.Tensor,
         branch: torch.Tensor,
         logits_index: torch.Tensor,
+        *,
+        upcast: bool = True,
     ) -> torch.Tensor:
-        """Score a packed token stream: fp32 logits ``[N, vocab]`` at ``logits_index`` only.
+        """Score a packed token stream: fp32 logits ``[N, vocab]`` at ``logits_index`` only
+        (in the model's dtype with ``upcast=False``).
 
         All inputs but ``logits_index`` are 1-D ``[T]``: sequences back to back with no padding
         between them; ``seq_start[t]`` is the index of the first token of t's sequence and
@@ -381,7 +388,7 @@ class Transformer(nn.Module):
         step = _Step(1, n, positions, cos, sin, packed=(seq_start, branch))
         delta, residual = self._trunk(tokens, step)
         idx = logits_index.to(self.device)
-        return self._head(delta.index_select(0, idx), residual.index_select(0, idx))
+        return self._head(delta.index_select(0, idx), residual.index_select(0, idx), upcast)
 
 
 # ---------------------------------------------------------------------------- construction

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nakta_model.kernels.logprobs import target_logprobs
+
 Request = tuple[Sequence[int], Sequence[int]]
 DEFAULT_TOKEN_BUDGET = 16384
 
@@ -322,15 +324,15 @@ def _pad_rows(batch: list[_Row], pin: bool = False) -> _Batch:
 def _accumulate(
     logits: torch.Tensor, batch: _Packed | _Batch, sums: torch.Tensor, misses: torch.Tensor
 ) -> None:
-    """Add this batch's per-token log-probs into ``sums`` and count non-argmax tokens, on device."""
+    """Add this batch's per-token log-probs into ``sums`` and count non-argmax tokens, on device.
+
+    ``logits`` may be in the model's dtype: the log-softmax runs in fp32 either way (one fused
+    pass on CUDA, ``kernels/logprobs.py``)."""
     device = logits.device
     src = batch.src.to(device, non_blocking=True)
     target = batch.target.to(device, non_blocking=True)
     req = batch.req.to(device, non_blocking=True)
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    lp = logits[src, target] - lse[src]
-    is_max = logits.argmax(dim=-1)[src] == target
+    lp, is_max = target_logprobs(logits, src, target, use_kernel=logits.is_cuda)
     sums.index_add_(0, req, lp.double())
     misses.index_add_(0, req, (~is_max).to(misses.dtype))
 
@@ -423,7 +425,12 @@ def score(
             b = _pack(rows_b, pin=pin)
             index = put(b.flat_index)
             logits = model.forward_packed(
-                put(b.tokens), put(b.positions), put(b.seq_start), put(b.branch), index
+                put(b.tokens),
+                put(b.positions),
+                put(b.seq_start),
+                put(b.branch),
+                index,
+                upcast=False,
             )
             if logits.shape[0] != index.shape[0]:
                 raise RuntimeError(

@@ -58,7 +58,7 @@ class TinyLM(torch.nn.Module):
         pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
         return self.hidden(tokens, pos, None) @ self.head
 
-    def forward_packed(self, tokens, positions, seq_start, branch, logits_index):
+    def forward_packed(self, tokens, positions, seq_start, branch, logits_index, upcast=True):
         real = seq_start[logits_index].unique()  # sequences with a scored token (not padding)
         lengths = [int((seq_start == s).sum()) for s in real.tolist()]
         self.calls.append(
