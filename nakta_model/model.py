@@ -1,8 +1,8 @@
 """The Nakta Transformer: LLaMA with fused weights and Triton kernels, readable in one sitting.
 
 Per block: RMSNorm (fused with the residual add) -> ONE ``wqkv`` GEMM -> in-place QK RoPE that
-also writes K/V into the cache -> attention (SDPA flash with a cache / causal rows; the packed
-Triton kernel for scoring) -> ``wo`` -> RMSNorm + residual ->
+also writes K/V into the cache -> attention (SDPA flash with a cache / causal rows; for scoring
+the packed Triton kernel, which also applies RoPE as it reads Q/K) -> ``wo`` -> RMSNorm + residual ->
 ONE ``w13`` GEMM -> SwiGLU -> ``w2``. Same math as Meta's LLaMA-1 (``llama_org``), fewer launches.
 
 Tensor parallel (``ParallelContext``): each rank holds its Q/K/V heads and FFN columns; ``wo``
@@ -127,6 +127,10 @@ class Attention(nn.Module):
         hq, hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         b, s = step.batch, step.seqlen
         qkv = self.wqkv(x)  # [b*s, (hq + 2 hkv) * hd]
+        if step.packed is not None:  # one flat stream of sequences: RoPE applied on load
+            rope = _packed.Rope(step.positions, step.cos, step.sin, self.interleaved)
+            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, rope=rope)
+            return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:
             cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, cache_slots=step.cache_slots)
@@ -141,9 +145,6 @@ class Attention(nn.Module):
             interleaved=self.interleaved,
             **cache,
         )
-        if step.packed is not None:  # one flat stream of sequences: read QKV in place
-            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd)
-            return all_reduce(self.wo(out), self.ctx)
         heads = qkv.view(b, s, hq + 2 * hkv, hd)
         q = heads[:, :, :hq].transpose(1, 2)
         if step.cache_slots is not None:
