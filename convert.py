@@ -71,16 +71,23 @@ def _progress(items, desc: str, quiet: bool):
 
 
 def _find_tokenizer(in_dir: Path, vocab_size: int | None) -> Path | None:
-    """``IN/tokenizer.model``, else Meta's layout ``IN/../tokenizer.model`` if it fits."""
-    from nakta_model.tokenizer import Tokenizer
+    """``IN/tokenizer.model``, else Meta's layout ``IN/../tokenizer.model`` if it fits.
 
+    A broken ``IN/tokenizer.model`` is an error; a broken or mismatched one in the parent
+    (shared by several model folders, maybe not ours) is passed over.
+    """
     for candidate, strict in (
         (in_dir / "tokenizer.model", True),
         (in_dir.parent / "tokenizer.model", False),
     ):
         if not candidate.is_file():
             continue
-        n_words = Tokenizer(candidate).n_words
+        try:
+            n_words = _tokenizer_words(candidate)
+        except CheckpointError:
+            if strict:
+                raise
+            continue
         if vocab_size is None or n_words == vocab_size:
             return candidate
         if strict:
@@ -191,7 +198,10 @@ def open_meta(in_dir: Path, quiet: bool = False) -> Source:
 def _tokenizer_words(path: Path) -> int:
     from nakta_model.tokenizer import Tokenizer
 
-    return Tokenizer(path).n_words
+    try:
+        return Tokenizer(path).n_words
+    except (OSError, RuntimeError, ValueError) as e:  # sentencepiece: RuntimeError on garbage
+        raise CheckpointError(f"{path}: not a sentencepiece model ({e})") from e
 
 
 # ----------------------------------------------------------------------------------- HF source

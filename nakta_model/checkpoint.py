@@ -802,6 +802,8 @@ def load_rank_state_dict(
             f"{path} is sharded for tp_size={stored_tp}, but tp_size={tp_size} was requested; "
             f"reshard it with: python convert.py <source> <out> --tp {tp_size}"
         )
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
     manifest = verify_checkpoint(path, tp_rank=tp_rank, verify=verify)
     fname = shard_file_name(tp_rank, tp_size)
     if fname not in manifest["files"]:

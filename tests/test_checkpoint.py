@@ -118,6 +118,8 @@ def test_load_rank_round_trip_and_tp_mismatch(tmp_path, meta_sd):
         assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
     with pytest.raises(ck.CheckpointError, match="sharded for tp_size=2, but tp_size=1"):
         ck.load_rank_state_dict(out, 0, 1)
+    with pytest.raises(ValueError, match=r"tp_rank must be an int in \[0, 2\), got 2"):
+        ck.load_rank_state_dict(out, 2, 2)
     with pytest.raises(ck.CheckpointError, match="sharded for tp_size=2, but tp_size=1"):
         nakta_model.load(out, "cpu")
 
@@ -229,7 +231,9 @@ def test_only_a_checkpoint_holding_nothing_else_is_replaceable(tmp_path, meta_sd
     out = _saved(tmp_path, meta_sd)
     ck.check_replaceable(out)
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(ck.CheckpointError, match=r"not part of its Nakta checkpoint \['notes.txt'\]"):
+    with pytest.raises(
+        ck.CheckpointError, match=r"not part of its Nakta checkpoint \['notes.txt'\]"
+    ):
         ck.check_replaceable(out)
     with pytest.raises(ck.CheckpointError, match="not part of its Nakta checkpoint"):
         ck.save_checkpoint(out, meta_sd, ARGS, force=True)

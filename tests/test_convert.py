@@ -411,3 +411,12 @@ def test_refuses_broken_hf_directories(capsys, tmp_path):
     del sd["lm_head.weight"]  # not tied: the LM head is missing
     save_file(sd, str(src / "model.safetensors"))
     _refused(capsys, tmp_path, src, match="missing tensors ['output.weight']")
+
+
+def test_refuses_a_broken_tokenizer_but_passes_over_a_broken_shared_one(capsys, tmp_path):
+    src = write_meta_checkpoint(tmp_path / "models" / "tiny", TINY_PARAMS, seed=1)
+    (tmp_path / "models" / "tokenizer.model").write_bytes(b"garbage")  # Meta's shared spot
+    assert run(capsys, src, tmp_path / "out")[0] == 0
+    assert not (tmp_path / "out" / "tokenizer.model").exists()
+    (src / "tokenizer.model").write_bytes(b"garbage")
+    _refused(capsys, tmp_path, src, match="tokenizer.model: not a sentencepiece model")

@@ -59,12 +59,12 @@ def test_rename_noreplace_refuses_even_an_empty_directory(tmp_path, rename_impl)
 @pytest.mark.parametrize("intruder_files", [[], ["theirs.txt"]])
 def test_output_that_appears_during_the_write_is_left_alone(tmp_path, rename_impl, intruder_files):
     out = tmp_path / "out"
-    with pytest.raises(FileExistsError, match="appeared while this write ran"):
-        with atomic_output_dir(out) as tmp:
-            (tmp / "ours.txt").write_text("ours")
-            out.mkdir()  # another process creates OUT meanwhile
-            for name in intruder_files:
-                (out / name).write_text("theirs")
+    appeared = pytest.raises(FileExistsError, match="appeared while this write ran")
+    with appeared, atomic_output_dir(out) as tmp:
+        (tmp / "ours.txt").write_text("ours")
+        out.mkdir()  # another process creates OUT meanwhile
+        for name in intruder_files:
+            (out / name).write_text("theirs")
     assert sorted(p.name for p in out.iterdir()) == intruder_files
     assert _hidden(tmp_path) == []  # nothing of ours left
 
@@ -73,12 +73,12 @@ def test_forced_replace_refuses_a_directory_swapped_in_meanwhile(tmp_path, renam
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    with pytest.raises(FileExistsError, match="replaced by another directory"):
-        with atomic_output_dir(out, force=True) as tmp:
-            (tmp / "new.txt").write_text("new")
-            os.rename(out, tmp_path / "moved")  # someone replaces OUT by another directory
-            out.mkdir()
-            (out / "theirs.txt").write_text("theirs")
+    replaced = pytest.raises(FileExistsError, match="replaced by another directory")
+    with replaced, atomic_output_dir(out, force=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+        os.rename(out, tmp_path / "moved")  # someone replaces OUT by another directory
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
     assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
     assert (tmp_path / "moved" / "old.txt").read_text() == "old"
     assert _hidden(tmp_path) == []
@@ -118,9 +118,9 @@ def test_may_replace_refuses_before_anything_is_created(tmp_path):
         raise ValueError(f"not allowed: {path.name}")
 
     entered = []
-    with pytest.raises(ValueError, match="not allowed: out"):
-        with atomic_output_dir(out, force=True, may_replace=refuse):
-            entered.append(True)
+    refused = pytest.raises(ValueError, match="not allowed: out")
+    with refused, atomic_output_dir(out, force=True, may_replace=refuse):
+        entered.append(True)
     assert not entered and _hidden(tmp_path) == []
 
 
