@@ -188,8 +188,9 @@ def signals_deferred() -> Iterator[None]:
     of a temporary one. Python-level deferral, not ``pthread_sigmask``: Python runs handlers in
     the main thread whichever thread the kernel delivered the signal to.
     """
-    scope = _scopes[-1] if _scopes else None
-    if scope is None:
+    on_main = threading.current_thread() is threading.main_thread()
+    scope = _scopes[-1] if _scopes and on_main else None
+    if scope is None:  # no handler of ours: nothing to hold back
         yield
         return
     scope.deferred += 1
