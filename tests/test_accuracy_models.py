@@ -88,8 +88,9 @@ models.load_nakta(sys.argv[3], torch.device("cpu"), torch.float32)
 """
 
 
-@pytest.mark.parametrize("when", ["convert", "load"])
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signame, when", [("SIGTERM", "convert"), ("SIGTERM", "load"), ("SIGINT", "convert")]
+)
 def test_signal_removes_the_temporary_conversion(tmp_path, meta_dir, signame, when):
     root = tmp_path / "tmp"
     root.mkdir()
