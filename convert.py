@@ -11,12 +11,20 @@ written as soon as it is built, so even 65B converts without holding the model i
 
 Everything is checked before a byte is written: shard set, tensor names, shapes against the
 params, tp divisibility. OUT is written to a temporary directory and renamed at the end.
+
+OUT must not be IN, contain IN, or lie inside IN, and is never a symlink or a file. ``--force``
+replaces an existing OUT only when it is a Nakta checkpoint holding nothing but its own files
+(its ``manifest.json`` lists them), and only if it is still that same directory when the new
+one is complete; a directory that appears at OUT during the conversion is left alone (exit 2).
+SIGINT/SIGTERM remove the partial output (exit status 130/143); temporary directories left by
+a conversion that was killed outright are removed by the next conversion into the same parent.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -27,6 +35,7 @@ import torch
 from nakta_model.checkpoint import (
     CheckpointError,
     check_meta_names,
+    check_replaceable,
     hf_tensor_to_meta,
     hf_to_meta_name,
     merge_meta_tensor,
@@ -62,16 +71,23 @@ def _progress(items, desc: str, quiet: bool):
 
 
 def _find_tokenizer(in_dir: Path, vocab_size: int | None) -> Path | None:
-    """``IN/tokenizer.model``, else Meta's layout ``IN/../tokenizer.model`` if it fits."""
-    from nakta_model.tokenizer import Tokenizer
+    """``IN/tokenizer.model``, else Meta's layout ``IN/../tokenizer.model`` if it fits.
 
+    A broken ``IN/tokenizer.model`` is an error; a broken or mismatched one in the parent
+    (shared by several model folders, maybe not ours) is passed over.
+    """
     for candidate, strict in (
         (in_dir / "tokenizer.model", True),
         (in_dir.parent / "tokenizer.model", False),
     ):
         if not candidate.is_file():
             continue
-        n_words = Tokenizer(candidate).n_words
+        try:
+            n_words = _tokenizer_words(candidate)
+        except CheckpointError:
+            if strict:
+                raise
+            continue
         if vocab_size is None or n_words == vocab_size:
             return candidate
         if strict:
@@ -79,6 +95,17 @@ def _find_tokenizer(in_dir: Path, vocab_size: int | None) -> Path | None:
                 f"{candidate} has {n_words} pieces but the checkpoint's vocab_size is {vocab_size}"
             )
     return None
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``; a :class:`CheckpointError` naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read it as JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _check_shapes(
@@ -114,7 +141,7 @@ def meta_shard_paths(in_dir: Path) -> list[Path]:
 
 
 def open_meta(in_dir: Path, quiet: bool = False) -> Source:
-    params = json.loads((in_dir / "params.json").read_text())
+    params = _read_json_object(in_dir / "params.json")
     paths = meta_shard_paths(in_dir)
     shards = []
     for p in _progress(paths, f"reading {len(paths)} Meta shard(s)", quiet):
@@ -133,7 +160,10 @@ def open_meta(in_dir: Path, quiet: bool = False) -> Source:
             raise CheckpointError(f"{paths[0]}: missing tensors ['tok_embeddings.weight']")
         tok = _find_tokenizer(in_dir, None)
         vocab = _tokenizer_words(tok) if tok is not None else emb.shape[0]
-    args = ModelArgs.from_meta_params({**params, "vocab_size": vocab})
+    try:
+        args = ModelArgs.from_meta_params({**params, "vocab_size": vocab})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{in_dir / 'params.json'}: {e}") from e
     for p, sd in zip(paths, shards):
         check_meta_names(sd.keys(), args, what=p.name)
 
@@ -168,7 +198,10 @@ def open_meta(in_dir: Path, quiet: bool = False) -> Source:
 def _tokenizer_words(path: Path) -> int:
     from nakta_model.tokenizer import Tokenizer
 
-    return Tokenizer(path).n_words
+    try:
+        return Tokenizer(path).n_words
+    except (OSError, RuntimeError, ValueError) as e:  # sentencepiece: RuntimeError on garbage
+        raise CheckpointError(f"{path}: not a sentencepiece model ({e})") from e
 
 
 # ----------------------------------------------------------------------------------- HF source
@@ -181,7 +214,7 @@ def hf_weight_files(in_dir: Path) -> list[Path]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = in_dir / index_name
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            weight_map = _read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index}: no weight_map")
             files = sorted({in_dir / f for f in weight_map.values()})
@@ -210,8 +243,11 @@ def hf_weight_files(in_dir: Path) -> list[Path]:
 
 
 def open_hf(in_dir: Path, quiet: bool = False) -> Source:
-    config = json.loads((in_dir / "config.json").read_text())
-    args = ModelArgs.from_hf_config(config)
+    config = _read_json_object(in_dir / "config.json")
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{in_dir / 'config.json'}: {e}") from e
     files = hf_weight_files(in_dir)
     readers: dict[str, Callable[[], torch.Tensor]] = {}  # Meta name -> loader
     shapes: dict[str, tuple[int, ...]] = {}
@@ -288,6 +324,67 @@ def open_source(in_dir: Path, quiet: bool = False) -> Source:
     )
 
 
+def _within(inner: Path, outer: Path) -> bool:
+    """``inner`` is ``outer`` or lies under it, through symlinks and bind mounts alike."""
+    try:
+        outer_st = os.stat(outer)
+    except OSError:
+        return False
+    real = inner.resolve()
+    for p in (real, *real.parents):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (outer_st.st_dev, outer_st.st_ino):
+            return True
+    return False
+
+
+def _check_creatable(out_dir: Path) -> None:
+    """The nearest existing ancestor of OUT is a directory we may write into."""
+    parent = out_dir.absolute().parent
+    existing = next(p for p in (parent, *parent.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise ValueError(f"cannot create output {out_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create output {out_dir}: no write permission in {existing}")
+
+
+def check_output(in_dir: Path, out_dir: Path, force: bool) -> None:
+    """Refuse, before any work, an OUT that convert must not create or replace.
+
+    Never the source (IN itself, a directory holding IN, a directory inside IN), never a
+    symlink or a file; an existing OUT only with ``force`` and only a Nakta checkpoint holding
+    nothing else (:func:`check_replaceable`).
+    """
+    if not in_dir.is_dir():
+        raise CheckpointError(f"input {in_dir} is not a directory")
+    if _within(in_dir, out_dir):
+        what = (
+            "is the input directory" if _within(out_dir, in_dir) else f"contains the input {in_dir}"
+        )
+        raise ValueError(f"output {out_dir} {what}: refusing (it would destroy the source)")
+    if _within(out_dir, in_dir):
+        raise ValueError(
+            f"output {out_dir} is inside the input directory {in_dir}: write the checkpoint "
+            "elsewhere"
+        )
+    _check_creatable(out_dir)
+    if out_dir.is_symlink():
+        raise ValueError(
+            f"output {out_dir} is a symbolic link (to {os.readlink(out_dir)}); refusing to "
+            "replace it: give the real directory"
+        )
+    if not os.path.lexists(out_dir):
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"output {out_dir} exists and is not a directory; refusing to replace it")
+    if not force:
+        raise FileExistsError(f"output {out_dir} already exists (pass --force to replace it)")
+    check_replaceable(out_dir)
+
+
 def convert(
     in_dir: str | Path,
     out_dir: str | Path,
@@ -297,10 +394,9 @@ def convert(
     quiet: bool = False,
 ) -> Path:
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"output {out_dir} already exists (pass --force to replace it)")
-    if out_dir.resolve() == in_dir.resolve():
-        raise CheckpointError("OUT must differ from IN")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    check_output(in_dir, out_dir, force)
     src = open_source(in_dir, quiet)
     src.args.check_tp(tp)
     dtype = dtype or src.dtype
@@ -326,7 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("output", type=Path, help="Nakta checkpoint dir to create")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: source)")
-    parser.add_argument("--force", action="store_true", help="replace an existing OUT")
+    parser.add_argument(
+        "--force", action="store_true", help="replace an existing OUT that is a Nakta checkpoint"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     ns = parser.parse_args(argv)
     if ns.tp < 1:
@@ -340,9 +438,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             force=ns.force,
             quiet=ns.quiet,
         )
-    except (CheckpointError, ValueError, FileExistsError, FileNotFoundError, TypeError) as e:
+    except (CheckpointError, ValueError, TypeError, OSError) as e:
         print(f"convert.py: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # SIGTERM's default action ends the process after the cleanup
+        print("convert.py: interrupted; no partial output left behind", file=sys.stderr)
+        return 130
     if not ns.quiet:
         print(f"wrote {out} (tp={ns.tp})")
     return 0

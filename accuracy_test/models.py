@@ -1,7 +1,8 @@
 """Build the two models the accuracy tools compare, from the same weights.
 
 ``nakta``: a Nakta checkpoint dir, or a Meta dir converted on the fly (``convert.py``) into a
-temporary Nakta checkpoint. ``llama_org``: Meta's reference, from the Meta dir. ``random_pair``
+temporary Nakta checkpoint, removed again as soon as the model is loaded (SIGINT/SIGTERM during
+conversion and loading remove it too; one left by a killed process is removed by the next run). ``llama_org``: Meta's reference, from the Meta dir. ``random_pair``
 draws one set of random Meta weights on the device and gives both models exactly those
 (the 7B-shape check needs no 13 GB checkpoint on disk).
 
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,18 +59,22 @@ def is_meta_checkpoint(path: str | Path) -> bool:
     return (path / "params.json").is_file() and any(path.glob("consolidated.*.pth"))
 
 
+# Temporary conversions (in the system temp dir): make_temp_dir's names and marker.
+CONVERT_TMP_PREFIX = "nakta_convert_"
+_CONVERT_TMP = re.compile(re.escape(CONVERT_TMP_PREFIX) + r"[a-z0-9_]{8}")
+
+
 @dataclass
 class NaktaHandle:
-    """A loaded Nakta model plus the temporary converted checkpoint it may come from."""
+    """A loaded Nakta model and where it came from (a Meta dir's temporary conversion is
+    already gone: :func:`load_nakta` removes it once the model is loaded)."""
 
     model: object
     source: str
-    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
     def close(self) -> None:
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        """Drop the handle's reference to the model (its memory goes once nobody holds it)."""
+        self.model = None
 
 
 def convert_meta(meta_dir: str | Path, out_dir: str | Path, tp: int = 1) -> Path:
@@ -89,45 +96,63 @@ def load_nakta(
     kernels: str | None = None,
     parallel=None,
 ) -> NaktaHandle:
-    """A Nakta model from a Nakta checkpoint, or from a Meta one converted to a temp dir.
+    """A Nakta model from a Nakta checkpoint, or from a Meta one converted to a temp dir
+    (removed once the model is loaded, or when loading fails or is interrupted).
 
     ``parallel`` (a ``ParallelContext`` from ``init_parallel``): this rank's tensor-parallel
     shard. A Meta dir is then converted once, by global rank 0, for the grid's ``tp`` (every
     rank of this host reads the same temp dir); the load itself is collective, so a shard that
     fails on one rank fails on all of them.
     """
-    import nakta_model
-    from nakta_model.parallel import ParallelContext, gather_objects, load_model, validate_grid
+    from nakta_model.io_utils import (
+        interruptible,
+        make_temp_dir,
+        remove_stale_temp_dirs,
+        signals_deferred,
+    )
+    from nakta_model.parallel import ParallelContext, gather_objects
 
     ctx = parallel or ParallelContext()
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise ValueError(f"checkpoint {checkpoint} is not a directory")
-    tmp = None
-    path = checkpoint
-    try:
-        if is_meta_checkpoint(checkpoint):
+    if not is_meta_checkpoint(checkpoint):
+        return NaktaHandle(
+            model=_load(checkpoint, ctx, dtype, kernels, device), source=str(checkpoint)
+        )
+    # Only the converting rank holds a temp dir to clean up; the others keep default signals.
+    guard = interruptible() if ctx.is_leader else contextlib.nullcontext()
+    with guard:
+        tmp = None
+        try:
             error = None
             if ctx.is_leader:
-                tmp = tempfile.TemporaryDirectory(prefix="nakta_convert_")
+                remove_stale_temp_dirs(tempfile.gettempdir(), _CONVERT_TMP)
+                with signals_deferred():
+                    tmp = make_temp_dir(tempfile.gettempdir(), prefix=CONVERT_TMP_PREFIX)
                 try:
-                    path = convert_meta(checkpoint, Path(tmp.name) / "nakta", ctx.tp_size)
+                    path = convert_meta(checkpoint, tmp / "nakta", ctx.tp_size)
                 except Exception as e:  # noqa: BLE001 -- re-raised on every rank below
-                    error = f"{type(e).__name__}: {e}"
-            path, error = gather_objects((str(path), error))[0]  # rank 0's, on every rank
+                    path, error = None, f"{type(e).__name__}: {e}"
+            path, error = gather_objects((str(path) if ctx.is_leader else None, error))[0]
             if error is not None:
                 raise ValueError(f"converting {checkpoint} for tp={ctx.tp_size}: {error}")
-            path = Path(path)
-        if ctx.world_size == 1:
-            model = nakta_model.load(path, device, dtype, kernels=kernels)
-        else:
-            validate_grid(ctx.tp_size, ctx.dp_size, ctx.world_size, checkpoint=path)
-            model = load_model(path, ctx, dtype, kernels=kernels)
-    except BaseException:
-        if tmp is not None:
-            tmp.cleanup()
-        raise
-    return NaktaHandle(model=model, source=str(checkpoint), _tmp=tmp)
+            model = _load(Path(path), ctx, dtype, kernels, device)
+        finally:
+            if tmp is not None:  # every rank has read it: the load is collective
+                with signals_deferred():
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return NaktaHandle(model=model, source=str(checkpoint))
+
+
+def _load(path: Path, ctx, dtype: torch.dtype, kernels: str | None, device: torch.device):
+    import nakta_model
+    from nakta_model.parallel import load_model, validate_grid
+
+    if ctx.world_size == 1:
+        return nakta_model.load(path, device, dtype, kernels=kernels)
+    validate_grid(ctx.tp_size, ctx.dp_size, ctx.world_size, checkpoint=path)
+    return load_model(path, ctx, dtype, kernels=kernels)
 
 
 def load_llama_org(

@@ -6,11 +6,20 @@ Layout of a checkpoint directory::
     model.tp00-of-02.safetensors         rank 0's tensors (fused wqkv / w13, local shapes)
     model.tp01-of-02.safetensors         rank 1's tensors
     tokenizer.model                      (when the source had one)
-    manifest.json                        size + sha256 of every file, shape + dtype of every tensor
+    manifest.json                        size, sha256 and sampled sha256 of every file,
+                                         shape + dtype of every tensor
 
 Why fused and pre-split: loading is then a straight copy (no concat/permute on the GPU), each
 rank reads only its own file, and the manifest lets a loader refuse a corrupt or mismatched
 checkpoint instead of running on garbage.
+
+Verification on load (``verify=``) costs no more than reading the weights: ``"fast"`` (the
+default, also ``True``) checks sizes and a sha256 over a fixed sample of each file (its header,
+then every k-th 1 MiB block and the last one, at most 64 MiB per file; see
+:func:`sample_ranges`), ``"full"`` the sha256 of every byte, ``"size"`` (also ``False``) sizes
+only. Sizes catch truncation; the sample catches a wrong or partly overwritten file; a bit flip
+outside the sample needs ``"full"``. Manifests written before the sample existed verify sizes
+only under ``"fast"``.
 
 Tensor names (per rank, local shapes with ``hq = n_heads / tp``, ``hkv = n_kv_heads / tp``,
 ``f = hidden_dim / tp``, ``v = vocab_size / tp``)::
@@ -37,6 +46,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -59,6 +69,9 @@ __all__ = [
     "save_checkpoint",
     "shard_file_name",
     "to_meta_state_dict",
+    "check_replaceable",
+    "read_manifest",
+    "sample_ranges",
     "verify_checkpoint",
     "write_checkpoint",
 ]
@@ -74,6 +87,15 @@ META_IGNORED = frozenset({"rope.freqs"})
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# Fast verification: sha256 over the header plus every k-th block and the last one, k chosen so
+# that at most SAMPLE_MAX_BLOCKS blocks (64 MiB) are read per file. 64 MiB hash in ~0.05 s, a
+# fraction of reading a 13 GB shard; 1 MiB blocks keep each read sequential on disks and network
+# filesystems. The parameters are stored per file, so a reader recomputes the digest exactly
+# whatever these constants are later.
+SAMPLE_BLOCK_BYTES = 1 << 20
+SAMPLE_MAX_BLOCKS = 64
+VERIFY_MODES = ("fast", "full", "size")
 
 
 class CheckpointError(ValueError):
@@ -407,6 +429,7 @@ class _SafetensorsStream:
         if self.next != len(self.order):
             raise RuntimeError(f"{self.path.name}: {len(self.order) - self.next} tensors missing")
         self.file.flush()
+        os.fsync(self.file.fileno())
         self.file.close()
         return {"size": self.size, "sha256": self.sha.hexdigest()}
 
@@ -429,6 +452,65 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def sample_plan(size: int, head_bytes: int = 0) -> dict[str, int]:
+    """Sampling parameters for a file of ``size`` bytes (stored in the manifest with the digest)."""
+    n_blocks = -(-size // SAMPLE_BLOCK_BYTES)
+    stride = max(1, -(-n_blocks // (SAMPLE_MAX_BLOCKS - 1)))  # + the last block: <= MAX blocks
+    return {"block_bytes": SAMPLE_BLOCK_BYTES, "stride_blocks": stride, "head_bytes": head_bytes}
+
+
+def sample_ranges(
+    size: int, block_bytes: int, stride_blocks: int, head_bytes: int
+) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` the fast digest hashes, sorted and merged: the first
+    ``head_bytes`` (a safetensors header), blocks ``0, k, 2k, ...`` and the last block."""
+    n_blocks = -(-size // block_bytes)
+    blocks = set(range(0, n_blocks, stride_blocks)) | ({n_blocks - 1} if n_blocks else set())
+    ranges = [(0, min(head_bytes, size))] if head_bytes > 0 else []
+    ranges += [(b * block_bytes, min((b + 1) * block_bytes, size)) for b in blocks]
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _sample_sha256(path: Path, size: int, plan: Mapping[str, int]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for start, end in sample_ranges(size, **plan):
+            f.seek(start)
+            left = end - start
+            while left:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    return ""  # shorter than the manifest says: the size check reports it
+                h.update(chunk)
+                left -= len(chunk)
+    return h.hexdigest()
+
+
+def _safetensors_head_bytes(path: Path) -> int:
+    """Length prefix + JSON header of a safetensors file (tensor names, shapes, offsets)."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def _file_record(path: Path, sha256: str | None = None) -> dict[str, object]:
+    """Manifest entry of a finished file: size, full sha256, the fast digest and its plan."""
+    size = path.stat().st_size
+    head = _safetensors_head_bytes(path) if path.suffix == ".safetensors" else 0
+    plan = sample_plan(size, head)
+    return {
+        "size": size,
+        "sha256": sha256 or _sha256_file(path),
+        "sample_sha256": _sample_sha256(path, size, plan),
+        "sample": plan,
+    }
+
+
 def write_checkpoint(
     out_dir: str | Path,
     args: ModelArgs,
@@ -444,13 +526,16 @@ def write_checkpoint(
 
     All ``tp_size`` rank files are written side by side, tensor by tensor, into a temporary
     directory that replaces ``out_dir`` only when everything (manifest included) is done.
+    ``force`` replaces only a Nakta checkpoint (:func:`check_replaceable`); see
+    ``io_utils.atomic_output_dir`` for what happens on signals and concurrent writers.
     """
     if dtype not in _ST_DTYPES:
         raise TypeError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
     shapes = nakta_shapes(args, tp_size)
     get_meta = functools.lru_cache(maxsize=4)(get_meta)  # wqkv needs wq, wk, wv for each rank
     out_dir = Path(out_dir)
-    with atomic_output_dir(out_dir, force=force) as tmp:
+    notify = _print_stderr if progress else None
+    with atomic_output_dir(out_dir, force, may_replace=check_replaceable, notify=notify) as tmp:
         streams = [
             _SafetensorsStream(tmp / shard_file_name(r, tp_size), shapes, dtype)
             for r in range(tp_size)
@@ -471,8 +556,9 @@ def write_checkpoint(
             raise
         files: dict[str, dict[str, object]] = {}
         for r, info in enumerate(written):
-            files[shard_file_name(r, tp_size)] = {
-                **info,
+            name = shard_file_name(r, tp_size)
+            files[name] = {
+                **_file_record(tmp / name, sha256=info["sha256"]),
                 "tp_rank": r,
                 "tensors": {
                     n: {"shape": list(s), "dtype": _DTYPE_NAMES[dtype]} for n, s in shapes.items()
@@ -489,10 +575,7 @@ def write_checkpoint(
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
         for extra in (PARAMS, TOKENIZER):
             if (tmp / extra).exists():
-                files[extra] = {
-                    "size": (tmp / extra).stat().st_size,
-                    "sha256": _sha256_file(tmp / extra),
-                }
+                files[extra] = _file_record(tmp / extra)
         manifest = {
             "format_version": FORMAT_VERSION,
             "tp_size": tp_size,
@@ -502,6 +585,32 @@ def write_checkpoint(
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _make_readable(tmp)
     return out_dir
+
+
+def _print_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def check_replaceable(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` is a Nakta checkpoint directory holding
+    nothing but its own files: the only kind of directory ``force`` may delete."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(
+            f"output {path} is not a Nakta checkpoint (no {MANIFEST}); --force replaces only a "
+            "Nakta checkpoint: remove it yourself or choose another OUT"
+        )
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"--force refuses to replace output {path}: {e}") from None
+    extra = sorted(set(os.listdir(path)) - set(manifest["files"]) - {MANIFEST})
+    if extra:
+        raise CheckpointError(
+            f"output {path} holds files that are not part of its Nakta checkpoint "
+            f"{_short(extra)}; --force replaces only a checkpoint directory holding nothing "
+            "else: move them away or choose another OUT"
+        )
 
 
 def _make_readable(directory: Path) -> None:
@@ -546,39 +655,125 @@ def read_args(path: str | Path) -> tuple[ModelArgs, dict]:
     path = Path(path)
     if not (path / PARAMS).is_file():
         raise CheckpointError(f"{path} is not a Nakta checkpoint: {PARAMS} not found")
-    params = json.loads((path / PARAMS).read_text())
+    params = _read_json_object(path / PARAMS)
     if params.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}/{PARAMS}: format_version {params.get('format_version')!r}, this Nakta "
             f"reads {FORMAT_VERSION} (convert Meta/HF checkpoints with convert.py)"
         )
-    return ModelArgs.from_meta_params(params), params
+    try:
+        return ModelArgs.from_meta_params(params), params
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / PARAMS}: {e}") from e
+
+
+def _read_json_object(f: Path) -> dict:
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: cannot read it as JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _check_entry_name(path: Path, fname: str) -> None:
+    """A manifest entry must name a file directly inside the checkpoint directory."""
+    where = f"{path / MANIFEST}: file entry {fname!r}"
+    plain = (
+        fname
+        and ".." not in fname
+        and not any(sep in fname for sep in ("/", "\\", "\0"))
+        and not os.path.isabs(fname)
+    )
+    if not plain:
+        raise CheckpointError(f"{where} is not a plain file name inside the checkpoint directory")
+    target = (path / fname).resolve()
+    if target.parent != path.resolve():
+        raise CheckpointError(f"{where} resolves outside the checkpoint directory (to {target})")
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of checkpoint ``path``, its structure and every file name checked."""
+    path = Path(path)
+    f = path / MANIFEST
+    if not f.is_file():
+        raise CheckpointError(f"{path}: {MANIFEST} not found (not a Nakta checkpoint?)")
+    manifest = _read_json_object(f)
+    if not isinstance(manifest.get("format_version"), int) or not isinstance(
+        manifest.get("files"), dict
+    ):
+        raise CheckpointError(f"{f}: not a Nakta manifest (needs format_version and files)")
+    for fname, info in manifest["files"].items():
+        _check_entry_name(path, fname)
+        size = info.get("size") if isinstance(info, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError(f"{f}: file entry {fname!r} has no valid size")
+    return manifest
+
+
+def verify_mode(verify: str | bool) -> str:
+    """``"fast"`` | ``"full"`` | ``"size"`` from a ``verify=`` argument.
+
+    ``True`` is the default check (``"fast"``): ``load(path)`` and ``load(path, verify=True)``
+    stay the same call, and the cost of a full sha256 is asked for by name. ``False`` still
+    checks that every file exists with its recorded size (``"size"``).
+    """
+    if verify is True:
+        return "fast"
+    if verify is False:
+        return "size"
+    if verify not in VERIFY_MODES:
+        raise ValueError(
+            f"verify must be one of {list(VERIFY_MODES)}, True or False; got {verify!r}"
+        )
+    return verify
+
+
+def _verify_file(path: Path, fname: str, info: Mapping, mode: str) -> None:
+    f = path / fname
+    if not f.is_file():
+        raise CheckpointError(f"{path}: {fname} listed in the manifest is missing")
+    size = f.stat().st_size
+    if size != info["size"]:
+        raise CheckpointError(f"{f}: size {size} bytes, manifest says {info['size']} (truncated?)")
+    if mode == "full" and _sha256_file(f) != info.get("sha256"):
+        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupt file)")
+    if mode == "fast" and "sample_sha256" in info:
+        digest = _sample_sha256(f, size, _sample_params(f, info))
+        if digest != info["sample_sha256"]:
+            raise CheckpointError(
+                f"{f}: sampled sha256 differs from the manifest (corrupt or replaced file)"
+            )
+
+
+def _sample_params(f: Path, info: Mapping) -> dict[str, int]:
+    plan = info.get("sample")
+    keys = ("block_bytes", "stride_blocks", "head_bytes")
+    ok = isinstance(plan, dict) and set(plan) == set(keys)
+    ok = ok and all(isinstance(plan[k], int) and not isinstance(plan[k], bool) for k in keys)
+    if not ok or plan["block_bytes"] < 1 or plan["stride_blocks"] < 1 or plan["head_bytes"] < 0:
+        raise CheckpointError(f"{f}: the manifest's sample parameters are invalid: {plan!r}")
+    return {k: plan[k] for k in keys}
 
 
 def verify_checkpoint(
-    path: str | Path, tp_rank: int | None = None, hash_files: bool = True
+    path: str | Path, tp_rank: int | None = None, verify: str | bool = "fast"
 ) -> dict:
-    """Check the manifest against the files (existence, size, sha256 when ``hash_files``).
+    """Check the manifest against the files; ``verify`` picks how (:func:`verify_mode`).
 
-    ``tp_rank`` limits the check to that rank's shard (plus params/tokenizer). Returns the
-    manifest; raises :class:`CheckpointError` naming the file on any mismatch.
+    Every file must exist with its recorded size; ``"fast"`` also checks each file's sampled
+    sha256 (when the manifest has one), ``"full"`` its whole sha256. ``tp_rank`` limits the
+    check to that rank's shard (plus params/tokenizer). Returns the manifest; raises
+    :class:`CheckpointError` naming the file on any mismatch.
     """
+    mode = verify_mode(verify)
     path = Path(path)
-    if not (path / MANIFEST).is_file():
-        raise CheckpointError(f"{path}: {MANIFEST} not found (not a Nakta checkpoint?)")
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_manifest(path)
     for fname, info in manifest["files"].items():
         if tp_rank is not None and info.get("tp_rank", tp_rank) != tp_rank:
             continue
-        f = path / fname
-        if not f.is_file():
-            raise CheckpointError(f"{path}: {fname} listed in the manifest is missing")
-        if f.stat().st_size != info["size"]:
-            raise CheckpointError(
-                f"{f}: size {f.stat().st_size} bytes, manifest says {info['size']} (truncated?)"
-            )
-        if hash_files and _sha256_file(f) != info["sha256"]:
-            raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupt file)")
+        _verify_file(path, fname, info, mode)
     return manifest
 
 
@@ -588,12 +783,14 @@ def load_rank_state_dict(
     tp_size: int = 1,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-    verify: bool = True,
+    verify: str | bool = "fast",
 ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Rank ``tp_rank``'s tensors, read straight onto ``device`` and checked against the manifest.
 
     Refuses a checkpoint sharded for another tensor-parallel size, and any missing, extra or
-    misshapen tensor: a model must never run on uninitialized memory.
+    misshapen tensor: a model must never run on uninitialized memory. ``verify``: ``"fast"``
+    (default, also ``True``), ``"full"`` or ``"size"`` (also ``False``), see
+    :func:`verify_checkpoint`.
     """
     from safetensors import safe_open
 
@@ -605,11 +802,15 @@ def load_rank_state_dict(
             f"{path} is sharded for tp_size={stored_tp}, but tp_size={tp_size} was requested; "
             f"reshard it with: python convert.py <source> <out> --tp {tp_size}"
         )
-    manifest = verify_checkpoint(path, tp_rank=tp_rank, hash_files=verify)
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
+    manifest = verify_checkpoint(path, tp_rank=tp_rank, verify=verify)
     fname = shard_file_name(tp_rank, tp_size)
     if fname not in manifest["files"]:
         raise CheckpointError(f"{path}: manifest has no entry for {fname}")
-    listed = manifest["files"][fname]["tensors"]
+    listed = manifest["files"][fname].get("tensors")
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"{path / MANIFEST}: entry {fname} has no tensor list")
     expected = nakta_shapes(args, tp_size)
     out: dict[str, torch.Tensor] = {}
     with safe_open(str(path / fname), framework="pt", device=str(device)) as f:
@@ -623,9 +824,9 @@ def load_rank_state_dict(
             t = f.get_tensor(name)
             info = listed.get(name)
             if (
-                info is None
-                or list(t.shape) != info["shape"]
-                or _DTYPE_NAMES.get(t.dtype) != info["dtype"]
+                not isinstance(info, dict)
+                or list(t.shape) != info.get("shape")
+                or _DTYPE_NAMES.get(t.dtype) != info.get("dtype")
             ):
                 raise CheckpointError(f"{path / fname}: {name} does not match the manifest")
             if tuple(t.shape) != expected[name]:

@@ -13,7 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelArgs", "PRESETS", "meta_hidden_dim", "preset"]
+__all__ = ["META_PARAMS_KEYS", "ModelArgs", "PRESETS", "meta_hidden_dim", "preset"]
+
+# params.json keys that are read without becoming a ModelArgs field: llama_org's runtime batch
+# size and the metadata a Nakta checkpoint's params.json carries (see checkpoint.py).
+_IGNORED_PARAMS_KEYS = frozenset({"max_batch_size", "tp_size", "format_version", "dtype"})
 
 
 def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -50,7 +54,10 @@ class ModelArgs:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.hidden_dim is None:
+            _check_positive("dim", self.dim)
             _check_positive("multiple_of", self.multiple_of)
+            if self.ffn_dim_multiplier is not None:
+                _check_positive_number("ffn_dim_multiplier", self.ffn_dim_multiplier)
             object.__setattr__(
                 self,
                 "hidden_dim",
@@ -86,6 +93,8 @@ class ModelArgs:
         """Raise ``ValueError`` naming the field when the shape cannot be a LLaMA model."""
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
             _check_positive(name, getattr(self, name))
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int):
+            raise ValueError(f"vocab_size must be an int, got {self.vocab_size!r}")
         if self.vocab_size <= 0:
             raise ValueError(
                 f"vocab_size must be > 0, got {self.vocab_size} (Meta's params.json uses -1 as a "
@@ -101,10 +110,12 @@ class ModelArgs:
             raise ValueError(
                 f"head_dim = dim / n_heads = {self.head_dim} must be even (RoPE rotates pairs)"
             )
-        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
-            raise ValueError(f"norm_eps must be a positive finite number, got {self.norm_eps}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"rope_theta must be a positive finite number, got {self.rope_theta}")
+        _check_positive_number("norm_eps", self.norm_eps)
+        _check_positive_number("rope_theta", self.rope_theta)
+        if not isinstance(self.rope_interleaved, bool):
+            raise ValueError(
+                f"rope_interleaved must be true or false, got {self.rope_interleaved!r}"
+            )
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ``ValueError`` when ``tp_size`` cannot split heads, KV heads, FFN or vocab."""
@@ -125,10 +136,21 @@ class ModelArgs:
     ) -> ModelArgs:
         """From Meta's ``params.json`` dict; ``vocab_size`` replaces Meta's ``-1`` placeholder.
 
-        Unknown keys are ignored except Nakta's own (``hidden_dim``, ``rope_interleaved``), so a
-        Nakta checkpoint's ``params.json`` reads back through the same function.
+        Known keys: llama_org's ``ModelArgs`` set (Meta's LLaMA-1/2 ``params.json``), Nakta's own
+        fields (``hidden_dim``, ``rope_interleaved``) and a Nakta checkpoint's metadata, so its
+        ``params.json`` reads back through the same function. Any other key is refused: it means
+        a model this code would silently run wrong (e.g. Llama-3.1's ``use_scaled_rope``).
         """
+        if not isinstance(params, dict):
+            raise TypeError(
+                f"params must be a dict (params.json object), got {type(params).__name__}"
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - fields - _IGNORED_PARAMS_KEYS)
+        if unknown:
+            raise ValueError(
+                f"params.json has unknown key(s) {unknown}; known keys: {sorted(META_PARAMS_KEYS)}"
+            )
         kw = {k: v for k, v in params.items() if k in fields}
         if "dim" not in kw or "n_layers" not in kw or "n_heads" not in kw:
             raise ValueError(
@@ -204,9 +226,18 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
+META_PARAMS_KEYS = frozenset(f.name for f in dataclasses.fields(ModelArgs)) | _IGNORED_PARAMS_KEYS
+
+
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_positive_number(name: str, value: object) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
 PRESETS: dict[str, ModelArgs] = {

@@ -118,6 +118,8 @@ def test_load_rank_round_trip_and_tp_mismatch(tmp_path, meta_sd):
         assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
     with pytest.raises(ck.CheckpointError, match="sharded for tp_size=2, but tp_size=1"):
         ck.load_rank_state_dict(out, 0, 1)
+    with pytest.raises(ValueError, match=r"tp_rank must be an int in \[0, 2\), got 2"):
+        ck.load_rank_state_dict(out, 2, 2)
     with pytest.raises(ck.CheckpointError, match="sharded for tp_size=2, but tp_size=1"):
         nakta_model.load(out, "cpu")
 
@@ -187,3 +189,149 @@ def test_meta_to_hf_name_inverts_hf_to_meta_name():
         assert hf != name and ck.hf_to_meta_name(hf) == name
     with pytest.raises(ck.CheckpointError, match="unknown Meta tensor name"):
         ck.meta_to_hf_name("layers.0.attention.wz.weight")
+
+
+# ------------------------------------------------------------- manifest names, --force target
+
+
+@pytest.mark.parametrize(
+    "entry", ["../outside.bin", "/etc/hostname", "sub/file.bin", "a..b", "..", "link.bin"]
+)
+def test_manifest_entries_must_stay_inside_the_checkpoint(tmp_path, meta_sd, entry):
+    out = _saved(tmp_path, meta_sd)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"12345")
+    (out / "sub").mkdir()
+    (out / "sub" / "file.bin").write_bytes(b"12345")
+    (out / "a..b").write_bytes(b"12345")
+    (out / "link.bin").symlink_to(outside)  # a plain name that resolves outside
+    man = json.loads((out / "manifest.json").read_text())
+    man["files"][entry] = {"size": 5, "sha256": "0" * 64}
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ck.CheckpointError, match=f"file entry '{entry}'"):
+        ck.verify_checkpoint(out)
+    with pytest.raises(ck.CheckpointError, match=f"file entry '{entry}'"):
+        nakta_model.load(out, "cpu")
+
+
+def test_unreadable_manifest_and_params_name_the_file(tmp_path, meta_sd):
+    out = _saved(tmp_path, meta_sd)
+    (out / "params.json").write_text("{not json")
+    with pytest.raises(ck.CheckpointError, match=r"params\.json: cannot read it as JSON"):
+        nakta_model.load(out, "cpu")
+    (out / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(ck.CheckpointError, match=r"manifest\.json: expected a JSON object"):
+        ck.verify_checkpoint(out)
+    (out / "manifest.json").write_text(json.dumps({"format_version": 1, "files": {"x": {}}}))
+    with pytest.raises(ck.CheckpointError, match="'x' has no valid size"):
+        ck.verify_checkpoint(out)
+
+
+def test_only_a_checkpoint_holding_nothing_else_is_replaceable(tmp_path, meta_sd):
+    out = _saved(tmp_path, meta_sd)
+    ck.check_replaceable(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(
+        ck.CheckpointError, match=r"not part of its Nakta checkpoint \['notes.txt'\]"
+    ):
+        ck.check_replaceable(out)
+    with pytest.raises(ck.CheckpointError, match="not part of its Nakta checkpoint"):
+        ck.save_checkpoint(out, meta_sd, ARGS, force=True)
+    assert (out / "notes.txt").exists()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(ck.CheckpointError, match="is not a Nakta checkpoint"):
+        ck.save_checkpoint(plain, meta_sd, ARGS, force=True)
+    (plain / "manifest.json").write_text(json.dumps({"files": {}}))
+    with pytest.raises(ck.CheckpointError, match="not a Nakta manifest"):
+        ck.check_replaceable(plain)
+
+
+# ------------------------------------------------------------------------- verification modes
+
+
+def test_sample_plan_reads_at_most_64_mib_and_covers_both_ends():
+    size = 13_476_839_424 + 123  # a 7B bf16 shard, not a whole number of blocks
+    plan = ck.sample_plan(size, head_bytes=5000)
+    ranges = ck.sample_ranges(size, **plan)
+    hashed = sum(end - start for start, end in ranges)
+    assert hashed <= 64 * ck.SAMPLE_BLOCK_BYTES
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))  # sorted, disjoint
+    assert ck.sample_ranges(10, 4, 1, 0) == [(0, 10)]  # small file: all of it
+    assert ck.sample_ranges(100, 10, 4, 3) == [(0, 10), (40, 50), (80, 100)]
+
+
+@pytest.fixture
+def sparse_sampled(tmp_path, meta_sd, monkeypatch):
+    """A checkpoint written with tiny sample blocks (64 B, at most 4 per file), so that most
+    bytes of its shard are outside the sample; the constants are restored before reading."""
+    with monkeypatch.context() as m:
+        m.setattr(ck, "SAMPLE_BLOCK_BYTES", 64)
+        m.setattr(ck, "SAMPLE_MAX_BLOCKS", 4)
+        out = _saved(tmp_path, meta_sd)
+    f = out / ck.shard_file_name(0, 1)
+    info = json.loads((out / "manifest.json").read_text())["files"][f.name]
+    assert info["sample"]["block_bytes"] == 64 and info["sample"]["stride_blocks"] > 1
+    ranges = ck.sample_ranges(info["size"], **info["sample"])
+    sampled = {i for start, end in ranges for i in range(start, end)}
+    head = info["sample"]["head_bytes"]
+    unsampled = next(i for i in range(head, info["size"]) if i not in sampled)
+    in_sample = ranges[-1][0]  # the last block: tensor data, not the header
+    return out, f, unsampled, in_sample
+
+
+def _flip(f, offset):
+    data = bytearray(f.read_bytes())
+    data[offset] ^= 0x55
+    f.write_bytes(bytes(data))
+
+
+def test_fast_verify_catches_a_corrupt_sampled_block(sparse_sampled):
+    out, f, _, in_sample = sparse_sampled
+    ck.verify_checkpoint(out)  # the reader recomputes the digest from the stored parameters
+    _flip(f, in_sample)
+    for verify in ("fast", True, "full"):
+        with pytest.raises(ck.CheckpointError, match="sha256 differs"):
+            nakta_model.load(out, "cpu", verify=verify)
+    nakta_model.load(out, "cpu", verify="size")
+
+
+def test_full_verify_catches_corruption_anywhere(sparse_sampled):
+    out, f, unsampled, _ = sparse_sampled
+    _flip(f, unsampled)
+    ck.verify_checkpoint(out, verify="fast")  # outside the sample: fast cannot see it
+    nakta_model.load(out, "cpu")  # the default is fast
+    with pytest.raises(ck.CheckpointError, match=r"\.safetensors: sha256 differs"):
+        nakta_model.load(out, "cpu", verify="full")
+
+
+def test_truncation_is_caught_by_every_mode(sparse_sampled):
+    out, f, _, _ = sparse_sampled
+    f.write_bytes(f.read_bytes()[:-1])
+    for verify in ("fast", "full", "size", False):
+        with pytest.raises(ck.CheckpointError, match="truncated"):
+            ck.verify_checkpoint(out, verify=verify)
+
+
+def test_old_manifest_without_sample_digest_verifies_sizes_under_fast(sparse_sampled):
+    out, f, _, in_sample = sparse_sampled
+    man = json.loads((out / "manifest.json").read_text())
+    for info in man["files"].values():
+        del info["sample_sha256"], info["sample"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    _flip(f, in_sample)
+    ck.verify_checkpoint(out, verify="fast")
+    with pytest.raises(ck.CheckpointError, match="sha256 differs"):
+        ck.verify_checkpoint(out, verify="full")
+
+
+def test_verify_argument_and_sample_parameters_are_checked(sparse_sampled):
+    out, *_ = sparse_sampled
+    with pytest.raises(ValueError, match=r"verify must be one of \['fast', 'full', 'size'\]"):
+        ck.verify_checkpoint(out, verify="quick")
+    man = json.loads((out / "manifest.json").read_text())
+    man["files"][ck.shard_file_name(0, 1)]["sample"]["stride_blocks"] = 0
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ck.CheckpointError, match="sample parameters are invalid"):
+        ck.verify_checkpoint(out)

@@ -106,3 +106,45 @@ def test_params_round_trip_through_json(tmp_path):
     assert ModelArgs.from_json(tmp_path / "params.json") == args
     with pytest.raises(ValueError, match="unknown preset"):
         preset("7b-chat")
+
+
+def test_unknown_params_keys_are_refused_listing_the_known_ones():
+    params = {"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": 300, "multiple_of": 16}
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['use_scaled_rope'\]; known keys: "):
+        ModelArgs.from_meta_params({**params, "use_scaled_rope": True})
+    with pytest.raises(ValueError, match=r"'rope_theta'"):  # the known keys are listed
+        ModelArgs.from_meta_params({**params, "n_head": 4})
+    # llama_org's full key set (Meta's LLaMA-1/2 params.json) reads
+    full = {**params, "n_kv_heads": 2, "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5,
+            "rope_theta": 5e5, "max_seq_len": 256, "max_batch_size": 8}  # fmt: skip
+    assert ModelArgs.from_meta_params(full).max_seq_len == 256
+
+
+def test_nakta_checkpoint_params_read_back(tmp_path):
+    """Every key write_checkpoint puts in params.json is known (hidden_dim, tp_size, ...)."""
+    import torch
+    from checkpoint_factory import TINY_PARAMS, meta_state_dict
+
+    from nakta_model import checkpoint as ck
+
+    args = ModelArgs.from_meta_params(TINY_PARAMS)
+    out = ck.save_checkpoint(tmp_path / "ck", meta_state_dict(TINY_PARAMS), args, 2, torch.bfloat16)
+    params = json.loads((out / "params.json").read_text())
+    assert {"hidden_dim", "rope_interleaved", "tp_size", "format_version", "dtype"} <= set(params)
+    assert ModelArgs.from_meta_params(params) == args
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("norm_eps", "1e-5", "norm_eps must be a positive finite number, got '1e-5'"),
+        ("rope_theta", True, "rope_theta must be a positive finite number"),
+        ("ffn_dim_multiplier", "1.3", "ffn_dim_multiplier must be a positive finite number"),
+        ("vocab_size", "300", "vocab_size must be an int, got '300'"),
+        ("rope_interleaved", "yes", "rope_interleaved must be true or false"),
+    ],
+)
+def test_wrongly_typed_params_name_the_field(key, value, match):
+    params = {"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": 300, "multiple_of": 16}
+    with pytest.raises(ValueError, match=match):
+        ModelArgs.from_meta_params({**params, key: value})

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,14 +199,184 @@ def test_refuses_tp_that_does_not_divide(capsys, tmp_path, meta_dir, tp, what):
 
 def test_refuses_existing_output_without_force(capsys, tmp_path, meta_dir):
     out = tmp_path / "out"
+    assert run(capsys, meta_dir, out)[0] == 0
+    rc, err = run(capsys, meta_dir, out)
+    assert rc == 2 and "already exists" in err and "--force" in err
+    first = _sha(out)
+    rc, err = run(capsys, meta_dir, out, "--force")  # a Nakta checkpoint: replaced
+    assert rc == 0, err
+    assert _sha(out) == first and _hidden(tmp_path) == []
+
+
+def test_force_replaces_only_a_nakta_checkpoint(capsys, tmp_path, meta_dir):
+    out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    rc, err = run(capsys, meta_dir, out)
-    assert rc != 0 and "already exists" in err and "--force" in err
-    assert (out / "keep.txt").read_text() == "precious"
     rc, err = run(capsys, meta_dir, out, "--force")
-    assert rc == 0, err
-    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+    assert rc == 2 and f"output {out} is not a Nakta checkpoint" in err
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    assert run(capsys, meta_dir, out, "--force")[0] == 2  # an empty directory is not one either
+    out.rmdir()
+    assert run(capsys, meta_dir, out)[0] == 0
+    (out / "notes.txt").write_text("mine")  # a checkpoint holding something else
+    rc, err = run(capsys, meta_dir, out, "--force")
+    assert rc == 2 and "not part of its Nakta checkpoint ['notes.txt']" in err
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def _hidden(parent) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "make_out, message",
+    [
+        (lambda src, t: src.parent, "contains the input"),
+        (lambda src, t: src, "is the input directory"),
+        (lambda src, t: _link(t / "link", src), "is the input directory"),
+        (lambda src, t: _link(t / "link", src.parent), "contains the input"),
+        (lambda src, t: src / "sub", "is inside the input directory"),
+        (lambda src, t: _file(t / "file"), "exists and is not a directory"),
+        (lambda src, t: _link(t / "link", _file(t / "file")), "is a symbolic link"),
+        (lambda src, t: _link(t / "link", t / "nowhere"), "is a symbolic link"),
+    ],
+    ids=["parent-of-in", "in", "link-to-in", "link-to-parent", "inside-in", "file", "link-file",
+         "dangling-link"],
+)  # fmt: skip
+def test_force_never_touches_the_source_a_link_or_a_file(
+    capsys, tmp_path, meta_dir, make_out, message, monkeypatch
+):
+    before = _tree(tmp_path)
+    out = make_out(meta_dir, tmp_path)
+    monkeypatch.setattr(convert, "open_source", lambda *a: pytest.fail("checked after reading"))
+    rc, err = run(capsys, meta_dir, out, "--force")
+    assert rc == 2, err
+    assert err.startswith(f"convert.py: error: output {out} ") and message in err, err
+    assert err.count("\n") == 1  # one line, no traceback
+    after = _tree(tmp_path)
+    assert all(after.get(k) == v for k, v in before.items())  # nothing removed or changed
+    assert _hidden(tmp_path) == [] and _hidden(meta_dir) == []
+
+
+def _link(link, target):
+    link.symlink_to(target)
+    return link
+
+
+def _file(path):
+    path.write_text("data")
+    return path
+
+
+def test_refuses_an_output_that_cannot_be_created(capsys, tmp_path, meta_dir):
+    blocker = _file(tmp_path / "blocker")
+    rc, err = run(capsys, meta_dir, blocker / "out")
+    assert rc == 2 and f"{blocker} is not a directory" in err
+    if os.geteuid() == 0:
+        return  # root writes anywhere: the permission half cannot be shown
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    rc, err = run(capsys, meta_dir, locked / "a" / "out")
+    assert rc == 2 and f"no write permission in {locked}" in err
+
+
+def test_refuses_bad_tp_before_reading(capsys, tmp_path, meta_dir):
+    with pytest.raises(SystemExit) as e:
+        convert.main([str(meta_dir), str(tmp_path / "out"), "--tp", "0"])
+    assert e.value.code == 2 and "--tp must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
+        convert.convert(meta_dir, tmp_path / "out", tp=0)
+
+
+def test_refuses_unknown_or_unreadable_params(capsys, tmp_path, meta_dir):
+    params = json.loads((meta_dir / "params.json").read_text())
+    (meta_dir / "params.json").write_text(json.dumps({**params, "use_scaled_rope": True}))
+    _refused(capsys, tmp_path, meta_dir, match="params.json: params.json has unknown key(s)")
+    (meta_dir / "params.json").write_text("{")
+    _refused(capsys, tmp_path, meta_dir, match="params.json: cannot read it as JSON")
+    (meta_dir / "params.json").write_text("[]")
+    _refused(capsys, tmp_path, meta_dir, match="params.json: expected a JSON object, got list")
+
+
+def test_output_created_by_someone_else_during_the_conversion_is_kept(
+    capsys, tmp_path, meta_dir, monkeypatch
+):
+    out = tmp_path / "out"
+    real = ck.nakta_tensor
+
+    def intrude(*a, **kw):
+        if not out.exists():
+            out.mkdir()
+            (out / "theirs.txt").write_text("theirs")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ck, "nakta_tensor", intrude)
+    rc, err = run(capsys, meta_dir, out)
+    assert rc == 2 and "appeared while this write ran" in err
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and _hidden(tmp_path) == []
+
+
+# ------------------------------------------------------------------- signals and stale temps
+
+# Runs convert.main in a fresh interpreter and sends itself SIGNAL while the third output
+# tensor is being built (mid-write: the shard files are open and partly written).
+_SIGNAL_SCRIPT = """
+import os, signal, sys
+from nakta_model import checkpoint as ck
+real, calls = ck.nakta_tensor, []
+def nakta_tensor(*a, **kw):
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    return real(*a, **kw)
+ck.nakta_tensor = nakta_tensor
+import convert
+sys.exit(convert.main(sys.argv[2:]))
+"""
+
+
+def _convert_with_signal(signame, src, out):
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "-c", _SIGNAL_SCRIPT, signame, str(src), str(out), "--quiet"],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "signame, returncode, stderr",
+    [
+        ("SIGTERM", -signal.SIGTERM, ""),  # the default action after the cleanup: status 143
+        ("SIGINT", 130, "convert.py: interrupted; no partial output left behind\n"),
+    ],
+)
+def test_signal_mid_write_removes_the_partial_output(
+    tmp_path, meta_dir, signame, returncode, stderr
+):
+    out = tmp_path / "out"
+    proc = _convert_with_signal(signame, meta_dir, out)
+    assert (proc.returncode, proc.stderr) == (returncode, stderr)
+    assert not out.exists() and _hidden(tmp_path) == []
+
+
+def test_a_killed_conversion_is_swept_by_the_next_one(capsys, tmp_path, meta_dir):
+    out = tmp_path / "out"
+    proc = _convert_with_signal("SIGKILL", meta_dir, out)
+    assert proc.returncode == -signal.SIGKILL
+    left = _hidden(tmp_path)
+    assert len(left) == 1 and (tmp_path / left[0] / ".nakta-tmp").is_file()  # cannot be helped
+    rc, err = convert.main([str(meta_dir), str(tmp_path / "other")]), capsys.readouterr().err
+    assert rc == 0 and f"removed {tmp_path / left[0]}, a temporary directory left by" in err
+    assert _hidden(tmp_path) == [] and not out.exists()
 
 
 def test_refuses_inputs_that_are_not_checkpoints(capsys, tmp_path):
@@ -236,3 +411,12 @@ def test_refuses_broken_hf_directories(capsys, tmp_path):
     del sd["lm_head.weight"]  # not tied: the LM head is missing
     save_file(sd, str(src / "model.safetensors"))
     _refused(capsys, tmp_path, src, match="missing tensors ['output.weight']")
+
+
+def test_refuses_a_broken_tokenizer_but_passes_over_a_broken_shared_one(capsys, tmp_path):
+    src = write_meta_checkpoint(tmp_path / "models" / "tiny", TINY_PARAMS, seed=1)
+    (tmp_path / "models" / "tokenizer.model").write_bytes(b"garbage")  # Meta's shared spot
+    assert run(capsys, src, tmp_path / "out")[0] == 0
+    assert not (tmp_path / "out" / "tokenizer.model").exists()
+    (src / "tokenizer.model").write_bytes(b"garbage")
+    _refused(capsys, tmp_path, src, match="tokenizer.model: not a sentencepiece model")

@@ -7,6 +7,7 @@ and (when lm-eval is installed) against lm-eval's own ``process_docs`` and ``_en
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -161,3 +162,91 @@ def test_llamacpp_text_file_equals_full_jsonl(shared_data):
     assert len(txt) == 10042
     assert txt == full
     assert hs.load(shared_data / "hellaswag_val_full.txt.bz2", limit=3) == full[:3]
+
+
+# ------------------------------------------------------------------ validation while loading
+
+_GOOD = {"ind": 5, "ctx": "A man is sitting on a roof. he", "endings": ["a", "b"], "label": 1}
+_ORIG = {"activity_label": "Roof", "ctx_a": "A man sits.", "ctx_b": "he", "endings": ["a", "b"],
+         "label": "0"}  # fmt: skip
+
+
+def _jsonl(tmp_path, *lines) -> str:
+    path = tmp_path / "hs.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ('{"ctx": "q", "endings": ["a"], ', r"line 3: not valid JSON"),
+        ("[1, 2]", r"line 3: expected a JSON object, got list"),
+        (json.dumps({k: v for k, v in _ORIG.items() if k != "activity_label"}),
+         r"line 3: missing field 'activity_label'"),
+        (json.dumps({**_ORIG, "ctx_b": None}), r"line 3: field 'ctx_b' must be a string"),
+        (json.dumps({**_GOOD, "endings": ["a", ""]}), r"line 3: field 'endings'\[1\] is empty"),
+        (json.dumps({**_ORIG, "endings": ["a", "[header]"]}),
+         r"line 3: field 'endings'\[1\] is empty after preprocessing \(was '\[header\]'\)"),
+        (json.dumps({**_GOOD, "endings": []}), r"line 3: field 'endings' must be a non-empty list"),
+        (json.dumps({**_GOOD, "endings": "ab"}), r"line 3: field 'endings' must be a non-empty"),
+        (json.dumps({**_GOOD, "endings": ["a", 2]}), r"line 3: field 'endings'\[1\] must be a str"),
+        (json.dumps({**_GOOD, "label": 2}), r"line 3: field 'label' = 2 out of range for 2"),
+        (json.dumps({**_GOOD, "label": -1}), r"line 3: field 'label' = -1 out of range"),
+        (json.dumps({**_GOOD, "label": 1.5}), r"line 3: field 'label' must be an int, got 1.5"),
+        (json.dumps({**_GOOD, "label": True}), r"line 3: field 'label' must be an int"),
+        (json.dumps({**_GOOD, "label": "one"}), r"line 3: field 'label' must be an int"),
+        (json.dumps({k: v for k, v in _GOOD.items() if k != "label"}),
+         r"line 3: missing field 'label'"),
+        (json.dumps({**_GOOD, "ind": "x"}), r"line 3: field 'ind' must be an int"),
+    ],
+)  # fmt: skip
+def test_bad_rows_name_file_line_and_field(tmp_path, bad, match):
+    path = _jsonl(tmp_path, json.dumps(_GOOD), "", bad, json.dumps(_GOOD))
+    with pytest.raises(ValueError, match=f"^{re.escape(path)} " + match):
+        hs.load(path)
+
+
+def test_valid_rows_of_both_schemas_load_with_string_labels(tmp_path):
+    docs = hs.load(_jsonl(tmp_path, json.dumps(_ORIG), json.dumps({**_GOOD, "label": "1"})))
+    assert docs[0] == hs.Doc("Roof: A man sits. He", ("a", "b"), 0)
+    assert docs[1] == hs.Doc(_GOOD["ctx"], ("a", "b"), 1, ind=5)
+
+
+def test_empty_files_are_refused(tmp_path):
+    for name, text in (("e.jsonl", ""), ("blank.jsonl", "\n  \n"), ("e.txt", "")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / name))}: no HellaSwag"):
+            hs.load(tmp_path / name)
+
+
+def _txt(tmp_path, lines) -> str:
+    path = tmp_path / "hs.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "task2, match",
+    [
+        (["ctx", "1", "a", "", "c", "d"], r"line 10: ending 1 is empty"),
+        (["ctx", "x", "a", "b", "c", "d"], r"line 8: label must be an int in \[0, 4\), got 'x'"),
+        (["ctx", "4", "a", "b", "c", "d"], r"line 8: label must be an int in \[0, 4\), got '4'"),
+    ],
+)
+def test_llamacpp_text_errors_name_the_line(tmp_path, task2, match):
+    path = _txt(tmp_path, ["q: ctx", "0", "a", "b", "c", "d", *task2])
+    with pytest.raises(ValueError, match=f"^{re.escape(path)} " + match):
+        hs.load(path)
+    assert len(hs.load(_txt(tmp_path, ["q: ctx", "0", "a", "b", "c", "d"]))) == 1
+
+
+def test_docs_are_checked_on_construction_and_evaluate_needs_docs():
+    with pytest.raises(ValueError, match=r"choices\[1\] must be a non-empty str"):
+        hs.Doc("q", ("a", ""), 0)  # acc_norm would divide by zero after the whole run
+    with pytest.raises(ValueError, match="choices must be a non-empty tuple"):
+        hs.Doc("q", (), 0)
+    with pytest.raises(ValueError, match="label 2 out of range for 2 choices"):
+        hs.Doc("q", ("a", "b"), 2)
+    with pytest.raises(ValueError, match="docs is empty"):
+        hs.evaluate([], [])
