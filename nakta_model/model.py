@@ -413,13 +413,14 @@ def load(
     parallel: ParallelContext | None = None,
     *,
     kernels: str | None = None,
-    verify: bool = True,
+    verify: str | bool = "fast",
 ) -> Transformer:
     """A model from a Nakta checkpoint (``convert.py`` output), this rank's shard only.
 
     Built on the ``meta`` device and filled by assignment from tensors read straight onto
     ``device``: no random init, no second copy. Strict: any missing, unexpected or misshapen
-    tensor, a manifest mismatch (``verify`` also checks sha256), or a checkpoint sharded for
+    tensor, a manifest mismatch (``verify``: ``"fast"`` = sizes + a sampled sha256, ``"full"`` =
+    every byte, ``"size"``), or a checkpoint sharded for
     another tensor-parallel size is an error. ``dtype`` None keeps the stored dtype.
     """
     from nakta_model.checkpoint import load_rank_state_dict, read_args

@@ -379,7 +379,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     *,
     kernels: str | None = None,
-    verify: bool = True,
+    verify: str | bool = "fast",
 ):
     """This rank's shard of a Nakta checkpoint (``convert.py --tp N``), loaded collectively:
     a shard that fails on one rank fails the load on every rank (see :func:`collective_call`)."""
