@@ -284,3 +284,10 @@ def test_results_do_not_depend_on_request_order():
         a = scoring.score(model, reqs, use_cache=use_cache, token_budget=60)
         b = scoring.score(model, shuffled, use_cache=use_cache, token_budget=60)
         assert [b[perm.index(i)] for i in range(len(reqs))] == a
+
+
+def test_warm_up_scores_a_tiny_tree_batch():
+    model = TinyLM()
+    seconds = scoring.warm_up(model)
+    assert seconds >= 0 and len(model.calls) == 1
+    assert model.calls[0]["seqs"] == 2  # a shared-context row with two branches + a plain row
