@@ -50,15 +50,15 @@ def test_nakta_speed_runs_in_every_form(argv, cwd, tmp_path):
     assert summary["engines"]["nakta_cache"]["pred_agree_vs_ref"] == 1.0
 
 
-def test_hf_speed_by_path_times_hf_only(tmp_path):
-    from speed_bench.hf_speed import unavailable_reason
-
-    proc = run_script(["hf_speed.py", *FEW, "--out", str(tmp_path)], REPO / "speed_bench")
-    if unavailable_reason():  # nothing it could run: said in one line
-        assert proc.returncode == 2 and error_lines(proc.stderr), proc.stderr[-3000:]
-        return
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert list(_summary(tmp_path)["engines"]) == ["hf"]
+def test_engine_scripts_by_path_are_run_all_with_their_engines():
+    """llama_speed / hf_speed: run_all's parser (same options), their own engines only (the
+    runs themselves are run_all's, tested above and under torchrun below)."""
+    for script, engines in (("llama_speed.py", "llama_org"), ("hf_speed.py", "hf")):
+        proc = run_script([script, "--help"], REPO / "speed_bench")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = " ".join(proc.stdout.split())
+        assert f"usage: {script}" in text and "--token-budget" in text and "--dp" in text
+        assert f"comma-separated, from {engines} (default: all)" in text
 
 
 def test_engine_scripts_take_only_their_engines(capsys):
