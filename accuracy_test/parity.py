@@ -11,6 +11,8 @@
     torchrun --nproc_per_node 2 -m accuracy_test.parity --tp 2 \\
         --checkpoint ../shared/data/stories260K_mp2 --tokenizer ... --data ...
 
+    python accuracy_test/parity.py ...      # by path works too (from the root or accuracy_test/)
+
 Under ``torchrun`` llama_org runs as Meta runs it (model parallel over the whole world, one
 ``consolidated.NN.pth`` per rank) and Nakta on the ``--tp x --dp`` grid of the same world
 (the Meta dir converted once for ``--tp``; requests sharded over the ``--dp`` replicas). With
@@ -35,10 +37,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import torch
 
 from accuracy_test import models
 from nakta_model import scoring
+from nakta_model.cli import (
+    InputError,
+    checked_on_every_rank,
+    exit_on_input_error,
+    require_file,
+    require_meta_checkpoint,
+)
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.tasks import hellaswag
 
@@ -208,10 +220,34 @@ def markdown(result: dict, max_flips: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_inputs(a: argparse.Namespace):
+    """``(docs, tokenizer)``, every path checked first (cheap), before any model is built; a
+    file that is missing or does not read as what it should be is an :class:`InputError`
+    naming it."""
+    import nakta_model
+
+    if not a.random:
+        require_meta_checkpoint(a.checkpoint)
+    require_file(a.tokenizer, "--tokenizer", "a SentencePiece tokenizer.model")
+    require_file(a.data, "--data", "a HellaSwag .jsonl, or llama.cpp .txt[.bz2]")
+    try:
+        tok = nakta_model.Tokenizer(a.tokenizer)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise InputError(f"--tokenizer {a.tokenizer}: not a SentencePiece model ({e})") from e
+    try:
+        docs = hellaswag.load(a.data, limit=a.limit)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise InputError(
+            f"--data {a.data}: cannot read HellaSwag tasks from it ({type(e).__name__}: {e})"
+        ) from e
+    return docs, tok
+
+
 def run(a: argparse.Namespace, ctx=None) -> dict:
     from nakta_model.parallel import ParallelConfigError, ParallelContext, data_parallel_map
 
     ctx = ctx or ParallelContext()
+    docs, tok = checked_on_every_rank(load_inputs, a)
     if ctx.world_size > 1 and not a.random:
         n = len(list(Path(a.checkpoint).glob("consolidated.*.pth")))
         if n != ctx.world_size:  # checked before any collective: the same verdict everywhere
@@ -221,10 +257,6 @@ def run(a: argparse.Namespace, ctx=None) -> dict:
             )
     device = ctx.device or models.resolve_device(a.device)
     dtype = models.parse_dtype(a.dtype)
-    docs = hellaswag.load(a.data, limit=a.limit)
-    import nakta_model
-
-    tok = nakta_model.Tokenizer(a.tokenizer)
     requests = hellaswag.build_requests(docs, lambda s: tok.encode(s, bos=True, eos=False))
     longest = max(len(c) + len(x) - 1 for c, x in requests)
     handle = None
@@ -339,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     a = parse_args(argv)
     if a.tp * a.dp == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return _finish(a, run(a))
+        return _finish(a, exit_on_input_error(run, a))
     # torchrun: every rank computes, rank 0 writes; bad grids exit 2 with one message
     return launch(lambda ctx: _finish(a, run(a, ctx), ctx.is_leader), a.tp, a.dp, device=a.device)
 

@@ -25,14 +25,19 @@ Paths: ``nakta`` (``nakta_model.kernels.rmsnorm.rms_norm``, cast="meta"), ``meta
 the fraction of forward outputs that differ from Meta's eager result in any bit.
 
     python -m kernel_benchmark.bench_rmsnorm [--quick] [--tune]
+    python kernel_benchmark/bench_rmsnorm.py ...   # by path too; on a CPU a smoke run (--help)
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import pandas as pd
 import torch
@@ -40,9 +45,11 @@ import torch
 from kernel_benchmark.common import (
     cli,
     compiled,
+    exit_status,
     head_to_head_rows,
     run_sweep,
     sweep_point_rows,
+    triton_skip_reason,
     write_head_to_head,
 )
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
@@ -150,6 +157,7 @@ def bench_shape(m, n, dtype, device, copy_gbps) -> list[dict]:
     x, r, w = sets[0]["x"], sets[0]["r"], sets[0]["w"]
     with torch.no_grad():
         refs = {"fwd": meta_rms_norm(x, w), "fwd+res": meta_rms_norm(x + r, w)}
+    triton_skip = triton_skip_reason(device)
     rows = []
     for mode in MODES:
         table = residual if mode == "fwd+res" else plain
@@ -162,6 +170,9 @@ def bench_shape(m, n, dtype, device, copy_gbps) -> list[dict]:
                 "mode": mode,
             }
             row |= {"path": name, "input_sets": n_sets[mode]}
+            if name.startswith("nakta") and triton_skip:
+                rows.append({**row, "status": f"skipped: {triton_skip}"})
+                continue
             try:
                 calls = [make_call(mode, fn, t) for t in sets[: n_sets[mode]]]
                 mism = float("nan")
@@ -349,4 +360,4 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))

@@ -22,6 +22,7 @@ per-sequence start positions, so the margin rows give it per-batch cos/sin table
 on a retained graph, the same for every path.
 
     python -m kernel_benchmark.bench_rope [--quick] [--tune]
+    python kernel_benchmark/bench_rope.py ...   # by path too; on a CPU a smoke run (--help)
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import pandas as pd
 import torch
 
+from kernel_benchmark.common import CPU_NOTE, announce, exit_status, triton_skip_reason
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
 from nakta_model.bench.timing import eager_ms
@@ -127,6 +133,13 @@ def _te():
 
 
 # ----------------------------------------------------------------------------- TE-API cases
+MODES = ("fwd", "bwd")
+
+
+def _failed(ex: Exception) -> str:
+    return f"failed: {(str(ex).splitlines() or [type(ex).__name__])[0][:80]}"
+
+
 def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> list[dict]:
     """Forward and backward of every path at one configuration."""
     s_table = cfg["seq_length"]
@@ -155,13 +168,17 @@ def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> lis
 
     rows = []
     base = {**cfg, "dtype": str(dtype).removeprefix("torch."), "MB_moved": nbytes / 1e6}
+    skip = triton_skip_reason(device)
+    if skip:  # listed, not dropped: the table says why Nakta has no row here
+        del paths["nakta"]
+        rows += [{**base, "mode": m, "path": "nakta", "status": f"skipped: {skip}"} for m in MODES]
 
     def record(mode, name, eager, graph=None):
         row = {**base, "mode": mode, "path": name}
         try:
             tm = timings(eager, graph, device, quick)
         except Exception as ex:  # a peer that does not take this shape
-            rows.append({**row, "status": f"failed: {str(ex).splitlines()[0][:80]}"})
+            rows.append({**row, "status": _failed(ex)})
             return
         gbps = nbytes / (tm["us"] * 1e-6) / 1e9
         rows.append(
@@ -183,7 +200,11 @@ def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> lis
                 "fwd", name, lambda fn=fn: fn(t), (lambda fn=fn: fn(t)) if name == "nakta" else None
             )
         tg = t.detach().requires_grad_()
-        out = fn(tg)
+        try:
+            out = fn(tg)
+        except Exception as ex:  # a peer that does not take this shape
+            rows.append({**base, "mode": "bwd", "path": name, "status": _failed(ex)})
+            continue
         direct = None
         if name == "nakta":  # exactly what the autograd node runs
             direct = lambda: rope_module._launch_rope_te(  # noqa: E731
@@ -500,7 +521,7 @@ def summarize(te: pd.DataFrame, qkv: pd.DataFrame) -> dict:
 
 
 def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    p = argparse.ArgumentParser(description="RoPE paths vs copy bandwidth.")
+    p = argparse.ArgumentParser(description="RoPE paths vs copy bandwidth.", epilog=CPU_NOTE)
     p.add_argument("--quick", action="store_true", help="fewer sweep points and repetitions")
     p.add_argument("--tune", action="store_true", help="only sweep Nakta block sizes")
     p.add_argument("--te-only", action="store_true", help="--tune: the TE-API kernel only")
@@ -519,11 +540,12 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     slug = device_slug(device)
     out = Path(args.out) if args.out else results_dir(__file__, slug)
     copy_gbps = copy_bandwidth_gbps(device=str(device)) if on_gpu else float("nan")
+    announce(device)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s on {slug}", flush=True)
 
     if args.tune:
         if not on_gpu:
-            raise SystemExit("--tune needs a GPU")
+            p.error("--tune needs a GPU (CUDA graphs time the launch configurations)")
         if not args.te_only:
             print("host us per call:", host_overheads(device, dtype))
         tdf = tune(device, dtype, copy_gbps, args.tune_budget, args.te_only)
@@ -618,7 +640,8 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     if on_gpu:
         summary["host_us_per_call"] = host_overheads(device, dtype)
     write_json(summary, out / f"{stem}_summary.json")
-    save_figure(plot(te, qkv, f"RoPE ({args.dtype}) on {slug}"), out / f"{stem}.png")
+    if (te["status"] == "ok").any():  # nothing to plot when every path failed
+        save_figure(plot(te, qkv, f"RoPE ({args.dtype}) on {slug}"), out / f"{stem}.png")
 
     show = te[te["status"] == "ok"]
     cols = [
@@ -636,7 +659,8 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         "us_eager",
         "pct_copy_bw_eager",
     ]
-    print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if len(show):
+        print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for _, r in te[te["status"] != "ok"].iterrows():
         print(f"{r['sweep']} {r['mode']} {r['path']}: {r['status']}")
     if len(qkv):
@@ -652,4 +676,4 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(*main()))

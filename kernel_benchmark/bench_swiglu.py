@@ -20,14 +20,19 @@ that exceeds the GPU time; ``pct_copy_bw`` uses ``us``. ``mismatch_vs_eager`` is
 outputs that differ in any bit from eager PyTorch.
 
     python -m kernel_benchmark.bench_swiglu [--quick] [--tune]
+    python kernel_benchmark/bench_swiglu.py ...   # by path too; on a CPU a smoke run (--help)
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import pandas as pd
 import torch
@@ -37,9 +42,11 @@ import triton
 from kernel_benchmark.common import (
     cli,
     compiled,
+    exit_status,
     head_to_head_rows,
     run_sweep,
     sweep_point_rows,
+    triton_skip_reason,
     write_head_to_head,
 )
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
@@ -123,6 +130,7 @@ def bench_shape(m, f, dtype, device, copy_gbps) -> list[dict]:
     sets = [make_inputs(m, f, dtype, device, m * 7 + f + i) for i in range(max(n_sets.values()))]
     with torch.no_grad():
         ref = eager_swiglu(sets[0]["gate_up"])
+    triton_skip = triton_skip_reason(device)
     rows = []
     for mode in MODES:
         entries = {}
@@ -132,6 +140,9 @@ def bench_shape(m, f, dtype, device, copy_gbps) -> list[dict]:
             inputs = sets[: n_sets[mode]]
             if mode != "fwd" and name in MUTATES_INPUTS:
                 inputs = [{**t, "gate": t["gate"].clone(), "up": t["up"].clone()} for t in inputs]
+            if name.startswith("nakta") and triton_skip:
+                rows.append({**row, "status": f"skipped: {triton_skip}"})
+                continue
             try:
                 calls = [make_call(mode, kind, fn, t) for t in inputs]
                 mism = float("nan")
@@ -245,6 +256,8 @@ def summarize(df: pd.DataFrame, h2h: pd.DataFrame | None = None) -> list[str]:
     """The issue's targets at 16K tokens x 11008, bf16: % of copy bandwidth vs Liger, from the
     sweep and (the "vs Liger" verdict) from the head-to-head rounds when they ran."""
     lines = []
+    if "pct_copy_bw" not in df:  # no path was measured: no verdict
+        return lines
     for mode, target in TARGETS.items():
         sel = df[(df.tokens == 16384) & (df.ffn == 11008) & (df["mode"] == mode)]
         sel = sel[(sel.dtype == "bfloat16") & sel.status.str.startswith("ok")].set_index("path")
@@ -331,4 +344,4 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))

@@ -1,11 +1,13 @@
-"""What the RMSNorm and SwiGLU benchmarks share: their command line, the torch.compile peer,
-the sweep loop and the timing of one sweep point, the one-panel-per-mode plot, and the
-head-to-head vs Liger (rows and table)."""
+"""What the kernel benchmarks share: what runs on a CPU and the exit status (every bench), and
+for RMSNorm and SwiGLU their command line, the torch.compile peer, the sweep loop and the timing
+of one sweep point, the one-panel-per-mode plot, and the head-to-head vs Liger (rows and
+table)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +16,43 @@ import torch
 
 from nakta_model.bench.report import save_figure, write_table
 from nakta_model.bench.timing import interleaved_ms, rotated_ms
+from nakta_model.kernels._checks import interpreter_enabled
+
+CPU_NOTE = (
+    "On a CPU a run is a smoke test of tiny shapes: the PyTorch paths are timed (the times "
+    "measure Python overhead, not kernels); Nakta's Triton kernels run only in Triton's "
+    "interpreter (start with TRITON_INTERPRET=1), otherwise they are listed as skipped; "
+    "torch.compile, Liger-Kernel and TransformerEngine are compared on a GPU only. Exit status "
+    "1 when no path was measured."
+)
+
+
+def triton_skip_reason(device: torch.device) -> str | None:
+    """Why Nakta's Triton kernels cannot run on ``device`` in this process, or None."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreter_enabled()):
+        return None
+    return f"Triton kernels need a GPU, not {device.type} (or TRITON_INTERPRET=1 on the CPU)"
+
+
+def announce(device: torch.device, note: str = CPU_NOTE) -> None:
+    """Say what this run measures when it is not on a GPU (before any output of the sweep)."""
+    if device.type != "cuda":
+        print(f"[{device.type}] {note}", flush=True)
+
+
+def measured(df: pd.DataFrame) -> bool:
+    """Whether ``df`` holds at least one measured row (``status`` "ok..." or no status)."""
+    if not len(df):
+        return False
+    return "status" not in df or bool(df["status"].astype(str).str.startswith("ok").any())
+
+
+def exit_status(*frames: pd.DataFrame) -> int:
+    """The bench's exit status: 0 when any path was measured, else 1 (and why, on stderr)."""
+    if any(measured(df) for df in frames):
+        return 0
+    print("error: nothing was measured: every path failed or was skipped", file=sys.stderr)
+    return 1
 
 
 def compiled(fn: Callable) -> Callable:
@@ -40,7 +79,7 @@ def cli(
 ) -> pd.DataFrame:
     """Parse the shared options and call ``run(args, device)``, on a side stream on CUDA
     (CUDA graphs cannot be captured on the default stream)."""
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(description=description, epilog=CPU_NOTE)
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument(
         "--tune", action="store_true", help="sweep Nakta launch configs first, use the best"
@@ -51,6 +90,7 @@ def cli(
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
+    announce(device)
     with torch.cuda.stream(torch.cuda.Stream(device)) if on_gpu else contextlib.nullcontext():
         return run(args, device)
 
@@ -115,14 +155,16 @@ def run_sweep(
             torch.cuda.empty_cache()
         df = pd.DataFrame(rows)
         write_table(df, out, stem, title, notes)
-        fig = plot_modes(df, plot_title, modes, width)
-        save_figure(fig, out / f"{stem}.png")
-        plt.close(fig)
+        if measured(df):  # nothing to plot when every path failed
+            fig = plot_modes(df, plot_title, modes, width)
+            save_figure(fig, out / f"{stem}.png")
+            plt.close(fig)
     show = df[df["status"].str.startswith("ok")]
     if on_gpu:
         show = show[show.tokens == 16384]
     cols = ["tokens", width, "mode", "path", "us", "pct_copy_bw", "us_eager", mismatch]
-    print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if len(show):
+        print(show[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     for _, r in df[df["status"] != "ok"].iterrows():
         print(f"{r['tokens']}x{r[width]} {r['mode']} {r['path']}: {r['status']}")
     return df

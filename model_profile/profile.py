@@ -20,6 +20,7 @@ attention), else by its name (``gemm``/``nvjet``/``cutlass`` -> GEMM, ``flash``/
 attention).
 
     python -m model_profile.profile [--preset 7B] [--tasks 64]
+    python model_profile/profile.py ...        # by path works too (also from model_profile/)
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import pandas as pd
 import torch

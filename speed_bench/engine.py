@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nakta_model.scoring import score_with_forward
-
-from .workload import Request, Workload
+from speed_bench.workload import Request, Workload
 
 
 @dataclass(frozen=True)

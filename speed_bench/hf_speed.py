@@ -4,22 +4,34 @@ The peer most people would reach for. Built on the device from the shared Meta w
 (q/k rows permuted to HF's rotate-half layout, as HF's own conversion script does), run on
 right-padded batches without a mask (causal attention makes right padding harmless), logits
 for every position, scored through ``score_with_forward`` like ``llama_org``. Skipped with a
-reason when ``transformers`` is not installed.
+reason when ``transformers`` is not installed. One process only (no multi-GPU form).
+
+    python speed_bench/hf_speed.py [run_all options]              # results/<device>/hf/
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
 from nakta_model.checkpoint import meta_to_hf_name, permute_for_hf
 from nakta_model.config import ModelArgs
+from speed_bench.engine import Engine, EngineConfig
+from speed_bench.weights import StateDict, WeightSource
+from speed_bench.workload import Request
 
-from .engine import Engine, EngineConfig
-from .weights import StateDict, WeightSource
-from .workload import Request
+ENGINES = ("hf",)
+DESCRIPTION = (
+    "HellaSwag scoring speed of HF transformers' LlamaForCausalLM (SDPA), measured as "
+    "speed_bench.run_all measures it (same options). One process only."
+)
 
 
 def unavailable_reason() -> str | None:
@@ -103,3 +115,15 @@ class HFEngine(Engine):
 
     def close(self) -> None:
         self.model = None
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    """``run_all`` with the HF engine only."""
+    from speed_bench.run_all import EngineSet
+    from speed_bench.run_all import main as run_all_main
+
+    return run_all_main(argv, EngineSet(ENGINES, "hf", DESCRIPTION))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,30 +10,56 @@ rectangle covering both (~1,000 rows x ~180 tokens for HellaSwag) would not fit 
 beside a 7B model. So each layer's cache is one flat buffer of ``token_budget`` tokens, viewed
 as exactly ``[rows, width]`` for each batch. Meta's forward still writes K/V into the cache and
 reads them back from it, so the work is Meta's; only the unused rectangle is gone.
+
+Under ``torchrun`` llama_org runs as Meta runs it: fairscale model parallel over the whole world
+(MP = world size), each rank holding its fairscale shard of the same weights (the unsplit Meta
+tensors cut on ``meta_split_dim``, one tensor at a time), every rank scoring every request.
+
+    python speed_bench/llama_speed.py [run_all options]          # results/<device>/llama_org/
+    torchrun --nproc_per_node 4 speed_bench/llama_speed.py ...    # MP = 4
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
-from .engine import Engine, EngineConfig
-from .weights import WeightSource, meta_params
-from .workload import Request
+from speed_bench.engine import Engine, EngineConfig
+from speed_bench.weights import WeightSource, meta_params
+from speed_bench.workload import Request
+
+ENGINES = ("llama_org",)
+DESCRIPTION = (
+    "HellaSwag scoring speed of Meta's LLaMA code (llama_org), measured as speed_bench.run_all "
+    "measures it (same options). Under torchrun: fairscale model parallel over the whole world "
+    "(MP = world size)."
+)
 
 
 class LlamaOrgEngine(Engine):
     name = "llama_org"
 
     def __init__(self, weights: WeightSource, cfg: EngineConfig):
-        import torch.distributed as dist
+        import fairscale.nn.model_parallel.initialize as fs_init
 
+        from llama_org.distributed import init_distributed, init_model_parallel
         from llama_org.generation import Llama
 
         self.cfg = cfg
-        self._own_group = not dist.is_initialized()  # created by Llama below: ours to close
-        meta = weights.state_dict(cfg.device, cfg.dtype)
+        self._own_mp = not fs_init.model_parallel_is_initialized()  # ours to tear down
+        init_model_parallel(init_distributed(cfg.device))  # Meta: MP = world size
+        meta = weights.meta_shard_state_dict(
+            cfg.device,
+            cfg.dtype,
+            fs_init.get_model_parallel_rank(),
+            fs_init.get_model_parallel_world_size(),
+        )
         llama = Llama.from_state_dict(
             meta_params(weights.args),
             meta,
@@ -67,7 +93,19 @@ class LlamaOrgEngine(Engine):
     def close(self) -> None:
         self.model = None
         self._caches = []
-        if self._own_group:
+        if self._own_mp:  # the model-parallel groups, and the process group if llama_org made it
             from llama_org.distributed import shutdown
 
             shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    """``run_all`` with llama_org only (MP = world size under torchrun)."""
+    from speed_bench.run_all import EngineSet
+    from speed_bench.run_all import main as run_all_main
+
+    return run_all_main(argv, EngineSet(ENGINES, "llama_org", DESCRIPTION))
+
+
+if __name__ == "__main__":
+    main()

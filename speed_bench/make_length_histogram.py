@@ -18,7 +18,11 @@ import argparse
 import collections
 import hashlib
 import json
+import sys
 from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.tasks.hellaswag import build_requests, load_jsonl, sentencepiece_encoder

@@ -7,11 +7,19 @@ once; ``nakta`` feeds every request on its own, exactly the work lm-eval asks fo
 Under ``torchrun`` (``--tp/--dp``) each rank builds its tensor-parallel shard of the same
 weights, tensor by tensor, and the engine shards the requests over the data-parallel replicas
 (a task's endings stay together) and gathers the results back in request order.
+
+    python speed_bench/nakta_speed.py [run_all options]           # results/<device>/nakta/
+    cd speed_bench && torchrun --nproc_per_node 4 nakta_speed.py  # tp = 4 (the world size)
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
@@ -19,10 +27,16 @@ from nakta_model.checkpoint import nakta_shapes, nakta_tensor
 from nakta_model.model import Transformer
 from nakta_model.parallel import ParallelContext, data_parallel_map
 from nakta_model.scoring import score
+from speed_bench.engine import Engine, EngineConfig
+from speed_bench.weights import WeightSource
+from speed_bench.workload import Request, Workload
 
-from .engine import Engine, EngineConfig
-from .weights import WeightSource
-from .workload import Request, Workload
+ENGINES = ("nakta", "nakta_cache")
+DESCRIPTION = (
+    "HellaSwag scoring speed of Nakta's engines (nakta, nakta_cache), measured as "
+    "speed_bench.run_all measures it (same options). Under torchrun the model is split over the "
+    "whole world (tp = world size) unless --dp/--tp say otherwise."
+)
 
 
 def build_model(
@@ -92,3 +106,15 @@ class NaktaEngine(Engine):
 
     def close(self) -> None:
         self.model = None
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    """``run_all`` with the Nakta engines only."""
+    from speed_bench.run_all import EngineSet
+    from speed_bench.run_all import main as run_all_main
+
+    return run_all_main(argv, EngineSet(ENGINES, "nakta", DESCRIPTION))
+
+
+if __name__ == "__main__":
+    main()

@@ -18,16 +18,22 @@ Counting (the README's speed-benchmark section says more):
   counted once): the fraction of the chip spent on work no engine can skip.
 
     python -m speed_bench.run_all                     # tiny model + embedded workload on the CPU
+    python speed_bench/run_all.py                     # the same, by path (also from speed_bench/)
     python -m speed_bench.run_all --preset 7B \\
         --data ../shared/data/hellaswag_val_full.jsonl --tokenizer ../shared/data/llama_tokenizer.model \\
         --limit 1000 --select spread
-    torchrun --nproc_per_node 2 -m speed_bench.run_all --preset 30B --tp 2 ...   # 2 GPUs
+    torchrun --nproc_per_node 2 -m speed_bench.run_all --preset 30B ...   # 2 GPUs, tp = 2
 
-Multi-GPU (``--tp``/``--dp`` under ``torchrun``, world = tp x dp): the Nakta engines only; each
-rank builds its tensor-parallel shard of the same weights, requests are sharded over the
-data-parallel replicas; the clock runs between barriers on all ranks, MFU divides by the sum
-of every GPU's measured peak, peak memory is the largest rank's, and rank 0 alone prints and
-writes (default folder ``results/<device>/<model>-tp<N>-dp<M>/``).
+``nakta_speed.py``, ``llama_speed.py`` and ``hf_speed.py`` are this command with their engines
+only (same options, results in ``results/<device>/<engines>/``).
+
+Multi-GPU (``torchrun``, world = tp x dp; tp defaults to the world size, ``--dp N`` makes it
+world / N): each rank builds its tensor-parallel shard of the same weights, requests are
+sharded over the data-parallel replicas; ``llama_org`` runs Meta's fairscale model parallel
+over the whole world when tp = world (dp 1), ``hf`` is skipped (one GPU). The clock runs
+between barriers on all ranks, MFU divides by the sum of every GPU's measured peak, peak memory
+is the largest rank's, and rank 0 alone prints and writes (default folder
+``results/<device>/<model>-tp<N>-dp<M>/``).
 """
 
 from __future__ import annotations
@@ -36,15 +42,29 @@ import argparse
 import gc
 import math
 import os
+import pickle
 import platform
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 
 from nakta_model.bench.ceilings import device_slug, matmul_tflops
 from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from nakta_model.cli import (
+    InputError,
+    checked_on_every_rank,
+    exit_on_input_error,
+    require_file,
+    require_meta_checkpoint,
+)
 from nakta_model.parallel import (
     ParallelContext,
     barrier,
@@ -53,18 +73,31 @@ from nakta_model.parallel import (
     validate_grid,
 )
 from nakta_model.tasks.hellaswag import evaluate
-
-from .engine import Engine, EngineConfig
-from .weights import WeightSource, matmul_params, weight_source
-from .workload import Workload, real_workload, synthetic_workload
+from speed_bench.engine import Engine, EngineConfig
+from speed_bench.weights import WeightSource, matmul_params, weight_source
+from speed_bench.workload import Workload, real_workload, synthetic_workload
 
 ALL_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+@dataclass(frozen=True)
+class EngineSet:
+    """What one speed command times: ``run_all`` all engines, ``nakta_speed.py`` and the other
+    engine scripts theirs, with the same options and results format. ``results_subdir`` keeps
+    their default results apart (``results/<device>/<subdir>/``; None: ``results/<device>/``)."""
+
+    engines: tuple[str, ...]
+    results_subdir: str | None
+    description: str
+
+
+RUN_ALL = EngineSet(ALL_ENGINES, None, __doc__.split("\n\n")[0])
+
+
 # ----------------------------------------------------------------------------- building
 def _nakta_family(weights: WeightSource, cfg: EngineConfig, ctx: ParallelContext):
-    from .nakta_speed import build_model
+    from speed_bench.nakta_speed import build_model
 
     return build_model(weights, cfg, ctx)
 
@@ -79,29 +112,47 @@ def make_engine(
     """Build ``name``; ``nakta`` and ``nakta_cache`` share one model (kept in ``shared``)."""
     ctx = ctx or ParallelContext()
     if name in ("nakta", "nakta_cache"):
-        from .nakta_speed import NaktaEngine
+        from speed_bench.nakta_speed import NaktaEngine
 
         if "nakta" not in shared:
             shared["nakta"] = _nakta_family(weights, cfg, ctx)
         return NaktaEngine(shared["nakta"], cfg, use_cache=name == "nakta_cache", parallel=ctx)
-    if ctx.world_size > 1:
-        raise ValueError(f"engine {name!r} runs on one GPU only (--tp 1 --dp 1)")
+    if name not in ALL_ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
+    reason = _grid_reason(name, ctx)
+    if reason:
+        raise ValueError(f"engine {name!r} cannot run on {ctx.describe()}: {reason}")
     if name == "llama_org":
-        from .llama_speed import LlamaOrgEngine
+        from speed_bench.llama_speed import LlamaOrgEngine
 
         return LlamaOrgEngine(weights, cfg)
+    from speed_bench.hf_speed import HFEngine
+
+    return HFEngine(weights, cfg)
+
+
+def _grid_reason(name: str, ctx: ParallelContext) -> str | None:
+    """Why ``name`` cannot run on this grid: llama_org splits over the whole world only
+    (Meta's model parallel, MP = world size), hf runs in one process."""
+    if ctx.world_size == 1 or name in ("nakta", "nakta_cache"):
+        return None
     if name == "hf":
-        from .hf_speed import HFEngine
+        return "single-GPU engine: it runs only in a plain `python` process (world size 1)"
+    if ctx.tp_size != ctx.world_size:
+        return (
+            f"llama_org runs Meta's model parallel over the whole world (MP = {ctx.world_size}),"
+            f" not over dp {ctx.dp_size} replicas: time it with --dp 1"
+        )
+    return None
 
-        return HFEngine(weights, cfg)
-    raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
 
-
-def skip_reason(name: str, world_size: int = 1) -> str | None:
-    if world_size > 1 and name not in ("nakta", "nakta_cache"):
-        return "single-GPU engine: multi-GPU runs (--tp/--dp) time the Nakta engines only"
+def skip_reason(name: str, ctx: ParallelContext | None = None) -> str | None:
+    """Why ``name`` is not timed here (this grid, or a package missing), or None."""
+    reason = _grid_reason(name, ctx or ParallelContext())
+    if reason:
+        return reason
     if name == "hf":
-        from .hf_speed import unavailable_reason
+        from speed_bench.hf_speed import unavailable_reason
 
         return unavailable_reason()
     if name == "llama_org":
@@ -269,8 +320,10 @@ def _fmt_table(df: pd.DataFrame) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argparse.Namespace:
+    """The one command line of run_all and of the engine scripts (``engine_set`` limits
+    ``--engines``); ``args.engines`` comes back as a tuple of names."""
+    p = argparse.ArgumentParser(description=engine_set.description)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="random weights of this shape: 7B 13B 30B 65B tiny ...")
     src.add_argument("--checkpoint", type=Path, help="Meta checkpoint folder")
@@ -279,23 +332,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="tasks (default 1000 on GPU, 16 on CPU)")
     p.add_argument("--select", choices=("first", "spread"), default="first",
                    help="with --data and --limit: first N tasks, or N spread over the file")  # fmt: skip
-    p.add_argument("--engines", default=",".join(ALL_ENGINES))
+    p.add_argument("--engines", default=",".join(engine_set.engines),
+                   help=f"comma-separated, from {','.join(engine_set.engines)} (default: all)")  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--token-budget", type=int, help="padded tokens per forward (16384 / 2048)")
     p.add_argument("--max-rows", type=int, help="rows per forward, on top of the budget")
-    p.add_argument("--warmup", type=int, help="warm-up tasks per engine (default 20%%, >= 64 / 2)")
+    p.add_argument("--warmup", type=int,
+                   help="warm-up tasks per engine, not timed (default: GPU 20%% of the tasks, "
+                        "at least 64; CPU 2)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random weights and embedded workload")
     p.add_argument("--device", help="default cuda when present")
-    p.add_argument("--out", type=Path, help="results folder (default results/<device>/)")
+    p.add_argument("--out", type=Path, help="results folder (default results/<device>/...)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica (torchrun)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (torchrun)")
+    p.add_argument("--tp", type=int,
+                   help="tensor-parallel GPUs per replica (torchrun; default world size / --dp)")  # fmt: skip
+    p.add_argument("--dp", type=int,
+                   help="data-parallel replicas (torchrun; default 1, or world size / --tp)")  # fmt: skip
     args = p.parse_args(argv)
     if args.data is not None and args.tokenizer is None:
         p.error("--data needs --tokenizer (the LLaMA sentencepiece model)")
+    if args.tokenizer is not None and args.data is None:
+        p.error("--tokenizer goes with --data (the embedded workload needs no tokenizer)")
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    args.engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    unknown = [e for e in args.engines if e not in engine_set.engines]
+    if unknown or not args.engines:
+        p.error(f"--engines: choose from {','.join(engine_set.engines)}, got {unknown or 'none'}")
     return args
+
+
+def resolve_grid(tp: int | None, dp: int | None, world: int) -> tuple[int, int]:
+    """``(tp, dp)`` for a world of ``world`` processes: by default one replica over the whole
+    world (the seed's ``torchrun --nproc_per_node 4 nakta_speed.py``); ``--dp N`` alone gives
+    tp = world / N, ``--tp N`` alone dp = world / N. A pair that does not make ``world`` is left
+    for :func:`validate_grid` to refuse with its message."""
+    if tp is None and dp is None:
+        return world, 1
+    if tp is None:
+        return (world // dp if 0 < dp <= world else 1), dp
+    if dp is None:
+        return tp, (world // tp if 0 < tp <= world else 1)
+    return tp, dp
+
+
+def _world_size() -> int:
+    """The live process group's size, else torchrun's ``WORLD_SIZE``, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    raw = os.environ.get("WORLD_SIZE", "1")
+    return int(raw) if raw.isdigit() else 1
 
 
 def _default_preset(device: torch.device) -> str:
@@ -307,46 +395,121 @@ def _default_preset(device: torch.device) -> str:
     return "tiny"
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    """One process (``--tp 1 --dp 1``, plain ``python``) or one rank of a ``torchrun`` grid;
-    returns the summary (``None`` on ranks other than 0 of a grid)."""
-    args = parse_args(argv)
-    if args.tp * args.dp == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+def main(argv: list[str] | None = None, engine_set: EngineSet = RUN_ALL) -> dict | None:
+    """One process (plain ``python``) or one rank of a ``torchrun`` grid; returns the summary
+    (``None`` on ranks other than 0 of a grid). Bad input exits 2 with one ``error:`` line."""
+    args = parse_args(argv, engine_set)
+    world = _world_size()
+    tp, dp = resolve_grid(args.tp, args.dp, world)
+    if tp * dp == 1 and world == 1:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda":
             if device.index is None:  # set_device needs an index; "cuda" means the current one
                 device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
-        return _run(args, ParallelContext(device=device))
-    return launch(lambda ctx: _run(args, ctx), args.tp, args.dp, device=args.device)
+        return exit_on_input_error(_run, args, engine_set, ParallelContext(device=device))
+    return launch(lambda ctx: _run(args, engine_set, ctx), tp, dp, device=args.device)
 
 
-def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
+# ----------------------------------------------------------------------------- inputs
+def check_paths(args: argparse.Namespace) -> None:
+    """Every path given exists and is what it should be: before anything is loaded."""
+    if args.checkpoint is not None:
+        require_meta_checkpoint(args.checkpoint)
+    if args.data is not None:
+        require_file(args.data, "--data", "a HellaSwag .jsonl file")
+        require_file(args.tokenizer, "--tokenizer", "a SentencePiece tokenizer.model")
+
+
+def load_weights(args: argparse.Namespace, preset_name: str | None) -> WeightSource:
+    """The checkpoint (read once) or the preset's random weights; a file that does not load
+    is an :class:`InputError` naming the checkpoint."""
+    if args.checkpoint is None:
+        try:
+            return weight_source(preset_name, None, seed=args.seed)
+        except ValueError as e:
+            raise InputError(f"--preset {preset_name}: {e}") from e
+    try:
+        return weight_source(None, args.checkpoint)
+    except (OSError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
+        raise InputError(f"--checkpoint {args.checkpoint}: cannot load it: {e}") from e
+
+
+def load_real_workload(args: argparse.Namespace, limit: int) -> Workload:
+    """lm-eval's requests from ``--data`` and ``--tokenizer``; a file that does not read as
+    what it should be is an :class:`InputError` naming it."""
+    from nakta_model.tasks.hellaswag import sentencepiece_encoder
+
+    try:
+        sentencepiece_encoder(args.tokenizer)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise InputError(
+            f"--tokenizer {args.tokenizer}: not a SentencePiece model ({e})".replace("\n", " ")
+        ) from e
+    try:
+        return real_workload(args.data, args.tokenizer, limit, args.select)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise InputError(
+            f"--data {args.data}: cannot read HellaSwag tasks from it ({type(e).__name__}: {e})"
+        ) from e
+
+
+def load_inputs(
+    args: argparse.Namespace, preset_name: str | None, limit: int
+) -> tuple[WeightSource, Workload]:
+    """Weights and workload, every input checked: paths first (cheap), then the task file and
+    tokenizer (seconds), then the weights; a workload the model cannot read is refused."""
+    check_paths(args)
+    workload = load_real_workload(args, limit) if args.data is not None else None
+    weights = load_weights(args, preset_name)
+    margs = weights.args
+    if workload is None:
+        workload = synthetic_workload(limit, margs.vocab_size, args.seed, margs.max_seq_len)
+    if workload.max_token_id() >= margs.vocab_size:
+        raise InputError(
+            f"the workload uses token ids up to {workload.max_token_id()} but the model's "
+            f"vocabulary has {margs.vocab_size}: use a 32000-word preset (7B..65B) or checkpoint"
+        )
+    return weights, workload
+
+
+def plan_engines(engines: tuple[str, ...], ctx: ParallelContext) -> dict[str, str]:
+    """The requested engines that will be skipped here, with why; refuses a run where none can
+    run (e.g. ``hf_speed.py`` under torchrun)."""
+    skipped = {name: reason for name in engines if (reason := skip_reason(name, ctx))}
+    if len(skipped) == len(engines):
+        raise InputError(
+            "no requested engine can run here: "
+            + "; ".join(f"{k}: {v}" for k, v in skipped.items())
+        )
+    return skipped
+
+
+def default_out(engine_set: EngineSet, slug: str, model: str, ctx: ParallelContext) -> Path:
+    """``results/<device>/[<engine set>/][<model>-tp<N>-dp<M>/]`` beside this file."""
+    out = results_dir(__file__, slug)
+    if engine_set.results_subdir:
+        out = out / engine_set.results_subdir
+    if ctx.world_size > 1:
+        out = out / f"{model}-tp{ctx.tp_size}-dp{ctx.dp_size}"
+    return out
+
+
+def _run(args: argparse.Namespace, engine_set: EngineSet, ctx: ParallelContext) -> dict | None:
     device = ctx.device
     on_gpu = device.type == "cuda"
     world = ctx.world_size
     say = print if ctx.is_leader else (lambda *a, **k: None)
     dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    for e in engines:
-        if e not in ALL_ENGINES:
-            raise SystemExit(f"--engines: unknown engine {e!r}; choose from {ALL_ENGINES}")
+    engines = args.engines
+    skipped = checked_on_every_rank(plan_engines, engines, ctx)
     preset_name = None if args.checkpoint else (args.preset or _default_preset(device))
     preset_name = gather_objects(preset_name)[0]  # a grid runs rank 0's choice (free memory)
-    weights = weight_source(preset_name, args.checkpoint, seed=args.seed)
+    limit = args.limit or (1000 if on_gpu else 16)
+    weights, workload = checked_on_every_rank(load_inputs, args, preset_name, limit)
     margs = weights.args
     validate_grid(ctx.tp_size, ctx.dp_size, world, args=margs)  # every rank: same verdict
-    limit = args.limit or (1000 if on_gpu else 16)
 
-    if args.data is not None:
-        workload = real_workload(args.data, args.tokenizer, limit, args.select)
-    else:
-        workload = synthetic_workload(limit, margs.vocab_size, args.seed, margs.max_seq_len)
-    if workload.max_token_id() >= margs.vocab_size:
-        raise SystemExit(
-            f"the workload uses token ids up to {workload.max_token_id()} but the model's "
-            f"vocabulary has {margs.vocab_size}: use a 32000-word preset (7B..65B) or checkpoint"
-        )
     cfg = EngineConfig(
         device=device,
         dtype=dtype,
@@ -356,7 +519,8 @@ def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
         progress=not args.no_progress and ctx.is_leader,
     )
     # Warm-up meets many batch shapes (Triton specialises kernels on size divisibility, so one
-    # batch is not enough to keep compilation out of the timed pass): 20% of tasks, >= 64.
+    # batch is not enough to keep compilation out of the timed pass): 20% of tasks, >= 64. A CPU
+    # run (no Triton compilation) warms up on 2 tasks.
     n_warm = args.warmup if args.warmup is not None else (max(64, limit // 5) if on_gpu else 2)
     warmup = workload.spread(n_warm) if n_warm > 0 else None
 
@@ -376,13 +540,10 @@ def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
     say(f"measured matmul peak: {peak_tflops:.4g} TFLOP/s ({world} x ~{peak_tflops / world:.4g})")
 
     rows: dict[str, dict] = {}
-    skipped: dict[str, str] = {}
     shared: dict = {}
     for i, name in enumerate(engines):
-        reason = skip_reason(name, world)
-        if reason:
-            skipped[name] = reason
-            say(f"[{name}] skipped: {reason}")
+        if name in skipped:
+            say(f"[{name}] skipped: {skipped[name]}")
             continue
         t0 = time.perf_counter()
         engine = make_engine(name, weights, cfg, shared, ctx)
@@ -401,8 +562,6 @@ def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
         if "nakta" in shared and not any(e.startswith("nakta") for e in engines[i + 1 :]):
             shared.clear()
         _free(device)
-    if not rows:
-        raise SystemExit("no engine ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     reference = "llama_org" if "llama_org" in rows else next(iter(rows))
     agreement(rows, reference)
 
@@ -458,9 +617,7 @@ def _run(args: argparse.Namespace, ctx: ParallelContext) -> dict | None:
     }
     if not ctx.is_leader:
         return None
-    out = args.out or results_dir(__file__, slug)
-    if world > 1 and args.out is None:
-        out = out / f"{weights.name}-tp{ctx.tp_size}-dp{ctx.dp_size}"
+    out = args.out or default_out(engine_set, slug, weights.name, ctx)
     notes = (
         f"{workload.name}: {workload.n_tasks} tasks, {workload.request_tokens()} lm-eval tokens "
         f"({workload.unique_tokens()} with contexts counted once); model {weights.name}, "

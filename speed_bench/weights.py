@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from nakta_model.checkpoint import META_IGNORED, merge_meta_shards, meta_shapes
+from nakta_model.checkpoint import META_IGNORED, merge_meta_shards, meta_shapes, meta_split_dim
 from nakta_model.config import ModelArgs, meta_hidden_dim, preset
 
 StateDict = dict[str, torch.Tensor]
@@ -67,6 +67,29 @@ class WeightSource:
         rank build its shard one tensor at a time instead of holding the whole model first."""
         raise NotImplementedError
 
+    def meta_shard(
+        self, name: str, device: torch.device, dtype: torch.dtype, rank: int, size: int
+    ) -> torch.Tensor:
+        """Model-parallel rank ``rank`` of ``size``'s piece of Meta tensor ``name``, split as
+        Meta's fairscale layers split it (``meta_split_dim``; norms whole). A copy of its own,
+        so the unsplit tensor is freed: an MP rank holds its shard plus one unsplit tensor."""
+        t = self.tensor(name, device, dtype)
+        dim = meta_split_dim(name)
+        if size == 1 or dim is None:
+            return t
+        if t.shape[dim] % size:
+            raise ValueError(
+                f"{name}: dim {dim} of shape {tuple(t.shape)} does not split into {size} shards"
+            )
+        return t.chunk(size, dim)[rank].clone(memory_format=torch.contiguous_format)
+
+    def meta_shard_state_dict(
+        self, device: torch.device, dtype: torch.dtype, rank: int, size: int
+    ) -> StateDict:
+        """Every tensor's :meth:`meta_shard`: what ``consolidated.0<rank>.pth`` of an MP=``size``
+        checkpoint of these weights holds."""
+        return {n: self.meta_shard(n, device, dtype, rank, size) for n in meta_shapes(self.args)}
+
 
 class RandomWeights(WeightSource):
     """Seeded random weights drawn directly on the device (never on the host).
@@ -114,7 +137,7 @@ class CheckpointWeights(WeightSource):
             raise ValueError(
                 f"checkpoint {ckpt_dir} must hold params.json and consolidated.*.pth (Meta format)"
             )
-        pieces = [torch.load(s, map_location="cpu", weights_only=True) for s in shards]
+        pieces = [_load_shard(s) for s in shards]
         for p in pieces:
             for k in META_IGNORED:
                 p.pop(k, None)
@@ -131,6 +154,17 @@ class CheckpointWeights(WeightSource):
 
     def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return self._host[name].to(device=device, dtype=dtype, non_blocking=True)
+
+
+def _load_shard(path: Path) -> StateDict:
+    """One ``consolidated.NN.pth``; a file that does not load is named (torch's own message for
+    a foreign or truncated file is a page of pickle advice)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- re-raised with the file's name
+        raise ValueError(
+            f"{path.name} is not a loadable PyTorch state dict ({type(e).__name__})"
+        ) from e
 
 
 def weight_source(

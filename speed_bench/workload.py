@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
-
-from .make_length_histogram import HISTOGRAM_PATH
+from speed_bench.make_length_histogram import HISTOGRAM_PATH
 
 Request = tuple[list[int], list[int]]  # (context tokens with BOS, continuation tokens)
 

@@ -6,7 +6,8 @@ gathered back in order) compute logits and lm-eval scores; then every bad config
 and each rank records the error it raised. Rank 0 saves everything to OUT for the test to
 compare against one process.
 
-``speed JOB OUT``: speed_bench's Nakta engine at tp=2 and at dp=2, then ``run_all`` at tp=2.
+``speed JOB OUT``: speed_bench's Nakta engine at tp=2 and at dp=2, then ``run_all`` at tp=2
+(llama_org as Meta's model parallel over both ranks).
 
 ``accuracy JOB OUT``: the lm-eval adapter and parity.py at tp=2 and at dp=2.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from nakta_model.cli import checked_on_every_rank
 from nakta_model.config import ModelArgs
 from nakta_model.model import from_state_dict
 from nakta_model.parallel import (
@@ -91,6 +93,14 @@ def _fail_on_rank_1() -> int:
     return 0
 
 
+def _bad_input_on(ranks: tuple[int, ...]) -> int:
+    from nakta_model.cli import InputError
+
+    if torch.distributed.get_rank() in ranks:
+        raise InputError("--data /nope: no such file")
+    return 0
+
+
 def _one_shard_at_tp2(meta_dir: str, device: str) -> None:
     """The single shard of a 1-shard Meta checkpoint handed to both ranks of tp=2."""
     params = json.loads((Path(meta_dir) / "params.json").read_text())
@@ -109,6 +119,8 @@ def bad_configs(job: dict, device: str) -> dict[str, list[str]]:
             2, 1, checkpoint=job["cases"][0]["ckpt_tp1"], device=device
         ),
         "one_rank_fails": lambda: collective_call(_fail_on_rank_1),
+        "input_error_everywhere": lambda: checked_on_every_rank(_bad_input_on, (0, 1)),
+        "input_error_on_rank_1": lambda: checked_on_every_rank(_bad_input_on, (1,)),
         "meta_shard_count": lambda: _one_shard_at_tp2(job["cases"][0]["meta_mp1"], device),
         "corrupt_shard": lambda: load_model(
             job["corrupt_tp2"],
@@ -155,7 +167,8 @@ def speed(job_path: str, out_path: str) -> None:
         ctx = init_parallel(tp, dp, device="cpu")
         engine = NaktaEngine(build_model(weights, cfg, ctx), cfg, use_cache=True, parallel=ctx)
         out[f"tp{tp}_dp{dp}"] = engine.score(workload.requests)
-    argv = ["--preset", "tiny", "--tp", "2", "--engines", "nakta_cache,hf", "--limit", "6"]
+    argv = ["--preset", "tiny", "--tp", "2", "--engines", "nakta_cache,llama_org,hf"]
+    argv += ["--limit", "6"]
     out["summary"] = run_all.main([*argv, "--out", job["out_dir"], "--no-progress"])
     if dist.get_rank() == 0:
         torch.save(out, out_path)

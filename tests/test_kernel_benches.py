@@ -74,3 +74,56 @@ def test_head_to_head_rows_rotates_allocations_and_orders():
     assert tensors["a"] == tensors["b"] and len(tensors["a"]) == 2
     values = [v for b, p, _, v in runs if b == blocks[1] and p == "a"]
     assert values[0] == 3.0  # block 1, group 1 refilled from seed 1 + 2 * 1
+
+
+# ------------------------------------------------------------------ the scripts as a user runs them
+@cpu_only
+@pytest.mark.parametrize(
+    "argv,where,runs",
+    [
+        (["bench_rope.py"], "kernel_benchmark", True),  # crashed on a CPU before
+        (["kernel_benchmark/bench_attention.py"], ".", True),
+        (["kernel_benchmark/bench_rmsnorm.py", "--help"], ".", False),
+        (["bench_swiglu.py", "--help"], "kernel_benchmark", False),
+    ],
+    ids=["rope", "attention", "rmsnorm-help", "swiglu-help"],
+)
+def test_bench_scripts_by_path_say_what_runs_on_a_cpu(argv, where, runs, tmp_path):
+    """No TRITON_INTERPRET (as a user's CPU run): the PyTorch paths are timed, Nakta's Triton
+    paths are listed as skipped with why, exit status 0; --help says what runs on a CPU."""
+    from cli_helpers import REPO, run_script
+
+    proc = run_script([*argv, *(["--out", str(tmp_path)] if runs else [])], REPO / where)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = " ".join(proc.stdout.split())  # --help wraps lines
+    assert "On a CPU" in text and "Exit status 1 when no path was measured" in text
+    if runs and "rope" in argv[0]:
+        assert "default fwd nakta: skipped: Triton kernels need a GPU" in proc.stdout
+        df = pd.read_csv(tmp_path / "rope.csv")
+        assert set(df[df["status"] == "ok"]["path"]) == {"torch"}
+        assert (tmp_path / "rope.png").stat().st_size > 0
+
+
+def _failing(*args, **kwargs):
+    raise RuntimeError("this path does not run here")
+
+
+@cpu_only
+@pytest.mark.parametrize("stem", ["rmsnorm", "swiglu", "rope"])
+def test_bench_exits_1_when_nothing_was_measured(stem, monkeypatch, tmp_path, capsys):
+    from kernel_benchmark.common import exit_status
+
+    bench = {"rmsnorm": bench_rmsnorm, "swiglu": bench_swiglu, "rope": bench_rope}[stem]
+    if stem == "rmsnorm":
+        monkeypatch.setattr(bench, "paths", lambda device: ({"p": _failing}, {"p": _failing}))
+    elif stem == "swiglu":
+        monkeypatch.setattr(bench, "paths", lambda device: {"p": ("fused", _failing)})
+    else:  # every TE-API path goes through apply_rotary_pos_emb
+        monkeypatch.setattr(bench, "apply_rotary_pos_emb", _failing)
+    result = bench.main(["--out", str(tmp_path)])
+    frames = result if isinstance(result, tuple) else (result,)
+    assert exit_status(*frames) == 1
+    captured = capsys.readouterr()
+    assert "failed: this path does not run here" in captured.out
+    assert "error: nothing was measured" in captured.err
+    assert (tmp_path / f"{stem}.csv").stat().st_size > 0  # the failures are on record

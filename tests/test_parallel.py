@@ -310,6 +310,8 @@ def _check_grids(tmp_path: Path, shared_data_or_none, device: str, tol: float) -
         "heads": r"ParallelConfigError: --tp 2 cannot split .* n_heads = 3",
         "checkpoint_tp": r"ParallelConfigError: checkpoint .*tiny_tp1 is sharded for tp=1, but",
         "one_rank_fails": r"failed on 1 rank\(s\): rank 1: FileNotFoundError: shard 1 is missing",
+        "input_error_everywhere": r"^ParallelConfigError: --data /nope: no such file$",
+        "input_error_on_rank_1": r"^ParallelConfigError: rank 1: --data /nope: no such file$",
         "meta_shard_count": r"failed on 2 rank\(s\): rank 0: CheckpointError: .*shape .*2 shards",
         "corrupt_shard": r"load failed on 1 rank\(s\): rank 1: CheckpointError: .*tp01-of-02",
     }
@@ -330,7 +332,8 @@ def test_bad_grid_under_torchrun_exits_every_rank_with_one_message(tmp_path):
 @pytest.mark.slow
 def test_speed_bench_engine_and_cli_under_torchrun(tmp_path):
     """The bench's Nakta engine gives one process's scores at tp=2 and at dp=2 (the same
-    random weights, built shard by shard), and run_all --tp 2 writes one summary from rank 0."""
+    random weights, built shard by shard), and run_all --tp 2 writes one summary from rank 0,
+    with llama_org as Meta's model parallel over both ranks agreeing with nakta_cache."""
     from speed_bench.engine import EngineConfig
     from speed_bench.nakta_speed import NaktaEngine, build_model
     from speed_bench.weights import RandomWeights
@@ -352,8 +355,12 @@ def test_speed_bench_engine_and_cli_under_torchrun(tmp_path):
 
     summary = got["summary"]
     assert (summary["gpus"], summary["tp"], summary["dp"]) == (2, 2, 1)
-    assert list(summary["engines"]) == ["nakta_cache"]
+    assert list(summary["engines"]) == ["nakta_cache", "llama_org"]
     assert "single-GPU engine" in summary["skipped"]["hf"]
+    # the same weights split two ways (Nakta tp=2, fairscale MP=2): the same scores
+    assert summary["reference_engine"] == "llama_org"
+    assert summary["engines"]["nakta_cache"]["pred_agree_vs_ref"] == 1.0
+    assert summary["engines"]["nakta_cache"]["max_abs_ll_diff_vs_ref"] < 1e-4
     assert len(summary["peak_matmul_tflops_per_gpu"]) == 2
     saved = json.loads((tmp_path / "res" / "summary.json").read_text())
     assert saved["engines"]["nakta_cache"]["tasks_per_s"] > 0

@@ -137,3 +137,73 @@ def test_compare_reports_flips_with_margins():
 def test_bad_arguments(argv):
     with pytest.raises(SystemExit):
         parity.parse_args(argv)
+
+
+def _bad_paths(tmp_path, data) -> dict[str, tuple[list[str], str]]:
+    """argv -> the start of the one error line expected, for every kind of bad path."""
+    ckpt, tok = str(data / "stories260K"), str(data / "stories260K" / "tokenizer.model")
+    jsonl = str(data / "hellaswag_val_subset1000.jsonl")
+    (tmp_path / "empty").mkdir()
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text('{"ctx": "no endings"}\n')
+    return {
+        "checkpoint-missing": (
+            ["--checkpoint", "/nope", "--tokenizer", tok, "--data", jsonl],
+            "error: --checkpoint /nope: no such directory (expected a Meta checkpoint folder",
+        ),
+        "checkpoint-not-a-checkpoint": (
+            ["--checkpoint", str(tmp_path / "empty"), "--tokenizer", tok, "--data", jsonl],
+            f"error: --checkpoint {tmp_path / 'empty'}: not a checkpoint, no params.json or",
+        ),
+        "tokenizer-missing": (
+            ["--checkpoint", ckpt, "--tokenizer", "/nope", "--data", jsonl],
+            "error: --tokenizer /nope: no such file (expected a SentencePiece tokenizer.model)",
+        ),
+        "tokenizer-not-a-model": (
+            ["--checkpoint", ckpt, "--tokenizer", jsonl, "--data", jsonl],
+            f"error: --tokenizer {jsonl}: not a SentencePiece model",
+        ),
+        "data-missing": (
+            ["--checkpoint", ckpt, "--tokenizer", tok, "--data", "/nope"],
+            "error: --data /nope: no such file (expected a HellaSwag .jsonl",
+        ),
+        "data-unreadable": (
+            ["--checkpoint", ckpt, "--tokenizer", tok, "--data", str(garbage)],
+            f"error: --data {garbage}: cannot read HellaSwag tasks from it (",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "checkpoint-missing",
+        "checkpoint-not-a-checkpoint",
+        "tokenizer-missing",
+        "tokenizer-not-a-model",
+        "data-missing",
+        "data-unreadable",
+    ],
+)
+def test_bad_paths_are_one_line_and_exit_2(case, tmp_path, shared_data, capsys):
+    argv, start = _bad_paths(tmp_path, shared_data)[case]
+    out = tmp_path / "res" / "r.json"
+    with pytest.raises(SystemExit) as exc:
+        parity.main([*argv, "--device", "cpu", "--no-progress", "--out", str(out)])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(start), lines
+    assert not out.exists()
+
+
+def test_runs_by_path_from_its_folder_and_refuses_a_bad_path_in_one_line(shared_data):
+    from cli_helpers import REPO, run_script
+
+    tok = str(shared_data / "stories260K" / "tokenizer.model")
+    argv = ["parity.py", "--checkpoint", "/nope", "--tokenizer", tok, "--data", "/x"]
+    proc = run_script(argv, REPO / "accuracy_test")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --checkpoint /nope: no such directory "
+        "(expected a Meta checkpoint folder: params.json + consolidated.*.pth)"
+    ]

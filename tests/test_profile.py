@@ -70,3 +70,13 @@ def test_profile_tiny_cpu_end_to_end(tmp_path):
         assert r["top"] and all(0 <= t["share"] <= 1 for t in r["top"])
     for f in ("categories.csv", "categories.md", "profile.png", "summary.json"):
         assert (tmp_path / f).stat().st_size > 0
+
+
+def test_runs_by_path_from_its_folder():
+    """``cd model_profile && python profile.py``: the bootstrap puts the repo root where the
+    script's folder was, so neither the packages nor the stdlib ``profile`` module go missing."""
+    from cli_helpers import REPO, run_script
+
+    proc = run_script(["profile.py", "--help"], REPO / "model_profile")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: profile.py")

@@ -1,0 +1,250 @@
+"""speed_bench's commands as written: by script path (from the repo root and from inside
+speed_bench/), with ``python -m``, and under ``torchrun`` (tp = world size by default; llama_org
+as Meta's model parallel over the whole world); bad paths are one line and exit status 2.
+
+Every run is a subprocess on the tiny preset with a few embedded tasks (see cli_helpers for why
+``python -S``). The torchrun runs are marked slow (~15 s each on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import REPO, error_lines, run_script, torchrun
+
+from nakta_model.parallel import ParallelConfigError, ParallelContext, validate_grid
+from speed_bench import run_all
+from speed_bench.run_all import EngineSet, resolve_grid
+
+TINY = ["--preset", "tiny", "--warmup", "0", "--no-progress", "--device", "cpu"]
+FEW = [*TINY, "--limit", "4"]
+
+
+def _summary(out: Path) -> dict:
+    for f in ("summary.json", "speed.csv", "speed.md", "speed.png"):
+        assert (out / f).stat().st_size > 0, f
+    return json.loads((out / "summary.json").read_text())
+
+
+# ----------------------------------------------------------------------------- one process
+@pytest.mark.parametrize(
+    "argv,cwd",
+    [
+        (["speed_bench/nakta_speed.py"], REPO),
+        (["nakta_speed.py"], REPO / "speed_bench"),
+        (["-m", "speed_bench.nakta_speed"], REPO),
+    ],
+    ids=["path-from-root", "path-inside-speed_bench", "module"],
+)
+def test_nakta_speed_runs_in_every_form(argv, cwd, tmp_path):
+    proc = run_script([*argv, *FEW, "--out", str(tmp_path)], cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tasks_per_s" in proc.stdout and f"results -> {tmp_path}" in proc.stdout
+    summary = _summary(tmp_path)
+    assert set(summary["engines"]) == {"nakta", "nakta_cache"}
+    assert (summary["tp"], summary["dp"], summary["workload"]["tasks"]) == (1, 1, 4)
+    assert summary["engines"]["nakta_cache"]["pred_agree_vs_ref"] == 1.0
+
+
+def test_engine_scripts_by_path_are_run_all_with_their_engines():
+    """llama_speed / hf_speed: run_all's parser (same options), their own engines only (the
+    runs themselves are run_all's, tested above and under torchrun below)."""
+    for script, engines in (("llama_speed.py", "llama_org"), ("hf_speed.py", "hf")):
+        proc = run_script([script, "--help"], REPO / "speed_bench")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = " ".join(proc.stdout.split())
+        assert f"usage: {script}" in text and "--token-budget" in text and "--dp" in text
+        assert f"comma-separated, from {engines} (default: all)" in text
+
+
+def test_engine_scripts_take_only_their_engines(capsys):
+    nakta = EngineSet(("nakta", "nakta_cache"), "nakta", "Nakta")
+    assert run_all.parse_args(["--engines", "nakta_cache"], nakta).engines == ("nakta_cache",)
+    assert run_all.parse_args([], nakta).engines == ("nakta", "nakta_cache")
+    with pytest.raises(SystemExit) as exc:
+        run_all.parse_args(["--engines", "nakta,hf"], nakta)
+    assert exc.value.code == 2
+    assert "--engines: choose from nakta,nakta_cache, got ['hf']" in capsys.readouterr().err
+
+
+def test_default_results_folders_do_not_overwrite_each_other(monkeypatch, tmp_path):
+    monkeypatch.setattr(run_all, "results_dir", lambda _file, slug: tmp_path / slug)
+    one, grid = ParallelContext(), ParallelContext(tp_rank=0, tp_size=2)
+    nakta = EngineSet(("nakta",), "nakta", "")
+    assert run_all.default_out(run_all.RUN_ALL, "cpu", "random-tiny", one) == tmp_path / "cpu"
+    assert run_all.default_out(nakta, "cpu", "random-tiny", one) == tmp_path / "cpu" / "nakta"
+    assert run_all.default_out(nakta, "cpu", "random-tiny", grid) == (
+        tmp_path / "cpu" / "nakta" / "random-tiny-tp2-dp1"
+    )
+
+
+def test_grid_defaults_to_one_replica_over_the_world():
+    assert resolve_grid(None, None, 1) == (1, 1)
+    assert resolve_grid(None, None, 4) == (4, 1)  # the seed's torchrun --nproc_per_node 4
+    assert resolve_grid(None, 2, 4) == (2, 2)  # --dp 2: tp = world / dp
+    assert resolve_grid(None, 4, 4) == (1, 4)
+    assert resolve_grid(2, None, 4) == (2, 2)
+    assert resolve_grid(2, 1, 2) == (2, 1)  # explicit: as given
+    assert resolve_grid(2, None, 1) == (2, 1)  # plain python with --tp 2: refused below
+    # pairs that cannot make the world are left for validate_grid to refuse, with its message
+    for tp, dp, world, match in [
+        (None, 3, 4, r"world size 4 != tp 1 x dp 3"),
+        (3, None, 4, r"world size 4 != tp 3 x dp 1"),
+        (None, 8, 4, r"world size 4 != tp 1 x dp 8"),
+        (0, None, 4, r"--tp must be a positive integer"),
+        (2, None, 1, r"torchrun --nproc_per_node 2"),
+    ]:
+        with pytest.raises(ParallelConfigError, match=match):
+            validate_grid(*resolve_grid(tp, dp, world), world)
+
+
+def test_engines_that_cannot_run_on_a_grid_are_skipped_or_refused():
+    tp2 = ParallelContext(tp_rank=0, tp_size=2)
+    dp2 = ParallelContext(dp_rank=0, dp_size=2)
+    assert run_all.skip_reason("nakta_cache", dp2) is None
+    assert run_all.skip_reason("llama_org", tp2) is None  # Meta's MP over the whole world
+    assert "--dp 1" in run_all.skip_reason("llama_org", dp2)
+    assert "single-GPU engine" in run_all.skip_reason("hf", tp2)
+    with pytest.raises(run_all.InputError, match="no requested engine can run here: hf: single"):
+        run_all.plan_engines(("hf",), tp2)
+    assert set(run_all.plan_engines(("nakta", "llama_org", "hf"), dp2)) == {"llama_org", "hf"}
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad_inputs(tmp_path: Path, data: Path) -> dict[str, tuple[list[str], str]]:
+    """argv -> the one error line expected (a regex), for every kind of bad path."""
+    tok = data / "llama_tokenizer.model"
+    jsonl = data / "hellaswag_val_subset1000.jsonl"
+    (tmp_path / "empty_dir").mkdir()
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("this is not json\n")
+    fake = tmp_path / "fake_ckpt"
+    fake.mkdir()
+    (fake / "params.json").write_text('{"dim": 64, "n_layers": 1, "n_heads": 4}')
+    (fake / "consolidated.00.pth").write_bytes(b"not a torch file")
+    return {
+        "checkpoint-missing": (["--checkpoint", "/nope"], r"--checkpoint /nope: no such directory"),
+        "checkpoint-not-a-checkpoint": (
+            ["--checkpoint", str(tmp_path / "empty_dir")],
+            r"empty_dir: not a checkpoint, no params.json or consolidated.\*.pth in it",
+        ),
+        "checkpoint-unloadable": (
+            ["--checkpoint", str(fake)],
+            r"fake_ckpt: cannot load it: consolidated.00.pth is not a loadable PyTorch",
+        ),
+        "data-missing": (
+            ["--data", "/nope", "--tokenizer", str(tok)],
+            r"--data /nope: no such file \(expected a HellaSwag .jsonl file\)",
+        ),
+        "tokenizer-missing": (
+            ["--data", str(jsonl), "--tokenizer", "/nope"],
+            r"--tokenizer /nope: no such file",
+        ),
+        "tokenizer-not-a-model": (
+            ["--data", str(jsonl), "--tokenizer", str(jsonl)],
+            r"--tokenizer .*subset1000.jsonl: not a SentencePiece model",
+        ),
+        "data-unreadable": (
+            ["--data", str(garbage), "--tokenizer", str(tok)],
+            r"--data .*garbage.jsonl: cannot read HellaSwag tasks from it \(JSONDecodeError",
+        ),
+        "vocab-mismatch": (
+            ["--preset", "tiny", "--data", str(jsonl), "--tokenizer", str(tok), "--limit", "2"],
+            r"the workload uses token ids up to \d+ but the model's vocabulary has 256",
+        ),
+        "preset-unknown": (["--preset", "nope"], r"--preset nope: unknown preset 'nope'"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "checkpoint-missing",
+        "checkpoint-not-a-checkpoint",
+        "checkpoint-unloadable",
+        "data-missing",
+        "tokenizer-missing",
+        "tokenizer-not-a-model",
+        "data-unreadable",
+        "vocab-mismatch",
+        "preset-unknown",
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path, shared_data, capsys):
+    argv, pattern = _bad_inputs(tmp_path, shared_data)[case]
+    with pytest.raises(SystemExit) as exc:
+        run_all.main([*argv, "--device", "cpu", "--no-progress", "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "device cpu" not in captured.out  # refused before anything was built or timed
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_path_by_script_path_prints_no_traceback():
+    proc = run_script(["speed_bench/run_all.py", "--checkpoint", "/nope"], REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --checkpoint /nope: no such directory "
+        "(expected a Meta checkpoint folder: params.json + consolidated.*.pth)"
+    ]
+
+
+# ----------------------------------------------------------------------------- torchrun
+@pytest.mark.slow
+def test_nakta_speed_under_torchrun_splits_over_the_world(tmp_path):
+    """The seed's ``cd speed_bench && torchrun --nproc_per_node N nakta_speed.py``: tp = N."""
+    rc, output = torchrun(["nakta_speed.py", *FEW, "--out", str(tmp_path)], REPO / "speed_bench")
+    assert rc == 0, output[-3000:]
+    summary = _summary(tmp_path)
+    assert (summary["gpus"], summary["tp"], summary["dp"]) == (2, 2, 1)
+    assert set(summary["engines"]) == {"nakta", "nakta_cache"}
+    assert output.count("results -> ") == 1  # rank 0 alone prints and writes
+
+
+@pytest.mark.slow
+def test_llama_speed_under_torchrun_is_meta_model_parallel(tmp_path):
+    """``torchrun --nproc_per_node 2 speed_bench/llama_speed.py``: fairscale MP = 2, each rank
+    its shard of the same seeded weights, so the predictions are one process's."""
+    from nakta_model.tasks.hellaswag import evaluate
+    from speed_bench.engine import EngineConfig
+    from speed_bench.nakta_speed import NaktaEngine, build_model
+    from speed_bench.weights import weight_source
+    from speed_bench.workload import synthetic_workload
+
+    argv = [*TINY, "--limit", "8", "--out", str(tmp_path)]
+    rc, output = torchrun(["speed_bench/llama_speed.py", *argv], REPO)
+    assert rc == 0, output[-3000:]
+    summary = _summary(tmp_path)
+    assert (summary["tp"], summary["dp"], list(summary["engines"])) == (2, 1, ["llama_org"])
+    assert "initializing model parallel with size 2" in output
+
+    weights = weight_source("tiny", None, seed=0)
+    workload = synthetic_workload(8, weights.args.vocab_size, 0, weights.args.max_seq_len)
+    cfg = EngineConfig(
+        torch.device("cpu"), torch.float32, 2048, weights.args.max_seq_len, progress=False
+    )
+    engine = NaktaEngine(build_model(weights, cfg), cfg, use_cache=True)
+    lls = [ll for ll, _ in engine.score(workload.requests)]
+    _, docs = evaluate(workload.docs, lls)
+    assert summary["predictions"]["llama_org"] == {
+        "acc": "".join(str(d.pred) for d in docs),
+        "acc_norm": "".join(str(d.pred_norm) for d in docs),
+    }
+
+
+@pytest.mark.slow
+def test_bad_path_under_torchrun_is_one_line_from_one_rank(tmp_path):
+    rc, output = torchrun(["speed_bench/run_all.py", "--data", "/nope", "--tokenizer", "/x"], REPO)
+    assert rc != 0
+    assert error_lines(output) == [
+        "error: --data /nope: no such file (expected a HellaSwag .jsonl file)"
+    ], output[-3000:]
+    assert "exitcode  : 2" in output  # rank 0 exits by itself (status 2), not killed
+    assert 'run_all.py", line' not in output  # no traceback of ours
