@@ -554,8 +554,7 @@ def _config(
     block_m = max(16, bucket) if use_dot else bucket
     block_n = cfg.get("BLOCK_N") or _block_n(n_cols, rows_per_col, use_dot, _sm_count(device))
     tile_n = rows_per_col * block_n
-    elem = torch.empty((), dtype=dtype).element_size()
-    block_k = cfg.get("BLOCK_K") or _block_k(k, tile_n, block_m, use_dot, elem)
+    block_k = cfg.get("BLOCK_K") or _block_k(k, tile_n, block_m, use_dot, dtype.itemsize)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = dict(BLOCK_M=block_m, BLOCK_N=block_n, TILE_N=tile_n, BLOCK_K=block_k)
     out |= dict(USE_DOT=int(use_dot), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -713,7 +712,9 @@ def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs
         if c.dtype != x.dtype:
             raise TypeError(f"rope.{name} must have x's dtype {x.dtype}, got {c.dtype}")
         if c.stride(2) != 1:
-            raise ValueError(f"rope.{name} must be unit-stride in its last dimension, got {c.stride()}")
+            raise ValueError(
+                f"rope.{name} must be unit-stride in its last dimension, got {c.stride()}"
+            )
     if r.k_cache.data_ptr() == r.v_cache.data_ptr():
         raise ValueError("rope.k_cache and rope.v_cache must be different tensors")
     return r
