@@ -390,7 +390,7 @@ def bench_attention_case(
         t0 = sets[0]  # its out holds what Nakta's timed calls wrote
         ref = decode_attention_reference(t0["q"], t0["k"], t0["v"], t0["lens"])
         mismatch = float("nan") if "nakta" in errors else (t0["out"] != ref).float().mean().item()
-        nbytes = kv_bytes[ctx] + 2 * case.batch * case.n_q * case.head_dim * e
+        nbytes = kv_bytes[ctx]
         for p in calls:
             us = times.get(p, float("nan"))
             row = {"heads": case.name, "n_q": case.n_q, "n_kv": case.n_kv, "batch": case.batch}
@@ -699,7 +699,7 @@ def notes_text(slug: str, dtype: str, copy_gbps: float) -> str:
         "weights included, cycled over `input_sets` copies to defeat L2; paths replayed in "
         "turn, median of 3 rounds). Linear GB/s = weight + x + norm weight + residual + output "
         "+ K/V cache writes, the same count for every path (cublas does the matmul only). "
-        "Attention GB/s = K/V bytes read (+ q and output). `mismatch` = fraction of Nakta's "
+        "Attention GB/s = K/V bytes read. `mismatch` = fraction of Nakta's "
         "outputs that differ in any bit from the eager reference. `config` = Nakta's launch "
         "configuration (decode_linear._config)."
     )
