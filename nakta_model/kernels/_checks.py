@@ -102,3 +102,20 @@ def grad_rows(g: torch.Tensor | None) -> torch.Tensor | None:
         except RuntimeError:
             pass
     return g.contiguous()
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses a strided view can touch (strides are >= 0)."""
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
+
+
+def check_no_overlap(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """A kernel output must not share memory with an input other programs still read (a race
+    the kernel cannot detect). Conservative: views whose address ranges interleave count."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(f"{name_a} overlaps {name_b} in memory; pass a separate {name_a} tensor")

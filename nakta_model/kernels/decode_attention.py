@@ -1,0 +1,500 @@
+"""Decode attention: one new query per batch row over its KV cache (split-K flash-decoding).
+
+Why: at decode time attention reads the whole K/V cache for one query per row; with few rows
+and heads, one program per (row, head) cannot keep the GPU's memory system busy. The sequence
+is split into ``n_splits`` chunks, each program streams one chunk of one KV head for all its
+query heads (GQA: K/V loaded once per group) and writes a partial result (running max, sum of
+exponentials, unnormalised output: fp32 workspace); a second small kernel combines the splits.
+With one split the first kernel writes the output directly (one launch).
+
+CUDA-graph capturable: the grid ``(B, n_kv_heads, n_splits)`` depends on shapes only
+(``n_splits`` from the batch, KV heads and cache length, never from ``cache_lens``' values);
+each program derives its chunk from ``cache_lens[b]`` on the device (the valid keys are spread
+over all splits), and a split past the end writes a neutral partial (max -inf, sum 0). Pass
+``workspace`` (``attention_workspace``) and ``out`` to allocate nothing.
+
+Numerics: scores and softmax in fp32 with ``exp2`` (scale folded with log2 e); output in q's
+dtype. MHA (one query head per KV head) runs on the CUDA cores in fp32 throughout; GQA uses
+``tl.dot`` with the query group padded to 16 rows, the probabilities rounded to the cache
+dtype for the P @ V product as flash attention does (fp32 inputs: ``input_precision="ieee"``).
+``cache_lens[b] == 0`` gives a zero output row (an idle slot of a static batch); a length
+outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
+``NAKTA_DEBUG=1``, a ValueError.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nakta_model.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_ndim,
+    check_no_overlap,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    interpreter_enabled,
+)
+from nakta_model.kernels._triton_math import round_to
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+LOG2E = 1.4426950408889634
+
+# ------------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(q, k, USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``q [BLOCK_G, D] . k [BLOCK_S, D]^T`` in fp32: ``[BLOCK_G, BLOCK_S]``."""
+    if USE_DOT:
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PREC)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    else:  # one query head: [1, D] against [BLOCK_S, D]
+        s = tl.sum(k.to(tl.float32) * q.to(tl.float32), axis=1)[None, :]
+    return s
+
+
+@triton.jit
+def _weighted_values(
+    p,
+    v,
+    USE_DOT: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """``p [BLOCK_G, BLOCK_S] @ v [BLOCK_S, D]`` in fp32 (``tl.dot``: p in v's dtype)."""
+    if USE_DOT:
+        p_low = round_to(p, v.dtype, EMULATE_RNE)
+        if UPCAST:
+            pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision=PREC)
+        else:
+            pv = tl.dot(p_low, v, input_precision=PREC)
+    else:
+        pv = tl.sum(tl.reshape(p, (BLOCK_S, 1)) * v.to(tl.float32), axis=0)[None, :]
+    return pv
+
+
+@triton.jit
+def _chunk(lens_ptr, b, s_max, n_splits, split, BLOCK_S: tl.constexpr):
+    """This split's key range ``[start, end)`` of row b (valid keys spread evenly over the
+    splits, in whole ``BLOCK_S`` tiles) and whether the row's length is out of range."""
+    length = tl.load(lens_ptr + b).to(tl.int32)
+    bad = (length < 0) | (length > s_max)
+    length = tl.where(bad, 0, length)
+    chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    return start, end, bad
+
+
+@triton.jit
+def _attn_split_kernel(
+    Q,
+    K,
+    V,
+    LENS,
+    OUT,
+    WS,
+    s_max,
+    n_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    stride_wb,
+    stride_wh,
+    stride_ws,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HD_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """One program: the query heads of one KV head of row b over one chunk of its cache.
+
+    ``SINGLE`` (one split): normalise and write the output; otherwise write the partial
+    ``(acc, max, sum)`` to the workspace (neutral when the chunk is empty).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = (kvh * GROUP + g).to(tl.int64)
+    d = tl.arange(0, HD_PAD)
+    d_ok = d < HEAD_DIM
+    start, end, bad = _chunk(LENS, b, s_max, n_splits, split, BLOCK_S)
+
+    q_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh + d[None, :]
+    v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HD_PAD], dtype=tl.float32)
+    offs_s = tl.arange(0, BLOCK_S)
+    for s0 in range(start, end, BLOCK_S):
+        keys = s0 + offs_s
+        k_ok = keys < end
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        rows = keys.to(tl.int64)[:, None]
+        k = tl.load(k_base + rows * stride_ks, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows * stride_vs, mask=kv_mask, other=0.0)
+        s = _scores(q, k, USE_DOT, PREC, UPCAST) * qk_scale
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        # the first tile of a non-empty chunk holds a valid key, so m_new is finite
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, PREC, UPCAST, EMULATE_RNE,
+                                                      BLOCK_S)  # fmt: skip
+        m = m_new
+
+    if SINGLE:
+        out = tl.where(l[:, None] > 0, acc / l[:, None], 0.0)
+        out = tl.where(bad, float("nan"), out)
+        o_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, round_to(out, OUT.dtype.element_ty, EMULATE_RNE), mask=q_mask)
+    else:
+        w_base = WS + b * stride_wb + heads * stride_wh + split * stride_ws
+        tl.store(w_base[:, None] + d[None, :], acc, mask=q_mask)
+        tl.store(w_base + HEAD_DIM, m, mask=g_ok)
+        tl.store(w_base + HEAD_DIM + 1, l, mask=g_ok)
+
+
+@triton.jit
+def _attn_combine_kernel(
+    WS,
+    LENS,
+    OUT,
+    s_max,
+    n_splits,
+    stride_wb,
+    stride_wh,
+    stride_ws,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """One program per (row, query head): rescale the splits' partials to their common max and
+    normalise. Neutral partials (max -inf, sum 0) weigh nothing; a row with no keys gives 0."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < n_splits
+    d = tl.arange(0, HD_PAD)
+    d_ok = d < HEAD_DIM
+    base = WS + b * stride_wb + h * stride_wh + sp * stride_ws
+    m = tl.load(base + HEAD_DIM, mask=sp_ok, other=float("-inf"))
+    l = tl.load(base + HEAD_DIM + 1, mask=sp_ok, other=0.0)
+    o = tl.load(base[:, None] + d[None, :], mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    den = tl.sum(w * l, axis=0)
+    num = tl.sum(w[:, None] * o, axis=0)
+    out = tl.where(den > 0, num / den, 0.0)
+    length = tl.load(LENS + b)
+    out = tl.where((length < 0) | (length > s_max), float("nan"), out)
+    o_ptrs = OUT + b * stride_ob + h * stride_oh + d
+    tl.store(o_ptrs, round_to(out, OUT.dtype.element_ty, EMULATE_RNE), mask=d_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Launch configuration, checks and launcher
+# ------------------------------------------------------------------------------------------------
+
+# Defaults for an H100/H200, to be replaced by ``bench_decode.py`` results; ``_TUNE``
+# overrides them (set by the benchmark and the tests only).
+_DEFAULTS: dict[str, int] = dict(
+    BLOCK_S_FMA=32,  # keys per step, one query head per KV head (CUDA cores)
+    BLOCK_S_DOT=64,  # keys per step, GQA (tl.dot)
+    num_warps=4,
+    num_stages=3,
+    PROGRAMS_PER_SM=2,  # split until B * n_kv * n_splits reaches this many programs per SM
+    MIN_SPLIT_KEYS=256,  # ... but no split of the full cache shorter than this
+    MAX_SPLITS=64,
+)
+_TUNE: dict[str, int] = {}
+_DEFAULT_SMS = 132  # H100 SXM / H200; used off the GPU
+
+
+def _cfg() -> dict[str, int]:
+    return {**_DEFAULTS, **_TUNE}
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _debug_checks() -> bool:
+    """Host checks that need a device sync run on the CPU, or when NAKTA_DEBUG=1."""
+    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
+
+
+def decode_splits(batch: int, n_kv_heads: int, max_seq: int, device: torch.device | str) -> int:
+    """The number of sequence splits ``decode_attention`` uses for these shapes: enough
+    programs to fill the GPU, no split of the full cache under ``MIN_SPLIT_KEYS`` keys.
+    Depends on shapes only, so a captured graph keeps its grid."""
+    for name, v in (("batch", batch), ("n_kv_heads", n_kv_heads), ("max_seq", max_seq)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    cfg = _cfg()
+    target = cfg["PROGRAMS_PER_SM"] * _sm_count(torch.device(device))
+    wanted = triton.cdiv(target, batch * n_kv_heads)
+    cap = min(cfg["MAX_SPLITS"], triton.cdiv(max_seq, cfg["MIN_SPLIT_KEYS"]))
+    return max(1, min(wanted, cap))
+
+
+def attention_workspace(
+    batch: int, n_q_heads: int, head_dim: int, n_splits: int, device: torch.device | str
+) -> torch.Tensor:
+    """The fp32 partials buffer ``[batch, n_q_heads, n_splits, head_dim + 2]`` (output, max,
+    sum per split): allocate once, pass as ``workspace`` on every step."""
+    for name, v in (("batch", batch), ("n_q_heads", n_q_heads), ("head_dim", head_dim),
+                    ("n_splits", n_splits)):  # fmt: skip
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return torch.empty(batch, n_q_heads, n_splits, head_dim + 2, dtype=torch.float32, device=device)
+
+
+def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
+    c = check_tensor(name, c)
+    check_ndim(name, c, 4)
+    if c.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {c.dtype}")
+    if c.shape[3] > 1 and c.stride(3) != 1:
+        raise ValueError(f"{name} must be unit-stride in its last dimension, got {c.stride()}")
+    return c
+
+
+def _check_args(
+    q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, *, for_kernel: bool
+) -> tuple[float, int]:
+    """Validate a ``decode_attention`` call; returns ``(scale, n_splits)``."""
+    q = check_tensor("q", q)
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_ndim("q", q, 3)
+    if q.shape[2] > 1 and q.stride(2) != 1:
+        raise ValueError(f"q must be unit-stride in its last dimension, got {q.stride()}")
+    batch, n_q, head_dim = q.shape
+    if batch < 1 or n_q < 1 or head_dim < 1:
+        raise ValueError(f"q must have shape [B>0, n_q_heads>0, head_dim>0], got {tuple(q.shape)}")
+    k_cache = _check_cache("k_cache", k_cache, q)
+    v_cache = _check_cache("v_cache", v_cache, q)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}"
+        )
+    b_max, s_max, n_kv, hd = k_cache.shape
+    if hd != head_dim or b_max < batch or s_max < 1 or n_kv < 1:
+        raise ValueError(
+            f"k_cache must have shape [B_max >= {batch}, S_max > 0, n_kv_heads, "
+            f"head_dim={head_dim}], got {tuple(k_cache.shape)}"
+        )
+    if n_q % n_kv:
+        raise ValueError(f"the caches' n_kv_heads ({n_kv}) must divide q's heads ({n_q})")
+    cache_lens = check_tensor("cache_lens", cache_lens)
+    check_dtype("cache_lens", cache_lens, INDEX_DTYPES)
+    check_ndim("cache_lens", cache_lens, 1)
+    if cache_lens.shape[0] != batch:
+        raise ValueError(
+            f"cache_lens must have {batch} entries (one per row of q), got {cache_lens.shape[0]}"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    if n_splits is None:
+        n_splits = decode_splits(batch, n_kv, s_max, q.device)
+    if isinstance(n_splits, bool) or not isinstance(n_splits, int) or not 1 <= n_splits <= 1024:
+        raise ValueError(f"n_splits must be an int in [1, 1024], got {n_splits!r}")
+    if out is not None:
+        out = check_tensor("out", out)
+        check_dtype("out", out, (q.dtype,))
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+        if head_dim > 1 and out.stride(2) != 1:
+            raise ValueError(f"out must be unit-stride in its last dimension, got {out.stride()}")
+    if workspace is not None:
+        _check_workspace(workspace, batch, n_q, head_dim, n_splits)
+    check_same_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_lens=cache_lens, out=out, workspace=workspace
+    )
+    _check_no_aliasing(q, k_cache, v_cache, out, workspace)
+    if for_kernel:
+        check_triton_device("q", q)
+    if not q.is_cuda or _debug_checks() or not for_kernel:
+        lo, hi = int(cache_lens.min()), int(cache_lens.max())
+        if lo < 0 or hi > s_max:
+            raise ValueError(f"cache_lens must lie in [0, S_max={s_max}], got [{lo}, {hi}]")
+    return float(scale), n_splits
+
+
+def _check_workspace(ws: object, batch: int, n_q: int, head_dim: int, n_splits: int) -> None:
+    ws = check_tensor("workspace", ws)
+    check_dtype("workspace", ws, (torch.float32,))
+    need = batch * n_q * n_splits * (head_dim + 2)
+    if not ws.is_contiguous() or ws.numel() < need:
+        raise ValueError(
+            f"workspace must be a contiguous fp32 tensor of at least {need} elements "
+            f"(attention_workspace({batch}, {n_q}, {head_dim}, {n_splits})), got shape "
+            f"{tuple(ws.shape)} contiguous={ws.is_contiguous()}"
+        )
+
+
+def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
+    """``out`` may be ``q`` itself (a program reads its heads' queries before writing them);
+    any other sharing with the inputs is a race."""
+    if out is not None:
+        same_as_q = out.data_ptr() == q.data_ptr() and out.stride() == q.stride()
+        if not same_as_q:
+            check_no_overlap("out", out, "q", q)
+        check_no_overlap("out", out, "k_cache", k_cache)
+        check_no_overlap("out", out, "v_cache", v_cache)
+    if workspace is not None:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+            if t is not None:
+                check_no_overlap("workspace", workspace, name, t)
+
+
+def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace) -> None:
+    batch, n_q, head_dim = q.shape
+    s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group = n_q // n_kv
+    cfg = _cfg()
+    use_dot = bool(cfg.get("USE_DOT", group > 1))
+    block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
+    if not use_dot and group > 1:
+        raise ValueError("_TUNE USE_DOT=0 needs one query head per KV head (MHA)")
+    hd_pad = max(16 if use_dot else 1, triton.next_power_of_2(head_dim))
+    block_s = cfg["BLOCK_S_DOT"] if use_dot else cfg["BLOCK_S_FMA"]
+    interp = interpreter_enabled()
+    upcast = interp and q.dtype == torch.bfloat16
+    prec = "ieee" if (q.dtype == torch.float32 or upcast) else None
+    single = n_splits == 1
+    if single:
+        ws = q  # unused
+        ws_strides = (0, 0, 0)
+    else:
+        if workspace is None:
+            workspace = attention_workspace(batch, n_q, head_dim, n_splits, q.device)
+        ws = workspace.view(-1)[: batch * n_q * n_splits * (head_dim + 2)]
+        ws = ws.view(batch, n_q, n_splits, head_dim + 2)
+        ws_strides = ws.stride()[:3]
+    _attn_split_kernel[(batch, n_kv, n_splits)](
+        q, k_cache, v_cache, cache_lens, out, ws, s_max, n_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        *ws_strides, scale * LOG2E,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, HD_PAD=hd_pad, BLOCK_S=block_s,
+        USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if single:
+        return
+    _attn_combine_kernel[(batch, n_q)](
+        ws, cache_lens, out, s_max, n_splits, *ws_strides, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim),
+        SPLITS_PAD=triton.next_power_of_2(n_splits), EMULATE_RNE=interp, num_warps=1,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Public function
+# ------------------------------------------------------------------------------------------------
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    n_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, n_q, hd]`` (one query per row) over ``k_cache``/``v_cache``
+    ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1``, keys ``0 .. cache_lens[b] - 1``; query head
+    h reads KV head ``h // (n_q / n_kv)``. ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits``
+    to ``decode_splits(...)``. Returns ``out`` (allocated when None), shape and dtype of q."""
+    scale, n_splits = _check_args(
+        q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True
+    )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Reference
+# ------------------------------------------------------------------------------------------------
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    n_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch (any device): fp32 scores and softmax over each row's valid keys, output
+    in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace`` are checked like
+    the kernel's and otherwise unused."""
+    scale, _ = _check_args(
+        q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=False
+    )
+    batch, n_q, _ = q.shape
+    s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
+    kv_head = torch.arange(n_q, device=q.device) // (n_q // n_kv)
+    k = k_cache[:batch].float()[:, :, kv_head]  # [B, S, n_q, hd]
+    v = v_cache[:batch].float()[:, :, kv_head]
+    scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * scale
+    valid = torch.arange(s_max, device=q.device)[None, :] < cache_lens.to(q.device)[:, None]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no keys: all -inf -> 0
+    y = torch.einsum("bhs,bshd->bhd", p, v).to(q.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

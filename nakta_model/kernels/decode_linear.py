@@ -1,0 +1,898 @@
+"""Decode-step linear layers: one launch per weight matrix, its neighbours fused in.
+
+Why: decoding a few tokens at a time is a stream of the weights through the GPU, and each
+extra launch per layer costs launch and tail time. So each matmul of a decode step is one
+kernel that also does the small elementwise work around it:
+
+* NORM prologue (``norm_weight``, ``eps``): the input is Meta's RMSNorm of ``x``,
+  ``round(round(x * rsqrt(mean(x^2) + eps)) * norm_weight)`` rounded to x's dtype where eager
+  Meta rounds (``rms_norm_reference``). Every program recomputes the rows' 1/rms from ``x``
+  (``B x K`` elements, L2-resident) instead of paying a separate launch.
+* RESIDUAL epilogue (``residual [B, N]``): ``round(residual + round(x @ W^T))``, eager's
+  ``h = x + attn_out``.
+* SWIGLU epilogue (``swiglu=True``, ``weight`` = fused ``w13 [2F, K]``, gate rows first): the
+  program owning output columns ``[n0, n0 + BLOCK_N)`` accumulates gate rows ``n0..`` and up
+  rows ``F + n0..`` together and writes ``swiglu_reference`` of the rounded pair; the
+  ``[B, 2F]`` projection is never written.
+* ROPE epilogue (``rope=RopeArgs(...)``, ``weight`` = fused ``wqkv``): Q and K are rounded to
+  the dtype, rotated in fp32 by Meta's adjacent pairs (2i, 2i+1) at ``positions[b]`` and
+  rounded; the output holds the rotated Q only, while the rotated K and the raw V rows go to
+  ``k_cache[cache_slots[b]]`` / ``v_cache[cache_slots[b]]`` (``apply_rope_qkv_reference``).
+  Tiles hold an even number of rows starting at an even row, so every pair stays in one tile;
+  a tile may straddle heads or the Q/K/V boundaries (masks pick each row's destination).
+  An out-of-range position or cache slot turns that row's Q into NaN and skips its cache
+  write (no host sync on CUDA); the CPU, or ``NAKTA_DEBUG=1``, raises ValueError instead.
+* ``out_dtype=torch.float32`` (plain or NORM only): the fp32 accumulator itself, unrounded
+  (LM-head logits). Eager Meta rounds logits to the dtype first; round this output to x's
+  dtype to get its values up to summation order.
+
+Kernel: each program owns ``BLOCK_N`` output columns (``2 * BLOCK_N`` weight rows with
+SWIGLU) for every batch row and walks K in ``BLOCK_K`` tiles; no split-K, so no atomics and
+results do not depend on the launch. ``USE_DOT`` computes ``W_tile @ x_tile^T`` with
+``tl.dot``, the batch padded to ``BLOCK_M = max(16, next_pow2(B))`` (weights on the wide side
+of the MMA); otherwise (batch 1 by default) elementwise products are accumulated in fp32 and
+reduced over K once at the end. fp32 inputs use ``input_precision="ieee"``. The launch is
+CUDA-graph capturable: no host syncs (unless ``NAKTA_DEBUG=1``), no allocation except the
+output when ``out`` is not given, and a grid that depends on shapes only.
+
+Launch configurations: ``_TABLE`` per (dtype, batch bucket), ``BLOCK_N`` chosen to fill the
+GPU (``_config``); ``_SHAPES`` holds per-shape exceptions and ``_TUNE`` overrides both (set by
+``kernel_benchmark/bench_decode.py --tune`` and the tests only).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from nakta_model.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_ndim,
+    check_no_overlap,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    interpreter_enabled,
+)
+from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels.rmsnorm import rms_norm_reference
+from nakta_model.kernels.rope import apply_rope_qkv_reference
+from nakta_model.kernels.swiglu import FAST_IS_EXACT_DTYPES, swiglu_reference
+
+MAX_BATCH = 64
+INDEX_DTYPES = (torch.int32, torch.int64)
+VARIANTS = ("plain", "residual", "swiglu", "rope")
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """What the ROPE epilogue needs: per-row positions and cache slots, the fp32 cos/sin tables
+    (``build_rope_cache``), the head layout of ``wqkv`` and the caches to write K/V into."""
+
+    positions: torch.Tensor  # int [B]
+    cos: torch.Tensor  # fp32 [max_pos, head_dim // 2]
+    sin: torch.Tensor  # fp32 [max_pos, head_dim // 2]
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    k_cache: torch.Tensor  # [slots, n_kv_heads, head_dim]
+    v_cache: torch.Tensor  # [slots, n_kv_heads, head_dim]
+    cache_slots: torch.Tensor  # int [B]
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rsqrt(x, ACCURATE: tl.constexpr):
+    """libdevice ``rsqrtf`` on the GPU (what ``torch.rsqrt`` calls); numpy in the interpreter."""
+    if ACCURATE:
+        return libdevice.rsqrt(x)
+    else:
+        return tl.rsqrt(x)
+
+
+@triton.jit
+def _silu(g, FAST: tl.constexpr, ACCURATE: tl.constexpr):
+    """``g / (1 + exp(-g))`` with the arithmetic ``swiglu.py`` found to round like eager: the
+    hardware ex2 and an approximate division for bf16 (every bf16 gate checked there),
+    libdevice ``expf`` and an IEEE division otherwise."""
+    if FAST:
+        s = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)
+    elif ACCURATE:
+        s = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
+    else:
+        s = tl.math.div_rn(g, 1.0 + tl.exp(-g))
+    return s
+
+
+@triton.jit
+def _row_rstd(
+    X,
+    rows,
+    row_ok,
+    K,
+    stride_xm,
+    eps,
+    inv_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACCURATE: tl.constexpr,
+):
+    """1 / rms of each batch row, fp32 ``[BLOCK_M]`` (``mean`` as ``sum * (1 / K)``, as
+    PyTorch's CUDA mean and ``rmsnorm.py`` compute it)."""
+    ks = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        mask = row_ok[:, None] & (k < K)[None, :]
+        x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        ss += x * x
+    return _rsqrt(tl.sum(ss, axis=1) * inv_k + eps, ACCURATE)
+
+
+@triton.jit
+def _x_tile(
+    X,
+    NW,
+    rows,
+    row_ok,
+    k,
+    k_ok,
+    stride_xm,
+    stride_nw,
+    rstd,
+    NORM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """``[BLOCK_M, BLOCK_K]`` of the matmul's input in x's dtype: x, or with ``NORM`` Meta's
+    RMSNorm of it (normalized row rounded, times the weight, rounded)."""
+    if EVEN_K:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & k_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+    if NORM:
+        dtype = X.dtype.element_ty
+        w = tl.load(NW + k * stride_nw, mask=k_ok, other=0.0).to(tl.float32)
+        n = round_to(x.to(tl.float32) * rstd[:, None], dtype, EMULATE_RNE).to(tl.float32)
+        x = round_to(n * w[None, :], dtype, EMULATE_RNE)
+    return x
+
+
+@triton.jit
+def _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K: tl.constexpr):
+    """``[TILE_N, BLOCK_K]`` of the weight. Weights are read once per step: evict them first so
+    the small activations stay in L2."""
+    ptrs = W + w_rows.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    if EVEN_K:
+        mask = w_ok[:, None]
+    else:
+        mask = w_ok[:, None] & k_ok[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _dot_loop(
+    X,
+    W,
+    NW,
+    rows,
+    row_ok,
+    w_rows,
+    w_ok,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_nw,
+    rstd,
+    NORM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """``W_tile @ x^T`` over all of K with ``tl.dot``: fp32 ``[TILE_N, BLOCK_M]``.
+
+    ``UPCAST`` (interpreter, bf16) feeds fp32 copies of the operands: Triton 3.9's interpreter
+    returns garbage for a bf16 ``tl.dot``; the copies are exact, so the sums are the same."""
+    acc = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
+                    EMULATE_RNE)  # fmt: skip
+        w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _fma_loop(
+    X,
+    W,
+    NW,
+    rows,
+    row_ok,
+    w_rows,
+    w_ok,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_nw,
+    rstd,
+    NORM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """``W_tile @ x^T`` on the CUDA cores: fp32 products accumulated per K lane, reduced over
+    K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``."""
+    ks = tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([TILE_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
+                        EMULATE_RNE)  # fmt: skip
+            w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        acc = tl.sum(acc2, axis=1)[:, None]
+    else:
+        acc3 = tl.zeros([TILE_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
+                        EMULATE_RNE)  # fmt: skip
+            w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
+            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+        acc = tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit
+def _store_cols(OUT, y, cols, col_ok, rows, row_ok, stride_om):
+    """Store a ``[columns, batch rows]`` tile into ``OUT[row, col]``."""
+    ptrs = OUT + rows[None, :] * stride_om + cols[:, None]
+    tl.store(ptrs, y, mask=col_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _rope_epilogue(
+    acc,
+    OUT,
+    POS,
+    COS,
+    SIN,
+    KC,
+    VC,
+    SLOT,
+    n0,
+    rows,
+    row_ok,
+    n_w_rows,
+    q_cols,
+    qk_cols,
+    n_pos,
+    n_slots,
+    stride_om,
+    stride_cp,
+    stride_cc,
+    stride_sp,
+    stride_sc,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """Round the qkv tile, rotate its Q/K pairs, store Q to OUT and K/V into the caches."""
+    dtype = OUT.dtype.element_ty
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    v = round_to(acc, dtype, EMULATE_RNE).to(tl.float32)
+    pairs = tl.permute(tl.reshape(v, (HALF_N, 2, BLOCK_M)), (0, 2, 1))
+    a, b = tl.split(pairs)  # rows 2i and 2i + 1 of the tile: [HALF_N, BLOCK_M]
+    pair_cols = n0 + 2 * tl.arange(0, HALF_N)
+    freq = (pair_cols % HEAD_DIM) // 2
+
+    pos = tl.load(POS + rows, mask=row_ok, other=0).to(tl.int64)
+    slot = tl.load(SLOT + rows, mask=row_ok, other=0).to(tl.int64)
+    ok = (pos >= 0) & (pos < n_pos) & (slot >= 0) & (slot < n_slots)
+    pos = tl.where(ok, pos, 0)
+    slot = tl.where(ok, slot, 0)
+    fmask = (pair_cols < qk_cols)[:, None] & row_ok[None, :]
+    cos = tl.load(COS + pos[None, :] * stride_cp + freq[:, None] * stride_cc, mask=fmask, other=1.0)
+    sin = tl.load(SIN + pos[None, :] * stride_sp + freq[:, None] * stride_sc, mask=fmask, other=0.0)
+    nan = float("nan")
+    cos = tl.where(ok[None, :], cos, nan)
+    sin = tl.where(ok[None, :], sin, nan)
+    ya = a * cos - b * sin
+    yb = b * cos + a * sin
+    rot = (pair_cols < qk_cols)[:, None]
+    ya = tl.where(rot, ya, a)
+    yb = tl.where(rot, yb, b)
+    y = tl.reshape(tl.permute(tl.join(ya, yb), (0, 2, 1)), (BLOCK_N, BLOCK_M))
+    y = round_to(y, dtype, EMULATE_RNE)
+
+    cols = n0 + tl.arange(0, BLOCK_N)
+    _store_cols(OUT, y, cols, cols < q_cols, rows, row_ok, stride_om)
+    store_ok = row_ok & ok
+    is_k = (cols >= q_cols) & (cols < qk_cols)
+    kcol = tl.where(is_k, cols - q_cols, 0)
+    k_ptrs = (
+        KC
+        + slot[None, :] * stride_kcs
+        + (kcol // HEAD_DIM).to(tl.int64)[:, None] * stride_kch
+        + (kcol % HEAD_DIM)[:, None]
+    )
+    tl.store(k_ptrs, y, mask=is_k[:, None] & store_ok[None, :])
+    is_v = (cols >= qk_cols) & (cols < n_w_rows)
+    vcol = tl.where(is_v, cols - qk_cols, 0)
+    v_ptrs = (
+        VC
+        + slot[None, :] * stride_vcs
+        + (vcol // HEAD_DIM).to(tl.int64)[:, None] * stride_vch
+        + (vcol % HEAD_DIM)[:, None]
+    )
+    tl.store(v_ptrs, y, mask=is_v[:, None] & store_ok[None, :])
+
+
+@triton.jit
+def _decode_linear_kernel(
+    X,
+    W,
+    NW,
+    R,
+    OUT,
+    POS,
+    COS,
+    SIN,
+    KC,
+    VC,
+    SLOT,
+    n_rows,
+    K,
+    n_w_rows,
+    n_out_cols,
+    stride_xm,
+    stride_wn,
+    stride_nw,
+    stride_rm,
+    stride_om,
+    eps,
+    inv_k,
+    q_cols,
+    qk_cols,
+    n_pos,
+    n_slots,
+    stride_cp,
+    stride_cc,
+    stride_sp,
+    stride_sc,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ROPE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FAST_SILU: tl.constexpr,
+    ACCURATE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
+
+    Switches (constexpr): ``NORM`` RMSNorm prologue; at most one of ``RESIDUAL`` / ``SWIGLU``
+    (the tile holds ``TILE_N = 2 * BLOCK_N`` rows: gate rows, then the matching up rows) /
+    ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask.
+    The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
+    """
+    n0 = tl.program_id(0) * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    if SWIGLU:
+        j = tl.arange(0, TILE_N)
+        col = n0 + j % BLOCK_N
+        w_rows = tl.where(j < BLOCK_N, col, col + n_out_cols)
+        w_ok = col < n_out_cols
+    else:
+        w_rows = n0 + tl.arange(0, TILE_N)
+        w_ok = w_rows < n_w_rows
+    if NORM:
+        rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M, BLOCK_K, ACCURATE)
+    else:
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_DOT:
+        acc = _dot_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, PREC, UPCAST, EMULATE_RNE)  # fmt: skip
+    else:
+        acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
+
+    dtype = OUT.dtype.element_ty
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if ROPE:
+        _rope_epilogue(acc, OUT, POS, COS, SIN, KC, VC, SLOT, n0, rows, row_ok, n_w_rows, q_cols,
+                       qk_cols, n_pos, n_slots, stride_om, stride_cp, stride_cc, stride_sp,
+                       stride_sc, stride_kcs, stride_kch, stride_vcs, stride_vch, HEAD_DIM,
+                       BLOCK_M, BLOCK_N, EMULATE_RNE)  # fmt: skip
+    elif SWIGLU:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        gate = round_to(gate, dtype, EMULATE_RNE).to(tl.float32)
+        up = round_to(up, dtype, EMULATE_RNE).to(tl.float32)
+        s = round_to(_silu(gate, FAST_SILU, ACCURATE), dtype, EMULATE_RNE).to(tl.float32)
+        y = round_to(s * up, dtype, EMULATE_RNE)
+        _store_cols(OUT, y, cols, cols < n_out_cols, rows, row_ok, stride_om)
+    elif RESIDUAL:
+        col_ok = cols < n_out_cols
+        r_ptrs = R + rows[None, :] * stride_rm + cols[:, None]
+        r = tl.load(r_ptrs, mask=col_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+        y = round_to(r + round_to(acc, dtype, EMULATE_RNE).to(tl.float32), dtype, EMULATE_RNE)
+        _store_cols(OUT, y, cols, col_ok, rows, row_ok, stride_om)
+    else:
+        y = round_to(acc, dtype, EMULATE_RNE)
+        _store_cols(OUT, y, cols, cols < n_out_cols, rows, row_ok, stride_om)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Launch configuration and launcher
+# ------------------------------------------------------------------------------------------------
+
+# Defaults per (dtype, batch bucket = next power of two of B). ``BLOCK_N`` is left to
+# ``_block_n`` (fill the GPU) and ``BLOCK_K`` to ``_block_k`` (registers) unless given. Sane
+# starting points for an H100/H200, to be replaced by ``bench_decode.py --tune`` results.
+_HALF_TABLE: dict[int, dict[str, int]] = {
+    1: dict(USE_DOT=0, num_warps=4, num_stages=4),
+    2: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
+    4: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
+    8: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
+    16: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
+    32: dict(USE_DOT=1, BLOCK_K=128, num_warps=4, num_stages=4),
+    64: dict(USE_DOT=1, BLOCK_K=128, num_warps=4, num_stages=3),
+}
+_FP32_TABLE: dict[int, dict[str, int]] = {
+    b: {**c, "BLOCK_K": c["BLOCK_K"] // 2} if "BLOCK_K" in c else dict(c)
+    for b, c in _HALF_TABLE.items()
+}
+_TABLE: dict[tuple[str, int], dict[str, int]] = {
+    **{("bfloat16", b): c for b, c in _HALF_TABLE.items()},
+    **{("float16", b): c for b, c in _HALF_TABLE.items()},
+    **{("float32", b): c for b, c in _FP32_TABLE.items()},
+}
+# Per-shape exceptions: (dtype, bucket, variant, N, K) -> config keys (from --tune).
+_SHAPES: dict[tuple[str, int, str, int, int], dict[str, int]] = {}
+_TUNE: dict[str, int] = {}
+
+_PROGRAMS_PER_SM = 2  # grid target: ~2 programs per SM (0.9 slack: 4096 / 16 = 256 on 132 SMs)
+_FMA_TILE_ELEMS = 8192  # fp32 accumulator elements per program on the CUDA-core path
+_BLOCK_N_RANGE = {False: (4, 64), True: (16, 128)}  # (min, max) tile rows, by USE_DOT
+_DEFAULT_SMS = 132  # H100 SXM / H200; used off the GPU so interpreter runs pick GPU-like tiles
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _block_n(n_cols: int, rows_per_col: int, use_dot: bool, sms: int) -> int:
+    """Largest power of two of output columns per program that still gives ~2 programs per SM
+    (within the path's tile limits, counted in weight rows)."""
+    lo, hi = _BLOCK_N_RANGE[use_dot]
+    lo_cols = max(2, lo // rows_per_col)
+    hi_cols = max(lo_cols, hi // rows_per_col)
+    target = 0.9 * _PROGRAMS_PER_SM * sms
+    bn = lo_cols
+    while bn * 2 <= hi_cols and triton.cdiv(n_cols, bn * 2) >= target:
+        bn *= 2
+    return bn
+
+
+def _block_k(k: int, tile_n: int, block_m: int, use_dot: bool, elem: int) -> int:
+    """CUDA-core path: an fp32 accumulator of ``_FMA_TILE_ELEMS`` (``TILE_N x BLOCK_M x
+    BLOCK_K``); ``tl.dot`` path: 512 bytes of each weight row per step."""
+    if use_dot:
+        bk = 512 // elem
+    else:
+        bk = max(64, min(1024 // elem, _FMA_TILE_ELEMS // (tile_n * block_m)))
+    return min(bk, max(16, triton.next_power_of_2(k)))
+
+
+def _config(
+    dtype: torch.dtype, batch: int, n_cols: int, k: int, variant: str, device: torch.device
+) -> dict[str, int]:
+    """The launch config of one call: table by (dtype, batch bucket), then the per-shape
+    exceptions, then ``_TUNE``; block sizes not set there are derived from the shape."""
+    bucket = triton.next_power_of_2(batch)
+    name = _dtype_name(dtype)
+    cfg = dict(_TABLE[(name, bucket)])
+    cfg.update(_SHAPES.get((name, bucket, variant, n_cols, k), {}))
+    cfg.update(_TUNE)
+    use_dot = bool(cfg["USE_DOT"])
+    rows_per_col = 2 if variant == "swiglu" else 1
+    block_m = max(16, bucket) if use_dot else bucket
+    block_n = cfg.get("BLOCK_N") or _block_n(n_cols, rows_per_col, use_dot, _sm_count(device))
+    tile_n = rows_per_col * block_n
+    block_k = cfg.get("BLOCK_K") or _block_k(k, tile_n, block_m, use_dot, dtype.itemsize)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    out = dict(BLOCK_M=block_m, BLOCK_N=block_n, TILE_N=tile_n, BLOCK_K=block_k)
+    out |= dict(USE_DOT=int(use_dot), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _check_config(out, variant)
+    return out
+
+
+def _check_config(cfg: dict[str, int], variant: str) -> None:
+    """A tuned or hand-set config the kernel cannot run raises here, not inside Triton."""
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
+        v = cfg[key]
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"launch config {key} must be a power of two, got {v}")
+    if variant == "rope" and cfg["BLOCK_N"] < 2:
+        raise ValueError("launch config BLOCK_N must be >= 2 with rope (pairs stay in a tile)")
+    if cfg["USE_DOT"] and (cfg["TILE_N"] < 16 or cfg["BLOCK_K"] < 16 or cfg["BLOCK_M"] < 16):
+        raise ValueError(f"launch config with USE_DOT needs tiles of at least 16, got {cfg}")
+
+
+def _debug_checks() -> bool:
+    """Host checks that need a device sync run on the CPU, or when NAKTA_DEBUG=1."""
+    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
+
+
+def _variant(residual, swiglu: bool, rope) -> str:
+    if rope is not None:
+        return "rope"
+    if swiglu:
+        return "swiglu"
+    return "residual" if residual is not None else "plain"
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float | None,
+    residual: torch.Tensor | None,
+    swiglu: bool,
+    rope: RopeArgs | None,
+    out: torch.Tensor,
+) -> None:
+    batch, k = x.shape
+    n_w_rows = weight.shape[0]
+    variant = _variant(residual, swiglu, rope)
+    n_cols = n_w_rows // 2 if swiglu else n_w_rows
+    cfg = _config(x.dtype, batch, n_cols, k, variant, x.device)
+    interp = interpreter_enabled()
+    upcast = interp and x.dtype == torch.bfloat16
+    prec = "ieee" if (x.dtype == torch.float32 or upcast) else None
+    dummy = x
+    if rope is not None:
+        r = rope
+        rope_ptrs = (r.positions, r.cos, r.sin, r.k_cache, r.v_cache, r.cache_slots)
+        q_cols = r.n_q_heads * r.head_dim
+        qk_cols = q_cols + r.n_kv_heads * r.head_dim
+        rope_ints = (q_cols, qk_cols, r.cos.shape[0], min(r.k_cache.shape[0], r.v_cache.shape[0]))
+        rope_strides = (r.cos.stride(0), r.cos.stride(1), r.sin.stride(0), r.sin.stride(1),
+                        r.k_cache.stride(0), r.k_cache.stride(1),
+                        r.v_cache.stride(0), r.v_cache.stride(1))  # fmt: skip
+        head_dim = r.head_dim
+    else:
+        rope_ptrs = (dummy,) * 6
+        rope_ints = (0, 0, 0, 0)
+        rope_strides = (0,) * 8
+        head_dim = 2
+    pos, cos, sin, kc, vc, slots = rope_ptrs
+    grid = (triton.cdiv(n_cols, cfg["BLOCK_N"]),)
+    _decode_linear_kernel[grid](
+        x, weight, norm_weight if norm_weight is not None else dummy,
+        residual if residual is not None else dummy, out, pos, cos, sin, kc, vc, slots,
+        batch, k, n_w_rows, n_cols,
+        x.stride(0), weight.stride(0), norm_weight.stride(0) if norm_weight is not None else 0,
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        float(eps) if eps is not None else 0.0, 1.0 / k,
+        *rope_ints, *rope_strides,
+        HEAD_DIM=head_dim, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        SWIGLU=swiglu, ROPE=rope is not None, USE_DOT=bool(cfg["USE_DOT"]),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
+        BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
+        FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# 2b. Input checks
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_matrix(name: str, t: object, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A 2-D float tensor with a unit-stride last dimension (rows may have any stride)."""
+    t = check_tensor(name, t)
+    check_dtype(name, t, FLOAT_DTYPES if dtype is None else (dtype,))
+    check_ndim(name, t, 2)
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be unit-stride along its last dimension, got {t.stride()}")
+    return t
+
+
+def _check_index(name: str, t: object, n: int) -> torch.Tensor:
+    t = check_tensor(name, t)
+    check_dtype(name, t, INDEX_DTYPES)
+    check_ndim(name, t, 1)
+    if t.shape[0] != n:
+        raise ValueError(f"{name} must have {n} entries (one per batch row), got {t.shape[0]}")
+    return t
+
+
+def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs:
+    if not isinstance(rope, RopeArgs):
+        raise TypeError(f"rope must be a RopeArgs, got {type(rope).__name__}")
+    r = rope
+    for name in ("n_q_heads", "n_kv_heads", "head_dim"):
+        v = getattr(r, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"rope.{name} must be a positive int, got {v!r}")
+    if r.head_dim % 2:
+        raise ValueError(f"rope.head_dim must be even (Meta's pairs), got {r.head_dim}")
+    if r.n_q_heads % r.n_kv_heads:
+        raise ValueError(
+            f"rope.n_kv_heads ({r.n_kv_heads}) must divide rope.n_q_heads ({r.n_q_heads})"
+        )
+    width = (r.n_q_heads + 2 * r.n_kv_heads) * r.head_dim
+    if weight.shape[0] != width:
+        raise ValueError(
+            f"weight must be wqkv with (n_q_heads + 2 * n_kv_heads) * head_dim = {width} rows "
+            f"for rope, got shape {tuple(weight.shape)}"
+        )
+    batch = x.shape[0]
+    _check_index("rope.positions", r.positions, batch)
+    _check_index("rope.cache_slots", r.cache_slots, batch)
+    for name in ("cos", "sin"):
+        t = check_tensor(f"rope.{name}", getattr(r, name))
+        check_dtype(f"rope.{name}", t, (torch.float32,))
+        check_ndim(f"rope.{name}", t, 2)
+        if t.shape[1] != r.head_dim // 2 or t.shape[0] < 1:
+            raise ValueError(
+                f"rope.{name} must have shape [max_pos, head_dim // 2 = {r.head_dim // 2}], "
+                f"got {tuple(t.shape)}"
+            )
+    if r.cos.shape != r.sin.shape:
+        raise ValueError(
+            f"rope.cos and rope.sin must have the same shape, got {tuple(r.cos.shape)} "
+            f"and {tuple(r.sin.shape)}"
+        )
+    for name in ("k_cache", "v_cache"):
+        c = check_tensor(f"rope.{name}", getattr(r, name))
+        check_ndim(f"rope.{name}", c, 3)
+        if c.shape[1:] != (r.n_kv_heads, r.head_dim):
+            raise ValueError(
+                f"rope.{name} must have shape [slots, n_kv_heads={r.n_kv_heads}, "
+                f"head_dim={r.head_dim}], got {tuple(c.shape)}"
+            )
+        if c.dtype != x.dtype:
+            raise TypeError(f"rope.{name} must have x's dtype {x.dtype}, got {c.dtype}")
+        if c.stride(2) != 1:
+            raise ValueError(
+                f"rope.{name} must be unit-stride in its last dimension, got {c.stride()}"
+            )
+    if r.k_cache.data_ptr() == r.v_cache.data_ptr():
+        raise ValueError("rope.k_cache and rope.v_cache must be different tensors")
+    return r
+
+
+def _check_range(name: str, t: torch.Tensor, n: int, what: str) -> None:
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
+        raise ValueError(
+            f"{name} must lie in [0, {n}) ({what}), got [{int(t.min())}, {int(t.max())}]"
+        )
+
+
+def _check_args(
+    x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, *, for_kernel: bool
+) -> torch.dtype:
+    """Validate a ``decode_linear`` call; returns the output dtype."""
+    x = _check_matrix("x", x)
+    weight = _check_matrix("weight", weight, x.dtype)
+    batch, k = x.shape
+    if not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"x must have 1..{MAX_BATCH} rows (decode batch), got {batch}")
+    if k < 1 or weight.shape[1] != k:
+        raise ValueError(
+            f"weight must have shape [N, K={k}] (nn.Linear layout), got {tuple(weight.shape)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight must have at least one row, got shape {tuple(weight.shape)}")
+    if not isinstance(swiglu, bool):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    if sum([residual is not None, swiglu, rope is not None]) > 1:
+        raise ValueError("residual, swiglu and rope are exclusive epilogues: give at most one")
+    if norm_weight is not None:
+        norm_weight = check_tensor("norm_weight", norm_weight)
+        check_dtype("norm_weight", norm_weight, (x.dtype,))
+        if norm_weight.dim() != 1 or norm_weight.shape[0] != k:
+            raise ValueError(f"norm_weight must have shape [{k}], got {tuple(norm_weight.shape)}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"eps must be a positive float with norm_weight, got {eps!r}")
+    elif eps is not None:
+        raise ValueError("eps is only used with norm_weight; pass norm_weight or drop eps")
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(
+            f"swiglu needs the fused w13 weight with an even number of rows [2F, K], "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if rope is not None:
+        rope = _check_rope(rope, x, weight)
+        n_out = rope.n_q_heads * rope.head_dim
+    else:
+        n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise TypeError(f"out_dtype must be None, x's dtype or torch.float32, got {out_dtype}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype != x.dtype and (residual is not None or swiglu or rope is not None):
+        raise ValueError(
+            "out_dtype=torch.float32 is for logits: only without residual, swiglu and rope"
+        )
+    if residual is not None:
+        residual = _check_matrix("residual", residual, x.dtype)
+        if residual.shape != (batch, n_out):
+            raise ValueError(
+                f"residual must have shape {(batch, n_out)}, got {tuple(residual.shape)}"
+            )
+    if out is not None:
+        out = _check_matrix("out", out, out_dtype)
+        if out.shape != (batch, n_out):
+            raise ValueError(f"out must have shape {(batch, n_out)}, got {tuple(out.shape)}")
+    tensors = dict(x=x, weight=weight, norm_weight=norm_weight, residual=residual, out=out)
+    if rope is not None:
+        tensors |= {f"rope.{f}": getattr(rope, f) for f in
+                    ("positions", "cos", "sin", "k_cache", "v_cache", "cache_slots")}  # fmt: skip
+    check_same_device(**tensors)
+    _check_no_aliasing(x, weight, norm_weight, residual, rope, out)
+    if rope is not None and (not x.is_cuda or _debug_checks() or not for_kernel):
+        _check_range("rope.positions", rope.positions, rope.cos.shape[0], "the cos/sin rows")
+        n_slots = min(rope.k_cache.shape[0], rope.v_cache.shape[0])
+        _check_range("rope.cache_slots", rope.cache_slots, n_slots, "the cache's slots")
+    if for_kernel:
+        check_triton_device("x", x)
+    return out_dtype
+
+
+def _check_no_aliasing(x, weight, norm_weight, residual, rope, out) -> None:
+    """Every program reads all of x (and the norm weight): writes must not land there. ``out``
+    may be ``residual`` itself (each element is read, then written, by one program)."""
+    reads = dict(x=x, weight=weight, norm_weight=norm_weight)
+    writes = {"out": out}
+    if rope is not None:
+        writes |= {"rope.k_cache": rope.k_cache, "rope.v_cache": rope.v_cache}
+    for wname, w in writes.items():
+        if w is None:
+            continue
+        for rname, r in reads.items():
+            if r is not None:
+                check_no_overlap(wname, w, rname, r)
+    if out is not None and residual is not None:
+        same = out.data_ptr() == residual.data_ptr() and out.stride() == residual.stride()
+        if not same:
+            check_no_overlap("out", out, "residual", residual)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Public function
+# ------------------------------------------------------------------------------------------------
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    rope: RopeArgs | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``x [B, K] @ weight [N, K]^T`` for a decode batch (B <= 64), with an optional RMSNorm
+    prologue and one optional epilogue (residual add, SwiGLU on fused w13, or RoPE + KV-cache
+    write on fused wqkv); see the module docstring. Returns ``out`` (allocated when None):
+    ``[B, N]``, ``[B, F]`` with swiglu, ``[B, n_q_heads * head_dim]`` with rope."""
+    out_dtype = _check_args(
+        x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, for_kernel=True
+    )
+    if out is None:
+        n_out = _out_cols(weight, swiglu, rope)
+        out = torch.empty(x.shape[0], n_out, dtype=out_dtype, device=x.device)
+    _launch(x, weight, norm_weight, eps, residual, swiglu, rope, out)
+    return out
+
+
+def _out_cols(weight: torch.Tensor, swiglu: bool, rope: RopeArgs | None) -> int:
+    if rope is not None:
+        return rope.n_q_heads * rope.head_dim
+    return weight.shape[0] // 2 if swiglu else weight.shape[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Reference
+# ------------------------------------------------------------------------------------------------
+
+
+def decode_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    rope: RopeArgs | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The eager Meta chain, op by op (any device): ``rms_norm_reference``, ``F.linear`` in the
+    dtype, then the residual add, ``swiglu_reference`` or ``apply_rope_qkv_reference`` (which
+    writes the caches). ``out_dtype=torch.float32``: ``F.linear`` on fp32 copies."""
+    out_dtype = _check_args(
+        x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, for_kernel=False
+    )
+    h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps)
+    if out_dtype != x.dtype:
+        y = F.linear(h.to(out_dtype), weight.to(out_dtype))
+    else:
+        y = F.linear(h, weight)
+    if residual is not None:
+        y = residual + y
+    elif swiglu:
+        y = swiglu_reference(y)
+    elif rope is not None:
+        r = rope
+        apply_rope_qkv_reference(
+            y, r.positions, r.cos, r.sin, r.n_q_heads, r.n_kv_heads, r.head_dim,
+            interleaved=True, k_cache=r.k_cache, v_cache=r.v_cache, cache_slots=r.cache_slots,
+        )  # fmt: skip
+        y = y[:, : r.n_q_heads * r.head_dim]
+    if out is None:
+        return y.contiguous()
+    out.copy_(y)
+    return out
