@@ -290,3 +290,24 @@ def test_gpu_cuda_graph_replay_follows_lengths():
         torch.cuda.synchronize()
         ref = decode_attention_reference(q, k_cache, v_cache, lens)
         assert_matches_reference(out, ref, v_cache, gqa=True)
+
+
+@pytest.mark.parametrize("n_q, n_kv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_rows_pick_any_cache_row(n_q, n_kv, n_splits):
+    """Continuous batching: batch row b reads cache row ``rows[b]`` (repeats allowed)."""
+    q, k_cache, v_cache, lens = make_inputs(3, n_q, n_kv, torch.float32, "cpu", b_max=5)
+    rows = torch.tensor([4, 0, 4], dtype=torch.int32)
+    got = decode_attention(q, k_cache, v_cache, lens, rows=rows, n_splits=n_splits)
+    gathered_k, gathered_v = k_cache[rows.long()], v_cache[rows.long()]
+    want = decode_attention(q, gathered_k, gathered_v, lens, n_splits=n_splits)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref = decode_attention_reference(q, k_cache, v_cache, lens, rows=rows)
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        ref, expected_fp64(q, gathered_k, gathered_v, lens).float(), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, B_max=5\)"):
+        decode_attention(q, k_cache, v_cache, lens, rows=torch.tensor([0, 5, 1]))
+    with pytest.raises(ValueError, match="rows must have 3 entries"):
+        decode_attention(q, k_cache, v_cache, lens, rows=rows[:2])

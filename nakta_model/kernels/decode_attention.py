@@ -106,6 +106,7 @@ def _attn_split_kernel(
     K,
     V,
     LENS,
+    ROWS,
     OUT,
     WS,
     s_max,
@@ -134,11 +135,13 @@ def _attn_split_kernel(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
     ``SINGLE`` (one split): normalise and write the output; otherwise write the partial
-    ``(acc, max, sum)`` to the workspace (neutral when the chunk is empty).
+    ``(acc, max, sum)`` to the workspace (neutral when the chunk is empty). ``HAS_ROWS``: row b
+    reads cache row ``ROWS[b]`` (continuous batching: any request in any cache row).
     """
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -152,8 +155,12 @@ def _attn_split_kernel(
 
     q_mask = g_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    k_base = K + b * stride_kb + kvh.to(tl.int64) * stride_kh + d[None, :]
-    v_base = V + b * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
+    if HAS_ROWS:
+        row = tl.load(ROWS + b).to(tl.int64)
+    else:
+        row = b
+    k_base = K + row * stride_kb + kvh.to(tl.int64) * stride_kh + d[None, :]
+    v_base = V + row * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HD_PAD], dtype=tl.float32)
@@ -301,7 +308,17 @@ def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
 
 
 def _check_args(
-    q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, *, for_kernel: bool
+    q,
+    k_cache,
+    v_cache,
+    cache_lens,
+    scale,
+    n_splits,
+    out,
+    workspace,
+    *,
+    for_kernel: bool,
+    rows=None,
 ) -> tuple[float, int]:
     """Validate a ``decode_attention`` call; returns ``(scale, n_splits)``."""
     q = check_tensor("q", q)
@@ -320,11 +337,22 @@ def _check_args(
             f"and {tuple(v_cache.shape)}"
         )
     b_max, s_max, n_kv, hd = k_cache.shape
-    if hd != head_dim or b_max < batch or s_max < 1 or n_kv < 1:
+    need_rows = 1 if rows is not None else batch
+    if hd != head_dim or b_max < need_rows or s_max < 1 or n_kv < 1:
         raise ValueError(
-            f"k_cache must have shape [B_max >= {batch}, S_max > 0, n_kv_heads, "
+            f"k_cache must have shape [B_max >= {need_rows}, S_max > 0, n_kv_heads, "
             f"head_dim={head_dim}], got {tuple(k_cache.shape)}"
         )
+    if rows is not None:
+        rows = check_tensor("rows", rows)
+        check_dtype("rows", rows, INDEX_DTYPES)
+        check_ndim("rows", rows, 1)
+        if rows.shape[0] != batch:
+            raise ValueError(
+                f"rows must have {batch} entries (one per row of q), got {rows.shape[0]}"
+            )
+        if rows.device != q.device:
+            raise ValueError(f"rows is on {rows.device} but q is on {q.device}")
     if n_q % n_kv:
         raise ValueError(f"the caches' n_kv_heads ({n_kv}) must divide q's heads ({n_q})")
     cache_lens = check_tensor("cache_lens", cache_lens)
@@ -361,6 +389,10 @@ def _check_args(
         lo, hi = int(cache_lens.min()), int(cache_lens.max())
         if lo < 0 or hi > s_max:
             raise ValueError(f"cache_lens must lie in [0, S_max={s_max}], got [{lo}, {hi}]")
+        if rows is not None and (int(rows.min()) < 0 or int(rows.max()) >= b_max):
+            raise ValueError(
+                f"rows must lie in [0, B_max={b_max}), got [{int(rows.min())}, {int(rows.max())}]"
+            )
     return float(scale), n_splits
 
 
@@ -391,7 +423,7 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
                 check_no_overlap("workspace", workspace, name, t)
 
 
-def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace) -> None:
+def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None) -> None:
     batch, n_q, head_dim = q.shape
     s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_q // n_kv
@@ -416,13 +448,14 @@ def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace) ->
         ws = ws.view(batch, n_q, n_splits, head_dim + 2)
         ws_strides = ws.stride()[:3]
     _attn_split_kernel[(batch, n_kv, n_splits)](
-        q, k_cache, v_cache, cache_lens, out, ws, s_max, n_splits,
+        q, k_cache, v_cache, cache_lens, cache_lens if rows is None else rows, out, ws, s_max,
+        n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         *ws_strides, scale * LOG2E,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, HD_PAD=hd_pad, BLOCK_S=block_s,
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_ROWS=rows is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if single:
         return
@@ -448,17 +481,28 @@ def decode_attention(
     n_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, n_q, hd]`` (one query per row) over ``k_cache``/``v_cache``
-    ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1``, keys ``0 .. cache_lens[b] - 1``; query head
-    h reads KV head ``h // (n_q / n_kv)``. ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits``
-    to ``decode_splits(...)``. Returns ``out`` (allocated when None), shape and dtype of q."""
+    ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1`` (or cache rows ``rows[b]``), keys
+    ``0 .. cache_lens[b] - 1``; query head h reads KV head ``h // (n_q / n_kv)``. ``scale``
+    defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns ``out``
+    (allocated when None), shape and dtype of q."""
     scale, n_splits = _check_args(
-        q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True
+        q,
+        k_cache,
+        v_cache,
+        cache_lens,
+        scale,
+        n_splits,
+        out,
+        workspace,
+        for_kernel=True,
+        rows=rows,
     )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace)
+    _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows)
     return out
 
 
@@ -477,18 +521,29 @@ def decode_attention_reference(
     n_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch (any device): fp32 scores and softmax over each row's valid keys, output
     in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace`` are checked like
     the kernel's and otherwise unused."""
     scale, _ = _check_args(
-        q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=False
+        q,
+        k_cache,
+        v_cache,
+        cache_lens,
+        scale,
+        n_splits,
+        out,
+        workspace,
+        for_kernel=False,
+        rows=rows,
     )
     batch, n_q, _ = q.shape
     s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
     kv_head = torch.arange(n_q, device=q.device) // (n_q // n_kv)
-    k = k_cache[:batch].float()[:, :, kv_head]  # [B, S, n_q, hd]
-    v = v_cache[:batch].float()[:, :, kv_head]
+    picked = slice(0, batch) if rows is None else rows.long()
+    k = k_cache[picked].float()[:, :, kv_head]  # [B, S, n_q, hd]
+    v = v_cache[picked].float()[:, :, kv_head]
     scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * scale
     valid = torch.arange(s_max, device=q.device)[None, :] < cache_lens.to(q.device)[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
