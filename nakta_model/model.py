@@ -127,9 +127,17 @@ class Attention(nn.Module):
         hq, hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         b, s = step.batch, step.seqlen
         qkv = self.wqkv(x)  # [b*s, (hq + 2 hkv) * hd]
-        if step.packed is not None:  # one flat stream of sequences: RoPE applied on load
-            rope = _packed.Rope(step.positions, step.cos, step.sin, self.interleaved)
-            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, rope=rope)
+        if step.packed is not None:  # one flat stream of sequences
+            if step.cache_slots is None:  # scoring: RoPE applied as Q/K are read
+                rope = _packed.Rope(step.positions, step.cos, step.sin, self.interleaved)
+                out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, rope=rope)
+            else:  # prefill: rotate once, write K/V into the cache, attend within each prompt
+                self.ops.rope_qkv_(
+                    qkv, step.positions, step.cos, step.sin, hq, hkv, hd,
+                    interleaved=self.interleaved, k_cache=self.k_cache, v_cache=self.v_cache,
+                    cache_slots=step.cache_slots,
+                )  # fmt: skip
+                out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd)
             return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:
@@ -355,6 +363,7 @@ class Transformer(nn.Module):
         logits_index: torch.Tensor,
         *,
         upcast: bool = True,
+        _cache_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Score a packed token stream: fp32 logits ``[N, vocab]`` at ``logits_index`` only
         (in the model's dtype with ``upcast=False``).
@@ -387,9 +396,36 @@ class Transformer(nn.Module):
             raise TypeError("logits_index must be an int64/int32 tensor")
         cos, sin = self._rope_tables(self.args.max_seq_len)
         step = _Step(1, n, positions, cos, sin, packed=(seq_start, branch))
+        step.cache_slots = _cache_slots  # forward_prefill: K/V into the cache
         delta, residual = self._trunk(tokens, step)
         idx = logits_index.to(self.device)
         return self._head(delta.index_select(0, idx), residual.index_select(0, idx), upcast)
+
+    @torch.no_grad()
+    def forward_prefill(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        seq_start: torch.Tensor,
+        cache_slots: torch.Tensor,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prefill prompts packed back to back (``[T]`` each, as ``forward_packed`` without
+        branches) into the KV cache: token t's rotated K and its V go to cache slot
+        ``cache_slots[t]`` (cache row r, position p: ``r * max_seq_len + p``). Returns logits
+        ``[N, vocab]`` in the model's dtype at ``logits_index`` (each prompt's last token).
+        Needs ``setup_cache``; each prompt attends to itself only (fresh cache rows).
+        """
+        if not self.max_seq_len:
+            raise ValueError("forward_prefill needs a KV cache: call setup_cache() first")
+        n = tokens.shape[0] if isinstance(tokens, torch.Tensor) else 0
+        if not isinstance(cache_slots, torch.Tensor) or tuple(cache_slots.shape) != (n,):
+            raise ValueError(f"cache_slots must be a tensor of shape ({n},)")
+        branch = torch.zeros_like(seq_start)
+        return self.forward_packed(
+            tokens, positions, seq_start, branch, logits_index, upcast=False,
+            _cache_slots=cache_slots,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- construction

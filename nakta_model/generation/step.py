@@ -1,0 +1,196 @@
+"""One decode step for a fixed batch of cache rows: five weight-streaming launches per layer.
+
+A decode step reads every weight once for a handful of tokens, so its floor is the weight
+bytes over the copy bandwidth, and every extra kernel costs launch and tail time. Per layer:
+
+1. RMSNorm + ``wqkv`` + RoPE, K/V written into the cache   (``decode_linear``: NORM + ROPE)
+2. attention over each row's cache                         (``decode_attention``, split-K)
+3. ``wo`` + residual add                                    (``decode_linear``: RESIDUAL)
+4. RMSNorm + ``w13`` + SwiGLU                               (``decode_linear``: NORM + SWIGLU)
+5. ``w2`` + residual add                                    (``decode_linear``: RESIDUAL)
+
+then the final RMSNorm + LM head and the next-token choice (``sampling.sample_next``), all on
+static buffers so the whole step is captured once per batch bucket in a CUDA graph and
+replayed: the host issues one graph launch per token. Under tensor parallelism the ``wo``/``w2``
+partial sums are all-reduced (NCCL, inside the graph) before the residual add. The same code
+runs the PyTorch references on the CPU (``model.kernels``), which the tests compare against.
+
+Rounding follows Meta's eager chain op by op (see the kernels), except that sums run in a
+different order; the logits are rounded to the model's dtype like Meta's ``output(h).float()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nakta_model.generation.sampling import sample_next
+from nakta_model.kernels import decode_attention as _da
+from nakta_model.kernels import decode_linear as _dl
+from nakta_model.parallel import all_reduce
+
+__all__ = ["DecodeBuffers", "DecodeStep"]
+
+
+@dataclass
+class DecodeBuffers:
+    """The step's inputs and outputs, on the device, at fixed addresses (graph capture).
+
+    Row b of the batch holds its last token ``tokens[b]`` at position ``positions[b]`` of cache
+    row ``rows[b]``; ``temperature``/``top_k``/``top_p`` are its sampling settings. Each step
+    writes the chosen token into ``history[:, step]`` and advances ``tokens``, ``positions``
+    and ``step`` in place, so replaying the step N times decodes N tokens per row.
+    """
+
+    tokens: torch.Tensor  # int64 [B]
+    positions: torch.Tensor  # int32 [B]
+    rows: torch.Tensor  # int32 [B]
+    temperature: torch.Tensor  # fp32 [B]
+    top_k: torch.Tensor  # int64 [B]
+    top_p: torch.Tensor  # fp32 [B]
+    history: torch.Tensor  # int64 [B, chunk]
+    step: torch.Tensor  # int64 [1]
+
+    @classmethod
+    def allocate(cls, batch: int, chunk: int, device: torch.device) -> DecodeBuffers:
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            tokens=torch.zeros(batch, **i64),
+            positions=torch.zeros(batch, **i32),
+            rows=torch.zeros(batch, **i32),
+            temperature=torch.zeros(batch, **f32),
+            top_k=torch.zeros(batch, **i64),
+            top_p=torch.ones(batch, **f32),
+            history=torch.zeros(batch, chunk, **i64),
+            step=torch.zeros(1, **i64),
+        )
+
+
+class DecodeStep:
+    """The decode step of ``model`` for ``batch`` rows; call it, or :meth:`capture` it once
+    and :meth:`replay` it (CUDA). ``sampling=False`` keeps the step greedy (no sort, no draw)."""
+
+    def __init__(self, model, batch: int, chunk: int, *, sampling: bool):
+        if batch > _dl.MAX_BATCH:
+            raise ValueError(f"decode batch {batch} exceeds decode_linear's {_dl.MAX_BATCH}")
+        if not model.max_seq_len:
+            raise ValueError("the model needs a KV cache: call model.setup_cache() first")
+        self.model, self.batch, self.sampling = model, batch, sampling
+        self.buffers = DecodeBuffers.allocate(batch, chunk, model.device)
+        args = model.args
+        tp = model.parallel.tp_size
+        self.n_q, self.n_kv = args.n_heads // tp, args.n_kv_heads // tp
+        self.head_dim = args.head_dim
+        self.cache_len = model.max_seq_len
+        self.cos, self.sin = model._rope_tables(model.max_seq_len)
+        self.kernels = model.ops.triton(model.output.weight)
+        self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
+        self.workspace = (
+            _da.attention_workspace(batch, self.n_q, self.head_dim, self.splits, model.device)
+            if self.splits > 1
+            else None
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    # ------------------------------------------------------------------------------- math
+    def _linear(self, x, weight, **kw) -> torch.Tensor:
+        fn = _dl.decode_linear if self.kernels else _dl.decode_linear_reference
+        return fn(x, weight, **kw)
+
+    def _attention(self, q, k_cache, v_cache, lens, rows) -> torch.Tensor:
+        if self.kernels:
+            return _da.decode_attention(
+                q, k_cache, v_cache, lens, rows=rows, n_splits=self.splits,
+                workspace=self.workspace,
+            )  # fmt: skip
+        return _da.decode_attention_reference(q, k_cache, v_cache, lens, rows=rows)
+
+    def logits(self) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (model dtype) for the buffers' tokens; writes their K/V."""
+        m, buf = self.model, self.buffers
+        ctx = m.parallel
+        b, hq, hkv, hd = self.batch, self.n_q, self.n_kv, self.head_dim
+        positions = buf.positions
+        slots = buf.rows * self.cache_len + positions
+        lens = positions + 1
+        h = m.tok_embeddings(buf.tokens)
+        for layer in m.layers:
+            a, f = layer.attention, layer.feed_forward
+            norm1, norm2 = layer.attention_norm, layer.ffn_norm
+            kc = a.k_cache.view(-1, self.cache_len, hkv, hd)
+            vc = a.v_cache.view(-1, self.cache_len, hkv, hd)
+            if a.interleaved:
+                rope = _dl.RopeArgs(
+                    positions, self.cos, self.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots
+                )
+                q = self._linear(
+                    h, a.wqkv.weight, norm_weight=norm1.weight, eps=norm1.eps, rope=rope
+                )
+            else:  # HF's rotate-half pairs: the rope kernel rotates and writes the cache
+                qkv = self._linear(h, a.wqkv.weight, norm_weight=norm1.weight, eps=norm1.eps)
+                m.ops.rope_qkv_(
+                    qkv, positions, self.cos, self.sin, hq, hkv, hd, interleaved=False,
+                    k_cache=a.k_cache, v_cache=a.v_cache, cache_slots=slots,
+                )  # fmt: skip
+                q = qkv[:, : hq * hd]
+            o = self._attention(q.view(b, hq, hd), kc, vc, lens, buf.rows).view(b, hq * hd)
+            h = self._residual(o, a.wo.weight, h, ctx)
+            g = self._linear(h, f.w13.weight, norm_weight=norm2.weight, eps=norm2.eps, swiglu=True)
+            h = self._residual(g, f.w2.weight, h, ctx)
+        logits = self._linear(h, m.output.weight, norm_weight=m.norm.weight, eps=m.norm.eps)
+        if ctx.tp_size > 1:
+            from nakta_model.parallel import gather_last_dim
+
+            logits = gather_last_dim(logits, ctx)
+        return logits
+
+    def _residual(self, x, weight, residual, ctx) -> torch.Tensor:
+        """``residual + x @ weight^T``: fused when the product is whole on this rank; under
+        tensor parallelism the partial products are all-reduced first."""
+        if ctx.tp_size == 1:
+            return self._linear(x, weight, residual=residual)
+        part = all_reduce(self._linear(x, weight), ctx)
+        return residual + part
+
+    def __call__(self) -> None:
+        """Decode one token per row into ``history[:, step]`` and advance the buffers."""
+        buf = self.buffers
+        nxt = sample_next(
+            self.logits(), buf.temperature, buf.top_k, buf.top_p, any_sampling=self.sampling
+        )
+        buf.history.index_copy_(1, buf.step, nxt[:, None])
+        buf.tokens.copy_(nxt)
+        buf.positions.add_(1)
+        buf.step.add_(1)
+
+    # ---------------------------------------------------------------------------- graphs
+    def capture(self) -> None:
+        """Record one step as a CUDA graph (after two eager warm-up steps, which compile the
+        kernels; the buffers' values are restored afterwards)."""
+        buf = self.buffers
+        saved = {k: getattr(buf, k).clone() for k in ("tokens", "positions", "step", "history")}
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self()
+                for k, v in saved.items():
+                    getattr(buf, k).copy_(v)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self()
+        for k, v in saved.items():
+            getattr(buf, k).copy_(v)
+        self.graph = graph
+
+    def run(self, steps: int) -> None:
+        """``steps`` decode steps (graph replays when captured)."""
+        for _ in range(steps):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self()
