@@ -21,6 +21,10 @@ is one ``error:`` line and exit code 2, not a traceback after a long model load.
 ``NAKTA_LM_EVAL_TIMING=path.json``: the seconds spent constructing the model (``load_s``) and in
 ``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) are written there
 at exit, for any model (``speed_bench/lm_eval_speed.py`` reads them).
+
+``NAKTA_LM_EVAL_LOCAL_TASKS=1``: index only the ``--include_path`` tasks. lm-eval always
+indexes its ~10k built-in task files first (16 s per run on a slow CPU) and has no flag to skip
+them; runs that use local tasks only (tests, repeated benchmark runs) can.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ OUR_MODELS = {
     "nakta": "accuracy_test.lm_eval_adapter:NaktaLM",
     "llama_org": "accuracy_test.lm_eval_adapter:LlamaOrgLM",
 }
+LOCAL_TASKS_ENV = "NAKTA_LM_EVAL_LOCAL_TASKS"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
@@ -50,6 +55,20 @@ def register_models() -> None:
     for name, target in OUR_MODELS.items():
         if name not in model_registry:
             model_registry.register(name, target=target)
+
+
+def index_local_tasks_only() -> None:
+    """Make lm-eval's ``TaskManager`` skip its built-in tasks (the CLI builds it by name)."""
+    import lm_eval.tasks
+
+    base = lm_eval.tasks.TaskManager
+
+    class LocalTaskManager(base):
+        def __init__(self, *a, **kw):
+            kw["include_defaults"] = False
+            super().__init__(*a, **kw)
+
+    lm_eval.tasks.TaskManager = LocalTaskManager
 
 
 # ------------------------------------------------------------------ task data, before the model
@@ -162,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if getattr(args, "command", None) == "run" and (error := task_data_error(args)):
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
+    if os.environ.get(LOCAL_TASKS_ENV, "") not in ("", "0"):
+        index_local_tasks_only()
     timing_path = os.environ.get(TIMING_ENV)
     with timing(timing_path) if timing_path else contextlib.nullcontext():
         parser.execute(args)

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -76,9 +75,8 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     import lm_eval.tasks
 
     # lm-eval indexes its ~10k built-in task files first (16 s here): only ours for the test
-    monkeypatch.setattr(
-        lm_eval.tasks, "TaskManager", partial(lm_eval.tasks.TaskManager, include_defaults=False)
-    )
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lm_eval.tasks.TaskManager)  # restored
+    monkeypatch.setenv(lm_eval_cli.LOCAL_TASKS_ENV, "1")
     monkeypatch.setattr(sys, "argv", ["nakta-lm-eval"])
     monkeypatch.setenv("NAKTA_HELLASWAG_JSONL", str(shared_data / "hellaswag_val_full.jsonl"))
     timing = tmp_path / "t" / "timing.json"
@@ -98,6 +96,8 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
 
     assert lm_eval.api.registry.get_model.__module__ == "lm_eval.api.registry"  # restored
     assert lm_eval.evaluator.evaluate.__module__ == "lm_eval.evaluator"
+    assert lm_eval.tasks.TaskManager.__name__ == "LocalTaskManager"
+    assert lm_eval.tasks.TaskManager(include_path=str(TASKS)).all_tasks == ["hellaswag_local"]
 
 
 def test_lm_eval_check_help_describes_its_own_arguments(capsys):
