@@ -90,7 +90,12 @@ NOOP_GEN_KWARGS = {
 }
 
 
-def _as_bool(v: object) -> bool:
+class ModelArgsError(ValueError):
+    """model_args or generation settings that cannot work: ``lm_eval_cli`` prints one
+    ``error:`` line and exits 2 instead of lm-eval's traceback."""
+
+
+def _as_bool(v: object, name: str = "value") -> bool:
     if isinstance(v, bool):
         return v
     s = str(v).strip().lower()
@@ -98,7 +103,7 @@ def _as_bool(v: object) -> bool:
         return True
     if s in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected a boolean (true/false), got {v!r}")
+    raise ModelArgsError(f"{name} must be a boolean (true/false), got {v!r}")
 
 
 def _rows_cap(value: object, name: str) -> int | None:
@@ -114,9 +119,9 @@ def _rows_cap(value: object, name: str) -> int | None:
     try:
         n = int(s)
     except ValueError as e:
-        raise ValueError(f"{name} must be an int, 'auto' or 'auto:N', got {value!r}") from e
+        raise ModelArgsError(f"{name} must be an int, 'auto' or 'auto:N', got {value!r}") from e
     if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
+        raise ModelArgsError(f"{name} must be >= 1, got {n}")
     return None if n == 1 else n
 
 
@@ -133,6 +138,23 @@ def _rows(batch_size: object, max_batch_size: object = None) -> int | None:
     return min(caps, default=None)
 
 
+def _positive_int(name: str, value: object) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ModelArgsError(f"{name} must be an int, got {value!r}") from None
+    if n < 1:
+        raise ModelArgsError(f"{name} must be >= 1, got {n}")
+    return n
+
+
+def _float(name: str, value: object) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ModelArgsError(f"{name} must be a number, got {value!r}") from None
+
+
 def _refuse_unknown_args(model: str, cls: type, extra: dict) -> None:
     """A typo (``dtyp=bf16``) must not run silently with the defaults."""
     if not extra:
@@ -142,7 +164,7 @@ def _refuse_unknown_args(model: str, cls: type, extra: dict) -> None:
         for n, p in inspect.signature(cls.__init__).parameters.items()
         if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
     ]
-    raise ValueError(
+    raise ModelArgsError(
         f"{model}: unknown model_args {', '.join(sorted(extra))}; known: {', '.join(known)}"
     )
 
@@ -151,11 +173,11 @@ def _max_length(requested: object, limit: int, checkpoint: object) -> int:
     """``max_length`` model arg: default ``limit``; above the checkpoint's max_seq_len refused."""
     if requested in (None, ""):
         return limit
-    n = int(requested)
+    n = _positive_int("max_length", requested)
     if n < 2:
-        raise ValueError(f"max_length must be >= 2, got {n}")
+        raise ModelArgsError(f"max_length must be >= 2, got {n}")
     if n > limit:
-        raise ValueError(
+        raise ModelArgsError(
             f"max_length={n} exceeds max_seq_len={limit} of checkpoint {checkpoint} "
             "(the model was not built for longer sequences)"
         )
@@ -179,16 +201,16 @@ def generation_settings(kwargs: dict, default_max_gen: int, eos_text: str) -> Ge
     until = [until] if isinstance(until, str) else list(until)
     if eos_text and eos_text not in until:
         until.append(eos_text)
-    max_gen = int(kwargs.pop("max_gen_toks", default_max_gen))
-    temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-    if not _as_bool(kwargs.pop("do_sample", False)) and temperature > 0:
+    max_gen = _positive_int("max_gen_toks", kwargs.pop("max_gen_toks", default_max_gen))
+    temperature = _float("temperature", kwargs.pop("temperature", 0.0) or 0.0)
+    if not _as_bool(kwargs.pop("do_sample", False), "do_sample") and temperature > 0:
         temperature = 0.0  # lm-eval: do_sample=False means greedy
-    top_p = float(kwargs.pop("top_p", 1.0))
+    top_p = _float("top_p", kwargs.pop("top_p", 1.0))
     unsupported = sorted(
         k for k, v in kwargs.items() if k not in NOOP_GEN_KWARGS or v not in NOOP_GEN_KWARGS[k]
     )
     if unsupported:
-        raise ValueError(
+        raise ModelArgsError(
             "generation settings not implemented by this engine: "
             + ", ".join(f"{k}={kwargs[k]!r}" for k in unsupported)
             + f" (implemented: {', '.join(IMPLEMENTED_GEN_KWARGS)}; accepted as no-ops: "
@@ -213,10 +235,15 @@ class _ScoringLM(TemplateLM):
         import nakta_model
 
         self._device = models.resolve_device(device, fallback=True)
-        self.dtype = models.parse_dtype(dtype or ("bf16" if self.device.type == "cuda" else "fp32"))
-        self.tok = nakta_model.Tokenizer(tokenizer)
-        self.token_budget = int(token_budget)
-        self.max_gen_toks = int(max_gen_toks)
+        try:
+            self.dtype = models.parse_dtype(
+                dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+            )
+            self.tok = nakta_model.Tokenizer(tokenizer)
+            self.token_budget = _positive_int("token_budget", token_budget)
+            self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        except (ValueError, FileNotFoundError) as e:
+            raise ModelArgsError(str(e)) from e
 
     # ---------------------------------------------------------------- tokenizer
     @property
@@ -280,7 +307,7 @@ class _ScoringLM(TemplateLM):
         }  # every group checked before any generation runs
         for gen in settings.values():
             if gen.max_gen >= self.max_length:
-                raise ValueError(f"max_gen_toks={gen.max_gen} >= max_length={self.max_length}")
+                raise ModelArgsError(f"max_gen_toks={gen.max_gen} >= max_length={self.max_length}")
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
         for key, idx in groups.items():
             gen = settings[key]
@@ -338,8 +365,10 @@ class NaktaLM(_ScoringLM):
         from nakta_model.parallel import ParallelContext, init_parallel
 
         _refuse_unknown_args("nakta", NaktaLM, unknown)
+        if not Path(checkpoint).is_dir():
+            raise ModelArgsError(f"nakta checkpoint {checkpoint} is not a directory")
         self.rows = _rows(batch_size, max_batch_size)
-        self.use_cache = _as_bool(use_cache)
+        self.use_cache = _as_bool(use_cache, "use_cache")
         self.parallel = ParallelContext()
         if int(tp) * int(dp) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self.parallel = init_parallel(int(tp), int(dp), device=_parallel_device(device))
@@ -417,7 +446,7 @@ class NaktaLM(_ScoringLM):
 def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) -> None:
     """A tokenizer of another model scores ids the checkpoint never learned (or has none of)."""
     if tok.n_words != vocab_size:
-        raise ValueError(
+        raise ModelArgsError(
             f"tokenizer {tokenizer} has {tok.n_words} pieces but checkpoint {checkpoint} has "
             f"vocab_size {vocab_size}: use the tokenizer the checkpoint was trained with"
         )
@@ -427,9 +456,9 @@ def _meta_dir(checkpoint: str) -> Path:
     """llama_org's checkpoint: an existing Meta dir (params.json + consolidated.*.pth)."""
     path = Path(checkpoint)
     if not path.exists():
-        raise ValueError(f"llama_org checkpoint {checkpoint} does not exist")
+        raise ModelArgsError(f"llama_org checkpoint {checkpoint} does not exist")
     if not models.is_meta_checkpoint(path):
-        raise ValueError(
+        raise ModelArgsError(
             f"llama_org checkpoint {checkpoint} must be a Meta dir "
             "(params.json + consolidated.*.pth), e.g. the one convert.py reads"
         )

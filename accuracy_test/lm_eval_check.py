@@ -78,7 +78,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--data", required=True, help="HellaSwag jsonl (original or preprocessed) or .txt[.bz2]"
     )
     p.add_argument("--limit", type=int, default=None, help="first N tasks only")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (both models)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("--token-budget", type=int, default=scoring.DEFAULT_TOKEN_BUDGET)
     p.add_argument("--batch-size", type=int, default=64, help="max rows per batch (both paths)")

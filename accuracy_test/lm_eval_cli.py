@@ -14,7 +14,8 @@ imports ``lm_eval.models`` first (``registry.get_model`` imports it only while t
 empty, so registering ours first hid every built-in), then adds ``nakta`` and ``llama_org`` as
 placeholders: torch and Nakta are imported only when one of them is used.
 
-Before lm-eval loads the model, the data file of the offline ``hellaswag_local`` task is checked
+Bad ``nakta`` / ``llama_org`` model_args or generation settings (``ModelArgsError``) are one
+``error:`` line and exit code 2 as well. Before lm-eval loads the model, the data file of the offline ``hellaswag_local`` task is checked
 (``--metadata hellaswag_jsonl=...``, ``$NAKTA_HELLASWAG_JSONL`` or the defaults): a missing one
 is one ``error:`` line and exit code 2, not a traceback after a long model load.
 
@@ -185,7 +186,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         index_local_tasks_only()
     timing_path = os.environ.get(TIMING_ENV)
     with timing(timing_path) if timing_path else contextlib.nullcontext():
-        parser.execute(args)
+        try:
+            parser.execute(args)
+        except ValueError as e:
+            if not _is_model_args_error(e):
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
+def _is_model_args_error(e: BaseException) -> bool:
+    """Raised by our adapters for bad model_args / generation settings (a user's input)."""
+    adapter = sys.modules.get("accuracy_test.lm_eval_adapter")  # never imported: not ours
+    return adapter is not None and isinstance(e, adapter.ModelArgsError)
 
 
 if __name__ == "__main__":

@@ -250,6 +250,12 @@ def test_default_cli_device_falls_back_to_the_cpu_with_a_warning(tiny, caplog):
         models.resolve_device("cuda:0")  # parity.py and the tools keep refusing
 
 
+def test_torchrun_ranks_take_their_own_gpu_not_the_cli_default_cuda_0():
+    assert adapter._parallel_device(None) is None and adapter._parallel_device("cpu") == "cpu"
+    want = "cuda" if torch.cuda.is_available() else "cpu"  # no GPU: the CPU, with the warning
+    assert adapter._parallel_device("cuda:0") == want
+
+
 def test_tokenizer_of_another_model_is_refused_at_load(shared_data, tiny):
     _, tok300 = tiny
     ckpt = shared_data / "stories260K"

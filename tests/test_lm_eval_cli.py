@@ -118,3 +118,22 @@ def test_lm_eval_check_runs_parity_without_a_truth_pass():
     p = lm_eval_check.parity_args(a)
     assert (p.checkpoint, p.tokenizer, p.data, p.dtype, p.limit) == ("C", "T", "D", "bf16", 3)
     assert p.truth == "none" and p.no_progress and not p.random
+
+
+def test_bad_model_args_are_one_error_line(monkeypatch, capsys, shared_data):
+    monkeypatch.setattr(sys, "argv", ["nakta-lm-eval"])
+    monkeypatch.setenv(lm_eval_cli.LOCAL_TASKS_ENV, "1")
+    monkeypatch.setenv("NAKTA_HELLASWAG_JSONL", str(shared_data / "hellaswag_val_full.jsonl"))
+    stories = shared_data / "stories260K"
+    model_args = f"checkpoint={stories},tokenizer={stories / 'tokenizer.model'},dtyp=bf16"
+    with pytest.raises(SystemExit) as e:
+        lm_eval_cli.main(
+            ["--model", "nakta", "--model_args", model_args, "--include_path", str(TASKS)]
+            + ["--tasks", "hellaswag_local", "--limit", "2", "--device", "cpu"]
+        )
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: nakta: unknown model_args dtyp; known: checkpoint")
+    # no traceback through the adapter (lm-eval's log handler may hold an earlier test's
+    # closed stderr and print "--- Logging error ---" here: a test artifact, so not "Traceback")
+    assert not any("lm_eval_adapter.py" in line for line in err), err
