@@ -177,3 +177,21 @@ def test_hf_and_nakta_on_the_same_weights_and_the_rolling_bos_convention(
     assert rolling == pytest.approx(hf_no_bos.loglikelihood_rolling(text, True), abs=1e-4)
     with_bos = hf.loglikelihood_rolling(text, True)
     assert abs(with_bos[0] - rolling[0]) > 1e-3  # + log P(BOS | BOS), text given BOS BOS
+
+
+@pytest.mark.gpu
+def test_gpu_every_batch_size_runs_for_both_models(shared_data, tmp_path):
+    """On the GPU machine: bf16, default / 64 / auto (hf's auto probes the GPU's memory)."""
+    out = tmp_path / "res"
+    cmd = [sys.executable, "speed_bench/lm_eval_speed.py", "--preset", "stories260K"]
+    cmd += ["--tokenizer", str(shared_data / "stories260K" / "tokenizer.model")]
+    cmd += ["--data", str(shared_data / "hellaswag_val_full.jsonl"), "--limit", "40"]
+    cmd += ["--fewshot", "0", "--batch-sizes", "default,64,auto", "--device", "cuda"]
+    cmd += ["--out", str(out), "--local-tasks-only"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "lm_eval_summary.json").read_text())
+    assert summary["dtype"] == "bf16" and summary["device"] != "cpu"
+    assert len(summary["runs"]) == 6 and all(r["error"] is None for r in summary["runs"])
+    assert "nakta_default_over_best" in summary["ratios"][0]
