@@ -2,7 +2,7 @@
 
     python -m accuracy_test.lm_eval_cli --model nakta \\
         --model_args checkpoint=../shared/data/stories260K,tokenizer=../shared/data/stories260K/tokenizer.model,dtype=fp32 \\
-        --include_path accuracy_test/tasks --tasks hellaswag_local --device cpu --batch_size 64
+        --include_path accuracy_test/tasks --tasks hellaswag_local --device cpu
 
 Both subclass lm-eval's ``TemplateLM``, so the string -> token requests are lm-eval's own code
 (``_encode_pair``: trailing context space moved to the continuation, continuation tokens =
@@ -11,30 +11,63 @@ contexts conditioned on BOS). Token requests go to Nakta's scoring engine: ``nak
 the shared-context cache (``scoring.score``), ``llama_org`` through the plain scorer over Meta's
 forward (``scoring.score_with_forward``), so an lm-eval run reproduces ``parity.py`` exactly.
 
-Model args: ``checkpoint`` (Nakta dir, or Meta dir: converted on the fly to a temp Nakta
-checkpoint; llama_org needs a Meta dir), ``tokenizer`` (sentencepiece file), ``dtype``
-(fp32|bf16|fp16; default bf16 on CUDA, fp32 on CPU), ``token_budget`` (padded tokens per batch),
-``max_length`` (default: the model's max_seq_len), ``use_cache`` (nakta: shared-context
-packing, default true), ``max_gen_toks`` (default 256). ``--batch_size N`` caps rows per batch
-(``auto``: nakta is limited by the token budget only; llama_org uses 32, since Meta's KV cache
-is allocated for ``batch x max_length`` up front).
+Model args (anything else is refused, naming the known ones): ``checkpoint`` (Nakta dir, or
+Meta dir: converted on the fly to a temp Nakta checkpoint; llama_org needs a Meta dir),
+``tokenizer`` (sentencepiece file; its size must equal the checkpoint's vocab_size), ``dtype``
+(fp32|bf16|fp16 in any case; default bf16 on CUDA, fp32 on CPU), ``token_budget`` (padded
+tokens per forward: what bounds memory), ``max_length`` (default and upper limit: the
+checkpoint's max_seq_len), ``use_cache`` (nakta: shared-context packing, default true),
+``max_gen_toks`` (default 256), ``kernels``/``tp``/``dp`` (nakta).
+
+Batch size. Nakta packs rows (a row = one context with its continuations) until
+``token_budget`` padded tokens, so memory is bounded by the token budget, never by a row count:
+
+- no ``--batch_size`` (the CLI then passes 1, ``simple_evaluate`` None), ``1``, ``auto`` and
+  ``auto:N``: the token budget alone. 1 counts as "not given" because lm-eval cannot tell the
+  two apart, and one row per forward is never what a packing engine should do (it made a
+  3000-task HellaSwag run 5x slower);
+- ``N > 1``: at most N rows per forward (as well as the budget); ``--max_batch_size N > 1``
+  caps the same way (the smaller cap wins).
+
+``llama_org`` keeps Meta's rule: its KV cache is allocated for ``rows x max_length`` up front,
+so it always needs a row count: ``N > 1`` rows, else 32 (no flag, 1, ``auto``). Generation
+batches ``N`` prompts (nakta: 16 when uncapped).
+
+Device: lm-eval's CLI passes ``--device cuda:0`` when none was given; on a machine without that
+GPU the adapters fall back to the automatic choice with a warning line, as lm-eval's ``hf`` does.
 
 Multi-GPU (``nakta``): ``tp`` and ``dp`` model args under ``torchrun --nproc_per_node tp*dp``
 (``python -m torch.distributed.run ... -m accuracy_test.lm_eval_cli ...``). Every rank sees all of
 lm-eval's requests (the adapter reports rank 0 of 1, lm-eval's TP convention: only
 ``LOCAL_RANK`` 0 writes results); the adapter splits the model over ``tp`` GPUs and shards the
 requests over the ``dp`` replicas itself (a context's continuations stay together), gathering
-the answers back in order. ``llama_org`` runs Meta's model parallel: one process per shard.
+the answers back in order; a ``cuda:N`` device means "this rank's GPU" there. ``llama_org``
+runs Meta's model parallel: one process per shard.
 
-``loglikelihood_rolling`` follows lm-eval's rolling windows (``get_rolling_token_windows`` with
-the BOS prefix, the text encoded without BOS). ``generate_until`` decodes greedily (or samples
-when ``do_sample``/``temperature > 0``) with the model's KV cache and cuts at the stop strings.
+``loglikelihood_rolling`` follows lm-eval's rolling windows (``get_rolling_token_windows``,
+prefix BOS) over the text encoded *without* BOS: the sum is log P(text | BOS). lm-eval's ``hf``
+with its default ``add_bos_token`` encodes the text *with* the LLaMA tokenizer's BOS and still
+uses BOS as the prefix, so its sum also holds log P(BOS | BOS) and conditions the text on
+``BOS BOS``; ``hf`` with ``add_bos_token=False`` gives Nakta's number (``loglikelihood``
+requests, which is what multiple-choice tasks use, agree with ``hf``'s default).
+
+``generate_until`` decodes greedily (or samples when ``do_sample`` and ``temperature > 0``,
+with ``top_p``) with the model's KV cache and cuts at the stop strings. Other generation
+settings (``num_beams``, ``top_k``, ``repetition_penalty``, ``max_new_tokens``, ...) are not
+implemented and are refused, unless they hold their no-op value (``num_beams=1``,
+``top_k=0``, ``repetition_penalty=1.0``).
 """
 
 from __future__ import annotations
 
+import inspect
+import json
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
+import lm_eval.models  # noqa: F401  (lm-eval's built-ins first: see lm_eval_cli)
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -45,8 +78,24 @@ from nakta_model import scoring
 
 __all__ = ["LlamaOrgLM", "NaktaLM"]
 
+LLAMA_ORG_ROWS = 32  # llama_org's rows (and KV-cache batch) when no row count was given
+NAKTA_GEN_ROWS = 16  # prompts per generation batch when nakta's rows are uncapped
+IMPLEMENTED_GEN_KWARGS = ("until", "max_gen_toks", "temperature", "do_sample", "top_p")
+# settings the engine does not implement, accepted only at the value that changes nothing
+NOOP_GEN_KWARGS = {
+    "num_beams": (1,),
+    "num_return_sequences": (1,),
+    "top_k": (None, 0),
+    "repetition_penalty": (1, 1.0),
+}
 
-def _as_bool(v: object) -> bool:
+
+class ModelArgsError(ValueError):
+    """model_args or generation settings that cannot work: ``lm_eval_cli`` prints one
+    ``error:`` line and exits 2 instead of lm-eval's traceback."""
+
+
+def _as_bool(v: object, name: str = "value") -> bool:
     if isinstance(v, bool):
         return v
     s = str(v).strip().lower()
@@ -54,23 +103,121 @@ def _as_bool(v: object) -> bool:
         return True
     if s in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected a boolean (true/false), got {v!r}")
+    raise ModelArgsError(f"{name} must be a boolean (true/false), got {v!r}")
 
 
-def _rows(batch_size: object, auto: int | None) -> int | None:
-    """lm-eval's ``--batch_size`` (int, "N", "auto", "auto:N") -> max rows per batch."""
-    if batch_size is None:
-        return auto
-    s = str(batch_size)
-    if s.startswith("auto"):
-        return auto
+def _rows_cap(value: object, name: str) -> int | None:
+    """One lm-eval batch-size value (int, "N", "auto", "auto:N", None) -> a rows cap or None.
+
+    None, 1 and auto mean "no cap": lm-eval's CLI passes 1 when the user gave nothing.
+    """
+    if value is None:
+        return None
+    s = str(value).strip().lower()
+    if s == "auto" or s.startswith("auto:"):
+        return None
     try:
         n = int(s)
     except ValueError as e:
-        raise ValueError(f"batch_size must be an int or 'auto', got {batch_size!r}") from e
+        raise ModelArgsError(f"{name} must be an int, 'auto' or 'auto:N', got {value!r}") from e
     if n < 1:
-        raise ValueError(f"batch_size must be >= 1, got {n}")
+        raise ModelArgsError(f"{name} must be >= 1, got {n}")
+    return None if n == 1 else n
+
+
+def _rows(batch_size: object, max_batch_size: object = None) -> int | None:
+    """Max rows per forward from ``--batch_size`` / ``--max_batch_size`` (the smaller cap)."""
+    caps = [
+        c
+        for c in (
+            _rows_cap(batch_size, "batch_size"),
+            _rows_cap(max_batch_size, "max_batch_size"),
+        )
+        if c is not None
+    ]
+    return min(caps, default=None)
+
+
+def _positive_int(name: str, value: object) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ModelArgsError(f"{name} must be an int, got {value!r}") from None
+    if n < 1:
+        raise ModelArgsError(f"{name} must be >= 1, got {n}")
     return n
+
+
+def _float(name: str, value: object) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ModelArgsError(f"{name} must be a number, got {value!r}") from None
+
+
+def _refuse_unknown_args(model: str, cls: type, extra: dict) -> None:
+    """A typo (``dtyp=bf16``) must not run silently with the defaults."""
+    if not extra:
+        return
+    known = [
+        n
+        for n, p in inspect.signature(cls.__init__).parameters.items()
+        if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    raise ModelArgsError(
+        f"{model}: unknown model_args {', '.join(sorted(extra))}; known: {', '.join(known)}"
+    )
+
+
+def _max_length(requested: object, limit: int, checkpoint: object) -> int:
+    """``max_length`` model arg: default ``limit``; above the checkpoint's max_seq_len refused."""
+    if requested in (None, ""):
+        return limit
+    n = _positive_int("max_length", requested)
+    if n < 2:
+        raise ModelArgsError(f"max_length must be >= 2, got {n}")
+    if n > limit:
+        raise ModelArgsError(
+            f"max_length={n} exceeds max_seq_len={limit} of checkpoint {checkpoint} "
+            "(the model was not built for longer sequences)"
+        )
+    return n
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    """One ``generate_until`` group's settings, as the engine implements them."""
+
+    until: tuple[str, ...]
+    max_gen: int
+    temperature: float
+    top_p: float
+
+
+def generation_settings(kwargs: dict, default_max_gen: int, eos_text: str) -> GenSettings:
+    """lm-eval generation kwargs -> what the engine does; unimplemented settings refused."""
+    kwargs = dict(kwargs)
+    until = kwargs.pop("until", None) or []
+    until = [until] if isinstance(until, str) else list(until)
+    if eos_text and eos_text not in until:
+        until.append(eos_text)
+    max_gen = _positive_int("max_gen_toks", kwargs.pop("max_gen_toks", default_max_gen))
+    temperature = _float("temperature", kwargs.pop("temperature", 0.0) or 0.0)
+    if not _as_bool(kwargs.pop("do_sample", False), "do_sample") and temperature > 0:
+        temperature = 0.0  # lm-eval: do_sample=False means greedy
+    top_p = _float("top_p", kwargs.pop("top_p", 1.0))
+    unsupported = sorted(
+        k for k, v in kwargs.items() if k not in NOOP_GEN_KWARGS or v not in NOOP_GEN_KWARGS[k]
+    )
+    if unsupported:
+        raise ModelArgsError(
+            "generation settings not implemented by this engine: "
+            + ", ".join(f"{k}={kwargs[k]!r}" for k in unsupported)
+            + f" (implemented: {', '.join(IMPLEMENTED_GEN_KWARGS)}; accepted as no-ops: "
+            + ", ".join(f"{k}={v[-1]}" for k, v in NOOP_GEN_KWARGS.items())
+            + ")"
+        )
+    return GenSettings(tuple(until), max_gen, temperature, top_p)
 
 
 class _ScoringLM(TemplateLM):
@@ -87,11 +234,16 @@ class _ScoringLM(TemplateLM):
         super().__init__()
         import nakta_model
 
-        self._device = models.resolve_device(device)
-        self.dtype = models.parse_dtype(dtype or ("bf16" if self.device.type == "cuda" else "fp32"))
-        self.tok = nakta_model.Tokenizer(tokenizer)
-        self.token_budget = int(token_budget)
-        self.max_gen_toks = int(max_gen_toks)
+        self._device = models.resolve_device(device, fallback=True)
+        try:
+            self.dtype = models.parse_dtype(
+                dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+            )
+            self.tok = nakta_model.Tokenizer(tokenizer)
+            self.token_budget = _positive_int("token_budget", token_budget)
+            self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        except (ValueError, FileNotFoundError) as e:
+            raise ModelArgsError(str(e)) from e
 
     # ---------------------------------------------------------------- tokenizer
     @property
@@ -148,32 +300,28 @@ class _ScoringLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        eos_text = self.tok_decode([self.eot_token_id])
+        settings = {
+            key: generation_settings(requests[idx[0]].args[1], self.max_gen_toks, eos_text)
+            for key, idx in groups.items()
+        }  # every group checked before any generation runs
+        for gen in settings.values():
+            if gen.max_gen >= self.max_length:
+                raise ModelArgsError(f"max_gen_toks={gen.max_gen} >= max_length={self.max_length}")
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
-        for idx in groups.values():
-            kwargs = dict(requests[idx[0]].args[1])
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            eos_text = self.tok_decode([self.eot_token_id])
-            if eos_text and eos_text not in until:
-                until.append(eos_text)
-            max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            temperature = float(kwargs.pop("temperature", 0.0))
-            if not _as_bool(kwargs.pop("do_sample", False)) and temperature > 0:
-                temperature = 0.0  # lm-eval: do_sample=False means greedy
-            top_p = float(kwargs.pop("top_p", 1.0))
-            if max_gen >= self.max_length:
-                raise ValueError(f"max_gen_toks={max_gen} >= max_length={self.max_length}")
-            keep = self.max_length - max_gen  # lm-eval left-truncates the context to this
+        for key, idx in groups.items():
+            gen = settings[key]
+            keep = self.max_length - gen.max_gen  # lm-eval left-truncates the context to this
             # longest prompts first: similar lengths share a batch
             idx = sorted(idx, key=lambda i: -len(requests[i].args[0]))
             rows = self._gen_rows()
             for start in range(0, len(idx), rows):
                 chunk = idx[start : start + rows]
                 prompts = [self.tok_encode(requests[i].args[0])[-keep:] for i in chunk]
-                gens = self._generate(prompts, max_gen, temperature, top_p)
+                gens = self._generate(prompts, gen.max_gen, gen.temperature, gen.top_p)
                 for i, toks in zip(chunk, gens):
                     text = self.tok_decode(toks)
-                    for stop in until:
+                    for stop in gen.until:
                         if stop:
                             text = text.split(stop)[0]
                     out[i] = text
@@ -181,6 +329,16 @@ class _ScoringLM(TemplateLM):
                 bar.update(len(chunk))
         bar.close()
         return out  # type: ignore[return-value]
+
+
+def _parallel_device(device: str | None) -> str | None:
+    """Under torchrun every rank takes its own GPU: ``cuda:N`` (lm-eval's default ``cuda:0``)
+    would put all ranks on one; ``cuda`` lets ``init_parallel`` pick ``LOCAL_RANK``'s."""
+    if device is None or not str(device).startswith("cuda"):
+        return device
+    if models.resolve_device(device, fallback=True).type != "cuda":
+        return "cpu"  # no GPU here: the warning is out, the ranks share the CPU
+    return "cuda"
 
 
 @register_model("nakta")
@@ -192,7 +350,7 @@ class NaktaLM(_ScoringLM):
         checkpoint: str,
         tokenizer: str,
         batch_size: int | str | None = None,
-        max_batch_size: int | None = None,
+        max_batch_size: int | str | None = None,
         device: str | None = None,
         dtype: str | None = None,
         token_budget: int | str = scoring.DEFAULT_TOKEN_BUDGET,
@@ -202,24 +360,30 @@ class NaktaLM(_ScoringLM):
         kernels: str | None = None,
         tp: int | str = 1,
         dp: int | str = 1,
-        **kw,
+        **unknown,
     ):
-        import os
-
         from nakta_model.parallel import ParallelContext, init_parallel
 
+        _refuse_unknown_args("nakta", NaktaLM, unknown)
+        if not Path(checkpoint).is_dir():
+            raise ModelArgsError(f"nakta checkpoint {checkpoint} is not a directory")
+        self.rows = _rows(batch_size, max_batch_size)
+        self.use_cache = _as_bool(use_cache, "use_cache")
         self.parallel = ParallelContext()
         if int(tp) * int(dp) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            self.parallel = init_parallel(int(tp), int(dp), device=device)
+            self.parallel = init_parallel(int(tp), int(dp), device=_parallel_device(device))
             device = str(self.parallel.device)
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
         self.handle = models.load_nakta(
             checkpoint, self.device, self.dtype, kernels=kernels, parallel=self.parallel
         )
         self.model = self.handle.model
-        self._max_length = int(max_length) if max_length else self.model.args.max_seq_len
-        self.rows = _rows(batch_size, None)
-        self.use_cache = _as_bool(use_cache)
+        try:
+            _check_vocab(self.tok, tokenizer, self.model.args.vocab_size, checkpoint)
+            self._max_length = _max_length(max_length, self.model.args.max_seq_len, checkpoint)
+        except ValueError:
+            self.handle.close()
+            raise
 
     @property
     def max_length(self) -> int:
@@ -261,7 +425,7 @@ class NaktaLM(_ScoringLM):
         )
 
     def _gen_rows(self) -> int:
-        return self.rows or 16
+        return self.rows or NAKTA_GEN_ROWS
 
     def _generate(self, prompts, max_gen, temperature, top_p):
         from nakta_model.generation import generate_tokens
@@ -279,6 +443,28 @@ class NaktaLM(_ScoringLM):
         return [o[len(p) :] for o, p in zip(out, prompts)]
 
 
+def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) -> None:
+    """A tokenizer of another model scores ids the checkpoint never learned (or has none of)."""
+    if tok.n_words != vocab_size:
+        raise ModelArgsError(
+            f"tokenizer {tokenizer} has {tok.n_words} pieces but checkpoint {checkpoint} has "
+            f"vocab_size {vocab_size}: use the tokenizer the checkpoint was trained with"
+        )
+
+
+def _meta_dir(checkpoint: str) -> Path:
+    """llama_org's checkpoint: an existing Meta dir (params.json + consolidated.*.pth)."""
+    path = Path(checkpoint)
+    if not path.exists():
+        raise ModelArgsError(f"llama_org checkpoint {checkpoint} does not exist")
+    if not models.is_meta_checkpoint(path):
+        raise ModelArgsError(
+            f"llama_org checkpoint {checkpoint} must be a Meta dir "
+            "(params.json + consolidated.*.pth), e.g. the one convert.py reads"
+        )
+    return path
+
+
 @register_model("llama_org")
 class LlamaOrgLM(_ScoringLM):
     """Meta's reference LLaMA (``llama_org``), plain scoring over its all-position forward."""
@@ -288,26 +474,22 @@ class LlamaOrgLM(_ScoringLM):
         checkpoint: str,
         tokenizer: str,
         batch_size: int | str | None = None,
-        max_batch_size: int | None = None,
+        max_batch_size: int | str | None = None,
         device: str | None = None,
         dtype: str | None = None,
         token_budget: int | str = scoring.DEFAULT_TOKEN_BUDGET,
         max_length: int | str | None = None,
         max_gen_toks: int | str = 256,
-        **kw,
+        **unknown,
     ):
+        _refuse_unknown_args("llama_org", LlamaOrgLM, unknown)
+        meta = _meta_dir(checkpoint)
+        self.rows = _rows(batch_size, max_batch_size) or LLAMA_ORG_ROWS
+        params = json.loads((meta / "params.json").read_text())
+        # Meta's params.json usually has no max_seq_len (Llama.build takes one): then 2048
+        limit = int(params.get("max_seq_len", 2048))
+        self._max_length = _max_length(max_length, limit, checkpoint)
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        if not models.is_meta_checkpoint(checkpoint):
-            raise ValueError(f"checkpoint {checkpoint} must be a Meta dir for llama_org")
-        if max_length:
-            self._max_length = int(max_length)
-        else:
-            import json
-            from pathlib import Path
-
-            params = json.loads((Path(checkpoint) / "params.json").read_text())
-            self._max_length = int(params.get("max_seq_len", 2048))
-        self.rows = _rows(batch_size, 32)
         self.llama = models.load_llama_org(
             checkpoint, tokenizer, self.device, self.dtype, self._max_length, self.rows
         )

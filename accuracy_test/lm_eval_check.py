@@ -13,6 +13,7 @@ exit code 1 when a number differs.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accuracy_test import parity
+from nakta_model import scoring
 from nakta_model.io_utils import atomic_write_text
 
 TASKS = Path(__file__).resolve().parent / "tasks"
@@ -62,11 +64,46 @@ def lm_eval_metrics(
     return {"acc": res["acc,none"], "acc_norm": res["acc_norm,none"], "n": res["sample_len"]}
 
 
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """This tool's own command line; parity.py's namespace is built from it (``parity_args``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m accuracy_test.lm_eval_check",
+        description=__doc__.split("\n\n")[0],
+        epilog="Writes JSON + markdown; exit code 0 when every number matches, 1 when one "
+        "differs, 2 on bad arguments. Both adapters load --checkpoint (a Meta dir).",
+    )
+    p.add_argument("--checkpoint", required=True, help="Meta checkpoint dir (both adapters)")
+    p.add_argument("--tokenizer", required=True, help="sentencepiece tokenizer.model")
+    p.add_argument(
+        "--data", required=True, help="HellaSwag jsonl (original or preprocessed) or .txt[.bz2]"
+    )
+    p.add_argument("--limit", type=int, default=None, help="first N tasks only")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--token-budget", type=int, default=scoring.DEFAULT_TOKEN_BUDGET)
+    p.add_argument("--batch-size", type=int, default=64, help="max rows per batch (both paths)")
+    p.add_argument("--out", default=None, help="result JSON path (markdown written beside it)")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def parity_args(a: argparse.Namespace) -> argparse.Namespace:
+    """parity.py's arguments for the same run (no fp32 truth pass: lm-eval is checked here)."""
+    argv = ["--checkpoint", a.checkpoint, "--tokenizer", a.tokenizer, "--data", a.data]
+    argv += ["--dtype", a.dtype, "--token-budget", str(a.token_budget)]
+    argv += ["--batch-size", str(a.batch_size), "--truth", "none"]
+    if a.limit is not None:
+        argv += ["--limit", str(a.limit)]
+    if a.device:
+        argv += ["--device", a.device]
+    if a.no_progress:
+        argv.append("--no-progress")
+    return parity.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    a = parity.parse_args(argv)
-    if a.random:
-        raise SystemExit("lm_eval_check needs --checkpoint (the adapters load checkpoints)")
-    par = parity.run(a)
+    a = parse_args(argv)
+    par = parity.run(parity_args(a))
     cfg = par["config"]
     model_args = {
         "checkpoint": a.checkpoint,

@@ -1,28 +1,204 @@
-"""``lm_eval`` with Nakta's adapters registered: ``python -m accuracy_test.lm_eval_cli ARGS``.
+"""lm-eval plus Nakta's adapters: ``nakta-lm-eval ARGS`` or ``python -m accuracy_test.lm_eval_cli``.
 
-lm-eval finds models by name in its registry; ``nakta`` and ``llama_org`` are registered when
-``accuracy_test.lm_eval_adapter`` is imported, which the plain ``lm_eval`` command never does.
-This wrapper imports it, then hands the command line to lm-eval's own CLI unchanged, e.g.
+Every lm-eval model (``hf``, ``vllm``, ``dummy``, ...) works here as in ``lm_eval``; ``nakta``
+and ``llama_org`` are added, e.g.
 
     python -m accuracy_test.lm_eval_cli --model nakta \\
         --model_args checkpoint=DIR,tokenizer=FILE,dtype=bf16 \\
-        --include_path accuracy_test/tasks --tasks hellaswag_local --batch_size 64
+        --include_path accuracy_test/tasks --tasks hellaswag_local
+
+Why a wrapper: lm-eval 0.4.13 finds models only in its in-process registry, which its
+``lm_eval.models`` module fills with lazy ``"module:Class"`` placeholders; nothing reads
+installed packages' entry points, so the plain ``lm_eval`` command cannot see ours. This entry
+imports ``lm_eval.models`` first (``registry.get_model`` imports it only while the registry is
+empty, so registering ours first hid every built-in), then adds ``nakta`` and ``llama_org`` as
+placeholders: torch and Nakta are imported only when one of them is used.
+
+Bad ``nakta`` / ``llama_org`` model_args or generation settings (``ModelArgsError``) are one
+``error:`` line and exit code 2 as well. Before lm-eval loads the model, the data file of the offline ``hellaswag_local`` task is checked
+(``--metadata hellaswag_jsonl=...``, ``$NAKTA_HELLASWAG_JSONL`` or the defaults): a missing one
+is one ``error:`` line and exit code 2, not a traceback after a long model load.
+
+``NAKTA_LM_EVAL_TIMING=path.json``: the seconds spent constructing the model (``load_s``) and in
+``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) are written there
+at exit, for any model (``speed_bench/lm_eval_speed.py`` reads them).
+
+``NAKTA_LM_EVAL_LOCAL_TASKS=1``: index only the ``--include_path`` tasks. lm-eval always
+indexes its ~10k built-in task files first (16 s per run on a slow CPU) and has no flag to skip
+them; runs that use local tasks only (tests, repeated benchmark runs) can.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+TIMING_ENV = "NAKTA_LM_EVAL_TIMING"
+OUR_MODELS = {
+    "nakta": "accuracy_test.lm_eval_adapter:NaktaLM",
+    "llama_org": "accuracy_test.lm_eval_adapter:LlamaOrgLM",
+}
+LOCAL_TASKS_ENV = "NAKTA_LM_EVAL_LOCAL_TASKS"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
+def register_models() -> None:
+    """lm-eval's built-in models, then ours as lazy placeholders (idempotent)."""
+    import lm_eval.models  # noqa: F401  (fills the registry with the built-ins)
+    from lm_eval.api.registry import model_registry
+
+    for name, target in OUR_MODELS.items():
+        if name not in model_registry:
+            model_registry.register(name, target=target)
+
+
+def index_local_tasks_only() -> None:
+    """Make lm-eval's ``TaskManager`` skip its built-in tasks (the CLI builds it by name)."""
+    import lm_eval.tasks
+
+    base = lm_eval.tasks.TaskManager
+
+    class LocalTaskManager(base):
+        def __init__(self, *a, **kw):
+            kw["include_defaults"] = False
+            super().__init__(*a, **kw)
+
+    lm_eval.tasks.TaskManager = LocalTaskManager
+
+
+# ------------------------------------------------------------------ task data, before the model
+def _metadata(args: argparse.Namespace) -> dict:
+    """lm-eval's task metadata for this run: ``model_args`` overridden by ``--metadata``."""
+    merged: dict = {}
+    for part in (getattr(args, "model_args", None), getattr(args, "metadata", None)):
+        if isinstance(part, dict):
+            merged.update(part)
+    return merged
+
+
+def task_data_error(args: argparse.Namespace) -> str | None:
+    """Why a requested local task cannot read its data, or None (only ``hellaswag_local``)."""
+    tasks = getattr(args, "tasks", None) or []
+    if "hellaswag_local" not in tasks:
+        return None
+    utils = _load_task_utils(TASKS_DIR / "hellaswag_local" / "utils.py")
+    try:
+        utils.data_path(_metadata(args).get("hellaswag_jsonl"))
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
+def _load_task_utils(path: Path):
+    """The task's own ``utils.py`` (the rule lm-eval will apply), loaded by file path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_nakta_task_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------ timing
+class _TimedModelFactory:
+    """Stands in for the model class ``get_model`` returns; times its construction."""
+
+    def __init__(self, cls: type, timings: dict):
+        self._cls, self._timings = cls, timings
+
+    def __getattr__(self, name: str):
+        return getattr(self._cls, name)
+
+    def _timed(self, method: str, *a, **kw):
+        t0 = time.perf_counter()
+        lm = getattr(self._cls, method)(*a, **kw)
+        _sync_cuda()
+        self._timings["load_s"] = time.perf_counter() - t0
+        self._timings["model_class"] = f"{self._cls.__module__}.{self._cls.__qualname__}"
+        return lm
+
+    def create_from_arg_obj(self, *a, **kw):
+        return self._timed("create_from_arg_obj", *a, **kw)
+
+    def create_from_arg_string(self, *a, **kw):
+        return self._timed("create_from_arg_string", *a, **kw)
+
+
+def _sync_cuda() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def timing(path: str | os.PathLike) -> Iterator[dict]:
+    """Time model construction and ``evaluate`` without changing lm-eval; JSON at exit."""
+    import lm_eval.api.registry as registry
+    import lm_eval.evaluator as evaluator
+
+    timings: dict = {"load_s": None, "scoring_s": None, "argv": sys.argv[1:]}
+    get_model, evaluate = registry.get_model, evaluator.evaluate
+
+    def timed_get_model(name: str):
+        return _TimedModelFactory(get_model(name), timings)
+
+    def timed_evaluate(*a, **kw):
+        t0 = time.perf_counter()
+        out = evaluate(*a, **kw)
+        _sync_cuda()
+        timings["scoring_s"] = time.perf_counter() - t0
+        return out
+
+    registry.get_model, evaluator.evaluate = timed_get_model, timed_evaluate
+    t_start = time.perf_counter()
+    try:
+        yield timings
+    finally:
+        registry.get_model, evaluator.evaluate = get_model, evaluate
+        timings["total_s"] = time.perf_counter() - t_start
+        from nakta_model.io_utils import atomic_write_text
+
+        atomic_write_text(path, json.dumps(timings, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------ entry
 def main(argv: Sequence[str] | None = None) -> None:
-    from lm_eval.__main__ import cli_evaluate
+    """lm-eval's ``cli_evaluate`` with the task-data check between parsing and running."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
 
-    import accuracy_test.lm_eval_adapter  # noqa: F401  (registers "nakta" and "llama_org")
-
+    register_models()
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    setup_logging()
+    parser = HarnessCLI()
+    args = parser.parse_args()
+    if getattr(args, "command", None) == "run" and (error := task_data_error(args)):
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2)
+    if os.environ.get(LOCAL_TASKS_ENV, "") not in ("", "0"):
+        index_local_tasks_only()
+    timing_path = os.environ.get(TIMING_ENV)
+    with timing(timing_path) if timing_path else contextlib.nullcontext():
+        try:
+            parser.execute(args)
+        except ValueError as e:
+            if not _is_model_args_error(e):
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
+def _is_model_args_error(e: BaseException) -> bool:
+    """Raised by our adapters for bad model_args / generation settings (a user's input)."""
+    adapter = sys.modules.get("accuracy_test.lm_eval_adapter")  # never imported: not ours
+    return adapter is not None and isinstance(e, adapter.ModelArgsError)
 
 
 if __name__ == "__main__":

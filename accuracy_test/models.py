@@ -13,6 +13,7 @@ This module is the only place the accuracy tools touch both packages; ``nakta_mo
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -33,24 +34,51 @@ DTYPES = {
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A dtype name in any case (``bf16``, ``BF16``, ``bfloat16``) or a ``torch.dtype``."""
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} (any case), got {name!r}")
+    return DTYPES[key]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-def resolve_device(name: str | torch.device | None) -> torch.device:
+def resolve_device(name: str | torch.device | None, fallback: bool = False) -> torch.device:
+    """``None``/``auto``: CUDA when present, else the CPU.
+
+    A CUDA device this machine cannot give (no CUDA, or an index past the visible GPUs) is an
+    error, or with ``fallback`` the automatic choice plus a warning line: lm-eval's CLI passes
+    ``cuda:0`` when the user gave no ``--device``, and its ``hf`` model then falls back the
+    same way (an unknown device string there means "cuda if available else cpu").
+    """
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
+    if device.type != "cuda" or _cuda_device_exists(device):
+        return device
+    if not fallback:
+        raise ValueError(f"device {str(name)!r} requested but {_cuda_shortfall()}")
+    chosen = resolve_device(None)
+    logging.getLogger(__name__).warning(
+        "warning: device %r requested but %s; using %s", str(name), _cuda_shortfall(), chosen
+    )
+    return chosen
+
+
+def _cuda_device_exists(device: torch.device) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return device.index is None or device.index < torch.cuda.device_count()
+
+
+def _cuda_shortfall() -> str:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    return f"only {torch.cuda.device_count()} GPU(s) are visible"
 
 
 def is_meta_checkpoint(path: str | Path) -> bool:
@@ -248,6 +276,43 @@ def random_pair(
     with contextlib.suppress(Exception):
         torch.cuda.empty_cache()
     return model, llama
+
+
+def fp32_weights(llama) -> tuple[dict, dict]:
+    """(Meta params, this rank's state dict upcast to fp32 on the CPU) of a built ``Llama``.
+
+    The fp32 truth of a bf16/fp16 comparison runs these: the very weights the half-precision
+    models hold (exactly representable in fp32), so what differs is only the arithmetic.
+    """
+    params = meta_params(llama.model.params)
+    state = {
+        k: v.detach().to("cpu", torch.float32)
+        for k, v in llama.model.state_dict().items()
+        if k != "rope.freqs"
+    }
+    return params, state
+
+
+def llama_org_fp32(
+    params: dict,
+    state: dict,
+    tokenizer: str | Path,
+    device: torch.device,
+    max_seq_len: int,
+    max_batch_size: int,
+):
+    """Meta's reference in fp32 from ``fp32_weights`` (same model-parallel world as before)."""
+    from llama_org import Llama
+
+    return Llama.from_state_dict(
+        params,
+        state,
+        max_seq_len,
+        max_batch_size,
+        tokenizer=str(tokenizer),
+        device=device,
+        dtype=torch.float32,
+    )
 
 
 def shutdown_llama_org() -> None:

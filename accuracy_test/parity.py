@@ -24,12 +24,20 @@ plain scorer (``scoring.score_with_forward`` over ``Llama.model(tokens, 0)``), w
 token budget, row limit and max length. Prints and saves (JSON + markdown, atomic) acc and
 acc_norm of both, the log-likelihood differences, and every task whose prediction differs
 (``flips``) with the reference's margin between the two choices involved.
+
+With ``--dtype bf16|fp16`` an fp32 truth is scored too (``--truth fp32``, the default then;
+``--truth none`` skips it): llama_org in fp32 over the same weights (the half-precision ones,
+upcast exactly), and each half-precision model is compared to it: flips (acc, acc_norm), a
+histogram of the truth's margins at those flips, max / mean |dll|. The verdict says whether
+nakta is no further from the truth than llama_org (flips within two standard deviations
+of llama_org's count, mean |dll| within 10%).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -78,7 +86,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="Nakta tensor-parallel size (torchrun)")
     p.add_argument("--dp", type=int, default=1, help="Nakta data-parallel replicas (torchrun)")
+    p.add_argument(
+        "--truth",
+        choices=["fp32", "none"],
+        default=None,
+        help="also score llama_org in fp32 and compare both models to it "
+        "(default: fp32 when --dtype is bf16/fp16)",
+    )
     a = p.parse_args(argv)
+    a.truth = truth_mode(a)
     if a.random != (a.preset is not None):
         p.error("--random and --preset go together")
     if not a.random and not a.checkpoint:
@@ -86,6 +102,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.limit is not None and a.limit < 1:
         p.error("--limit must be >= 1")
     return a
+
+
+def truth_mode(a: argparse.Namespace) -> str:
+    """``--truth``, defaulting to an fp32 truth pass when the run itself is not fp32."""
+    chosen = getattr(a, "truth", None)
+    return chosen or ("none" if a.dtype == "fp32" else "fp32")
 
 
 def _git_commit() -> str | None:
@@ -169,6 +191,121 @@ def compare(
     }
 
 
+# truth margins at the flips, binned by decade: a flip on a near-tie is rounding, not a bug
+MARGIN_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, float("inf"))
+
+
+def margin_histogram(margins: Sequence[float]) -> list[dict]:
+    """Counts of ``margins`` in the ``MARGIN_EDGES`` bins ``[lo, hi)``."""
+    bins = list(zip(MARGIN_EDGES[:-1], MARGIN_EDGES[1:]))
+    return [{"lo": lo, "hi": hi, "count": sum(lo <= m < hi for m in margins)} for lo, hi in bins]
+
+
+def truth_comparison(
+    docs: Sequence[hellaswag.Doc], lls: Sequence[float], lls_truth: Sequence[float]
+) -> dict:
+    """One model against the fp32 truth: its metrics, flips, the truth's margins there, |dll|."""
+    metrics, res = hellaswag.evaluate(docs, lls)
+    _, res_t = hellaswag.evaluate(docs, lls_truth)
+    margins: dict[str, list[float]] = {"acc": [], "acc_norm": []}
+    for doc, r, rt in zip(docs, res, res_t):
+        for metric, pred, pred_t in (
+            ("acc", r.pred, rt.pred),
+            ("acc_norm", r.pred_norm, rt.pred_norm),
+        ):
+            if pred != pred_t:
+                st = _metric_scores(doc, rt, metric)
+                margins[metric].append(st[pred_t] - st[pred])
+    diffs = [abs(a - b) for a, b in zip(lls, lls_truth)]
+    return {
+        "acc": metrics["acc"],
+        "acc_norm": metrics["acc_norm"],
+        "n_flips": {k: len(v) for k, v in margins.items()},
+        "flip_truth_margins": margins,
+        "flip_margin_histogram": {k: margin_histogram(v) for k, v in margins.items()},
+        "ll_abs_diff": {
+            "max": max(diffs, default=0.0),
+            "mean": statistics.fmean(diffs) if diffs else 0.0,
+        },
+    }
+
+
+# nakta's mean |dll| may exceed llama_org's by this factor and still count as "no further":
+# the two run different kernels (fused vs eager) of the same precision, so their rounding
+# differs from request to request
+MEAN_DLL_SLACK = 1.10
+
+
+def flip_allowance(flips_nakta: int, flips_org: int) -> float:
+    """Extra flips nakta may have: two standard deviations of a difference of two counts.
+
+    Flips against the truth are rare events on near-ties; two half-precision models with the
+    same error level differ in their counts by about sqrt(n1 + n2) (Poisson), so a strict
+    ``<=`` would call a 1-vs-0 difference on 40 tasks a regression.
+    """
+    return 2.0 * math.sqrt(flips_nakta + flips_org)
+
+
+def truth_verdict(nakta: dict, llama_org: dict) -> dict:
+    """Is nakta no further from the fp32 truth than llama_org at the same dtype?"""
+    flips_n, flips_o = sum(nakta["n_flips"].values()), sum(llama_org["n_flips"].values())
+    mean_n, mean_o = nakta["ll_abs_diff"]["mean"], llama_org["ll_abs_diff"]["mean"]
+    ratio = mean_n / mean_o if mean_o > 0 else (1.0 if mean_n == 0 else float("inf"))
+    allowance = flip_allowance(flips_n, flips_o)
+    return {
+        "nakta_no_further": flips_n <= flips_o + allowance and ratio <= MEAN_DLL_SLACK,
+        "flips": {"nakta": flips_n, "llama_org": flips_o},
+        "flip_allowance": allowance,
+        "mean_dll_ratio": ratio,
+        "mean_dll_slack": MEAN_DLL_SLACK,
+    }
+
+
+def _truth_markdown(result: dict) -> list[str]:
+    truth = result["truth"]
+    dtype = result["config"]["dtype"]
+    lines = [
+        "",
+        f"## Against the fp32 truth (llama_org in fp32, the {dtype} weights upcast)",
+        "",
+        "| model | acc | acc_norm | flips acc | flips acc_norm | max abs dll | mean abs dll |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in ("nakta", "llama_org"):
+        t = truth[name]
+        lines.append(
+            f"| {name}-{dtype} | {t['acc']:.4f} | {t['acc_norm']:.4f} | {t['n_flips']['acc']} | "
+            f"{t['n_flips']['acc_norm']} | {t['ll_abs_diff']['max']:.3g} | "
+            f"{t['ll_abs_diff']['mean']:.3g} |"
+        )
+    ref = truth["reference"]
+    lines.append(f"| llama_org-fp32 (truth) | {ref['acc']:.4f} | {ref['acc_norm']:.4f} | | | | |")
+    lines += [
+        "",
+        "Truth margin (truth's score of its pick minus its score of the model's pick) at the flips:",
+        "",
+        f"| truth margin | nakta-{dtype} acc | nakta-{dtype} acc_norm | "
+        f"llama_org-{dtype} acc | llama_org-{dtype} acc_norm |",
+        "|---|---|---|---|---|",
+    ]
+    hist = {n: truth[n]["flip_margin_histogram"] for n in ("nakta", "llama_org")}
+    for i, b in enumerate(hist["nakta"]["acc"]):
+        counts = [
+            hist[n][m][i]["count"] for n in ("nakta", "llama_org") for m in ("acc", "acc_norm")
+        ]
+        lines.append(f"| [{b['lo']:g}, {b['hi']:g}) | " + " | ".join(map(str, counts)) + " |")
+    v = truth["verdict"]
+    word = "no further from" if v["nakta_no_further"] else "FURTHER from"
+    lines += [
+        "",
+        f"**Verdict: nakta-{dtype} is {word} the fp32 truth than llama_org-{dtype}** "
+        f"(flips {v['flips']['nakta']} vs {v['flips']['llama_org']}, allowed "
+        f"+{v['flip_allowance']:.3g}; mean abs dll ratio {v['mean_dll_ratio']:.3g}, "
+        f"allowed <= {v['mean_dll_slack']:g}).",
+    ]
+    return lines
+
+
 def markdown(result: dict, max_flips: int | None = None) -> str:
     cfg = result["config"]
     lines = [
@@ -202,8 +339,12 @@ def markdown(result: dict, max_flips: int | None = None) -> str:
             f"- median llama_org acc margin (best - second best ll) over all tasks: "
             f"{result['reference_acc_margin_median']:.3g}"
         )
+    if result.get("truth"):
+        lines += _truth_markdown(result)
     if result["flips"]:
         lines += [
+            "",
+            "## nakta vs llama_org flips",
             "",
             "| task | ind | metric | label | nakta | llama_org | margin | nakta_margin | max ll diff |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -241,6 +382,41 @@ def load_inputs(a: argparse.Namespace):
             f"--data {a.data}: cannot read HellaSwag tasks from it ({type(e).__name__}: {e})"
         ) from e
     return docs, tok
+
+
+def _score_reference(llama, requests, a, max_length: int, device, progress: bool) -> list:
+    """llama_org's plain scoring over ``Llama.model(tokens, 0)`` (the dtype run and the truth)."""
+    return scoring.score_with_forward(
+        lambda t: llama.model(t, 0),
+        requests,
+        max_length=max_length,
+        batch_size=a.batch_size,
+        token_budget=a.token_budget,
+        vocab_size=llama.model.vocab_size,
+        device=device,
+        progress=progress,
+    )
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _truth_result(docs, res_n, res_o, res_t, seconds: float) -> dict:
+    """Both half-precision models against the fp32 truth, and the verdict."""
+    lls_t = [r[0] for r in res_t]
+    m_t, _ = hellaswag.evaluate(docs, lls_t)
+    out = {
+        "nakta": truth_comparison(docs, [r[0] for r in res_n], lls_t),
+        "llama_org": truth_comparison(docs, [r[0] for r in res_o], lls_t),
+        "reference": {**m_t, "model": "llama_org", "dtype": "fp32", "seconds": seconds},
+    }
+    out["verdict"] = truth_verdict(out["nakta"], out["llama_org"])
+    return out
 
 
 def run(a: argparse.Namespace, ctx=None) -> dict:
@@ -308,24 +484,31 @@ def run(a: argparse.Namespace, ctx=None) -> dict:
         )
         _sync(device)
         t1 = time.perf_counter()
-        res_o = scoring.score_with_forward(
-            lambda t: llama.model(t, 0),
-            requests,
-            max_length=max_length,
-            batch_size=a.batch_size,
-            token_budget=a.token_budget,
-            vocab_size=model.args.vocab_size,
-            device=device,
-            progress=progress,
-        )
+        res_o = _score_reference(llama, requests, a, max_length, device, progress)
         _sync(device)
         t2 = time.perf_counter()
+        res_t = None
+        if truth_mode(a) == "fp32" and dtype != torch.float32:
+            params, state = models.fp32_weights(llama)
+            del llama  # the half-precision reference is done: room for the fp32 one
+            _free_device_memory()
+            truth = models.llama_org_fp32(
+                params, state, a.tokenizer, device, cache_len, a.batch_size
+            )
+            del state
+            res_t = _score_reference(truth, requests, a, max_length, device, progress)
+            _sync(device)
+            del truth
+            _free_device_memory()
+        t3 = time.perf_counter()
     finally:
         if handle is not None:
             handle.close()
     result = compare(docs, [r[0] for r in res_n], [r[0] for r in res_o])
     result["nakta"]["seconds"] = t1 - t0
     result["llama_org"]["seconds"] = t2 - t1
+    if res_t is not None:
+        result["truth"] = _truth_result(docs, res_n, res_o, res_t, t3 - t2)
     result["greedy_flag_mismatches"] = sum(x[1] != y[1] for x, y in zip(res_n, res_o))
     result["config"] = {
         "model": model_name,
@@ -352,6 +535,7 @@ def run(a: argparse.Namespace, ctx=None) -> dict:
         "max_length": max_length,
         "token_budget": a.token_budget,
         "batch_size": a.batch_size,
+        "truth": "fp32" if res_t is not None else "none",
         "nakta_scoring": "scoring.score (shared-context cache)",
         "llama_org_scoring": "scoring.score_with_forward over Llama.model(tokens, 0)",
         "nakta_kernels": getattr(model, "kernels", None),

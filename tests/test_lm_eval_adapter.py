@@ -10,9 +10,11 @@ Skipped cleanly when lm-eval is not installed.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -152,16 +154,174 @@ def test_generate_until_reproduces_stories260k_greedy_text(shared_data):
 
 def test_adapter_argument_errors(tiny):
     ckpt, tok = tiny
-    assert adapter._rows("auto", None) is None and adapter._rows("8", None) == 8
-    assert adapter._rows(None, 32) == 32
-    with pytest.raises(ValueError, match="batch_size"):
-        adapter._rows("0", None)
     with pytest.raises(ValueError, match="boolean"):
         adapter._as_bool("maybe")
     with pytest.raises(ValueError, match="dtype"):
         adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="int8")
     with pytest.raises(ValueError, match="not a directory"):
         adapter.NaktaLM(checkpoint=str(ckpt / "nope"), tokenizer=str(tok), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "max_batch_size", "rows"),
+    [
+        (None, None, None),  # simple_evaluate's default
+        (1, None, None),  # the CLI's default: lm-eval passes 1 when --batch_size is absent
+        ("1", None, None),
+        ("auto", None, None),
+        ("auto:4", None, None),
+        (8, None, 8),
+        ("64", None, 64),
+        (64, 16, 16),  # the smaller cap wins
+        (None, 16, 16),
+        ("auto", 1, None),
+    ],
+)
+def test_batch_size_is_a_rows_cap_only_above_one(batch_size, max_batch_size, rows):
+    assert adapter._rows(batch_size, max_batch_size) == rows
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "max_batch_size", "match"),
+    [("0", None, "batch_size must be >= 1"), ("big", None, "batch_size must be an int")]
+    + [(None, "x", "max_batch_size must be an int"), ("auto", -2, "max_batch_size must be >= 1")],
+)
+def test_batch_size_errors_name_the_argument(batch_size, max_batch_size, match):
+    with pytest.raises(ValueError, match=match):
+        adapter._rows(batch_size, max_batch_size)
+
+
+def test_default_batch_size_scores_with_the_token_budget_alone(tiny, monkeypatch):
+    """lm-eval's default (1) must not turn into one row per forward (5x slower on an H200)."""
+    ckpt, tok = tiny
+    seen = []
+    real = scoring.score
+    monkeypatch.setattr(
+        scoring, "score", lambda *a, **kw: seen.append(kw["max_rows"]) or real(*a, **kw)
+    )
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
+    lm = adapter.NaktaLM(**kw, batch_size=1)
+    lm.loglikelihood([Instance("loglikelihood", {}, ("a cat", " sat"), 0)], disable_tqdm=True)
+    assert seen == [None]
+    assert adapter.NaktaLM(**kw, batch_size=8, max_batch_size="auto").rows == 8
+    # llama_org always needs a row count (Meta's KV cache is rows x max_length)
+    assert adapter.LlamaOrgLM(**kw, batch_size=1).rows == adapter.LLAMA_ORG_ROWS
+    assert adapter.LlamaOrgLM(**kw, batch_size="auto").llama.model.params.max_batch_size == 32
+    assert adapter.LlamaOrgLM(**kw, batch_size=4).rows == 4
+
+
+@pytest.mark.parametrize("cls", [adapter.NaktaLM, adapter.LlamaOrgLM])
+def test_unknown_model_args_are_refused_with_the_known_ones(tiny, cls):
+    ckpt, tok = tiny
+    with pytest.raises(ValueError, match=r"unknown model_args dtyp, max_len; known: .*dtype"):
+        cls(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtyp="bf16", max_len=8)
+
+
+def test_lm_eval_passes_exactly_the_extra_keys_the_adapters_accept(tiny):
+    """``create_from_arg_*`` adds batch_size / max_batch_size / device (lm-eval's own keys)."""
+    ckpt, tok = tiny
+    extra = {"batch_size": 1, "max_batch_size": 8, "device": "cpu"}
+    lm = adapter.NaktaLM.create_from_arg_string(f"checkpoint={ckpt},tokenizer={tok}", extra)
+    assert lm.rows == 8 and lm.device.type == "cpu"
+    lm = adapter.LlamaOrgLM.create_from_arg_obj(
+        {"checkpoint": str(ckpt), "tokenizer": str(tok)}, extra
+    )
+    assert lm.rows == 8
+
+
+def test_dtype_names_in_any_case(tiny):
+    ckpt, tok = tiny
+    lm = adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="FP32")
+    assert lm.dtype == torch.float32
+    assert models.parse_dtype(" BFloat16 ") is models.parse_dtype("bf16") is torch.bfloat16
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got 'FP8'"):
+        models.parse_dtype("FP8")
+
+
+def test_default_cli_device_falls_back_to_the_cpu_with_a_warning(tiny, caplog):
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for machines without a GPU")
+    ckpt, tok = tiny
+    with caplog.at_level(logging.WARNING):
+        lm = adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cuda:0")
+    assert lm.device.type == "cpu"
+    assert "device 'cuda:0' requested but CUDA is not available; using cpu" in caplog.text
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        models.resolve_device("cuda:0")  # parity.py and the tools keep refusing
+
+
+def test_torchrun_ranks_take_their_own_gpu_not_the_cli_default_cuda_0():
+    assert adapter._parallel_device(None) is None and adapter._parallel_device("cpu") == "cpu"
+    want = "cuda" if torch.cuda.is_available() else "cpu"  # no GPU: the CPU, with the warning
+    assert adapter._parallel_device("cuda:0") == want
+
+
+def test_tokenizer_of_another_model_is_refused_at_load(shared_data, tiny):
+    _, tok300 = tiny
+    ckpt = shared_data / "stories260K"
+    with pytest.raises(
+        ValueError,
+        match=r"tokenizer .*tokenizer.model has 300 pieces but "
+        r"checkpoint .*stories260K has vocab_size 512",
+    ):
+        adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok300), device="cpu")
+
+
+@pytest.mark.parametrize("cls", [adapter.NaktaLM, adapter.LlamaOrgLM])
+def test_max_length_above_the_checkpoint_is_refused(tiny, cls):
+    ckpt, tok = tiny
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
+    with pytest.raises(ValueError, match=r"max_length=257 exceeds max_seq_len=256"):
+        cls(**kw, max_length=257)
+    assert cls(**kw, max_length="64").max_length == 64
+
+
+def test_llama_org_says_when_the_checkpoint_does_not_exist(tiny, tmp_path):
+    _, tok = tiny
+    with pytest.raises(ValueError, match=r"nope does not exist"):
+        adapter.LlamaOrgLM(checkpoint=str(tmp_path / "nope"), tokenizer=str(tok), device="cpu")
+    with pytest.raises(ValueError, match=r"must be a Meta dir \(params.json"):
+        adapter.LlamaOrgLM(checkpoint=str(tmp_path), tokenizer=str(tok), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "refused"),
+    [
+        ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
+        ({"num_beams": 4, "top_k": 40}, "num_beams=4, top_k=40"),
+        ({"max_new_tokens": 8}, "max_new_tokens=8"),
+    ],
+)
+def test_unimplemented_generation_settings_are_refused(kwargs, refused):
+    with pytest.raises(ValueError, match=f"not implemented by this engine: {refused} "):
+        adapter.generation_settings({"until": ["\n"], **kwargs}, 16, "")
+
+
+def test_generation_settings_the_engine_implements():
+    g = adapter.generation_settings(
+        {"until": "\n", "max_gen_toks": 5, "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+        | {"num_beams": 1, "top_k": 0, "repetition_penalty": 1.0},  # no-ops are fine
+        16,
+        "</s>",
+    )
+    assert g == adapter.GenSettings(("\n", "</s>"), 5, 0.7, 0.9)
+    greedy = adapter.generation_settings({"temperature": 0.7, "do_sample": "false"}, 16, "")
+    assert greedy.temperature == 0.0 and greedy.max_gen == 16
+
+
+def test_generate_until_refuses_before_generating(shared_data):
+    lm = adapter.NaktaLM(
+        checkpoint=str(shared_data / "stories260K"),
+        tokenizer=str(shared_data / "stories260K" / "tokenizer.model"),
+        device="cpu",
+    )
+    reqs = [
+        Instance("generate_until", {}, ("Once", {"max_gen_toks": 4}), 0),
+        Instance("generate_until", {}, ("Once", {"max_gen_toks": 4, "num_beams": 3}), 1),
+    ]
+    lm._generate = lambda *a: pytest.fail("generated before refusing")
+    with pytest.raises(ValueError, match="num_beams=3"):
+        lm.generate_until(reqs, disable_tqdm=True)
 
 
 def test_cli_wrapper_registers_and_forwards(capsys):

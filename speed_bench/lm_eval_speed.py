@@ -1,0 +1,605 @@
+"""lm-eval as a user runs it: ``--model hf`` vs ``--model nakta`` on the same weights.
+
+    python speed_bench/lm_eval_speed.py --preset 7B \\
+        --tokenizer ../shared/data/llama_tokenizer.model \\
+        --fewshot 0,10 --batch-sizes default,64,auto --limit 3000 --fewshot-limit 500
+
+Every run is a child process of the project's lm-eval entry, ``python -m
+accuracy_test.lm_eval_cli ...`` (what a user types), on the offline ``hellaswag_local`` task
+over ``--data`` (via ``NAKTA_HELLASWAG_JSONL``). The weights: an HF LLaMA directory (``--hf``),
+or a random one made with transformers at a ``--preset`` shape (on the GPU in bf16 when there
+is one; the vocabulary follows ``--tokenizer``), then converted for nakta with ``python
+convert.py HF OUT --dtype DTYPE`` (timed). ``hf`` reads the same sentencepiece ``--tokenizer``
+through ``AutoTokenizer`` (a ``tokenizer_config.json`` beside it: transformers then converts
+the model file; ``LlamaTokenizer(vocab_file=...)`` alone encodes to ``[]`` in transformers 5).
+
+Per run: ``wall_s`` (process start to end, measured here), ``load_s`` (model construction)
+and ``scoring_s`` (``lm_eval.evaluator.evaluate``), both measured inside the child by the
+entry's ``NAKTA_LM_EVAL_TIMING`` hook, and ``acc`` / ``acc_norm`` from lm-eval's
+``--output_path`` results. ``default`` in ``--batch-sizes`` passes no ``--batch_size`` at all
+(lm-eval then uses 1: one row per forward for ``hf``; the token budget for ``nakta``).
+
+Writes ``lm_eval_summary.json`` (``runs`` + metadata), ``lm_eval_summary.md`` (the table, the
+nakta/hf wall ratio at each shot count, nakta's default vs its best batch size) and
+``lm_eval_summary.png`` to ``--out`` (default ``speed_bench/results/<device>/``), atomically;
+each child's log goes to ``logs/`` there. In fp32 both models must report the same acc (same
+weights, same requests); in bf16 rounding may flip a few near-ties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = REPO / "accuracy_test" / "tasks"
+TASK = "hellaswag_local"
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
+MODELS = ("hf", "nakta")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> torch/HF names
+DEFAULT = "default"  # batch size: no --batch_size flag at all
+
+
+class UsageError(ValueError):
+    """A bad command line or input file: one ``error:`` line, exit code 2."""
+
+
+# ------------------------------------------------------------------ command line
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python speed_bench/lm_eval_speed.py",
+        description="lm-eval speed: --model hf vs --model nakta on the same weights, run "
+        "through the project's lm-eval entry as a user runs it.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="HF LLaMA directory (config.json + weights)")
+    src.add_argument("--preset", help="random weights of this shape: 7B, 13B, ..., tiny")
+    p.add_argument("--tokenizer", required=True, help="sentencepiece tokenizer.model")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="HellaSwag jsonl")
+    p.add_argument("--fewshot", default="0,10", help="comma-separated shot counts")
+    p.add_argument(
+        "--batch-sizes", default="default,64,auto", help="comma-separated: default, N, auto"
+    )
+    p.add_argument("--limit", type=int, default=None, help="first N tasks of 0-shot runs")
+    p.add_argument(
+        "--fewshot-limit", type=int, default=None, help="N tasks of few-shot runs (default --limit)"
+    )
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: hf, nakta")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on cuda")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="random model's context")
+    p.add_argument("--seed", type=int, default=0, help="random weights' seed")
+    p.add_argument("--out", default=None, help="results folder (default results/<device>/)")
+    p.add_argument("--work", default=None, help="keep the HF/Nakta checkpoints here (new dir)")
+    p.add_argument(
+        "--local-tasks-only",
+        action="store_true",
+        help="children skip lm-eval's built-in task index (NAKTA_LM_EVAL_LOCAL_TASKS; "
+        "faster, but not what a user's run pays)",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="seconds per child run")
+    return p.parse_args(argv)
+
+
+def parse_fewshot(text: str) -> list[int]:
+    try:
+        shots = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--fewshot must be comma-separated ints, got {text!r}") from None
+    if not shots or any(s < 0 for s in shots):
+        raise UsageError(f"--fewshot needs shot counts >= 0, got {text!r}")
+    return shots
+
+
+def parse_batch_sizes(text: str) -> list[str]:
+    """``default``, ``auto``, ``auto:N`` or an int >= 1, as lm-eval's ``--batch_size`` takes."""
+    sizes = [s.strip() for s in text.split(",") if s.strip()]
+    for s in sizes:
+        tail = s[len("auto:") :] if s.startswith("auto:") else s
+        if s in (DEFAULT, "auto") or (tail.isdigit() and int(tail) >= 1):
+            continue
+        raise UsageError(f"--batch-sizes: {s!r} is not default, auto, auto:N or an int >= 1")
+    if not sizes:
+        raise UsageError("--batch-sizes is empty")
+    return sizes
+
+
+def parse_models(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in MODELS]
+    if bad or not names:
+        raise UsageError(f"--models must be a subset of {','.join(MODELS)}, got {text!r}")
+    return names
+
+
+def _check_inputs(a: argparse.Namespace) -> None:
+    for flag, path in (("--tokenizer", a.tokenizer), ("--data", a.data)):
+        if not Path(path).is_file():
+            raise UsageError(f"{flag} {path} is not a file")
+    if a.hf and not (Path(a.hf) / "config.json").is_file():
+        raise UsageError(f"--hf {a.hf} has no config.json (an HF LLaMA directory is expected)")
+    for flag, n in (("--limit", a.limit), ("--fewshot-limit", a.fewshot_limit)):
+        if n is not None and n < 1:
+            raise UsageError(f"{flag} must be >= 1, got {n}")
+    if a.max_seq_len < 2:
+        raise UsageError(f"--max-seq-len must be >= 2, got {a.max_seq_len}")
+    if a.work and Path(a.work).exists() and any(Path(a.work).iterdir()):
+        raise UsageError(f"--work {a.work} exists and is not empty")
+
+
+# ------------------------------------------------------------------ weights
+@contextlib.contextmanager
+def _default_dtype(dtype) -> Iterator[None]:
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def preset_args(name: str, vocab_size: int, max_seq_len: int):
+    """The preset's shape with the tokenizer's vocabulary (a 512-piece tokenizer on ``tiny``)."""
+    from nakta_model.config import preset
+
+    try:
+        args = preset(name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+
+def make_random_hf(out: Path, args, dtype_name: str, device: str, seed: int) -> None:
+    """``LlamaForCausalLM(LlamaConfig(...))`` with seeded random weights, saved as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    dtype = getattr(torch, DTYPES[dtype_name])
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out)  # safetensors (transformers' default since 4.35)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def write_hf_tokenizer(out: Path, sp_model: str | Path, max_seq_len: int) -> Path:
+    """``tokenizer.model`` + a ``tokenizer_config.json`` that ``AutoTokenizer`` converts."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(sp_model, out / "tokenizer.model")
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": max_seq_len,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def check_tokenizers_agree(hf_tokenizer: Path, sp_model: str | Path, texts: Sequence[str]) -> None:
+    """hf and nakta must score the same tokens, or the comparison means nothing."""
+    from transformers import AutoTokenizer
+
+    from nakta_model import Tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(hf_tokenizer))
+    sp = Tokenizer(sp_model)
+    for text in texts:
+        want = sp.encode(text, bos=True, eos=False)
+        got = hf.encode(text)
+        if got != want:
+            raise UsageError(
+                f"AutoTokenizer({hf_tokenizer}) and {sp_model} disagree on {text[:60]!r}: "
+                f"{got[:12]} vs {want[:12]}"
+            )
+
+
+def hf_vocab_size(hf_dir: str | Path) -> int:
+    return int(json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"])
+
+
+def convert(hf_dir: Path, out: Path, dtype_name: str, log: Path) -> float:
+    """``python convert.py HF OUT --dtype DTYPE`` as a child process; its seconds."""
+    cmd = [sys.executable, str(REPO / "convert.py"), str(hf_dir), str(out)]
+    cmd += ["--dtype", dtype_name, "--quiet"]
+    t0 = time.perf_counter()
+    rc = _run_logged(cmd, _child_env({}), log, timeout=None)
+    if rc != 0:
+        raise RuntimeError(f"convert.py failed with exit code {rc}; see {log}")
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------ children
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    hf_dir: Path
+    hf_tokenizer: Path
+    nakta_dir: Path
+    sp_model: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    model: str
+    num_fewshot: int
+    batch_size: str
+    limit: int | None
+
+    @property
+    def slug(self) -> str:
+        bs = self.batch_size.replace(":", "-")
+        return f"{self.model}_{self.num_fewshot}shot_bs-{bs}"
+
+
+def model_args(model: str, w: Weights, dtype_name: str) -> str:
+    if model == "hf":
+        return f"pretrained={w.hf_dir},tokenizer={w.hf_tokenizer},dtype={DTYPES[dtype_name]}"
+    return f"checkpoint={w.nakta_dir},tokenizer={w.sp_model},dtype={dtype_name}"
+
+
+def child_command(spec: RunSpec, w: Weights, dtype_name: str, device: str, out: Path) -> list:
+    cmd = [sys.executable, "-m", "accuracy_test.lm_eval_cli", "--model", spec.model]
+    cmd += ["--model_args", model_args(spec.model, w, dtype_name)]
+    cmd += ["--include_path", str(TASKS), "--tasks", TASK]
+    cmd += ["--num_fewshot", str(spec.num_fewshot), "--device", device, "--output_path", str(out)]
+    if spec.limit is not None:
+        cmd += ["--limit", str(spec.limit)]
+    if spec.batch_size != DEFAULT:
+        cmd += ["--batch_size", spec.batch_size]
+    return cmd
+
+
+def _child_env(extra: dict) -> dict:
+    """This checkout first on the path; the hub left alone (everything here is local)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.update(extra)
+    return env
+
+
+def _run_logged(cmd: list, env: dict, log: Path, timeout: float | None) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n\n")
+        f.flush()
+        try:
+            return subprocess.run(
+                cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\n(killed after {timeout} s)\n")
+            return 124
+
+
+def read_results(output_dir: Path) -> dict:
+    """acc / acc_norm / sample count from lm-eval's newest ``results_*.json`` under the dir."""
+    files = sorted(output_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no lm-eval results_*.json under {output_dir}")
+    data = json.loads(files[-1].read_text())
+    res = data["results"][TASK]
+    n = data.get("n-samples", {}).get(TASK, {}).get("effective")
+    return {"acc": res["acc,none"], "acc_norm": res["acc_norm,none"], "n": n}
+
+
+def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict:
+    """One child run: its record (numbers, or the error and where its log is)."""
+    work = out / "runs" / spec.slug
+    shutil.rmtree(work, ignore_errors=True)
+    timing = work / "timing.json"
+    env = _child_env({"NAKTA_HELLASWAG_JSONL": str(Path(a.data).resolve())})
+    env["NAKTA_LM_EVAL_TIMING"] = str(timing)
+    if a.local_tasks_only:
+        env["NAKTA_LM_EVAL_LOCAL_TASKS"] = "1"
+    log = out / "logs" / f"{spec.slug}.log"
+    cmd = child_command(spec, w, a.dtype, a.device, work / "lm_eval")
+    t0 = time.perf_counter()
+    rc = _run_logged(cmd, env, log, a.timeout)
+    record = {
+        "model": spec.model,
+        "num_fewshot": spec.num_fewshot,
+        "batch_size": spec.batch_size,
+        "tasks": TASK,
+        "limit": spec.limit,
+        "wall_s": time.perf_counter() - t0,
+        "load_s": None,
+        "scoring_s": None,
+        "acc": None,
+        "acc_norm": None,
+        "n": None,
+        "log": str(log.relative_to(out)),
+        "error": None,
+    }
+    try:
+        if rc != 0:
+            raise RuntimeError(f"exit code {rc}")
+        t = json.loads(timing.read_text())
+        record.update(load_s=t["load_s"], scoring_s=t["scoring_s"], **read_results(work))
+    except (RuntimeError, OSError, KeyError, ValueError) as e:
+        record["error"] = f"{e} (log: {log})"
+    return record
+
+
+# ------------------------------------------------------------------ report
+def _fmt(v: object, spec: str = ".4g") -> str:
+    return "" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _wall(runs: list[dict], model: str, shot: int) -> dict[str, float]:
+    """Wall seconds of one model's successful runs at one shot count, by batch size."""
+    return {
+        r["batch_size"]: r["wall_s"]
+        for r in runs
+        if r["model"] == model and r["num_fewshot"] == shot and r["error"] is None
+    }
+
+
+def ratios(runs: list[dict]) -> list[dict]:
+    """Per shot count: nakta/hf wall at each batch size and best vs best; nakta default/best."""
+    out = []
+    for shot in sorted({r["num_fewshot"] for r in runs}):
+        hf, nk = _wall(runs, "hf", shot), _wall(runs, "nakta", shot)
+        row: dict = {"num_fewshot": shot}
+        row["nakta_over_hf"] = {bs: nk[bs] / hf[bs] for bs in nk if bs in hf}
+        if hf and nk:
+            row["best_nakta_over_best_hf"] = min(nk.values()) / min(hf.values())
+        if nk:
+            best = min(nk, key=nk.get)
+            row["nakta_best_batch_size"] = best
+            if DEFAULT in nk:
+                row["nakta_default_over_best"] = nk[DEFAULT] / nk[best]
+        out.append(row)
+    return out
+
+
+def markdown(summary: dict) -> str:
+    m = summary
+    lines = [
+        f"# lm-eval speed: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})",
+        "",
+        f"`{TASK}` on `{m['data']}` (limit {m['limit']}, few-shot limit {m['fewshot_limit']}), "
+        f"lm-eval {m['lm_eval']}, transformers {m['transformers']}, torch {m['torch']}. "
+        "wall = child process start to end; load = model construction; scoring = "
+        "lm-eval's evaluate(). `default` = no --batch_size flag.",
+        "",
+        "| model | shots | batch size | wall s | load s | scoring s | acc | acc_norm | n |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["runs"]:
+        lines.append(
+            f"| {r['model']} | {r['num_fewshot']} | {r['batch_size']} | {_fmt(r['wall_s'])} | "
+            f"{_fmt(r['load_s'])} | {_fmt(r['scoring_s'])} | {_fmt(r['acc'])} | "
+            f"{_fmt(r['acc_norm'])} | {_fmt(r['n'])} |"
+            + (f" failed: {r['error']}" if r["error"] else "")
+        )
+    lines += ["", "## Ratios (wall seconds)", ""]
+    for row in summary["ratios"]:
+        parts = [f"nakta/hf at {bs}: {x:.3g}" for bs, x in row["nakta_over_hf"].items()]
+        if "best_nakta_over_best_hf" in row:
+            parts.append(f"best nakta / best hf: {row['best_nakta_over_best_hf']:.3g}")
+        if "nakta_default_over_best" in row:
+            parts.append(
+                f"nakta default / its best ({row['nakta_best_batch_size']}): "
+                f"{row['nakta_default_over_best']:.3g}"
+            )
+        lines.append(f"- {row['num_fewshot']}-shot: " + ("; ".join(parts) or "no pair"))
+    extra = [f"- convert.py: {m['convert_s']:.3g} s"]
+    if m["make_hf_s"] is not None:
+        extra.append(f"- random HF checkpoint made and saved: {m['make_hf_s']:.3g} s")
+    return "\n".join(lines + [""] + extra) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nakta_model.bench.report import save_figure
+
+    runs = [r for r in summary["runs"] if r["error"] is None]
+    shots = sorted({r["num_fewshot"] for r in runs}) or [0]
+    sizes = list(dict.fromkeys(r["batch_size"] for r in summary["runs"]))
+    models = list(dict.fromkeys(r["model"] for r in summary["runs"]))
+    fig, axes = plt.subplots(1, len(shots), figsize=(5 * len(shots), 4), squeeze=False)
+    width = 0.8 / max(len(models), 1)
+    for ax, shot in zip(axes[0], shots):
+        for j, model in enumerate(models):
+            by_bs = {
+                r["batch_size"]: r for r in runs if r["model"] == model and r["num_fewshot"] == shot
+            }
+            xs = [i + j * width for i, bs in enumerate(sizes) if bs in by_bs]
+            got = [by_bs[bs] for bs in sizes if bs in by_bs]
+            color = f"C{j}"
+            ax.bar(xs, [r["wall_s"] for r in got], width, color=color, alpha=0.35)
+            ax.bar(xs, [r["scoring_s"] or 0 for r in got], width * 0.6, color=color)
+            ax.bar([], [], color=color, label=f"{model}: wall (light), scoring (dark)")
+        ax.set_xticks([i + width * (len(models) - 1) / 2 for i in range(len(sizes))])
+        ax.set_xticklabels(sizes)
+        ax.set_xlabel("--batch_size")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{shot}-shot")
+        ax.legend(fontsize=8)
+    m = summary
+    fig.suptitle(f"lm-eval {TASK}: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})")
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def write_outputs(summary: dict, out: Path) -> None:
+    from nakta_model.io_utils import atomic_write_text
+
+    atomic_write_text(
+        out / "lm_eval_summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n"
+    )
+    atomic_write_text(out / "lm_eval_summary.md", markdown(summary))
+    plot(summary, out / "lm_eval_summary.png")
+
+
+# ------------------------------------------------------------------ main
+def _sample_texts(data: str, n: int = 40) -> list[str]:
+    from nakta_model.tasks import hellaswag
+
+    docs = hellaswag.load(data, limit=n)
+    return [d.query + " " + c for d in docs for c in d.choices]
+
+
+def prepare_weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Weights, dict]:
+    """The HF directory (given or made), its tokenizer dir and the converted Nakta copy."""
+    from nakta_model import Tokenizer
+
+    n_words = Tokenizer(a.tokenizer).n_words
+    meta: dict = {"make_hf_s": None}
+    if a.hf:
+        hf_dir = Path(a.hf).resolve()
+        if hf_vocab_size(hf_dir) != n_words:
+            raise UsageError(
+                f"--hf {a.hf} has vocab_size {hf_vocab_size(hf_dir)} but --tokenizer "
+                f"{a.tokenizer} has {n_words} pieces"
+            )
+        meta["weights"] = hf_dir.name
+    else:
+        args = preset_args(a.preset, n_words, a.max_seq_len)
+        hf_dir = work / "hf"
+        t0 = time.perf_counter()
+        make_random_hf(hf_dir, args, a.dtype, a.device, a.seed)
+        write_hf_tokenizer(hf_dir, a.tokenizer, args.max_seq_len)
+        meta["make_hf_s"] = time.perf_counter() - t0
+        meta["weights"] = f"{a.preset}-random-seed{a.seed}"
+        meta["vocab_size"] = n_words
+    hf_tok = write_hf_tokenizer(work / "hf_tokenizer", a.tokenizer, a.max_seq_len)
+    check_tokenizers_agree(hf_tok, a.tokenizer, _sample_texts(a.data))
+    nakta_dir = work / "nakta"
+    meta["convert_s"] = convert(hf_dir, nakta_dir, a.dtype, out / "logs" / "convert.log")
+    sp = Path(a.tokenizer).resolve()
+    return Weights(hf_dir, hf_tok, nakta_dir, sp), meta
+
+
+def plan(a: argparse.Namespace) -> list[RunSpec]:
+    """Shot count, then batch size, then model: the two models' runs sit side by side."""
+    few_limit = a.fewshot_limit if a.fewshot_limit is not None else a.limit
+    return [
+        RunSpec(model, shot, bs, a.limit if shot == 0 else few_limit)
+        for shot in parse_fewshot(a.fewshot)
+        for bs in parse_batch_sizes(a.batch_sizes)
+        for model in parse_models(a.models)
+    ]
+
+
+def _environment(a: argparse.Namespace) -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    from nakta_model.bench.ceilings import device_slug
+
+    name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
+    return {
+        "device": device_slug(a.device),
+        "device_name": name,
+        "dtype": a.dtype,
+        "lm_eval": md.version("lm_eval"),
+        "transformers": md.version("transformers"),
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        return _main(a)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(a: argparse.Namespace) -> int:
+    import torch
+
+    specs = plan(a)
+    _check_inputs(a)
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {a.device}: CUDA is not available")
+    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+    meta = _environment(a)
+    out = Path(a.out) if a.out else REPO / "speed_bench" / "results" / meta["device"]
+    out.mkdir(parents=True, exist_ok=True)
+    work_ctx = (
+        contextlib.nullcontext(a.work) if a.work else tempfile.TemporaryDirectory("lm_eval_speed")
+    )
+    with work_ctx as work_name:
+        work = Path(work_name)
+        work.mkdir(parents=True, exist_ok=True)
+        weights, made = prepare_weights(a, work, out)
+        meta.update(made)
+        meta.update(
+            data=Path(a.data).name,
+            tokenizer=Path(a.tokenizer).name,
+            preset=a.preset,
+            hf=a.hf,
+            limit=a.limit,
+            fewshot_limit=a.fewshot_limit if a.fewshot_limit is not None else a.limit,
+            local_tasks_only=a.local_tasks_only,
+        )
+        runs = []
+        for i, spec in enumerate(specs, 1):
+            record = run_one(spec, weights, a, out)
+            runs.append(record)
+            print(f"[{i}/{len(specs)}] {_describe(record)}", flush=True)
+    summary = {"runs": runs, "ratios": ratios(runs), **meta}
+    write_outputs(summary, out)
+    print(markdown(summary))
+    print(f"wrote {out / 'lm_eval_summary.json'}, .md and .png")
+    failed = [r for r in runs if r["error"]]
+    return 1 if failed else 0
+
+
+def _describe(r: dict) -> str:
+    head = f"{r['model']} {r['num_fewshot']}-shot batch {r['batch_size']}: wall {r['wall_s']:.1f} s"
+    if r["error"]:
+        return f"{head}, FAILED {r['error']}"
+    return (
+        f"{head} (load {r['load_s']:.1f}, scoring {r['scoring_s']:.1f}), "
+        f"acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):  # `python speed_bench/lm_eval_speed.py`: this checkout first
+        sys.path.insert(0, str(REPO))
+    sys.exit(main())

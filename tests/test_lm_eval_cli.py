@@ -1,0 +1,139 @@
+"""The lm-eval entry point (``accuracy_test.lm_eval_cli``): lm-eval's models plus ours, the task
+data checked before the model loads, the timing hook; ``lm_eval_check``'s own command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from accuracy_test import lm_eval_check, lm_eval_cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = REPO / "accuracy_test" / "tasks"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+
+
+def test_entry_keeps_lm_eval_builtins_and_imports_ours_lazily():
+    """Registering ours first used to hide every built-in ("Supported model names: nakta, ...")."""
+    out = _python(
+        "import sys\n"
+        "from accuracy_test import lm_eval_cli\n"
+        "lm_eval_cli.register_models()\n"
+        "lm_eval_cli.register_models()  # idempotent\n"
+        "assert 'accuracy_test.lm_eval_adapter' not in sys.modules\n"
+        "from lm_eval.api.registry import get_model\n"
+        "print(get_model('dummy').__name__, get_model('hf').__name__, get_model('nakta').__name__)\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["DummyLM", "HFLM", "NaktaLM"]
+
+
+def test_importing_the_adapter_first_keeps_the_builtins():
+    out = _python(
+        "import accuracy_test.lm_eval_adapter\n"
+        "from accuracy_test import lm_eval_cli\n"
+        "lm_eval_cli.register_models()\n"
+        "from lm_eval.api.registry import get_model\n"
+        "print(get_model('dummy').__name__, get_model('llama_org').__name__)\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["DummyLM", "LlamaOrgLM"]
+
+
+def test_missing_task_data_is_one_error_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["nakta-lm-eval"])
+    monkeypatch.setenv("NAKTA_HELLASWAG_JSONL", "/nope.jsonl")
+    argv = ["--model", "nakta", "--model_args", f"checkpoint={tmp_path},tokenizer=/none"]
+    argv += ["--include_path", str(TASKS), "--tasks", "hellaswag_local", "--device", "cpu"]
+    with pytest.raises(SystemExit) as e:
+        lm_eval_cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "error: hellaswag_local: /nope.jsonl (from NAKTA_HELLASWAG_JSONL / metadata) not found"
+    )
+    # --metadata names the file too (and wins over the environment)
+    with pytest.raises(SystemExit):
+        lm_eval_cli.main([*argv, "--metadata", "hellaswag_jsonl=/other.jsonl"])
+    assert "error: hellaswag_local: /other.jsonl" in capsys.readouterr().err
+
+
+def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, shared_data):
+    import lm_eval.tasks
+
+    # lm-eval indexes its ~10k built-in task files first (16 s here): only ours for the test
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lm_eval.tasks.TaskManager)  # restored
+    monkeypatch.setenv(lm_eval_cli.LOCAL_TASKS_ENV, "1")
+    monkeypatch.setattr(sys, "argv", ["nakta-lm-eval"])
+    monkeypatch.setenv("NAKTA_HELLASWAG_JSONL", str(shared_data / "hellaswag_val_full.jsonl"))
+    timing = tmp_path / "t" / "timing.json"
+    monkeypatch.setenv(lm_eval_cli.TIMING_ENV, str(timing))
+    stories = shared_data / "stories260K"
+    model_args = f"checkpoint={stories},tokenizer={stories / 'tokenizer.model'}"
+    lm_eval_cli.main(
+        ["--model", "nakta", "--model_args", model_args, "--include_path", str(TASKS)]
+        + ["--tasks", "hellaswag_local", "--limit", "2", "--device", "cpu"]
+    )
+    got = json.loads(timing.read_text())
+    assert got["model_class"] == "accuracy_test.lm_eval_adapter.NaktaLM"
+    assert 0 <= got["load_s"] < got["total_s"] and 0 < got["scoring_s"] < got["total_s"]
+    assert got["argv"][-4:] == ["--limit", "2", "--device", "cpu"]
+    import lm_eval.api.registry
+    import lm_eval.evaluator
+
+    assert lm_eval.api.registry.get_model.__module__ == "lm_eval.api.registry"  # restored
+    assert lm_eval.evaluator.evaluate.__module__ == "lm_eval.evaluator"
+    assert lm_eval.tasks.TaskManager.__name__ == "LocalTaskManager"
+    assert lm_eval.tasks.TaskManager(include_path=str(TASKS)).all_tasks == ["hellaswag_local"]
+
+
+def test_lm_eval_check_help_describes_its_own_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        lm_eval_check.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "Does lm-eval, through the ``nakta`` / ``llama_org`` adapters" in out
+    assert "exit code 0 when every number matches" in out
+    assert "--random" not in out and "--preset" not in out and "HellaSwag parity" not in out
+
+
+def test_lm_eval_check_runs_parity_without_a_truth_pass():
+    a = lm_eval_check.parse_args(
+        ["--checkpoint", "C", "--tokenizer", "T", "--data", "D", "--dtype", "bf16"]
+        + ["--limit", "3", "--no-progress"]
+    )
+    p = lm_eval_check.parity_args(a)
+    assert (p.checkpoint, p.tokenizer, p.data, p.dtype, p.limit) == ("C", "T", "D", "bf16", 3)
+    assert p.truth == "none" and p.no_progress and not p.random
+
+
+def test_bad_model_args_are_one_error_line(monkeypatch, capsys, shared_data):
+    monkeypatch.setattr(sys, "argv", ["nakta-lm-eval"])
+    monkeypatch.setenv(lm_eval_cli.LOCAL_TASKS_ENV, "1")
+    monkeypatch.setenv("NAKTA_HELLASWAG_JSONL", str(shared_data / "hellaswag_val_full.jsonl"))
+    stories = shared_data / "stories260K"
+    model_args = f"checkpoint={stories},tokenizer={stories / 'tokenizer.model'},dtyp=bf16"
+    with pytest.raises(SystemExit) as e:
+        lm_eval_cli.main(
+            ["--model", "nakta", "--model_args", model_args, "--include_path", str(TASKS)]
+            + ["--tasks", "hellaswag_local", "--limit", "2", "--device", "cpu"]
+        )
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: nakta: unknown model_args dtyp; known: checkpoint")
+    # no traceback through the adapter (lm-eval's log handler may hold an earlier test's
+    # closed stderr and print "--- Logging error ---" here: a test artifact, so not "Traceback")
+    assert not any("lm_eval_adapter.py" in line for line in err), err

@@ -1,0 +1,197 @@
+"""speed_bench/lm_eval_speed.py: lm-eval's hf vs nakta through the project's entry, end to end
+at tiny size on the CPU (same random weights: both must report the same acc), plus its rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from speed_bench import lm_eval_speed as bench  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_KEYS = {"model", "num_fewshot", "batch_size", "tasks", "wall_s", "load_s", "scoring_s"}
+RUN_KEYS |= {"acc", "acc_norm"}
+
+
+@pytest.mark.slow  # four lm-eval child processes (hf and nakta, 0- and 1-shot): ~90 s here
+def test_end_to_end_tiny_cpu_hf_and_nakta_agree(shared_data, tmp_path):
+    out = tmp_path / "res"
+    cmd = [sys.executable, "speed_bench/lm_eval_speed.py", "--preset", "tiny"]
+    cmd += ["--tokenizer", str(shared_data / "stories260K" / "tokenizer.model")]
+    cmd += ["--data", str(shared_data / "hellaswag_val_full.jsonl"), "--limit", "4"]
+    cmd += ["--fewshot", "0,1", "--batch-sizes", "default", "--device", "cpu"]
+    cmd += ["--out", str(out), "--local-tasks-only", "--work", str(tmp_path / "work")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "lm_eval_summary.json").read_text())
+    runs = summary["runs"]
+    assert [(r["model"], r["num_fewshot"]) for r in runs] == [
+        ("hf", 0),
+        ("nakta", 0),
+        ("hf", 1),
+        ("nakta", 1),
+    ]
+    for r in runs:
+        assert set(r) >= RUN_KEYS and r["error"] is None and r["n"] == 4
+        assert r["batch_size"] == "default" and r["tasks"] == "hellaswag_local"
+        assert 0 < r["load_s"] < r["wall_s"] and 0 < r["scoring_s"] < r["wall_s"]
+        assert (out / r["log"]).is_file()
+    for shot in (0, 1):
+        hf, nakta = (r for r in runs if r["num_fewshot"] == shot)
+        assert (nakta["acc"], nakta["acc_norm"]) == (hf["acc"], hf["acc_norm"])  # same weights
+    assert summary["device"] == "cpu" and summary["dtype"] == "fp32"
+    assert summary["preset"] == "tiny" and summary["vocab_size"] == 512  # the tokenizer's
+    assert (summary["limit"], summary["fewshot_limit"]) == (4, 4)
+    assert summary["lm_eval"] == "0.4.13" and summary["convert_s"] > 0
+    assert [r["num_fewshot"] for r in summary["ratios"]] == [0, 1]
+    md = (out / "lm_eval_summary.md").read_text()
+    assert "| nakta | 1 | default |" in md and "0-shot: nakta/hf at default:" in md
+    assert (out / "lm_eval_summary.png").stat().st_size > 0
+    assert (tmp_path / "work" / "nakta").is_dir() and (out / "logs" / "convert.log").is_file()
+
+
+def test_plan_orders_shots_then_batch_sizes_then_models():
+    a = bench.parse_args(
+        ["--preset", "tiny", "--tokenizer", "t", "--fewshot", "0,10"]
+        + ["--batch-sizes", "default,64,auto:2", "--limit", "30", "--fewshot-limit", "5"]
+    )
+    specs = bench.plan(a)
+    assert [(s.num_fewshot, s.batch_size, s.model) for s in specs[:3]] == [
+        (0, "default", "hf"),
+        (0, "default", "nakta"),
+        (0, "64", "hf"),
+    ]
+    assert {s.limit for s in specs if s.num_fewshot == 0} == {30}
+    assert {s.limit for s in specs if s.num_fewshot == 10} == {5}
+    w = bench.Weights(Path("H"), Path("T"), Path("N"), Path("S"))
+    default = bench.child_command(specs[1], w, "bf16", "cuda", Path("o"))
+    assert "--batch_size" not in default and default[:3] == [
+        sys.executable,
+        "-m",
+        "accuracy_test.lm_eval_cli",
+    ]
+    assert "checkpoint=N,tokenizer=S,dtype=bf16" in default
+    hf64 = bench.child_command(specs[2], w, "bf16", "cuda", Path("o"))
+    assert hf64[-2:] == ["--batch_size", "64"] and "pretrained=H,tokenizer=T,dtype=bfloat16" in hf64
+
+
+def test_ratios():
+    def run(model, bs, wall, shot=0):
+        return {
+            "model": model,
+            "num_fewshot": shot,
+            "batch_size": bs,
+            "wall_s": wall,
+            "error": None,
+        }
+
+    runs = [run("hf", "default", 60.0), run("nakta", "default", 12.0), run("hf", "64", 20.0)]
+    runs += [run("nakta", "64", 10.0), run("nakta", "auto", 11.0), run("hf", "default", 9.0, 10)]
+    (zero, ten) = bench.ratios(runs)
+    assert zero["nakta_over_hf"] == {"default": 0.2, "64": 0.5}
+    assert zero["best_nakta_over_best_hf"] == 0.5
+    assert zero["nakta_best_batch_size"] == "64" and zero["nakta_default_over_best"] == 1.2
+    assert ten == {"num_fewshot": 10, "nakta_over_hf": {}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--batch-sizes", "default,0"], "--batch-sizes: '0' is not default"),
+        (["--fewshot", "0,x"], "--fewshot must be comma-separated ints"),
+        (["--models", "hf,vllm"], "--models must be a subset of hf,nakta"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--data", "/nope.jsonl"], "--data /nope.jsonl is not a file"),
+        (["--preset", "huge"], "unknown preset 'huge'"),
+    ],
+)
+def test_bad_input_is_one_error_line(shared_data, tmp_path, capsys, extra, message):
+    argv = ["--tokenizer", str(shared_data / "stories260K" / "tokenizer.model"), "--device", "cpu"]
+    argv += ["--data", str(shared_data / "hellaswag_val_full.jsonl"), "--out", str(tmp_path)]
+    argv += ["--work", str(tmp_path / "w")]
+    if "--preset" not in extra:
+        argv += ["--preset", "tiny"]
+    assert bench.main(argv + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_hf_dir_with_another_vocabulary_is_refused(shared_data, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"vocab_size": 32000}))
+    argv = ["--hf", str(hf), "--tokenizer", str(shared_data / "stories260K" / "tokenizer.model")]
+    argv += ["--data", str(shared_data / "hellaswag_val_full.jsonl"), "--device", "cpu"]
+    assert bench.main(argv + ["--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]) == 2
+    assert "has vocab_size 32000 but --tokenizer" in capsys.readouterr().err
+
+
+def test_runs_as_a_module_and_as_a_script():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for cmd in (["-m", "speed_bench.lm_eval_speed"], ["speed_bench/lm_eval_speed.py"]):
+        done = subprocess.run(
+            [sys.executable, *cmd, "--help"], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0 and "--batch-sizes" in done.stdout, done.stderr
+
+
+def test_hf_and_nakta_on_the_same_weights_and_the_rolling_bos_convention(
+    shared_data, tmp_path, monkeypatch
+):
+    """What the adapter docstring states: ``loglikelihood`` equals hf's default; the rolling
+    sum equals hf with ``add_bos_token=False`` (hf's default also scores BOS after BOS)."""
+    # llama_org (earlier tests) leaves RANK/WORLD_SIZE/... in os.environ for its world of one;
+    # accelerate (inside HFLM) would read them and start a process group that outlives the test
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    import convert
+    from accuracy_test.lm_eval_adapter import NaktaLM
+
+    sp = shared_data / "stories260K" / "tokenizer.model"
+    args = bench.preset_args("tiny", 512, 256)
+    bench.make_random_hf(tmp_path / "hf", args, "fp32", "cpu", seed=3)
+    bench.write_hf_tokenizer(tmp_path / "hf", sp, 256)
+    assert convert.main([str(tmp_path / "hf"), str(tmp_path / "nakta"), "--quiet"]) in (None, 0)
+    nakta = NaktaLM(checkpoint=str(tmp_path / "nakta"), tokenizer=str(sp), device="cpu")
+    hf_kw = dict(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=4)
+    hf, hf_no_bos = HFLM(**hf_kw), HFLM(**hf_kw, add_bos_token=False)
+    pairs = [("Once upon a time", " there was a cat."), ("She said", " hello to the dog.")]
+    ll = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    got = [x[0] for x in nakta.loglikelihood(ll, disable_tqdm=True)]
+    assert got == pytest.approx([x[0] for x in hf.loglikelihood(ll, disable_tqdm=True)], abs=1e-4)
+    text = [Instance("loglikelihood_rolling", {}, ("The little dog ran to the park.",), 0)]
+    rolling = nakta.loglikelihood_rolling(text, disable_tqdm=True)
+    assert rolling == pytest.approx(hf_no_bos.loglikelihood_rolling(text, True), abs=1e-4)
+    with_bos = hf.loglikelihood_rolling(text, True)
+    assert abs(with_bos[0] - rolling[0]) > 1e-3  # + log P(BOS | BOS), text given BOS BOS
+
+
+@pytest.mark.gpu
+def test_gpu_every_batch_size_runs_for_both_models(shared_data, tmp_path):
+    """On the GPU machine: bf16, default / 64 / auto (hf's auto probes the GPU's memory)."""
+    out = tmp_path / "res"
+    cmd = [sys.executable, "speed_bench/lm_eval_speed.py", "--preset", "stories260K"]
+    cmd += ["--tokenizer", str(shared_data / "stories260K" / "tokenizer.model")]
+    cmd += ["--data", str(shared_data / "hellaswag_val_full.jsonl"), "--limit", "40"]
+    cmd += ["--fewshot", "0", "--batch-sizes", "default,64,auto", "--device", "cuda"]
+    cmd += ["--out", str(out), "--local-tasks-only"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "lm_eval_summary.json").read_text())
+    assert summary["dtype"] == "bf16" and summary["device"] != "cpu"
+    assert len(summary["runs"]) == 6 and all(r["error"] is None for r in summary["runs"])
+    assert "nakta_default_over_best" in summary["ratios"][0]
