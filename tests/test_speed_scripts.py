@@ -150,7 +150,7 @@ def _bad_inputs(tmp_path: Path, data: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "data-unreadable": (
             ["--data", str(garbage), "--tokenizer", str(tok)],
-            r"--data .*garbage.jsonl: cannot read HellaSwag tasks from it \(JSONDecodeError",
+            r"--data .*garbage.jsonl: cannot read HellaSwag tasks from it .*line 1: not valid JSON",
         ),
         "vocab-mismatch": (
             ["--preset", "tiny", "--data", str(jsonl), "--tokenizer", str(tok), "--limit", "2"],
