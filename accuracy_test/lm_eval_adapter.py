@@ -79,13 +79,11 @@ from nakta_model import scoring
 __all__ = ["LlamaOrgLM", "NaktaLM"]
 
 LLAMA_ORG_ROWS = 32  # llama_org's rows (and KV-cache batch) when no row count was given
-NAKTA_GEN_ROWS = 16  # prompts per generation batch when nakta's rows are uncapped
-IMPLEMENTED_GEN_KWARGS = ("until", "max_gen_toks", "temperature", "do_sample", "top_p")
+IMPLEMENTED_GEN_KWARGS = ("until", "max_gen_toks", "temperature", "do_sample", "top_p", "top_k")
 # settings the engine does not implement, accepted only at the value that changes nothing
 NOOP_GEN_KWARGS = {
     "num_beams": (1,),
     "num_return_sequences": (1,),
-    "top_k": (None, 0),
     "repetition_penalty": (1, 1.0),
 }
 
@@ -192,6 +190,7 @@ class GenSettings:
     max_gen: int
     temperature: float
     top_p: float
+    top_k: int = 0
 
 
 def generation_settings(kwargs: dict, default_max_gen: int, eos_text: str) -> GenSettings:
@@ -206,6 +205,8 @@ def generation_settings(kwargs: dict, default_max_gen: int, eos_text: str) -> Ge
     if not _as_bool(kwargs.pop("do_sample", False), "do_sample") and temperature > 0:
         temperature = 0.0  # lm-eval: do_sample=False means greedy
     top_p = _float("top_p", kwargs.pop("top_p", 1.0))
+    top_k = kwargs.pop("top_k", None) or 0
+    top_k = _positive_int("top_k", top_k) if top_k else 0
     unsupported = sorted(
         k for k, v in kwargs.items() if k not in NOOP_GEN_KWARGS or v not in NOOP_GEN_KWARGS[k]
     )
@@ -217,7 +218,7 @@ def generation_settings(kwargs: dict, default_max_gen: int, eos_text: str) -> Ge
             + ", ".join(f"{k}={v[-1]}" for k, v in NOOP_GEN_KWARGS.items())
             + ")"
         )
-    return GenSettings(tuple(until), max_gen, temperature, top_p)
+    return GenSettings(tuple(until), max_gen, temperature, top_p, top_k if temperature > 0 else 0)
 
 
 class _ScoringLM(TemplateLM):
@@ -308,6 +309,10 @@ class _ScoringLM(TemplateLM):
         for gen in settings.values():
             if gen.max_gen >= self.max_length:
                 raise ModelArgsError(f"max_gen_toks={gen.max_gen} >= max_length={self.max_length}")
+            if gen.top_k:
+                raise ModelArgsError(
+                    f"top_k={gen.top_k}: Meta's sampler (llama_org) has top_p only; use nakta"
+                )
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
         for key, idx in groups.items():
             gen = settings[key]
@@ -384,6 +389,8 @@ class NaktaLM(_ScoringLM):
         except ValueError:
             self.handle.close()
             raise
+        # Compile the scorer's kernels now (part of loading), not inside the first batch.
+        self.warm_up_s = scoring.warm_up(self.model, use_cache=self.use_cache)
 
     @property
     def max_length(self) -> int:
@@ -416,7 +423,7 @@ class NaktaLM(_ScoringLM):
         from nakta_model.parallel import data_parallel_map
 
         return data_parallel_map(
-            lambda part: super(NaktaLM, self).generate_until(
+            lambda part: self._generate_until_local(
                 part, disable_tqdm or not self.parallel.is_leader
             ),
             list(requests),
@@ -424,23 +431,45 @@ class NaktaLM(_ScoringLM):
             costs=[len(r.args[0]) + 1 for r in requests],
         )
 
-    def _gen_rows(self) -> int:
-        return self.rows or NAKTA_GEN_ROWS
+    def _generate_until_local(self, requests, disable_tqdm: bool) -> list[str]:
+        """Every request through one continuous-batching ``Generator``: per-request settings,
+        decoding stops at EOS or as soon as an ``until`` string appears (lm-eval's cut)."""
+        from nakta_model.generation import GenerationRequest, SamplingParams, StopStrings
 
-    def _generate(self, prompts, max_gen, temperature, top_p):
-        from nakta_model.generation import generate_tokens
+        eos_text = self.tok_decode([self.eot_token_id])
+        reqs = []
+        for req in requests:  # every request checked before any generation runs
+            gen = generation_settings(req.args[1], self.max_gen_toks, eos_text)
+            if gen.max_gen >= self.max_length:
+                raise ModelArgsError(f"max_gen_toks={gen.max_gen} >= max_length={self.max_length}")
+            keep = self.max_length - gen.max_gen  # lm-eval left-truncates the context to this
+            reqs.append(
+                GenerationRequest(
+                    self.tok_encode(req.args[0])[-keep:],
+                    gen.max_gen,
+                    SamplingParams(gen.temperature, gen.top_k, gen.top_p),
+                    stop_token_ids=(self.eot_token_id,),
+                    stop=StopStrings(gen.until, self.tok_decode),
+                )
+            )
+        if not reqs:
+            return []
+        results = self._generator().generate(reqs, progress=not disable_tqdm)
+        out = []
+        for req, res in zip(requests, results):
+            out.append(res.text)
+            self.cache_hook.add_partial("generate_until", req.args, res.text)
+        return out
 
-        out = generate_tokens(
-            self.model,
-            prompts,
-            max_gen,
-            eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id,
-            temperature=temperature,
-            top_p=top_p,
-            max_seq_len=self.max_length,
-        )
-        return [o[len(p) :] for o, p in zip(out, prompts)]
+    def _generator(self):
+        """The generation engine, built on first use (it owns the model's KV cache)."""
+        if getattr(self, "_gen", None) is None:
+            from nakta_model.generation import Generator
+
+            self._gen = Generator(
+                self.model, max_batch=min(self.rows or 32, 64), max_seq_len=self.max_length
+            )
+        return self._gen
 
 
 def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) -> None:

@@ -196,11 +196,11 @@ def test_default_batch_size_scores_with_the_token_budget_alone(tiny, monkeypatch
     ckpt, tok = tiny
     seen = []
     real = scoring.score
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
+    lm = adapter.NaktaLM(**kw, batch_size=1)  # (its warm-up batch is not counted)
     monkeypatch.setattr(
         scoring, "score", lambda *a, **kw: seen.append(kw["max_rows"]) or real(*a, **kw)
     )
-    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
-    lm = adapter.NaktaLM(**kw, batch_size=1)
     lm.loglikelihood([Instance("loglikelihood", {}, ("a cat", " sat"), 0)], disable_tqdm=True)
     assert seen == [None]
     assert adapter.NaktaLM(**kw, batch_size=8, max_batch_size="auto").rows == 8
@@ -288,7 +288,7 @@ def test_llama_org_says_when_the_checkpoint_does_not_exist(tiny, tmp_path):
     ("kwargs", "refused"),
     [
         ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
-        ({"num_beams": 4, "top_k": 40}, "num_beams=4, top_k=40"),
+        ({"num_beams": 4, "top_k": 40}, "num_beams=4"),
         ({"max_new_tokens": 8}, "max_new_tokens=8"),
     ],
 )
@@ -305,6 +305,8 @@ def test_generation_settings_the_engine_implements():
         "</s>",
     )
     assert g == adapter.GenSettings(("\n", "</s>"), 5, 0.7, 0.9)
+    k = adapter.generation_settings({"do_sample": True, "temperature": 1.0, "top_k": 40}, 16, "")
+    assert k.top_k == 40  # the nakta engine samples top-k; llama_org refuses it when it runs
     greedy = adapter.generation_settings({"temperature": 0.7, "do_sample": "false"}, 16, "")
     assert greedy.temperature == 0.0 and greedy.max_gen == 16
 

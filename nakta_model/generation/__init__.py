@@ -1,6 +1,29 @@
-"""Text generation: LLaMA-1's loop (``meta_loop``) and on-device sampling (``sampling``)."""
+"""Text generation.
 
+``engine.Generator``: continuous batching with a graph-captured fused decode step (``step``),
+on-device sampling (``sampling``) and stop strings (``stops``); ``meta_loop``: LLaMA-1's loop,
+token for token as Meta wrote it (the reference the engine is checked against).
+"""
+
+from nakta_model.generation.engine import (
+    GenerationRequest,
+    GenerationResult,
+    Generator,
+    greedy_requests,
+)
 from nakta_model.generation.meta_loop import generate, generate_tokens, sample_top_p
 from nakta_model.generation.sampling import SamplingParams, sample_next
+from nakta_model.generation.stops import StopStrings
 
-__all__ = ["SamplingParams", "generate", "generate_tokens", "sample_next", "sample_top_p"]
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "Generator",
+    "SamplingParams",
+    "StopStrings",
+    "generate",
+    "generate_tokens",
+    "greedy_requests",
+    "sample_next",
+    "sample_top_p",
+]
