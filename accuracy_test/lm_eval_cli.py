@@ -23,9 +23,10 @@ is one ``error:`` line and exit code 2, not a traceback after a long model load.
 ``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) are written there
 at exit, for any model (``speed_bench/lm_eval_speed.py`` reads them).
 
-``NAKTA_LM_EVAL_LOCAL_TASKS=1``: index only the ``--include_path`` tasks. lm-eval always
-indexes its ~10k built-in task files first (16 s per run on a slow CPU) and has no flag to skip
-them; runs that use local tasks only (tests, repeated benchmark runs) can.
+Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
+per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
+``--include_path``, this entry indexes those folders only; ``NAKTA_LM_EVAL_LOCAL_TASKS=1`` forces
+that, ``=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -56,6 +57,35 @@ def register_models() -> None:
     for name, target in OUR_MODELS.items():
         if name not in model_registry:
             model_registry.register(name, target=target)
+
+
+def local_task_names(include_path: object) -> set[str]:
+    """``task:`` names of the yaml files under ``--include_path`` (one folder or a list)."""
+    import re
+
+    paths = include_path if isinstance(include_path, (list, tuple)) else [include_path]
+    names: set[str] = set()
+    for root in paths:
+        if not root or not Path(str(root)).is_dir():
+            continue
+        for f in Path(str(root)).rglob("*.yaml"):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                m = re.search(r"^task:\s*['\"]?([^'\"\s#]+)", f.read_text(), re.MULTILINE)
+                if m:
+                    names.add(m.group(1))
+    return names
+
+
+def _only_local_tasks(args: argparse.Namespace) -> bool:
+    """Whether every requested task comes from ``--include_path`` (or the env var says so)."""
+    forced = os.environ.get(LOCAL_TASKS_ENV)
+    if forced is not None and forced != "":
+        return forced != "0"
+    tasks = getattr(args, "tasks", None) or []
+    if isinstance(tasks, str):
+        tasks = tasks.split(",")
+    local = local_task_names(getattr(args, "include_path", None))
+    return bool(tasks) and all(t in local for t in tasks)
 
 
 def index_local_tasks_only() -> None:
@@ -182,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if getattr(args, "command", None) == "run" and (error := task_data_error(args)):
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
-    if os.environ.get(LOCAL_TASKS_ENV, "") not in ("", "0"):
+    if getattr(args, "command", None) == "run" and _only_local_tasks(args):
         index_local_tasks_only()
     timing_path = os.environ.get(TIMING_ENV)
     with timing(timing_path) if timing_path else contextlib.nullcontext():

@@ -74,6 +74,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fewshot-limit", type=int, default=None, help="N tasks of few-shot runs (default --limit)"
     )
+    p.add_argument(
+        "--hf-batch-sizes",
+        default=None,
+        help="batch sizes for hf only (default: --batch-sizes; hf at lm-eval's default of 1 "
+        "row per forward takes minutes for a 3,000-task run)",
+    )
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: hf, nakta")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on cuda")
@@ -512,11 +518,15 @@ def prepare_weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Weigh
 def plan(a: argparse.Namespace) -> list[RunSpec]:
     """Shot count, then batch size, then model: the two models' runs sit side by side."""
     few_limit = a.fewshot_limit if a.fewshot_limit is not None else a.limit
+    sizes = parse_batch_sizes(a.batch_sizes)
+    hf_text = getattr(a, "hf_batch_sizes", None)
+    hf_sizes = parse_batch_sizes(hf_text) if hf_text else sizes
     return [
         RunSpec(model, shot, bs, a.limit if shot == 0 else few_limit)
         for shot in parse_fewshot(a.fewshot)
-        for bs in parse_batch_sizes(a.batch_sizes)
+        for bs in dict.fromkeys(sizes + hf_sizes)
         for model in parse_models(a.models)
+        if bs in (hf_sizes if model == "hf" else sizes)
     ]
 
 

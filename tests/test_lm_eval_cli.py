@@ -3,6 +3,7 @@ data checked before the model loads, the timing hook; ``lm_eval_check``'s own co
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -137,3 +138,21 @@ def test_bad_model_args_are_one_error_line(monkeypatch, capsys, shared_data):
     # no traceback through the adapter (lm-eval's log handler may hold an earlier test's
     # closed stderr and print "--- Logging error ---" here: a test artifact, so not "Traceback")
     assert not any("lm_eval_adapter.py" in line for line in err), err
+
+
+def test_local_tasks_are_found_and_decide_the_index(tmp_path, monkeypatch):
+    """Every requested task under --include_path: lm-eval's built-in index is skipped."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "t.yaml").write_text("# c\ntask: my_task\ndataset_path: json\n")
+    (tmp_path / "b.yaml").write_text("task: 'other'\n")
+    (tmp_path / "c.yaml").write_text("group: g\n")
+    assert lm_eval_cli.local_task_names(str(tmp_path)) == {"my_task", "other"}
+    monkeypatch.delenv(lm_eval_cli.LOCAL_TASKS_ENV, raising=False)
+    args = argparse.Namespace(tasks=["my_task", "other"], include_path=str(tmp_path))
+    assert lm_eval_cli._only_local_tasks(args)
+    args.tasks = ["my_task", "hellaswag"]  # a built-in task: the full index is needed
+    assert not lm_eval_cli._only_local_tasks(args)
+    monkeypatch.setenv(lm_eval_cli.LOCAL_TASKS_ENV, "0")
+    assert not lm_eval_cli._only_local_tasks(
+        argparse.Namespace(tasks=["my_task"], include_path=str(tmp_path))
+    )

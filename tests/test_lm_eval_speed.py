@@ -73,6 +73,10 @@ def test_plan_orders_shots_then_batch_sizes_then_models():
     ]
     assert {s.limit for s in specs if s.num_fewshot == 0} == {30}
     assert {s.limit for s in specs if s.num_fewshot == 10} == {5}
+    a.hf_batch_sizes = "64"  # hf at one batch size, nakta at all three
+    runs = [(s.num_fewshot, s.batch_size, s.model) for s in bench.plan(a)]
+    assert [r for r in runs if r[2] == "hf"] == [(0, "64", "hf"), (10, "64", "hf")]
+    assert len([r for r in runs if r[2] == "nakta"]) == 6
     w = bench.Weights(Path("H"), Path("T"), Path("N"), Path("S"))
     default = bench.child_command(specs[1], w, "bf16", "cuda", Path("o"))
     assert "--batch_size" not in default and default[:3] == [
