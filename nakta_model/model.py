@@ -1,8 +1,8 @@
 """The Nakta Transformer: LLaMA with fused weights and Triton kernels, readable in one sitting.
 
 Per block: RMSNorm (fused with the residual add) -> ONE ``wqkv`` GEMM -> in-place QK RoPE that
-also writes K/V into the cache -> attention (SDPA flash with a cache / causal rows; for scoring
-the packed Triton kernel, which also applies RoPE as it reads Q/K) -> ``wo`` -> RMSNorm + residual ->
+also writes K/V into the cache -> attention (SDPA flash with a cache / causal rows; the packed
+Triton kernel for scoring and prefill) -> ``wo`` -> RMSNorm + residual ->
 ONE ``w13`` GEMM -> SwiGLU -> ``w2``. Same math as Meta's LLaMA-1 (``llama_org``), fewer launches.
 
 Tensor parallel (``ParallelContext``): each rank holds its Q/K/V heads and FFN columns; ``wo``
@@ -128,16 +128,19 @@ class Attention(nn.Module):
         b, s = step.batch, step.seqlen
         qkv = self.wqkv(x)  # [b*s, (hq + 2 hkv) * hd]
         if step.packed is not None:  # one flat stream of sequences
-            if step.cache_slots is None:  # scoring: RoPE applied as Q/K are read
-                rope = _packed.Rope(step.positions, step.cos, step.sin, self.interleaved)
-                out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, rope=rope)
-            else:  # prefill: rotate once, write K/V into the cache, attend within each prompt
-                self.ops.rope_qkv_(
-                    qkv, step.positions, step.cos, step.sin, hq, hkv, hd,
-                    interleaved=self.interleaved, k_cache=self.k_cache, v_cache=self.v_cache,
-                    cache_slots=step.cache_slots,
-                )  # fmt: skip
-                out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd)
+            # RoPE once, in place (prefill also writes K/V into the cache), then attention
+            # within each sequence and branch. (Rotating K as it is read cost more than this
+            # pass on long rows: every query block re-rotates the same keys.)
+            cache = {}
+            if step.cache_slots is not None:
+                cache = dict(
+                    k_cache=self.k_cache, v_cache=self.v_cache, cache_slots=step.cache_slots
+                )
+            self.ops.rope_qkv_(
+                qkv, step.positions, step.cos, step.sin, hq, hkv, hd,
+                interleaved=self.interleaved, **cache,
+            )  # fmt: skip
+            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd)
             return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:

@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from nakta_model.kernels.packed_attention import (
-    Rope,
     packed_attention,
     packed_attention_mask,
     packed_attention_reference,
 )
-from nakta_model.kernels.rope import apply_rope_qkv_reference, build_rope_cache
 
 
 def layout(rows: list[tuple[int, list[int]]], pad: int = 0, device="cpu"):
@@ -123,53 +121,6 @@ def test_one_branch_per_row_is_causal_varlen_attention():
         at += n
 
 
-def tree_positions(rows: list[tuple[int, list[int]]], pad: int) -> torch.Tensor:
-    """Positions as the scorer lays them out: 0.. over the context, restarting per branch."""
-    pos = []
-    for ctx, branches in rows:
-        pos += range(ctx)
-        for b in branches:
-            pos += range(ctx, ctx + b)
-    return torch.tensor(pos + [0] * pad, dtype=torch.int32)
-
-
-@pytest.mark.parametrize("interleaved", [True, False], ids=["meta-pairs", "hf-halves"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq, hkv, hd", [(4, 2, 16), (2, 2, 8), (2, 1, 40)])
-def test_rope_on_load_equals_rotating_first(interleaved, dtype, hq, hkv, hd):
-    """``rope=`` gives attention over Q/K rotated by kernels.rope, and leaves qkv untouched."""
-    rows = random_rows(random.Random(hd), 3)
-    seq_start, branch = layout(rows, pad=2)
-    pos = tree_positions(rows, 2)
-    cos, sin = build_rope_cache(64, hd)
-    qkv = torch.randn(seq_start.shape[0], (hq + 2 * hkv) * hd).to(dtype)
-    before = qkv.clone()
-    rope = Rope(pos, cos, sin, interleaved)
-    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, rope=rope)
-    assert torch.equal(qkv, before)
-    rotated = qkv.float().clone()
-    apply_rope_qkv_reference(rotated, pos, cos, sin, hq, hkv, hd, interleaved=interleaved)
-    want = naive(rotated.to(dtype), seq_start, branch, hq, hkv, hd)
-    assert (got.double() - want).norm() / want.norm() < TOL[dtype]
-    ref = packed_attention_reference(qkv, seq_start, branch, hq, hkv, hd, rope=rope)
-    assert (ref.double() - want).norm() / want.norm() < TOL[dtype]
-    if dtype == torch.float32:  # same fp32 rotation as the rope kernel: agreement to rounding
-        plain = packed_attention(rotated, seq_start, branch, hq, hkv, hd)
-        torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-6)
-
-
-def test_rope_position_outside_the_table_is_nan_not_a_stray_read():
-    seq_start, branch = layout([(4, [2]), (3, [])])
-    pos = torch.tensor([0, 1, 2, 3, 4, 99, 0, 1, 2], dtype=torch.int32)  # 99: past the table
-    cos, sin = build_rope_cache(16, 16)
-    qkv = torch.randn(9, 3 * 2 * 16)
-    out = packed_attention(qkv, seq_start, branch, 2, 2, 16, rope=Rope(pos, cos, sin))
-    assert torch.isnan(out[5]).all()  # the bad token's own row
-    assert torch.isfinite(out[6:]).all() and torch.isfinite(out[:5]).all()  # others untouched
-    with pytest.raises(ValueError, match="positions"):
-        packed_attention_reference(qkv, seq_start, branch, 2, 2, 16, rope=Rope(pos, cos, sin))
-
-
 def test_bad_inputs_raise_naming_the_argument():
     seq_start, branch = layout([(3, [2])])
     t = seq_start.shape[0]
@@ -192,16 +143,6 @@ def test_bad_inputs_raise_naming_the_argument():
         packed_attention(qkv, seq_start, branch, 2, 1, 16, out=torch.empty(t, 16))
     empty = packed_attention(torch.randn(0, 64), seq_start[:0], branch[:0], 2, 1, 16)
     assert empty.shape == (0, 32)
-    cos, sin = build_rope_cache(8, 16)
-    pos = torch.zeros(t, dtype=torch.int32)
-    with pytest.raises(TypeError, match="rope must be a packed_attention.Rope"):
-        packed_attention(qkv, seq_start, branch, 2, 1, 16, rope=(pos, cos, sin))
-    with pytest.raises(ValueError, match=r"rope.cos must be \[max_pos, 8\]"):
-        packed_attention(qkv, seq_start, branch, 2, 1, 16, rope=Rope(pos, cos[:, :4], sin))
-    with pytest.raises(TypeError, match="rope.sin must have dtype"):
-        packed_attention(qkv, seq_start, branch, 2, 1, 16, rope=Rope(pos, cos, sin.double()))
-    with pytest.raises(ValueError, match="rope.positions must have 5 entries"):
-        packed_attention(qkv, seq_start, branch, 2, 1, 16, rope=Rope(pos[:2], cos, sin))
 
 
 @pytest.mark.gpu
@@ -220,11 +161,5 @@ def test_gpu_hellaswag_shaped_stream(dtype, hq, hkv):
     qkv = torch.randn(t, (hq + 2 * hkv) * hd, device="cuda", dtype=dtype)
     got = packed_attention(qkv, seq_start, branch, hq, hkv, hd)
     want = packed_attention_reference(qkv.float(), seq_start, branch, hq, hkv, hd)
-    err = (got.float() - want).norm() / want.norm()
-    assert torch.isfinite(got).all() and err < 1e-2, err
-    cos, sin = build_rope_cache(4096, hd, device="cuda")
-    rope = Rope(tree_positions(rows, -n % 128).cuda(), cos, sin)
-    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, rope=rope)
-    want = packed_attention_reference(qkv.float(), seq_start, branch, hq, hkv, hd, rope=rope)
     err = (got.float() - want).norm() / want.norm()
     assert torch.isfinite(got).all() and err < 1e-2, err

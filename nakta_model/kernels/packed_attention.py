@@ -26,7 +26,6 @@ tensor cores in the input dtype (fp32 inputs use IEEE fp32 dots, not tf32); outp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,7 +42,7 @@ from nakta_model.kernels._checks import (
 )
 from nakta_model.kernels._triton_math import round_to
 
-__all__ = ["Rope", "packed_attention", "packed_attention_mask", "packed_attention_reference"]
+__all__ = ["packed_attention", "packed_attention_mask", "packed_attention_reference"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -52,99 +51,30 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _head_halves(
-    ptr, rows, col0, mask_r, HALF: tl.constexpr, HALF_PAD: tl.constexpr, INTERLEAVED: tl.constexpr
-):
-    """The two members of every rotary pair of one head for a block of rows, ``[R, HALF_PAD]``
-    each in the input dtype: Meta's adjacent pairs (2i, 2i+1) from one contiguous load split in
-    registers, or HF's halves (i, i + HALF) from two loads. Padded pairs read as zeros."""
-    if INTERLEAVED:
-        offs = tl.arange(0, 2 * HALF_PAD)
-        m = mask_r[:, None] & (offs < 2 * HALF)[None, :]
-        x = tl.load(ptr + rows + col0 + offs[None, :], mask=m, other=0.0)
-        a, b = tl.split(tl.reshape(x, (x.shape[0], HALF_PAD, 2)))
-    else:
-        offs = tl.arange(0, HALF_PAD)
-        m = mask_r[:, None] & (offs < HALF)[None, :]
-        a = tl.load(ptr + rows + col0 + offs[None, :], mask=m, other=0.0)
-        b = tl.load(ptr + rows + col0 + HALF + offs[None, :], mask=m, other=0.0)
-    return a, b
-
-
-@triton.jit
-def _rotated(
-    a,
-    b,
-    pos,
-    cos_ptr,
-    sin_ptr,
-    stride_c,
-    n_pos,
-    mask_r,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
-    """RoPE on pair members ``a``, ``b`` at positions ``pos``: fp32 math as ``kernels/rope.py``
-    (``a cos - b sin``, ``b cos + a sin``), rounded back to the input dtype as its store does."""
-    offs = tl.arange(0, HALF_PAD)
-    ok = (pos >= 0) & (pos < n_pos)  # a position outside the table: NaN, never a stray read
-    m = (mask_r & ok)[:, None] & (offs < HALF)[None, :]
-    at = pos.to(tl.int64)[:, None] * stride_c + offs[None, :]
-    c = tl.load(cos_ptr + at, mask=m, other=0.0)
-    s = tl.load(sin_ptr + at, mask=m, other=0.0)
-    c = tl.where(ok[:, None], c, float("nan"))
-    af = a.to(tl.float32)
-    bf = b.to(tl.float32)
-    ya = round_to(af * c - bf * s, a.dtype, EMULATE_RNE)
-    yb = round_to(bf * c + af * s, b.dtype, EMULATE_RNE)
-    return ya, yb
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """``a @ b`` with fp32 accumulation; IEEE fp32 operands when asked (see the kernel)."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
 @triton.jit(do_not_specialize=["n_tokens"])
 def _packed_attention_kernel(
     qkv_ptr,
     out_ptr,
     start_ptr,
     branch_ptr,
-    pos_ptr,
-    cos_ptr,
-    sin_ptr,
     n_tokens,
     stride_qt,
     stride_ot,
-    stride_c,
-    n_pos,
     qk_scale,
     N_Q: tl.constexpr,
     N_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    HALF_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ROTATE: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
-    ``ROTATE``: Q and K are read unrotated and RoPE is applied on load (positions + cos/sin
-    tables), so the scorer needs no separate rope pass; scores are then the sum of the two pair
-    members' dot products. ``IEEE``: fp32 operands and IEEE fp32 dots (fp32 inputs; also half
-    inputs under the interpreter, whose half-precision dot is wrong -- half x half products are
-    exact in fp32, so the result is what the tensor cores compute up to summation order)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
+    ``IEEE``: fp32 operands and IEEE fp32 dots (fp32 inputs; also half inputs under the
+    interpreter, whose half-precision dot is wrong -- half x half products are exact in fp32,
+    so the result is what the tensor cores compute up to summation order)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (N_Q // N_KV)
@@ -155,18 +85,11 @@ def _packed_attention_kernel(
     q_start = tl.load(start_ptr + offs_m, mask=mask_m, other=-1)
     q_branch = tl.load(branch_ptr + offs_m, mask=mask_m, other=-1)
     rows_m = offs_m.to(tl.int64)[:, None] * stride_qt
-    if ROTATE:
-        q_pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)
-        qa, qb = _head_halves(qkv_ptr, rows_m, head * HEAD_DIM, mask_m, HALF, HALF_PAD, INTERLEAVED)
-        qa, qb = _rotated(
-            qa, qb, q_pos, cos_ptr, sin_ptr, stride_c, n_pos, mask_m, HALF, HALF_PAD, EMULATE_RNE
-        )
-    else:
-        q = tl.load(
-            qkv_ptr + rows_m + head * HEAD_DIM + offs_d[None, :],
-            mask=mask_m[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+    q = tl.load(
+        qkv_ptr + rows_m + head * HEAD_DIM + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     k_col = (N_Q + kv_head) * HEAD_DIM
     v_col = (N_Q + N_KV + kv_head) * HEAD_DIM
 
@@ -185,28 +108,13 @@ def _packed_attention_kernel(
         mask_n = offs_n < n_tokens
         rows_n = offs_n.to(tl.int64)[:, None] * stride_qt
         kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(qkv_ptr + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
         k_start = tl.load(start_ptr + offs_n, mask=mask_n, other=-2)
         k_branch = tl.load(branch_ptr + offs_n, mask=mask_n, other=-2)
-        if ROTATE:
-            k_pos = tl.load(pos_ptr + offs_n, mask=mask_n, other=0)
-            ka, kb = _head_halves(qkv_ptr, rows_n, k_col, mask_n, HALF, HALF_PAD, INTERLEAVED)
-            ka, kb = _rotated(
-                ka,
-                kb,
-                k_pos,
-                cos_ptr,
-                sin_ptr,
-                stride_c,
-                n_pos,
-                mask_n,
-                HALF,
-                HALF_PAD,
-                EMULATE_RNE,
-            )
-            s = _dot(qa, tl.trans(ka), IEEE) + _dot(qb, tl.trans(kb), IEEE)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            k = tl.load(qkv_ptr + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = _dot(q, tl.trans(k), IEEE)
+            s = tl.dot(q, tl.trans(k))
         allowed = (
             (offs_n[None, :] <= offs_m[:, None])
             & (k_start[None, :] == q_start[:, None])
@@ -219,7 +127,11 @@ def _packed_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(qkv_ptr + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
         p_in = round_to(p, v.dtype, EMULATE_RNE)  # P enters the P.V product in V's dtype
-        acc = acc * alpha[:, None] + _dot(p_in, v, IEEE)
+        if IEEE:
+            pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p_in, v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -255,37 +167,6 @@ def _config(block_d: int, interpret: bool) -> tuple[int, int, int, int]:
         _TUNE.get("num_warps", warps),
         _TUNE.get("num_stages", stages),
     )
-
-
-@dataclass(frozen=True)
-class Rope:
-    """RoPE applied on load: per-token ``positions [T]`` (int), fp32 ``cos`` / ``sin`` tables
-    ``[max_pos, head_dim // 2]`` (``kernels.rope.build_rope_cache``), and the pairing:
-    ``interleaved`` = Meta's adjacent pairs (2i, 2i+1), else HF's halves (i, i + head_dim/2)."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    interleaved: bool = True
-
-
-def _check_rope(rope: object, qkv: torch.Tensor, head_dim: int) -> None:
-    if not isinstance(rope, Rope):
-        raise TypeError(f"rope must be a packed_attention.Rope, got {type(rope).__name__}")
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even to rotate pairs, got {head_dim}")
-    _check_index("rope.positions", rope.positions, qkv.shape[0])
-    for name in ("cos", "sin"):
-        t = check_tensor(f"rope.{name}", getattr(rope, name))
-        check_dtype(f"rope.{name}", t, (torch.float32,))
-        if t.dim() != 2 or t.shape[1] != head_dim // 2 or t.stride(1) != 1:
-            raise ValueError(
-                f"rope.{name} must be [max_pos, {head_dim // 2}] with unit column stride, "
-                f"got {tuple(t.shape)} strides {t.stride()}"
-            )
-    if rope.cos.shape != rope.sin.shape or rope.cos.stride() != rope.sin.stride():
-        raise ValueError("rope.cos and rope.sin must have the same shape and strides")
-    check_same_device(qkv=qkv, positions=rope.positions, cos=rope.cos, sin=rope.sin)
 
 
 def _check_index(name: str, t: object, n: int) -> torch.Tensor:
@@ -339,24 +220,18 @@ def packed_attention(
     n_kv_heads: int,
     head_dim: int,
     *,
-    rope: Rope | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree/varlen attention over a packed token stream (module docstring): ``[T, n_q * hd]``.
 
     ``qkv`` is ``[T, (n_q + 2 n_kv) * head_dim]`` (Q heads, then K heads, then V heads, as the
-    fused ``wqkv`` projection writes them); ``seq_start`` / ``branch`` are int ``[T]``. With
-    ``rope`` (positions and cos/sin tables, see :class:`Rope`) Q and K are rotated as they are
-    read, exactly as ``kernels/rope.py`` would have rotated them in place (``qkv`` is left
-    untouched); without it they are taken as already rotated. ``scale`` defaults to
-    ``1 / sqrt(head_dim)``. Sequences must be contiguous with ``seq_start[t] <= t`` (not checked
-    on the GPU: it would need a host sync); a position outside the tables gives NaN.
+    fused ``wqkv`` projection writes them, already rotated); ``seq_start`` / ``branch`` are int
+    ``[T]``. ``scale`` defaults to ``1 / sqrt(head_dim)``. Sequences must be contiguous with
+    ``seq_start[t] <= t`` (not checked on the GPU: it would need a host sync).
     """
     qkv = _check_args(qkv, seq_start, branch, n_q_heads, n_kv_heads, head_dim)
     check_triton_device("qkv", qkv)
-    if rope is not None:
-        _check_rope(rope, qkv, head_dim)
     n_tokens = qkv.shape[0]
     if out is None:
         out = torch.empty(n_tokens, n_q_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -374,16 +249,11 @@ def packed_attention(
     block_m, block_n, num_warps, num_stages = _config(block_d, interp)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     grid = (triton.cdiv(n_tokens, block_m), n_q_heads)
-    pos, cos, sin = (rope.positions, rope.cos, rope.sin) if rope else (seq_start, qkv, qkv)
     _packed_attention_kernel[grid](
-        qkv, out, seq_start, branch, pos, cos, sin,
-        n_tokens, qkv.stride(0), out.stride(0), cos.stride(0), cos.shape[0],
-        scale * math.log2(math.e),
+        qkv, out, seq_start, branch,
+        n_tokens, qkv.stride(0), out.stride(0), scale * math.log2(math.e),
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        HALF_PAD=triton.next_power_of_2(max(head_dim // 2, 16)),
-        BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=rope is not None,
-        INTERLEAVED=bool(rope.interleaved) if rope else True,
-        IEEE=qkv.dtype == torch.float32 or interp,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32 or interp,
         EMULATE_RNE=interp, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -430,26 +300,16 @@ def packed_attention_reference(
     n_kv_heads: int,
     head_dim: int,
     *,
-    rope: Rope | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch twin of :func:`packed_attention` (SDPA with a dense mask per query block;
-    ``rope`` rotates a copy of Q/K with ``kernels.rope``'s reference); also takes fp64 (tests)."""
+    """Plain PyTorch twin of :func:`packed_attention` (SDPA with a dense mask per query block);
+    also takes fp64 (tests)."""
     import torch.nn.functional as F
 
     dtypes = (*FLOAT_DTYPES, torch.float64)
     qkv = _check_args(qkv, seq_start, branch, n_q_heads, n_kv_heads, head_dim, dtypes)
     _check_layout(seq_start)
-    if rope is not None:
-        from nakta_model.kernels.rope import apply_rope_qkv_reference
-
-        _check_rope(rope, qkv, head_dim)
-        qkv = qkv.clone()
-        apply_rope_qkv_reference(
-            qkv, rope.positions, rope.cos, rope.sin, n_q_heads, n_kv_heads, head_dim,
-            interleaved=rope.interleaved,
-        )  # fmt: skip
     n, hq, hkv, hd = qkv.shape[0], n_q_heads, n_kv_heads, head_dim
     if out is None:
         out = torch.empty(n, hq * hd, dtype=qkv.dtype, device=qkv.device)
