@@ -214,12 +214,15 @@ def write_hf_tokenizer(out: Path, sp_model: str | Path, max_seq_len: int) -> Pat
 
 
 def check_tokenizers_agree(hf_tokenizer: Path, sp_model: str | Path, texts: Sequence[str]) -> None:
-    """hf and nakta must score the same tokens, or the comparison means nothing."""
+    """hf and nakta must score the same tokens, or the comparison means nothing. The converted
+    fast tokenizer is saved (``tokenizer.json``) so that hf's runs load it as a real HF
+    checkpoint's would, instead of converting the sentencepiece model again in every run."""
     from transformers import AutoTokenizer
 
     from nakta_model import Tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(hf_tokenizer))
+    hf.save_pretrained(str(hf_tokenizer))
     sp = Tokenizer(sp_model)
     for text in texts:
         want = sp.encode(text, bos=True, eos=False)
