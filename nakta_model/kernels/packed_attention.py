@@ -278,17 +278,24 @@ def _check_layout(seq_start: torch.Tensor) -> None:
 
 
 def packed_attention_mask(
-    seq_start: torch.Tensor, branch: torch.Tensor, rows: slice | None = None
+    seq_start: torch.Tensor,
+    branch: torch.Tensor,
+    rows: slice | None = None,
+    keys: slice | None = None,
 ) -> torch.Tensor:
-    """Bool ``[T_rows, T]`` mask (True = may attend) of the packed layout, for queries ``rows``."""
-    rows = rows or slice(0, seq_start.shape[0])
-    qi = torch.arange(seq_start.shape[0], device=seq_start.device)[rows]
-    kj = torch.arange(seq_start.shape[0], device=seq_start.device)
+    """Bool ``[T_rows, T_keys]`` mask (True = may attend) of the packed layout, for queries
+    ``rows`` and keys ``keys`` (default: all tokens)."""
+    n = seq_start.shape[0]
+    rows = rows or slice(0, n)
+    keys = keys or slice(0, n)
+    qi = torch.arange(n, device=seq_start.device)[rows]
+    kj = torch.arange(n, device=seq_start.device)[keys]
     qs, qb = seq_start[rows], branch[rows]
+    ks, kb = seq_start[keys], branch[keys]
     return (
         (kj[None, :] <= qi[:, None])
-        & (seq_start[None, :] == qs[:, None])
-        & ((branch[None, :] == 0) | (branch[None, :] == qb[:, None]))
+        & (ks[None, :] == qs[:, None])
+        & ((kb[None, :] == 0) | (kb[None, :] == qb[:, None]))
     )
 
 
@@ -317,11 +324,11 @@ def packed_attention_reference(
     q = heads[:, :hq].transpose(0, 1)
     k = heads[:, hq : hq + hkv].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
     v = heads[:, hq + hkv :].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-    block = 512  # bounds the mask to [512, T]; keys start at the block's first sequence
+    block = 256  # the mask is [256, keys of the block's sequences]: no [T, T] work
     for q0 in range(0, n, block):
         q1 = min(q0 + block, n)
         lo = int(seq_start[q0])
-        mask = packed_attention_mask(seq_start, branch, slice(q0, q1))[:, lo:q1]
+        mask = packed_attention_mask(seq_start, branch, slice(q0, q1), slice(lo, q1))
         o = F.scaled_dot_product_attention(
             q[:, q0:q1], k[:, lo:q1], v[:, lo:q1], attn_mask=mask, scale=scale
         )
