@@ -792,7 +792,7 @@ def load_rank_state_dict(
     (default, also ``True``), ``"full"`` or ``"size"`` (also ``False``), see
     :func:`verify_checkpoint`.
     """
-    from safetensors import safe_open
+    from nakta_model.safetensors_read import read_safetensors
 
     path = Path(path)
     args, params = read_args(path)
@@ -813,27 +813,30 @@ def load_rank_state_dict(
         raise CheckpointError(f"{path / MANIFEST}: entry {fname} has no tensor list")
     expected = nakta_shapes(args, tp_size)
     out: dict[str, torch.Tensor] = {}
-    with safe_open(str(path / fname), framework="pt", device=str(device)) as f:
-        names = set(f.keys())
-        missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
-        if missing or extra:
+    try:
+        tensors = read_safetensors(path / fname, device)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    names = set(tensors)
+    missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{path / fname}: missing tensors {_short(missing)}, unexpected {_short(extra)}"
+        )
+    for name in sorted(expected):
+        t = tensors.pop(name)
+        info = listed.get(name)
+        if (
+            not isinstance(info, dict)
+            or list(t.shape) != info.get("shape")
+            or _DTYPE_NAMES.get(t.dtype) != info.get("dtype")
+        ):
+            raise CheckpointError(f"{path / fname}: {name} does not match the manifest")
+        if tuple(t.shape) != expected[name]:
             raise CheckpointError(
-                f"{path / fname}: missing tensors {_short(missing)}, unexpected {_short(extra)}"
+                f"{path / fname}: {name} has shape {tuple(t.shape)}, params say {expected[name]}"
             )
-        for name in sorted(expected):
-            t = f.get_tensor(name)
-            info = listed.get(name)
-            if (
-                not isinstance(info, dict)
-                or list(t.shape) != info.get("shape")
-                or _DTYPE_NAMES.get(t.dtype) != info.get("dtype")
-            ):
-                raise CheckpointError(f"{path / fname}: {name} does not match the manifest")
-            if tuple(t.shape) != expected[name]:
-                raise CheckpointError(
-                    f"{path / fname}: {name} has shape {tuple(t.shape)}, params say {expected[name]}"
-                )
-            out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+        out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
     return args, out
 
 
