@@ -6,8 +6,9 @@ Tolerances. The kernel rounds exactly where eager rounds and differs only in the
 fp32 sums, so half-precision outputs are mostly bit-identical to the reference: an element
 differs only when the two fp32 sums straddle a rounding midpoint (measured on these shapes:
 ~0.01% of bf16 and ~0.3% of fp16 elements). Asserted: at most 1% (bf16) / 2% (fp16) of the
-elements differ in any bit, and all are within ``assert_close``'s default tolerance for the
-dtype; fp32 within 1e-5. Against fp64: max error / max |value| below a few ulps of the dtype.
+elements differ in any bit, each by at most two ulps at the output's scale (an epilogue can
+cancel a rounded product down to a tiny value, so a relative bound would mean nothing there:
+measured on an H100 at 7B shapes, 5 of 16,384 bf16 outputs); fp32 within 1e-5 of the scale. Against fp64: max error / max |value| below a few ulps of the dtype.
 
 CPU runs use the Triton interpreter on tiny odd shapes; ``gpu`` tests use LLaMA-7B shapes and
 CUDA-graph capture.
@@ -114,12 +115,19 @@ def _rotate_fp64(y: torch.Tensor, r: RopeArgs) -> torch.Tensor:
     return heads.flatten(1)
 
 
+ULP_AT_1 = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
 def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
+    """A differing element is off by the rounding of a differently ordered fp32 sum: at most
+    two ulps at the scale of the output (an epilogue such as the residual add can cancel a
+    rounded product down to a tiny value, so relative error says nothing there)."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
+    scale = max(ref.abs().max().item(), 1e-30)
     if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max(scale, 1.0))
         return
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2 * ULP_AT_1[dtype] * scale)
     frac = (out != ref).double().mean().item()
     assert frac <= MAX_DIFF_FRAC[dtype], f"{frac:.4f} of the elements differ from the reference"
 
