@@ -1,0 +1,50 @@
+"""speed_bench/decode_speed.py end to end on the CPU (tiny model): schema and sane numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_decode_speed_runs_by_path_and_writes_its_summary(tmp_path):
+    out = tmp_path / "res"
+    cmd = [sys.executable, str(REPO / "speed_bench" / "decode_speed.py"), "--preset", "tiny"]
+    cmd += ["--batches", "1,2", "--lengths", "6:12", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "decode_summary.json").read_text())
+    runs = summary["runs"]
+    engines = {r["engine"] for r in runs} | set(summary["skipped"])
+    assert {"nakta", "llama_org", "hf"} <= engines
+    for r in runs:
+        assert {"engine", "batch", "prompt", "gen", "tok_s", "floor_tok_s", "ms_per_token"} <= set(
+            r
+        )
+        assert r["tok_s"] > 0 and r["ms_per_token"] > 0
+        assert abs(r["tok_s"] - 1e3 * r["batch"] / r["ms_per_token"]) < 1e-6 * r["tok_s"]
+    assert {(r["batch"], r["prompt"], r["gen"]) for r in runs if r["engine"] == "nakta"} == {
+        (1, 6, 12),
+        (2, 6, 12),
+    }
+    assert (out / "decode.md").is_file() and (out / "decode.png").is_file()
+
+
+def test_step_bytes_counts_weights_and_the_cache():
+    from nakta_model.config import preset
+    from speed_bench.decode_speed import step_bytes
+    from speed_bench.weights import matmul_params
+
+    args = preset("7B")
+    blocks, head = matmul_params(args)
+    assert step_bytes(args, 1, 0, 2) == 2 * (blocks + head)  # ~13.2 GB of bf16 weights
+    kv = step_bytes(args, 8, 100, 2) - step_bytes(args, 8, 0, 2)
+    assert kv == 2 * 2 * 32 * 4096 * 100 * 8  # K and V, 32 layers, 4096 wide, 100 positions
