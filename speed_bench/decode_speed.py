@@ -451,10 +451,14 @@ def _skip(name: str) -> str | None:
 
 
 def _load_configs(path: Path) -> dict:
-    """``decode_linear`` per-shape configs (``bench_decode.py --tune`` output, its ``shapes``)."""
+    """``decode_linear`` per-shape configs: the ``shapes`` of ``bench_decode.py --tune``'s
+    ``*_tune_best.json`` (keys are tuple literals)."""
+    import ast
+
     data = json.loads(path.read_text())
-    shapes = data.get("shapes", data)
-    return {tuple(json.loads(k)) if isinstance(k, str) else k: v for k, v in shapes.items()}
+    if not isinstance(data, dict) or not isinstance(data.get("shapes"), dict):
+        raise SystemExit(f"error: --decode-configs {path}: expected a --tune JSON with 'shapes'")
+    return {tuple(ast.literal_eval(k)): dict(v) for k, v in data["shapes"].items()}
 
 
 def _ratios(runs: list[dict]) -> dict:
