@@ -376,7 +376,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     slug = device_slug(device)
     out = Path(args.out) if args.out else results_dir(__file__, slug)
     if args.tune and on_gpu:
-        tuned = tune_packed(shapes, heads, head_dim, dtype, device)
+        long_rows = [  # 10-shot HellaSwag rows (~1,100 tokens) and long prompts
+            Shape("tree", max(1, budget // (960 + 4 * 33)), 960, 33),
+            Shape("tree", max(1, budget // (480 + 4 * 33)), 480, 33),
+            Shape("prefill", max(1, budget // 2048), 2048),
+        ]
+        tuned = tune_packed(shapes + long_rows, heads, head_dim, dtype, device)
         write_table(tuned, out, "attention_tune", "Packed attention launch configs", slug)
         ok = tuned[tuned["status"] == "ok"]
         mean = ok.groupby("config")["ms"].apply(lambda x: x.prod() ** (1 / len(x)))
