@@ -234,8 +234,9 @@ def layer_budget(weights, device, dtype, context: int, bandwidth_gbps: float) ->
     from speed_bench.engine import EngineConfig
     from speed_bench.nakta_speed import build_model
 
-    model = build_model(weights, EngineConfig(device, dtype, 16384, context + 8))
-    model.setup_cache(2, context + 8)
+    room = context + 256  # the whole-step graph advances the position on every replay
+    model = build_model(weights, EngineConfig(device, dtype, 16384, room))
+    model.setup_cache(2, room)
     step = DecodeStep(model, 1, 4, sampling=False)
     step.buffers.positions.fill_(context - 1)
     from nakta_model.kernels import decode_attention as da
