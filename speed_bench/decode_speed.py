@@ -382,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"{weights.name} {str(dtype)[6:]} on {device_slug(device)}, copy {bw:.0f} GB/s")
     runs: list[dict] = []
     skipped: dict[str, str] = {}
+    out = a.out or results_dir(__file__, device_slug(device))
+    out.mkdir(parents=True, exist_ok=True)
     for name in a.engines:
         reason = _skip(name)
         if reason:
@@ -419,10 +421,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()
+        _write(out, _summary(weights, device, dtype, bw, runs, [], skipped), quiet=True)
     budget = []
     if on_gpu and not a.no_budget and "nakta" in a.engines:
         budget = layer_budget(weights, device, dtype, lengths[0][0] + lengths[0][1] // 2, bw)
-    summary = {
+    summary = _summary(weights, device, dtype, bw, runs, budget, skipped)
+    _write(out, summary)
+    return summary
+
+
+def _summary(weights, device, dtype, bw, runs, budget, skipped) -> dict:
+    return {
         "device": device_slug(device),
         "model": weights.name,
         "dtype": str(dtype).removeprefix("torch."),
@@ -432,10 +441,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "ratios": _ratios(runs),
         "skipped": skipped,
     }
-    out = a.out or results_dir(__file__, device_slug(device))
-    out.mkdir(parents=True, exist_ok=True)
-    _write(out, summary)
-    return summary
 
 
 def _skip(name: str) -> str | None:
@@ -474,7 +479,7 @@ def _ratios(runs: list[dict]) -> dict:
     return out
 
 
-def _write(out: Path, summary: dict) -> None:
+def _write(out: Path, summary: dict, quiet: bool = False) -> None:
     write_json(summary, out / "decode_summary.json")
     df = pd.DataFrame(summary["runs"])
     notes = (
@@ -492,8 +497,9 @@ def _write(out: Path, summary: dict) -> None:
         )  # fmt: skip
     if len(df):
         save_figure(_plot(df, summary), out / "decode.png")
-    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print(f"results -> {out}")
+    if not quiet:
+        print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        print(f"results -> {out}")
 
 
 def _plot(df: pd.DataFrame, summary: dict):
