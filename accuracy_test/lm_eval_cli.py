@@ -60,7 +60,8 @@ def register_models() -> None:
 
 
 def local_task_names(include_path: object) -> set[str]:
-    """``task:`` names of the yaml files under ``--include_path`` (one folder or a list)."""
+    """``task:`` and ``group:`` names of the yaml files under ``--include_path`` (one folder
+    or a list)."""
     import re
 
     paths = include_path if isinstance(include_path, (list, tuple)) else [include_path]
@@ -70,8 +71,9 @@ def local_task_names(include_path: object) -> set[str]:
             continue
         for f in Path(str(root)).rglob("*.yaml"):
             with contextlib.suppress(OSError, UnicodeDecodeError):
-                m = re.search(r"^task:\s*['\"]?([^'\"\s#]+)", f.read_text(), re.MULTILINE)
-                if m:
+                text = f.read_text()
+                pattern = r"^(?:task|group):[ \t]*['\"]?([^'\"\s#]+)"
+                for m in re.finditer(pattern, text, re.MULTILINE):
                     names.add(m.group(1))
     return names
 

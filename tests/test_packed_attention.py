@@ -163,3 +163,102 @@ def test_gpu_hellaswag_shaped_stream(dtype, hq, hkv):
     want = packed_attention_reference(qkv.float(), seq_start, branch, hq, hkv, hd)
     err = (got.float() - want).norm() / want.norm()
     assert torch.isfinite(got).all() and err < 1e-2, err
+
+
+def prefix_case(hq=2, hkv=1, hd=16, dtype=torch.float32, page=32, seed=0):
+    """Three PREFIX_ALIGN-aligned segments: rows after prefix 0 (40 tokens, 2 pages), rows with
+    no prefix, rows after prefix 1 (70 tokens, 3 pages, stored in scattered pages)."""
+    from nakta_model.kernels.packed_attention import PREFIX_ALIGN, PrefixKV
+
+    rng = random.Random(seed)
+    starts, branches, entries = [], [], []
+
+    def segment(entry, rows):
+        s0 = len(starts)
+        for ctx, brs in rows:
+            st = len(starts)
+            n = ctx + sum(brs)
+            starts.extend([st] * n)
+            branches.extend([0] * ctx)
+            for k, b in enumerate(brs, start=1):
+                branches.extend([k] * b)
+            entries.extend([entry] * n)
+        pad = -(len(starts) - s0) % PREFIX_ALIGN
+        starts.extend(range(len(starts), len(starts) + pad))
+        branches.extend([0] * pad)
+        entries.extend([entry] * pad)
+
+    segment(0, [(rng.randint(2, 9), [rng.randint(1, 4) for _ in range(3)]) for _ in range(6)])
+    segment(-1, [(rng.randint(2, 9), [rng.randint(1, 4)]) for _ in range(5)])
+    segment(1, [(rng.randint(2, 9), [rng.randint(1, 4) for _ in range(2)]) for _ in range(4)])
+    t = len(starts)
+    i32 = dict(dtype=torch.int32)
+    n_pages = 8
+    k_pool = torch.randn(n_pages * page, hkv, hd).to(dtype)
+    v_pool = torch.randn(n_pages * page, hkv, hd).to(dtype)
+    table = torch.tensor([[5, 2, 0], [7, 1, 4]], **i32)
+    prefix = PrefixKV(
+        k_pool, v_pool, table, torch.tensor([40, 70], **i32), torch.tensor(entries, **i32), page
+    )
+    qkv = torch.randn(t, (hq + 2 * hkv) * hd).to(dtype)
+    return qkv, torch.tensor(starts, **i32), torch.tensor(branches, **i32), prefix
+
+
+def naive_with_prefix(qkv, seq_start, branch, prefix, hq, hkv, hd):
+    from nakta_model.kernels.packed_attention import _gather_prefix
+
+    t = qkv.shape[0]
+    heads = qkv.double().view(t, hq + 2 * hkv, hd)
+    mask = packed_attention_mask(seq_start, branch)
+    out = torch.empty(t, hq, hd, dtype=torch.float64)
+    for i in range(t):
+        e = int(prefix.token_entry[i])
+        keys = heads[mask[i], hq : hq + hkv]
+        vals = heads[mask[i], hq + hkv :]
+        if e >= 0:
+            pk, pv = _gather_prefix(prefix, e)
+            keys, vals = torch.cat([pk.double(), keys]), torch.cat([pv.double(), vals])
+        for h in range(hq):
+            g = h // (hq // hkv)
+            p = torch.softmax(keys[:, g] @ heads[i, h] / math.sqrt(hd), 0)
+            out[i, h] = p @ vals[:, g]
+    return out.reshape(t, hq * hd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_prefixes_are_attended_before_each_sequence(dtype):
+    hq, hkv, hd = 2, 1, 16
+    qkv, seq_start, branch, prefix = prefix_case(hq, hkv, hd, dtype)
+    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, prefix=prefix)
+    want = naive_with_prefix(qkv, seq_start, branch, prefix, hq, hkv, hd)
+    assert (got.double() - want).norm() / want.norm() < TOL[dtype]
+    ref = packed_attention_reference(qkv, seq_start, branch, hq, hkv, hd, prefix=prefix)
+    assert (ref.double() - want).norm() / want.norm() < TOL[dtype]
+    # the segment without a prefix is exactly the plain kernel's
+    plain = packed_attention(qkv, seq_start, branch, hq, hkv, hd)
+    none = prefix.token_entry == -1
+    torch.testing.assert_close(got[none], plain[none], rtol=0, atol=0)
+    assert not torch.allclose(got[~none], plain[~none])
+
+
+def test_prefix_layout_and_argument_errors():
+    from nakta_model.kernels.packed_attention import PrefixKV
+
+    hq, hkv, hd = 2, 1, 16
+    qkv, seq_start, branch, p = prefix_case(hq, hkv, hd)
+    mixed = p.token_entry.clone()
+    mixed[5] = 1  # a block holding tokens of two prefixes
+    with pytest.raises(ValueError, match="changes inside a block"):
+        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+                         prefix=PrefixKV(p.k_pool, p.v_pool, p.page_table, p.lengths, mixed, 32))  # fmt: skip
+    with pytest.raises(ValueError, match="page_size must be a positive multiple"):
+        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+                         prefix=PrefixKV(p.k_pool, p.v_pool, p.page_table, p.lengths, p.token_entry, 20))  # fmt: skip
+    with pytest.raises(ValueError, match="fit in the page table"):
+        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+                         prefix=PrefixKV(p.k_pool, p.v_pool, p.page_table, p.lengths * 3, p.token_entry, 32))  # fmt: skip
+    with pytest.raises(TypeError, match="prefix.k_pool must have qkv's dtype"):
+        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+                         prefix=PrefixKV(p.k_pool.double(), p.v_pool, p.page_table, p.lengths, p.token_entry, 32))  # fmt: skip
+    with pytest.raises(TypeError, match="prefix must be a PrefixKV"):
+        packed_attention(qkv, seq_start, branch, hq, hkv, hd, prefix=(p.k_pool,))

@@ -26,6 +26,7 @@ tensor cores in the input dtype (fp32 inputs use IEEE fp32 dots, not tf32); outp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,7 +43,13 @@ from nakta_model.kernels._checks import (
 )
 from nakta_model.kernels._triton_math import round_to
 
-__all__ = ["packed_attention", "packed_attention_mask", "packed_attention_reference"]
+__all__ = [
+    "PREFIX_ALIGN",
+    "PrefixKV",
+    "packed_attention",
+    "packed_attention_mask",
+    "packed_attention_reference",
+]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -57,9 +64,19 @@ def _packed_attention_kernel(
     out_ptr,
     start_ptr,
     branch_ptr,
+    entry_ptr,
+    table_ptr,
+    plen_ptr,
+    pk_ptr,
+    pv_ptr,
     n_tokens,
     stride_qt,
     stride_ot,
+    stride_table,
+    stride_pks,
+    stride_pkh,
+    stride_pvs,
+    stride_pvh,
     qk_scale,
     N_Q: tl.constexpr,
     N_KV: tl.constexpr,
@@ -67,14 +84,19 @@ def _packed_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
     IEEE: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
-    ``IEEE``: fp32 operands and IEEE fp32 dots (fp32 inputs; also half inputs under the
-    interpreter, whose half-precision dot is wrong -- half x half products are exact in fp32,
-    so the result is what the tensor cores compute up to summation order)."""
+    ``HAS_PREFIX``: first, the cached prefix of the block's first query (``entry_ptr``: an
+    index into the page table, -1 for none): its ``plen`` keys, read page by page from the K/V
+    pool, visible to every query of the block with the same entry. ``IEEE``: fp32 operands and
+    IEEE fp32 dots (fp32 inputs; also half inputs under the interpreter, whose half-precision
+    dot is wrong -- half x half products are exact in fp32, so the result is what the tensor
+    cores compute up to summation order)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (N_Q // N_KV)
@@ -103,6 +125,39 @@ def _packed_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_PREFIX:
+        entry = tl.load(entry_ptr + pid_m * BLOCK_M)
+        q_entry = tl.load(entry_ptr + offs_m, mask=mask_m, other=-1)
+        plen = tl.load(plen_ptr + tl.maximum(entry, 0))
+        plen = tl.where(entry >= 0, plen, 0)
+        for p0 in range(0, plen, BLOCK_N):
+            offs_p = p0 + tl.arange(0, BLOCK_N)
+            valid = offs_p < plen
+            page = tl.load(table_ptr + entry.to(tl.int64) * stride_table + offs_p // PAGE,
+                           mask=valid, other=0)  # fmt: skip
+            slot = (page.to(tl.int64) * PAGE + offs_p % PAGE)[:, None]
+            pmask = valid[:, None] & mask_d[None, :]
+            k = tl.load(pk_ptr + slot * stride_pks + kv_head * stride_pkh + offs_d[None, :],
+                        mask=pmask, other=0.0)  # fmt: skip
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            seen = (q_entry == entry)[:, None] & valid[None, :]
+            s = tl.where(seen, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(pv_ptr + slot * stride_pvs + kv_head * stride_pvh + offs_d[None, :],
+                        mask=pmask, other=0.0)  # fmt: skip
+            p_in = round_to(p, v.dtype, EMULATE_RNE)
+            if IEEE:
+                pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p_in, v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_tokens
@@ -169,6 +224,83 @@ def _config(block_d: int, interpret: bool) -> tuple[int, int, int, int]:
     )
 
 
+PREFIX_ALIGN = 128  # a multiple of every BLOCK_M: query blocks never straddle two prefixes
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """Cached prefixes (their K/V computed once, e.g. a few-shot prompt shared by many
+    questions) that packed tokens attend to before their own sequence.
+
+    ``k_pool`` / ``v_pool`` ``[slots, n_kv, head_dim]`` hold K/V by slot; ``page_table``
+    ``[n_entries, max_pages]`` (int) lists each prefix's pages (slot = page * ``page_size`` + i),
+    ``lengths [n_entries]`` its token count, and ``token_entry [T]`` the prefix of each packed
+    token (-1: none). A token at position p of its sequence sits after its prefix: the caller
+    gives it position ``length + p``. Layout rule (the scorer keeps it): tokens with different
+    entries never share a ``PREFIX_ALIGN``-aligned block of the stream.
+    """
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    page_table: torch.Tensor
+    lengths: torch.Tensor
+    token_entry: torch.Tensor
+    page_size: int
+
+
+def _check_prefix(prefix: object, qkv: torch.Tensor, n_kv: int, head_dim: int, block_n: int):
+    if not isinstance(prefix, PrefixKV):
+        raise TypeError(f"prefix must be a PrefixKV, got {type(prefix).__name__}")
+    for name in ("k_pool", "v_pool"):
+        t = check_tensor(f"prefix.{name}", getattr(prefix, name))
+        if t.dtype != qkv.dtype:
+            raise TypeError(f"prefix.{name} must have qkv's dtype {qkv.dtype}, got {t.dtype}")
+        if t.dim() != 3 or t.shape[1:] != (n_kv, head_dim) or t.stride(2) != 1:
+            raise ValueError(
+                f"prefix.{name} must be [slots, {n_kv}, {head_dim}] with unit last stride, "
+                f"got {tuple(t.shape)} strides {t.stride()}"
+            )
+    table = check_tensor("prefix.page_table", prefix.page_table)
+    check_dtype("prefix.page_table", table, INDEX_DTYPES)
+    check_ndim("prefix.page_table", table, 2)
+    if table.stride(1) != 1:
+        raise ValueError("prefix.page_table must be unit-stride along its columns")
+    lengths = _check_index("prefix.lengths", prefix.lengths, table.shape[0])
+    _check_index("prefix.token_entry", prefix.token_entry, qkv.shape[0])
+    ps = prefix.page_size
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 1 or ps % block_n:
+        raise ValueError(f"prefix.page_size must be a positive multiple of {block_n}, got {ps!r}")
+    check_same_device(
+        qkv=qkv, k_pool=prefix.k_pool, v_pool=prefix.v_pool, page_table=table,
+        lengths=lengths, token_entry=prefix.token_entry,
+    )  # fmt: skip
+
+
+def _check_prefix_layout(prefix: PrefixKV, block_m: int) -> None:
+    """CPU/debug: every block of ``block_m`` tokens has one entry; entries and pages in range."""
+    entry = prefix.token_entry.to("cpu", torch.int64)
+    n = entry.shape[0]
+    padded = torch.cat([entry, entry[-1:].expand(-n % block_m)]) if n else entry
+    blocks = padded.view(-1, block_m)
+    if bool((blocks != blocks[:, :1]).any()):
+        raise ValueError(
+            f"prefix.token_entry changes inside a block of {block_m} tokens: keep each prefix's "
+            f"tokens in their own {PREFIX_ALIGN}-aligned segment"
+        )
+    n_entries = prefix.page_table.shape[0]
+    if n and (int(entry.max()) >= n_entries or int(entry.min()) < -1):
+        raise ValueError(f"prefix.token_entry must lie in [-1, {n_entries})")
+    lengths = prefix.lengths.to("cpu", torch.int64)
+    need = -(-lengths // prefix.page_size)
+    if bool((lengths < 0).any()) or bool((need > prefix.page_table.shape[1]).any()):
+        raise ValueError("prefix.lengths must be >= 0 and fit in the page table's columns")
+    slots = prefix.k_pool.shape[0] // prefix.page_size
+    for e in range(n_entries):
+        pages = prefix.page_table[e, : int(need[e])].to("cpu", torch.int64)
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= slots):
+            raise ValueError(f"prefix.page_table[{e}] holds a page outside [0, {slots})")
+
+
 def _check_index(name: str, t: object, n: int) -> torch.Tensor:
     t = check_tensor(name, t)
     check_dtype(name, t, INDEX_DTYPES)
@@ -220,6 +352,7 @@ def packed_attention(
     n_kv_heads: int,
     head_dim: int,
     *,
+    prefix: PrefixKV | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -227,7 +360,8 @@ def packed_attention(
 
     ``qkv`` is ``[T, (n_q + 2 n_kv) * head_dim]`` (Q heads, then K heads, then V heads, as the
     fused ``wqkv`` projection writes them, already rotated); ``seq_start`` / ``branch`` are int
-    ``[T]``. ``scale`` defaults to ``1 / sqrt(head_dim)``. Sequences must be contiguous with
+    ``[T]``; ``prefix`` adds cached prefixes each token also attends to (:class:`PrefixKV`).
+    ``scale`` defaults to ``1 / sqrt(head_dim)``. Sequences must be contiguous with
     ``seq_start[t] <= t`` (not checked on the GPU: it would need a host sync).
     """
     qkv = _check_args(qkv, seq_start, branch, n_q_heads, n_kv_heads, head_dim)
@@ -243,20 +377,46 @@ def packed_attention(
     if n_tokens == 0:
         return out
     interp = interpreter_enabled()
-    if interp:
-        _check_layout(seq_start)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     block_m, block_n, num_warps, num_stages = _config(block_d, interp)
+    if prefix is not None:
+        _check_prefix(prefix, qkv, n_kv_heads, head_dim, block_n)
+    if interp or _debug_checks():
+        _check_layout(seq_start)
+        if prefix is not None:
+            _check_prefix_layout(prefix, block_m)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     grid = (triton.cdiv(n_tokens, block_m), n_q_heads)
+    if prefix is None:  # unused pointers: any tensor of the right kind
+        entry, table, lengths, pk, pv, page = (
+            seq_start,
+            seq_start[None],
+            seq_start,
+            qkv,
+            qkv,
+            block_n,
+        )
+        pk_strides = pv_strides = (0, 0)
+    else:
+        entry, table, lengths = prefix.token_entry, prefix.page_table, prefix.lengths
+        pk, pv, page = prefix.k_pool, prefix.v_pool, prefix.page_size
+        pk_strides, pv_strides = pk.stride()[:2], pv.stride()[:2]
     _packed_attention_kernel[grid](
-        qkv, out, seq_start, branch,
-        n_tokens, qkv.stride(0), out.stride(0), scale * math.log2(math.e),
+        qkv, out, seq_start, branch, entry, table, lengths, pk, pv,
+        n_tokens, qkv.stride(0), out.stride(0), table.stride(0), *pk_strides, *pv_strides,
+        scale * math.log2(math.e),
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32 or interp,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
+        IEEE=qkv.dtype == torch.float32 or interp,
         EMULATE_RNE=interp, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _debug_checks() -> bool:
+    import os
+
+    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
 
 
 def _check_layout(seq_start: torch.Tensor) -> None:
@@ -307,30 +467,51 @@ def packed_attention_reference(
     n_kv_heads: int,
     head_dim: int,
     *,
+    prefix: PrefixKV | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch twin of :func:`packed_attention` (SDPA with a dense mask per query block);
-    also takes fp64 (tests)."""
+    """Plain PyTorch twin of :func:`packed_attention` (SDPA with a dense mask per query block;
+    with ``prefix``, the block's prefix K/V gathered from the pool in front of its keys); also
+    takes fp64 (tests)."""
     import torch.nn.functional as F
 
     dtypes = (*FLOAT_DTYPES, torch.float64)
     qkv = _check_args(qkv, seq_start, branch, n_q_heads, n_kv_heads, head_dim, dtypes)
     _check_layout(seq_start)
+    if prefix is not None:
+        _check_prefix(prefix, qkv, n_kv_heads, head_dim, 1)
+        _check_prefix_layout(prefix, PREFIX_ALIGN)
     n, hq, hkv, hd = qkv.shape[0], n_q_heads, n_kv_heads, head_dim
     if out is None:
         out = torch.empty(n, hq * hd, dtype=qkv.dtype, device=qkv.device)
+    rep = hq // hkv
     heads = qkv.view(n, hq + 2 * hkv, hd)
     q = heads[:, :hq].transpose(0, 1)
-    k = heads[:, hq : hq + hkv].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-    v = heads[:, hq + hkv :].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-    block = 256  # the mask is [256, keys of the block's sequences]: no [T, T] work
+    k = heads[:, hq : hq + hkv].repeat_interleave(rep, dim=1).transpose(0, 1)
+    v = heads[:, hq + hkv :].repeat_interleave(rep, dim=1).transpose(0, 1)
+    block = 256 if prefix is None else PREFIX_ALIGN  # one prefix per block
     for q0 in range(0, n, block):
         q1 = min(q0 + block, n)
         lo = int(seq_start[q0])
         mask = packed_attention_mask(seq_start, branch, slice(q0, q1), slice(lo, q1))
-        o = F.scaled_dot_product_attention(
-            q[:, q0:q1], k[:, lo:q1], v[:, lo:q1], attn_mask=mask, scale=scale
-        )
+        keys, values = k[:, lo:q1], v[:, lo:q1]
+        if prefix is not None and int(prefix.token_entry[q0]) >= 0:
+            pk, pv = _gather_prefix(prefix, int(prefix.token_entry[q0]))
+            pk = pk.to(qkv.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            pv = pv.to(qkv.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            keys, values = torch.cat([pk, keys], 1), torch.cat([pv, values], 1)
+            seen = torch.ones(q1 - q0, pk.shape[1], dtype=torch.bool, device=mask.device)
+            mask = torch.cat([seen, mask], 1)
+        o = F.scaled_dot_product_attention(q[:, q0:q1], keys, values, attn_mask=mask, scale=scale)
         out[q0:q1] = o.transpose(0, 1).reshape(q1 - q0, hq * hd)
     return out
+
+
+def _gather_prefix(prefix: PrefixKV, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entry ``entry``'s K and V, ``[length, n_kv, head_dim]`` each, from the pools."""
+    length = int(prefix.lengths[entry])
+    pages = prefix.page_table[entry, : -(-length // prefix.page_size)].long()
+    within = torch.arange(prefix.page_size, device=pages.device)
+    slots = (pages[:, None] * prefix.page_size + within[None, :]).reshape(-1)[:length]
+    return prefix.k_pool[slots], prefix.v_pool[slots]
