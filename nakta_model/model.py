@@ -86,6 +86,17 @@ class _Ops:
         return fn(qkv, *args, **kw)
 
 
+@dataclass(frozen=True)
+class PrefixPages:
+    """Which cached prefixes packed tokens attend to: pages of the model's KV cache (set up as
+    ``setup_cache(n_pages, page_size)``), see ``kernels.packed_attention.PrefixKV``."""
+
+    page_table: torch.Tensor  # int [n_entries, max_pages]
+    lengths: torch.Tensor  # int [n_entries]
+    token_entry: torch.Tensor  # int [T], -1: no prefix
+    page_size: int
+
+
 @dataclass
 class _Step:
     """What every layer needs to know about the current forward call."""
@@ -98,6 +109,7 @@ class _Step:
     cache_slots: torch.Tensor | None = None  # int [batch * seqlen]: write K/V here
     key_len: int = 0  # with a cache: attend over cache positions [0, key_len)
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_start, branch) [T] each
+    prefix: PrefixPages | None = None  # cached prefixes in the KV cache (packed scoring)
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +152,14 @@ class Attention(nn.Module):
                 qkv, step.positions, step.cos, step.sin, hq, hkv, hd,
                 interleaved=self.interleaved, **cache,
             )  # fmt: skip
-            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd)
+            prefix = None
+            if step.prefix is not None:  # cached prefixes: pages of this layer's KV cache
+                pp = step.prefix
+                prefix = _packed.PrefixKV(
+                    self.k_cache, self.v_cache, pp.page_table, pp.lengths, pp.token_entry,
+                    pp.page_size,
+                )  # fmt: skip
+            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, prefix=prefix)
             return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:
@@ -366,6 +385,7 @@ class Transformer(nn.Module):
         logits_index: torch.Tensor,
         *,
         upcast: bool = True,
+        prefix: PrefixPages | None = None,
         _cache_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Score a packed token stream: fp32 logits ``[N, vocab]`` at ``logits_index`` only
@@ -400,6 +420,14 @@ class Transformer(nn.Module):
         cos, sin = self._rope_tables(self.args.max_seq_len)
         step = _Step(1, n, positions, cos, sin, packed=(seq_start, branch))
         step.cache_slots = _cache_slots  # forward_prefill: K/V into the cache
+        if prefix is not None:
+            if not isinstance(prefix, PrefixPages):
+                raise TypeError(f"prefix must be a PrefixPages, got {type(prefix).__name__}")
+            if not self.max_seq_len or self.max_seq_len != prefix.page_size:
+                raise ValueError(
+                    "prefix pages live in the KV cache: setup_cache(n_pages, page_size) first"
+                )
+            step.prefix = prefix
         delta, residual = self._trunk(tokens, step)
         idx = logits_index.to(self.device)
         return self._head(delta.index_select(0, idx), residual.index_select(0, idx), upcast)

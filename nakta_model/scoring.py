@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nakta_model.kernels.logprobs import target_logprobs
+from nakta_model.kernels.packed_attention import PREFIX_ALIGN
 
 Request = tuple[Sequence[int], Sequence[int]]
 DEFAULT_TOKEN_BUDGET = 16384
@@ -48,13 +49,20 @@ DEFAULT_TOKEN_BUDGET = 16384
 
 @dataclass
 class _Row:
-    """One model input row: a context followed by one or more continuation branches."""
+    """One model input row: a context followed by one or more continuation branches; the
+    first ``prefix`` context tokens come from the prefix cache instead of the stream."""
 
     ctx: list[int]
     branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (request idx, cont)
+    prefix: int = 0
 
     def __len__(self) -> int:
         return len(self.ctx) + sum(len(c) - 1 for _, c in self.branches)
+
+    @property
+    def stream_len(self) -> int:
+        """Tokens this row puts in the packed stream."""
+        return len(self) - self.prefix
 
 
 # --------------------------------------------------------------------------- validation
@@ -182,7 +190,7 @@ def _packed_batches(rows: list[_Row], token_budget: int, max_rows: int | None) -
     sizes: list[int] = []
     room: list[tuple[int, int]] = []  # sorted (free tokens, batch id) of batches still open
     for row in rows:
-        n = len(row)
+        n = row.stream_len
         at = bisect.bisect_left(room, (n, -1))
         if at < len(room):
             free, b = room.pop(at)
@@ -212,16 +220,24 @@ class _Packed:
     target: torch.Tensor  # [S] long: target token ids
     req: torch.Tensor  # [S] long: request index of each target
     n_real: int  # tokens before the padding
+    token_entry: torch.Tensor | None = None  # [T] int32: prefix-cache entry (-1 none)
 
 
 PAD_MULTIPLE = 128  # token counts are rounded up to this: few distinct forward shapes
 
 
-def _pack(batch: list[_Row], pin: bool = False) -> _Packed:
+def _pack(
+    batch: list[_Row], pin: bool = False, entries: dict[tuple[int, ...], int] | None = None
+) -> _Packed:
     """Lay out a batch as one token stream: each row is its context, then every branch's
     tokens but the last (the last token of a continuation is a target, never an input), with
     positions restarting at ``len(ctx)`` for every branch. Scored positions: the last context
     token (predicts every branch's first target), then every branch token.
+
+    A row with a cached prefix puts only ``ctx[prefix:]`` in the stream (positions from
+    ``prefix`` on) and attends to the prefix's cached K/V; ``entries`` maps each prefix to its
+    page-table row. Rows of one prefix form a segment that starts on a ``PREFIX_ALIGN``
+    boundary (pad tokens before it), so a query block of the kernel sees one prefix.
 
     The stream is padded to a multiple of ``PAD_MULTIPLE``; a pad token is a sequence of its
     own (it attends to itself only) and is never scored.
@@ -234,18 +250,33 @@ def _pack(batch: list[_Row], pin: bool = False) -> _Packed:
     pos: list[int] = []
     start: list[int] = []
     branch: list[int] = []
+    entry: list[int] = []
     flat: list[int] = []
     src: list[int] = []
     target: list[int] = []
     req: list[int] = []
+
+    def pad(to: int, e: int) -> None:
+        n = -len(toks) % to
+        start.extend(range(len(toks), len(toks) + n))
+        toks.extend([0] * n)
+        pos.extend([0] * n)
+        branch.extend([0] * n)
+        entry.extend([e] * n)
+
+    current = -1
     for row in batch:
+        e = entries[tuple(row.ctx[: row.prefix])] if row.prefix else -1
+        if entries is not None and e != current:  # a new prefix segment
+            pad(PREFIX_ALIGN, current)
+            current = e
         s0 = len(toks)
-        c = len(row.ctx)
-        toks += row.ctx
-        pos += range(c)
-        branch += [0] * c
+        c, p = len(row.ctx), row.prefix
+        toks += row.ctx[p:]
+        pos += range(p, c)
+        branch += [0] * (c - p)
         first_scored = len(flat)
-        flat.append(s0 + c - 1)  # predicts the first token of every branch
+        flat.append(s0 + c - p - 1)  # predicts the first token of every branch
         for k, (i, cont) in enumerate(row.branches, start=1):
             m = len(cont)
             b0 = len(toks)
@@ -258,12 +289,9 @@ def _pack(batch: list[_Row], pin: bool = False) -> _Packed:
             target += cont
             req += [i] * m
         start += [s0] * (len(toks) - s0)
+        entry += [e] * (len(toks) - s0)
     n_real = len(toks)
-    n_pad = -n_real % PAD_MULTIPLE
-    toks += [0] * n_pad
-    pos += [0] * n_pad
-    start += range(n_real, n_real + n_pad)
-    branch += [0] * n_pad
+    pad(PREFIX_ALIGN if entries is not None else PAD_MULTIPLE, current)
     out = _Packed(
         tokens=torch.tensor(toks, dtype=torch.long),
         positions=torch.tensor(pos, dtype=torch.long),
@@ -274,12 +302,49 @@ def _pack(batch: list[_Row], pin: bool = False) -> _Packed:
         target=torch.tensor(target, dtype=torch.long),
         req=torch.tensor(req, dtype=torch.long),
         n_real=n_real,
+        token_entry=torch.tensor(entry, dtype=torch.int32) if entries is not None else None,
     )
     if pin:
         for name in ("tokens", "positions", "seq_start", "branch", "flat_index", "src"):
             setattr(out, name, getattr(out, name).pin_memory())
         out.target, out.req = out.target.pin_memory(), out.req.pin_memory()
+        if out.token_entry is not None:
+            out.token_entry = out.token_entry.pin_memory()
     return out
+
+
+def _prefix_batches(
+    rows: list[_Row], token_budget: int, max_rows: int | None, pool_pages: int, page_size: int
+) -> list[list[_Row]]:
+    """Rows with cached prefixes, one prefix after another (longest rows first within one),
+    into batches of at most ``token_budget`` stream tokens counting each segment's alignment
+    padding, ``max_rows`` rows, and prefixes that fit the pool together."""
+    rows = sorted(rows, key=lambda r: (r.ctx[: r.prefix], *_row_key(r)))
+    batches: list[list[_Row]] = []
+    cur: list[_Row] = []
+    used = pages = 0
+    key = None
+    for row in rows:
+        k = tuple(row.ctx[: row.prefix])
+        new_seg = k != key
+        need = row.stream_len + ((-used % PREFIX_ALIGN) if new_seg and cur else 0)
+        row_pages = -(-row.prefix // page_size) if new_seg else 0
+        full = cur and (
+            used + need > token_budget
+            or (max_rows is not None and len(cur) >= max_rows)
+            or pages + row_pages > pool_pages
+        )
+        if full:
+            batches.append(cur)
+            cur, used, pages, new_seg = [], 0, 0, True
+            need, row_pages = row.stream_len, -(-row.prefix // page_size)
+        cur.append(row)
+        used += need
+        pages += row_pages
+        key = k
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 @dataclass
@@ -379,6 +444,46 @@ def _model_device(model: object) -> torch.device:
         return torch.device("cpu")
 
 
+@dataclass
+class ScoreStats:
+    """Token counts of one :func:`score` call: what lm-eval asks for, what was computed."""
+
+    request_tokens: int = 0  # sum of len(context + continuation) - 1: a plain scorer's work
+    unique_tokens: int = 0  # distinct prefixes of all (context + continuation)[:-1] sequences
+    computed_tokens: int = 0  # tokens through the model: stream tokens + prefixes computed
+    prefix_tokens: int = 0  # of which prefixes (each computed once while cached)
+    prefixes: int = 0  # distinct shared prefixes found
+
+
+def unique_tokens(reqs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """Tokens of the trie of every ``(context + continuation)[:-1]``: what no engine can skip."""
+    seqs = sorted({tuple(c) + tuple(x[:-1]) for c, x in reqs})
+    total, prev = 0, ()
+    for q in seqs:
+        n = min(len(prev), len(q))
+        i = 0
+        while i < n and prev[i] == q[i]:
+            i += 1
+        total += len(q) - i
+        prev = q
+    return total
+
+
+def _default_prefix_budget(model) -> int:
+    """Pool tokens for a temporary prefix cache: 8,192, or less where memory is short (at most
+    a quarter of the free device memory)."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return 8192
+    tp = model.parallel.tp_size
+    per_token = 2 * args.n_layers * (args.n_kv_heads // tp) * args.head_dim
+    per_token *= torch.empty((), dtype=model.dtype).element_size()
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        return max(256, min(8192, int(free * 0.25) // per_token))
+    return 8192
+
+
 def score(
     model,
     requests: Sequence[Request],
@@ -388,15 +493,21 @@ def score(
     max_length: int | None = None,
     max_rows: int | None = None,
     progress: bool = False,
+    prefix_cache=None,
+    stats: ScoreStats | None = None,
 ) -> list[tuple[float, bool]]:
     """lm-eval ``loglikelihood`` over token requests with a Nakta model.
 
     ``model`` needs ``forward_packed(tokens, positions, seq_start, branch, logits_index)``
     (fp32 logits at ``logits_index`` only; see ``Transformer.forward_packed``). ``max_length``
     defaults to the model's ``max_seq_len``; ``use_cache`` packs the continuations of a shared
-    context behind one copy of it. Results equal ``use_cache=False`` up to the model dtype's
-    rounding. ``token_budget`` (tokens per forward) bounds memory; ``max_rows`` optionally caps
-    the rows (contexts with their continuations) per forward.
+    context behind one copy of it, and computes a prefix shared by different contexts (a
+    few-shot prompt) once: ``prefix_cache`` is a :class:`~nakta_model.prefix_cache.PrefixCache`
+    to keep such prefixes across calls, ``None`` for one for this call when shared prefixes
+    exist (the model's KV cache is its pool; freed afterwards), ``False`` for none. Results
+    equal ``use_cache=False`` up to the model dtype's rounding. ``token_budget`` (tokens per
+    forward) bounds memory; ``max_rows`` optionally caps the rows (contexts with their
+    continuations) per forward. ``stats`` (a :class:`ScoreStats`) receives token counts.
     """
     if not hasattr(model, "forward_packed"):
         raise TypeError(
@@ -410,36 +521,80 @@ def score(
     vocab = _model_attr(model, ("vocab_size",))
     reqs = _check_requests(requests, vocab, max_length)
     rows, dup = _build_rows(reqs, use_cache, max_length)
-    batches = _packed_batches(rows, token_budget, max_rows)
+    cache, own_cache = _prefix_cache_for(model, rows, use_cache, prefix_cache)
+    plain = [r for r in rows if not r.prefix]
+    batches = [(b, False) for b in _packed_batches(plain, token_budget, max_rows)]
+    if cache is not None:
+        shared = [r for r in rows if r.prefix]
+        pb = _prefix_batches(shared, token_budget, max_rows, cache.n_pages, cache.page_size)
+        batches += [(b, True) for b in pb]
     device = _model_device(model)
     sums = torch.zeros(len(reqs), dtype=torch.float64, device=device)
     misses = torch.zeros(len(reqs), dtype=torch.int32, device=device)
-    total = sum(len(r) for r in rows)
+    total = sum(r.stream_len for r in rows)
     pin = device.type == "cuda"
+    computed_before = cache.computed_tokens if cache is not None else 0
 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
-    with torch.inference_mode(), _progress(total, progress, "scoring") as bar:
-        for rows_b in batches:
-            b = _pack(rows_b, pin=pin)
-            index = put(b.flat_index)
-            logits = model.forward_packed(
-                put(b.tokens),
-                put(b.positions),
-                put(b.seq_start),
-                put(b.branch),
-                index,
-                upcast=False,
-            )
-            if logits.shape[0] != index.shape[0]:
-                raise RuntimeError(
-                    f"forward_packed returned {tuple(logits.shape)} logits for "
-                    f"{index.shape[0]} scored positions"
+    try:
+        with torch.inference_mode(), _progress(total, progress, "scoring") as bar:
+            for rows_b, with_prefix in batches:
+                kw = {"upcast": False}
+                entries = None
+                if with_prefix:
+                    keys = list(dict.fromkeys(tuple(r.ctx[: r.prefix]) for r in rows_b))
+                    table, lengths = cache.page_table(cache.acquire(keys))
+                    entries = {k: i for i, k in enumerate(keys)}
+                b = _pack(rows_b, pin=pin, entries=entries)
+                if with_prefix:
+                    from nakta_model.model import PrefixPages
+
+                    kw["prefix"] = PrefixPages(table, lengths, put(b.token_entry), cache.page_size)
+                index = put(b.flat_index)
+                logits = model.forward_packed(
+                    put(b.tokens), put(b.positions), put(b.seq_start), put(b.branch), index, **kw
                 )
-            _accumulate(logits, b, sums, misses)
-            bar.update(b.n_real)
+                if logits.shape[0] != index.shape[0]:
+                    raise RuntimeError(
+                        f"forward_packed returned {tuple(logits.shape)} logits for "
+                        f"{index.shape[0]} scored positions"
+                    )
+                _accumulate(logits, b, sums, misses)
+                bar.update(b.n_real)
+    finally:
+        if own_cache:
+            model.clear_cache()
+    if stats is not None:
+        stats.request_tokens += sum(len(c) + len(x) - 1 for c, x in reqs)
+        stats.unique_tokens += unique_tokens(reqs)
+        prefix_computed = (cache.computed_tokens - computed_before) if cache is not None else 0
+        stats.prefix_tokens += prefix_computed
+        stats.computed_tokens += total + prefix_computed
+        stats.prefixes += len({tuple(r.ctx[: r.prefix]) for r in rows if r.prefix})
     return _finish(sums, misses, len(reqs), dup)
+
+
+def _prefix_cache_for(model, rows: list[_Row], use_cache: bool, prefix_cache):
+    """``(PrefixCache or None, whether this call made it)``; marks the rows' ``prefix``."""
+    if not use_cache or prefix_cache is False or not hasattr(model, "forward_prefill"):
+        return None, False
+    from nakta_model.prefix_cache import PrefixCache, shared_prefixes
+
+    lengths = shared_prefixes([r.ctx for r in rows])
+    if not any(lengths):
+        return None, False
+    own = prefix_cache is None or prefix_cache is True
+    cache = PrefixCache(model, _default_prefix_budget(model)) if own else prefix_cache
+    if not isinstance(cache, PrefixCache):
+        raise TypeError(
+            f"prefix_cache must be a PrefixCache, None or False, got {type(prefix_cache).__name__}"
+        )
+    for r, n in zip(rows, lengths):
+        if n and cache.fits(n):
+            r.prefix = n
+    return cache, own
 
 
 def warm_up(model, *, use_cache: bool = True) -> float:

@@ -1,0 +1,181 @@
+"""Prompt prefixes shared across requests: found once, their K/V computed once and kept.
+
+Many evaluations repeat a long prefix: lm-eval's MMLU gives every question of a subject the
+same 5 shots (``sampler: first_n``), ~500 tokens before a ~100-token question; BBH and GSM8K
+prompts share a fixed few-shot prefix too. Recomputing it per question multiplies the tokens by
+~6. Here:
+
+* :func:`shared_prefixes` finds the prefixes: distinct contexts sorted as token sequences, cut
+  into groups wherever neighbours share fewer than ``min_tokens`` tokens; a group of two or more
+  contexts shares its common prefix (capped one token short of its shortest context, whose last
+  token must still run in the stream: it predicts the continuation);
+* :class:`PrefixCache` keeps their K/V in the model's KV cache used as a pool of pages
+  (``setup_cache(n_pages, page_size)``): a prefix is computed once (a packed prefill writes its
+  K/V into free pages), kept under a token budget and evicted least-recently-used; packed
+  tokens then attend to it through a page table (``kernels/packed_attention.PrefixKV``), with
+  no copies.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MIN_PREFIX_TOKENS", "PrefixCache", "shared_prefixes"]
+
+MIN_PREFIX_TOKENS = 64  # shorter shared beginnings are not worth a cache entry
+PAGE_SIZE = 64  # a multiple of every packed-attention key block
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def shared_prefixes(
+    contexts: Sequence[Sequence[int]], min_tokens: int = MIN_PREFIX_TOKENS
+) -> list[int]:
+    """The shared prefix length of every context (0: none), as described in the module doc.
+
+    Contexts with equal tokens count once (the scorer already shares a whole context between
+    its continuations). Deterministic: depends on the set of contexts only.
+    """
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
+        raise ValueError(f"min_tokens must be a positive int, got {min_tokens!r}")
+    distinct = sorted({tuple(c) for c in contexts})
+    length: dict[tuple[int, ...], int] = {}
+    start = 0
+    for i in range(1, len(distinct) + 1):
+        if i < len(distinct) and _lcp(distinct[i - 1], distinct[i]) >= min_tokens:
+            continue
+        group = distinct[start:i]  # one run of neighbours sharing >= min_tokens
+        if len(group) >= 2:
+            common = min(_lcp(group[0], g) for g in group[1:])
+            common = min(common, min(len(g) for g in group) - 1)
+            for g in group:
+                length[g] = common if common >= min_tokens else 0
+        start = i
+    return [length.get(tuple(c), 0) for c in contexts]
+
+
+@dataclass
+class _Entry:
+    pages: list[int]
+    length: int
+
+
+class PrefixCache:
+    """K/V of shared prefixes in the model's KV cache used as a page pool (module docstring).
+
+    ``budget_tokens`` bounds the pool (rounded up to whole pages); a prefix longer than the pool
+    is not cached (the caller computes it in the stream instead). Entries are evicted least
+    recently used, never while the current batch holds them (:meth:`acquire` pins them until
+    the next call).
+    """
+
+    def __init__(self, model, budget_tokens: int, page_size: int = PAGE_SIZE):
+        if (
+            isinstance(budget_tokens, bool)
+            or not isinstance(budget_tokens, int)
+            or budget_tokens < 1
+        ):
+            raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
+        self.model, self.page_size = model, page_size
+        self.n_pages = -(-budget_tokens // page_size)
+        self.entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self.free: list[int] = []
+        self._pool_id: int | None = None
+        self.computed_tokens = 0  # prefix tokens run through the model (stats)
+
+    def _ensure_pool(self) -> None:
+        """(Re)allocate the pool when the model's cache is not ours any more (e.g. the
+        generation engine set up its own): every entry is then gone."""
+        m = self.model
+        k0 = m.layers[0].attention.k_cache
+        if (
+            self._pool_id is not None
+            and k0 is not None
+            and id(k0) == self._pool_id
+            and (m.max_batch_size, m.max_seq_len) == (self.n_pages, self.page_size)
+        ):
+            return
+        m.clear_cache()
+        m.setup_cache(self.n_pages, self.page_size)
+        self._pool_id = id(m.layers[0].attention.k_cache)
+        self.entries.clear()
+        self.free = list(range(self.n_pages))
+
+    def fits(self, length: int) -> bool:
+        return -(-length // self.page_size) <= self.n_pages
+
+    def acquire(self, prefixes: Sequence[tuple[int, ...]]) -> list[_Entry]:
+        """Entries for ``prefixes`` (each fits the pool, all together too): the missing ones
+        computed now, in one packed prefill per budget-full of tokens."""
+        self._ensure_pool()
+        need = sum(-(-len(p) // self.page_size) for p in dict.fromkeys(prefixes))
+        if need > self.n_pages:
+            raise ValueError(f"{need} pages of prefixes for one batch; the pool has {self.n_pages}")
+        wanted = set(prefixes)
+        missing = [p for p in dict.fromkeys(prefixes) if p not in self.entries]
+        for p in missing:
+            self._make_room(-(-len(p) // self.page_size), keep=wanted)
+            pages = [self.free.pop() for _ in range(-(-len(p) // self.page_size))]
+            self.entries[p] = _Entry(pages, len(p))
+        if missing:
+            self._compute(missing)
+        for p in prefixes:
+            self.entries.move_to_end(p)  # most recently used
+        return [self.entries[p] for p in prefixes]
+
+    def _make_room(self, pages: int, keep: set) -> None:
+        while len(self.free) < pages:
+            victim = next((k for k in self.entries if k not in keep), None)
+            if victim is None:  # only this batch's prefixes left: cannot happen (checked)
+                raise RuntimeError("prefix cache: no evictable entry")
+            self.free.extend(self.entries.pop(victim).pages)
+
+    def _compute(self, prefixes: list[tuple[int, ...]]) -> None:
+        """K/V of new prefixes into their pages: causal packed prefills (the logits are not
+        needed; the last token's are computed as the forward's one scored row)."""
+        m = self.model
+        dev = m.device
+        budget = max(self.page_size, 16384)
+        batch: list[tuple[int, ...]] = []
+        for p in prefixes + [None]:
+            if p is not None and (not batch or sum(map(len, batch)) + len(p) <= budget):
+                batch.append(p)
+                continue
+            toks, pos, start, slots = [], [], [], []
+            for q in batch:
+                e = self.entries[q]
+                s0 = len(toks)
+                toks += q
+                pos += range(len(q))
+                start += [s0] * len(q)
+                slots += [
+                    e.pages[i // self.page_size] * self.page_size + i % self.page_size
+                    for i in range(len(q))
+                ]
+            i64 = dict(dtype=torch.int64, device=dev)
+            m.forward_prefill(
+                torch.tensor(toks, **i64), torch.tensor(pos, **i64), torch.tensor(start, **i64),
+                torch.tensor(slots, **i64), torch.tensor([len(toks) - 1], **i64),
+            )  # fmt: skip
+            self.computed_tokens += len(toks)
+            batch = [p] if p is not None else []
+
+    def page_table(self, entries: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page_table [n, max_pages], lengths [n])`` int32 on the model's device."""
+        width = max((len(e.pages) for e in entries), default=1)
+        table = [e.pages + [0] * (width - len(e.pages)) for e in entries] or [[0]]
+        dev = self.model.device
+        return (
+            torch.tensor(table, dtype=torch.int32, device=dev),
+            torch.tensor([e.length for e in entries] or [0], dtype=torch.int32, device=dev),
+        )

@@ -1,0 +1,101 @@
+"""Prefixes shared across requests: found, computed once, kept (LRU), and scored identically."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from checkpoint_factory import TINY_PARAMS, meta_state_dict
+
+from nakta_model import scoring
+from nakta_model.checkpoint import from_meta_state_dict
+from nakta_model.config import ModelArgs
+from nakta_model.model import from_state_dict
+from nakta_model.prefix_cache import PrefixCache, shared_prefixes
+
+
+def model_fp32(kernels="reference"):
+    args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=256)
+    sd = from_meta_state_dict(meta_state_dict(TINY_PARAMS, seed=5), args)
+    return from_state_dict(sd, args, "cpu", kernels=kernels)
+
+
+def mmlu_like(n_subjects=3, per_subject=5, prefix_len=80, seed=0):
+    """Requests with MMLU's structure: per subject one shared few-shot prefix, then distinct
+    questions, each with 4 one-token choices."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n_subjects):
+        prefix = [1] + [rng.randrange(3, 300) for _ in range(prefix_len - 1)]
+        for _ in range(per_subject):
+            ctx = prefix + [rng.randrange(3, 300) for _ in range(rng.randint(5, 30))]
+            reqs += [(ctx, [rng.randrange(3, 300)]) for _ in range(4)]
+    return reqs
+
+
+def test_shared_prefixes_cut_groups_at_short_common_beginnings():
+    a = list(range(100))
+    ctxs = [a + [7, 8], a + [9], a[:70] + [1, 2], [5] * 90 + [1], [5] * 90 + [2], [5] * 10]
+    got = shared_prefixes(ctxs, min_tokens=64)
+    assert got[:3] == [70, 70, 70]  # one group: its common prefix (70 shared by all three)
+    assert got[3:5] == [90, 90] and got[5] == 0
+    # capped one token short of the shortest context: its last token predicts the continuation
+    assert shared_prefixes([a, a + [1]], 64) == [99, 99]
+    assert shared_prefixes([a], 64) == [0]  # a lone context shares nothing
+    with pytest.raises(ValueError, match="min_tokens"):
+        shared_prefixes([a], 0)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_scores_equal_the_uncached_engine_and_prefixes_are_computed_once(kernels):
+    model = model_fp32(kernels)
+    reqs = mmlu_like(per_subject=4 if kernels == "triton" else 6)
+    plain = scoring.score(model, reqs, prefix_cache=False)
+    stats = scoring.ScoreStats()
+    cached = scoring.score(model, reqs, stats=stats)
+    assert [g for _, g in cached] == [g for _, g in plain]
+    for (a, _), (b, _) in zip(cached, plain):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert stats.prefixes == 3 and stats.prefix_tokens == 3 * 80  # each computed once
+    assert stats.computed_tokens < 0.1 * stats.request_tokens
+    assert stats.computed_tokens <= 1.2 * stats.unique_tokens
+    assert stats.unique_tokens == scoring.unique_tokens(reqs) <= stats.computed_tokens
+    assert model.max_seq_len == 0  # the temporary pool was freed
+
+
+def test_a_kept_cache_reuses_prefixes_across_calls_and_evicts_lru():
+    model = model_fp32()
+    cache = PrefixCache(model, budget_tokens=192, page_size=64)  # 3 pages: one prefix at a time
+    reqs = mmlu_like(n_subjects=2, prefix_len=80)
+    first = scoring.score(model, reqs[:24], prefix_cache=cache)  # subject 0 only
+    computed = cache.computed_tokens
+    assert computed == 80
+    again = scoring.score(model, reqs[:24], prefix_cache=cache)
+    assert cache.computed_tokens == computed and again == first  # no recomputation
+    scoring.score(model, reqs[24:], prefix_cache=cache)  # subject 1 evicts subject 0
+    assert cache.computed_tokens == 2 * 80 and len(cache.entries) == 1
+    scoring.score(model, reqs[:24], prefix_cache=cache)
+    assert cache.computed_tokens == 3 * 80
+
+
+def test_stories260k_fp32_prefix_cache_gives_the_same_loglikelihoods(shared_data):
+    """The real checkpoint, a real tokenizer, a shared 5-shot-like prefix: identical scores."""
+    from accuracy_test.models import load_nakta
+    from nakta_model import Tokenizer
+
+    model = load_nakta(shared_data / "stories260K", torch.device("cpu"), torch.float32).model
+    tok = Tokenizer(shared_data / "stories260K" / "tokenizer.model")
+    shots = " ".join(f"Once upon a time there was a {w} who liked to play." for w in
+                     ("cat", "dog", "girl", "boy", "bird", "fish", "king", "queen"))  # fmt: skip
+    reqs = []
+    for q in ("Lily went to the park", "Tom had a big red ball", "The sun was hot"):
+        ctx = tok.encode(shots + " " + q, bos=True, eos=False)
+        for c in (" and she was happy.", " and he cried.", " and it rained."):
+            reqs.append((ctx, tok.encode(q + c, bos=False, eos=False)[-4:]))
+    stats = scoring.ScoreStats()
+    cached = scoring.score(model, reqs, stats=stats)
+    plain = scoring.score(model, reqs, prefix_cache=False)
+    assert stats.prefixes == 1
+    assert [x[1] for x in cached] == [x[1] for x in plain]
+    assert [x[0] for x in cached] == pytest.approx([x[0] for x in plain], abs=1e-4)
