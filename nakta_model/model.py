@@ -440,12 +440,15 @@ class Transformer(nn.Module):
         seq_start: torch.Tensor,
         cache_slots: torch.Tensor,
         logits_index: torch.Tensor,
+        *,
+        prefix: PrefixPages | None = None,
     ) -> torch.Tensor:
         """Prefill prompts packed back to back (``[T]`` each, as ``forward_packed`` without
         branches) into the KV cache: token t's rotated K and its V go to cache slot
         ``cache_slots[t]`` (cache row r, position p: ``r * max_seq_len + p``). Returns logits
         ``[N, vocab]`` in the model's dtype at ``logits_index`` (each prompt's last token).
-        Needs ``setup_cache``; each prompt attends to itself only (fresh cache rows).
+        Needs ``setup_cache``; each prompt attends to itself, and with ``prefix`` also to the
+        cached prefix pages of its entry (a prompt whose shared prefix is already cached).
         """
         if not self.max_seq_len:
             raise ValueError("forward_prefill needs a KV cache: call setup_cache() first")
@@ -455,7 +458,7 @@ class Transformer(nn.Module):
         branch = torch.zeros_like(seq_start)
         return self.forward_packed(
             tokens, positions, seq_start, branch, logits_index, upcast=False,
-            _cache_slots=cache_slots,
+            prefix=prefix, _cache_slots=cache_slots,
         )  # fmt: skip
 
 

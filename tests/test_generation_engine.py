@@ -262,3 +262,45 @@ def test_tensor_parallel_decode_two_gloo_ranks_equals_one_process(tmp_path):
         greedy_requests(ps, 8, None)
     )
     assert torch.load(out) == [r.tokens for r in want]
+
+
+def shared_prompts(n_prefixes=2, per=3, prefix_len=70, seed=9):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_prefixes):
+        pre = [1] + [rng.randrange(3, 300) for _ in range(prefix_len - 1)]
+        out += [pre + [rng.randrange(3, 300) for _ in range(rng.randint(1, 8))] for _ in range(per)]
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_shared_prompt_prefixes_prefill_once_and_decode_the_same(kernels):
+    model = tiny_model(kernels=kernels)
+    ps = shared_prompts(per=3 if kernels == "reference" else 2)
+    n_new = 6 if kernels == "reference" else 2
+    plain = Generator(model, max_batch=2, max_seq_len=96, prefix_rows=0).generate(
+        greedy_requests(ps, n_new, None)
+    )
+    gen = Generator(model, max_batch=2, max_seq_len=96, prefix_rows=2)
+    shared = gen.generate(greedy_requests(ps, n_new, None))
+    assert [r.tokens for r in shared] == [r.tokens for r in plain]
+    # each 70-token prefix ran once, whatever the admission wave; the rest ran per prompt
+    suffixes = sum(len(p) - 70 for p in ps)
+    assert gen.stats.prefilled_tokens == 2 * 70 + suffixes
+    assert gen.stats.prompt_tokens == sum(map(len, ps))
+
+
+def test_more_prefixes_than_prefix_rows_and_a_scorer_in_between():
+    """Three prefixes through one prefix row (LRU), then the scorer's prefix pool replaces the
+    KV cache: the engine sets its cache up again and still decodes the same tokens."""
+    from nakta_model import scoring
+
+    model = tiny_model()
+    ps = shared_prompts(n_prefixes=3, per=2)
+    want = [r.tokens for r in Generator(model, max_batch=3, max_seq_len=96, prefix_rows=0)
+            .generate(greedy_requests(ps, 4, None))]  # fmt: skip
+    gen = Generator(model, max_batch=3, max_seq_len=96, prefix_rows=1)
+    assert [r.tokens for r in gen.generate(greedy_requests(ps, 4, None))] == want
+    reqs = [(p, [5]) for p in ps]
+    scoring.score(model, reqs)  # builds (and frees) its own prefix pool in the model's cache
+    assert [r.tokens for r in gen.generate(greedy_requests(ps, 4, None))] == want

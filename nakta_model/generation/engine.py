@@ -10,6 +10,11 @@ EOS, ``max_new_tokens`` and stop strings, free the rows that finished and admit 
 A row that finishes inside a chunk decodes at most ``chunk - 1`` tokens nobody reads; the chunk
 is shortened so that no row runs past its token budget or the cache.
 
+Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefixes``) prefill
+it once: its K/V is computed into one of ``prefix_rows`` spare cache rows (kept, least recently
+used first out, for later admissions) and copied into each prompt's row; only the rest of each
+prompt runs through the model, attending to the copied prefix.
+
 Greedy decoding gives, per prompt, the tokens Meta's loop gives (``meta_loop``): the same model
 math on each row, just not padded to the batch's shortest prompt.
 """
@@ -26,6 +31,7 @@ import torch
 from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.generation.step import DecodeStep
 from nakta_model.generation.stops import StopStrings
+from nakta_model.kernels.packed_attention import PREFIX_ALIGN
 
 __all__ = ["GenerationRequest", "GenerationResult", "Generator"]
 
@@ -57,6 +63,7 @@ class GenerationResult:
 class _Row:
     index: int  # position of the request in the caller's list
     request: GenerationRequest
+    shared: int = 0  # length of the prefix it shares with other requests (0: none)
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
     finished: str | None = None
@@ -70,7 +77,8 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_steps: int = 0  # graph replays (each decodes one token for every row of its bucket)
     generated_tokens: int = 0  # tokens kept in results
-    prefilled_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens run through the model (shared prefixes once)
+    prompt_tokens: int = 0  # prompt tokens asked for
 
 
 class Generator:
@@ -89,6 +97,7 @@ class Generator:
         max_seq_len: int | None = None,
         chunk: int = 16,
         graphs: bool | None = None,
+        prefix_rows: int = 2,
     ):
         if not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ValueError(f"max_batch must be an int in [1, {BUCKETS[-1]}], got {max_batch!r}")
@@ -97,6 +106,8 @@ class Generator:
         max_seq_len = max_seq_len or model.args.max_seq_len
         if not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
+        if not isinstance(prefix_rows, int) or prefix_rows < 0:
+            raise ValueError(f"prefix_rows must be an int >= 0, got {prefix_rows!r}")
         self.model, self.max_batch, self.max_seq_len, self.chunk = (
             model,
             max_batch,
@@ -105,13 +116,38 @@ class Generator:
         )
         self.device = model.device
         self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
-        model.setup_cache(max_batch + 1, max_seq_len)  # the last row: scratch for idle entries
+        # cache rows: max_batch for requests, one scratch row for idle batch entries, then the
+        # shared-prefix rows; each row's length a multiple of 64 (the prefix pages' size rule)
         self.scratch = max_batch
+        self.prefix_rows = list(range(max_batch + 1, max_batch + 1 + prefix_rows))
+        self.row_len = -(-max_seq_len // 64) * 64
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self._steps: dict[tuple[int, bool], DecodeStep] = {}
+        self._prefixes: dict[tuple[int, ...], int] = {}  # cached prefix -> its row (LRU order)
+        self._cache_ptr: int | None = None
+        self._ensure_cache()
         self.stats = GenerationStats()
 
     # ---------------------------------------------------------------------------- steps
+    def _ensure_cache(self) -> None:
+        """The model's KV cache as this engine laid it out. Anyone else may have replaced it
+        (the scorer's prefix pool does): then it is set up again, and the captured steps (which
+        hold the old cache's addresses) and the cached prefixes are dropped."""
+        m = self.model
+        rows = self.max_batch + 1 + len(self.prefix_rows)
+        k0 = m.layers[0].attention.k_cache
+        if (
+            k0 is not None
+            and k0.data_ptr() == self._cache_ptr
+            and (m.max_batch_size, m.max_seq_len) == (rows, self.row_len)
+        ):
+            return
+        m.clear_cache()
+        m.setup_cache(rows, self.row_len)
+        self._cache_ptr = m.layers[0].attention.k_cache.data_ptr()
+        self._steps.clear()
+        self._prefixes.clear()
+
     def _step(self, bucket: int, sampling: bool) -> DecodeStep:
         key = (bucket, sampling)
         if key not in self._steps:
@@ -137,10 +173,19 @@ class Generator:
     ) -> list[GenerationResult]:
         """Generate every request; results in request order."""
         self._validate(requests)
+        self._ensure_cache()
         self.stats = GenerationStats()
-        queue = deque(
-            _Row(i, r) for i, r in sorted(enumerate(requests), key=lambda x: -len(x[1].prompt))
+        shared = [0] * len(requests)
+        if self.prefix_rows:
+            from nakta_model.prefix_cache import shared_prefixes
+
+            shared = shared_prefixes([list(r.prompt) for r in requests])
+        # longest first; prompts of one shared prefix next to each other
+        order = sorted(
+            range(len(requests)),
+            key=lambda i: (tuple(requests[i].prompt[: shared[i]]), -len(requests[i].prompt)),
         )
+        queue = deque(_Row(i, requests[i], shared[i]) for i in order)
         slots: list[_Row | None] = [None] * self.max_batch
         done: list[_Row] = []
         from tqdm.auto import tqdm
@@ -170,22 +215,51 @@ class Generator:
 
     # ---------------------------------------------------------------------------- phases
     def _prefill(self, rows: list[_Row], cache_rows: list[int], slots) -> None:
-        """One packed forward over the admitted prompts; their first tokens on the device."""
+        """One packed forward over the admitted prompts; their first tokens on the device.
+
+        A prefix shared by several prompts (or already in a prefix row) is computed once into
+        a prefix row, copied into each prompt's cache row, and only the rest of each prompt runs
+        here, attending to it (one ``PREFIX_ALIGN``-aligned segment per such prompt)."""
         t0 = time.perf_counter()
-        toks, pos, start, cslots, last = [], [], [], [], []
-        for r, c in zip(rows, cache_rows):
-            p = list(r.request.prompt)
+        prompts = [list(r.request.prompt) for r in rows]
+        shared = self._shared(prompts, [r.shared for r in rows])
+        toks, pos, start, cslots, last, entry = [], [], [], [], [], []
+        prefix_rows_used: list[int] = []
+        lengths: list[int] = []
+        current = -1
+        for p, c, n in zip(prompts, cache_rows, shared):
+            e = -1
+            if n:
+                self._copy_prefix(self._prefixes[tuple(p[:n])], c, n)
+                e = len(lengths)
+                prefix_rows_used.append(c)
+                lengths.append(n)
+            if e != current or e >= 0:  # a prompt with a prefix: a segment of its own
+                self._pad(toks, pos, start, cslots, entry, current)
+                current = e
             s0 = len(toks)
-            toks += p
-            pos += range(len(p))
-            start += [s0] * len(p)
-            cslots += [c * self.max_seq_len + i for i in range(len(p))]
+            toks += p[n:]
+            pos += range(n, len(p))
+            start += [s0] * (len(p) - n)
+            cslots += [c * self.row_len + i for i in range(n, len(p))]
+            entry += [e] * (len(p) - n)
             last.append(len(toks) - 1)
+        if lengths:
+            self._pad(toks, pos, start, cslots, entry, current)
         dev = self.device
         as_t = lambda xs, dt=torch.int64: torch.tensor(xs, dtype=dt, device=dev)  # noqa: E731
+        prefix = None
+        if lengths:
+            from nakta_model.model import PrefixPages
+
+            prefix = PrefixPages(
+                as_t([[r] for r in prefix_rows_used], torch.int32), as_t(lengths, torch.int32),
+                as_t(entry, torch.int32), self.row_len,
+            )  # fmt: skip
         logits = self.model.forward_prefill(
-            as_t(toks), as_t(pos, torch.int32), as_t(start, torch.int32), as_t(cslots), as_t(last)
-        )
+            as_t(toks), as_t(pos, torch.int32), as_t(start, torch.int32), as_t(cslots),
+            as_t(last), prefix=prefix,
+        )  # fmt: skip
         params = [r.request.sampling for r in rows]
         first = sample_next(
             logits,
@@ -198,7 +272,62 @@ class Generator:
             slots[c] = r
             self._accept(r, [t])
         self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefilled_tokens += len(toks)
+        self.stats.prefilled_tokens += sum(len(p) - n for p, n in zip(prompts, shared))
+        self.stats.prompt_tokens += sum(map(len, prompts))
+
+    def _shared(self, prompts: list[list[int]], lengths: list[int]) -> list[int]:
+        """Per prompt, the length of its shared prefix, now held in a prefix row (0: none):
+        missing prefixes are computed into prefix rows first, without evicting one that
+        another prompt of this admission still needs (such a prompt prefills in full)."""
+        out, wave = [], set()
+        for p, n in zip(prompts, lengths):
+            key = tuple(p[:n])
+            if n and key not in self._prefixes:
+                if len(wave | {key}) > len(self.prefix_rows):
+                    n = 0
+                else:
+                    self._compute_prefix(key, keep=wave)
+            if n:
+                wave.add(key)
+                self._prefixes[key] = self._prefixes.pop(key)  # most recently used
+            out.append(n)
+        return out
+
+    def _compute_prefix(self, key: tuple[int, ...], keep: set) -> None:
+        """Prefill ``key`` into a free prefix row, else the least recently used one not in
+        ``keep`` (the prefixes this admission still copies)."""
+        used = set(self._prefixes.values())
+        free = [r for r in self.prefix_rows if r not in used]
+        if not free:
+            oldest = next(k for k in self._prefixes if k not in keep)
+            free = [self._prefixes.pop(oldest)]
+        row = free[0]
+        n = len(key)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.model.forward_prefill(
+            torch.tensor(key, **i64), torch.arange(n, **i64), torch.zeros(n, **i64),
+            torch.arange(n, **i64) + row * self.row_len, torch.tensor([n - 1], **i64),
+        )  # fmt: skip
+        self._prefixes[key] = row
+        self.stats.prefilled_tokens += n
+
+    def _copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """K/V of positions ``[0, n)`` of cache row ``src`` into row ``dst``, every layer."""
+        a, b = src * self.row_len, dst * self.row_len
+        for layer in self.model.layers:
+            att = layer.attention
+            att.k_cache[b : b + n].copy_(att.k_cache[a : a + n])
+            att.v_cache[b : b + n].copy_(att.v_cache[a : a + n])
+
+    def _pad(self, toks, pos, start, cslots, entry, e: int) -> None:
+        """Pad the stream to a ``PREFIX_ALIGN`` boundary with tokens of entry ``e`` (the
+        segment they close): each its own sequence, its K/V written into the scratch row."""
+        n = -len(toks) % PREFIX_ALIGN
+        start.extend(range(len(toks), len(toks) + n))
+        toks.extend([0] * n)
+        pos.extend([0] * n)
+        cslots.extend([self.scratch * self.row_len] * n)
+        entry.extend([e] * n)
 
     def _decode_chunk(self, active: list[int], slots) -> None:
         """Replay the decode step for the active rows, then read and apply the new tokens."""
