@@ -37,8 +37,8 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 import pandas as pd
 import torch
 
-from nakta_model.bench.ceilings import device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from bench_common.ceilings import device_slug
+from bench_common.report import results_dir, save_figure, write_json, write_table
 from nakta_model.io_utils import atomic_output_file
 
 CATEGORIES = ("gemm", "attention", "elementwise", "memcpy", "gaps")

@@ -438,7 +438,7 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from nakta_model.bench.report import save_figure
+    from bench_common.report import save_figure
 
     runs = [r for r in summary["runs"] if r["error"] is None]
     shots = sorted({r["num_fewshot"] for r in runs}) or [0]
@@ -538,7 +538,7 @@ def _environment(a: argparse.Namespace) -> dict:
 
     import torch
 
-    from nakta_model.bench.ceilings import device_slug
+    from bench_common.ceilings import device_slug
 
     name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
     return {

@@ -56,8 +56,8 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from nakta_model.bench.ceilings import device_slug, matmul_tflops
-from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from bench_common.ceilings import device_slug, matmul_tflops
+from bench_common.report import results_dir, save_figure, write_json, write_table
 from nakta_model.cli import (
     InputError,
     checked_on_every_rank,
