@@ -174,7 +174,7 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> ModelArgs:
         """From a HF LLaMA ``config.json`` dict. HF checkpoints store q/k permuted for
-        rotate-half RoPE; ``checkpoint.from_hf_state_dict`` undoes that, so the result keeps
+        rotate-half RoPE; ``layout.unpermute_hf`` undoes that, so the result keeps
         ``rope_interleaved=True`` (Meta pairing) like every Nakta checkpoint."""
         model_type = config.get("model_type", "llama")
         if model_type != "llama":

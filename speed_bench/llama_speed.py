@@ -30,7 +30,7 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 
 import torch
 
-from speed_bench.engine import Engine, EngineConfig
+from speed_bench.engines import Engine, EngineConfig
 from speed_bench.weights import WeightSource, meta_params
 from speed_bench.workload import Request
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from nakta_model.checkpoint import META_IGNORED, merge_meta_shards, meta_shapes, meta_split_dim
 from nakta_model.config import ModelArgs, meta_hidden_dim, preset
+from nakta_model.layout import META_IGNORED, merge_meta_shards, meta_shapes, meta_split_dim
+from nakta_model.sources import Source
 
 StateDict = dict[str, torch.Tensor]
 
@@ -66,6 +67,16 @@ class WeightSource:
         """One unsplit Meta tensor, equal to ``state_dict(...)[name]``: lets a tensor-parallel
         rank build its shard one tensor at a time instead of holding the whole model first."""
         raise NotImplementedError
+
+    def source(self, device: torch.device, dtype: torch.dtype) -> Source:
+        """These weights as a ``nakta_model.sources.Source``: what ``nakta_model.load`` builds a
+        rank's Nakta shard from, one Meta tensor at a time (made on ``device`` in ``dtype``)."""
+        return Source(
+            args=self.args,
+            get=lambda name: self.tensor(name, device, dtype),
+            dtype=dtype,
+            description=f"speed_bench weights {self.name}",
+        )
 
     def meta_shard(
         self, name: str, device: torch.device, dtype: torch.dtype, rank: int, size: int

@@ -141,7 +141,7 @@ def test_meta_shards_are_fairscale_splits_of_the_same_weights(shared_data):
     """Rank r's shard (llama_org under torchrun) is Meta's own MP split: the real 2-shard
     stories260K files, byte for byte, from the 1-shard checkpoint; random weights' shards
     concatenate back to the unsplit tensors, norms whole on every rank."""
-    from nakta_model.checkpoint import meta_split_dim
+    from nakta_model.layout import meta_split_dim
     from speed_bench.weights import CheckpointWeights
 
     cpu = torch.device("cpu")
@@ -170,7 +170,7 @@ def test_meta_shards_are_fairscale_splits_of_the_same_weights(shared_data):
 
 
 def test_hf_weight_conversion_round_trips():
-    from nakta_model.checkpoint import from_hf_state_dict
+    from nakta_model.layout import from_hf_state_dict
     from speed_bench.hf_speed import meta_to_hf
 
     args = preset("tiny")
