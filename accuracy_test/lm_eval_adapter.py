@@ -400,7 +400,7 @@ class NaktaLM(_ScoringLM):
         return self._max_length
 
     def _score(self, reqs, progress):
-        from nakta_model.data_parallel import data_parallel_map
+        from nakta_model.data_parallel import map_requests
 
         def local(part):
             return scoring.score(
@@ -413,13 +413,7 @@ class NaktaLM(_ScoringLM):
                 progress=progress and self.parallel.is_leader,
             )
 
-        return data_parallel_map(
-            local,
-            reqs,
-            self.parallel,
-            costs=[len(c) + len(x) for c, x in reqs],
-            keys=[tuple(c) for c, _ in reqs],
-        )
+        return map_requests(local, reqs, self.parallel)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Requests sharded over the ``dp`` replicas (longer prompts weigh more), in order."""

@@ -421,7 +421,7 @@ def _truth_result(docs, res_n, res_o, res_t, seconds: float) -> dict:
 
 
 def run(a: argparse.Namespace, parallel=None) -> dict:
-    from nakta_model.data_parallel import data_parallel_map
+    from nakta_model.data_parallel import map_requests
     from nakta_model.loading import load
     from nakta_model.parallel import ParallelConfigError, ParallelContext
 
@@ -475,13 +475,7 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
 
     _sync(device)
     t0 = time.perf_counter()
-    res_n = data_parallel_map(
-        score_nakta,
-        requests,
-        parallel,
-        costs=[len(c) + len(x) for c, x in requests],
-        keys=[tuple(c) for c, _ in requests],
-    )
+    res_n = map_requests(score_nakta, requests, parallel)
     _sync(device)
     t1 = time.perf_counter()
     res_o = _score_reference(llama, requests, a, max_length, device, progress)

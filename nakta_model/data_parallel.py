@@ -14,7 +14,13 @@ from typing import Any, TypeVar
 
 from nakta_model.parallel import ParallelContext, gather_objects
 
-__all__ = ["data_parallel_map", "gather_in_order", "shard_indices", "shard_requests"]
+__all__ = [
+    "data_parallel_map",
+    "gather_in_order",
+    "map_requests",
+    "shard_indices",
+    "shard_requests",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -54,12 +60,28 @@ def shard_indices(
 
 def shard_requests(
     requests: Sequence[tuple[Sequence[int], Sequence[int]]], parallel: ParallelContext
-):
+) -> list[int]:
     """:func:`shard_indices` for ``(context_tokens, continuation_tokens)`` requests: grouped
     by context, cost = tokens."""
-    keys = [tuple(c) for c, _ in requests]
-    costs = [len(c) + len(t) for c, t in requests]
+    costs, keys = _request_costs_and_keys(requests)
     return shard_indices(costs, parallel, keys)
+
+
+def map_requests(
+    fn: Callable[[list[T]], Sequence[R]],
+    requests: Sequence[T],
+    parallel: ParallelContext,
+) -> list[R]:
+    """:func:`data_parallel_map` over ``(context_tokens, continuation_tokens)`` requests,
+    sharded as :func:`shard_requests` shards them: every scorer of the house (the speed
+    bench's engine, parity.py, the lm-eval adapter) splits requests the same way."""
+    costs, keys = _request_costs_and_keys(requests)
+    return data_parallel_map(fn, requests, parallel, costs=costs, keys=keys)
+
+
+def _request_costs_and_keys(requests) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Tokens per request, and its context (the requests of one context stay together)."""
+    return [len(c) + len(t) for c, t in requests], [tuple(c) for c, _ in requests]
 
 
 def gather_in_order(

@@ -49,6 +49,7 @@ __all__ = [
     "grid_groups",
     "grid_position",
     "init_parallel",
+    "is_distributed",
     "launch",
     "shutdown",
     "validate_grid",
@@ -309,7 +310,8 @@ def shutdown() -> None:
     _STATE["groups"] = {}
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
+    """A process group of more than one process is up (else every collective is a no-op)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -317,13 +319,13 @@ def barrier(parallel: ParallelContext | None = None) -> None:
     """Wait for every rank (after finishing this rank's queued GPU work): for timing."""
     if parallel is not None and parallel.device is not None and parallel.device.type == "cuda":
         torch.cuda.synchronize(parallel.device)
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 
 def gather_objects(obj: T, group: object | None = None) -> list[T]:
     """Every rank's ``obj`` (picklable, on the host), in rank order, on every rank."""
-    if not _distributed():
+    if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)

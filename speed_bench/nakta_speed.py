@@ -23,7 +23,7 @@ from pathlib import Path
 if not __package__:  # run by path: import from the repo root, not from this script's folder
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from nakta_model.data_parallel import data_parallel_map
+from nakta_model.data_parallel import map_requests
 from nakta_model.model import Transformer
 from nakta_model.parallel import ParallelContext
 from nakta_model.scoring import score
@@ -53,13 +53,7 @@ class NaktaEngine(Engine):
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
         if self.parallel.dp_size == 1:
             return self._score_local(requests)
-        return data_parallel_map(
-            self._score_local,
-            requests,
-            self.parallel,
-            costs=[len(c) + len(t) for c, t in requests],
-            keys=[tuple(c) for c, _ in requests],
-        )
+        return map_requests(self._score_local, requests, self.parallel)
 
     def _score_local(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
         return score(

@@ -25,7 +25,7 @@ import torch
 
 from nakta_model.cli import checked_on_every_rank
 from nakta_model.config import ModelArgs
-from nakta_model.data_parallel import data_parallel_map, shard_requests
+from nakta_model.data_parallel import data_parallel_map, map_requests, shard_requests
 from nakta_model.loading import load
 from nakta_model.parallel import (
     ParallelContext,
@@ -68,11 +68,7 @@ def run_case(case: dict, device: str) -> dict:
 
     ctx = init_parallel(1, 2, checkpoint=case["ckpt_tp1"], device=device)
     model = load(case["ckpt_tp1"], None, DTYPE, ctx, kernels=KERNELS)
-    costs = [len(c) + len(t) for c, t in requests]
-    keys = [tuple(c) for c, _ in requests]
-    out["dp_scores"] = data_parallel_map(
-        lambda r: score(model, r), requests, ctx, costs=costs, keys=keys
-    )
+    out["dp_scores"] = map_requests(lambda r: score(model, r), requests, ctx)
     out["dp_shard_sizes"] = gather_objects(len(shard_requests(requests, ctx)))
     rows = list(tokens)
     out["dp_logits"] = torch.stack(

@@ -27,6 +27,7 @@ from nakta_model.config import ModelArgs
 from nakta_model.data_parallel import (
     data_parallel_map,
     gather_in_order,
+    map_requests,
     shard_indices,
     shard_requests,
 )
@@ -120,6 +121,9 @@ def test_shard_indices_checks_its_inputs_and_gather_rebuilds_order():
     with pytest.raises(ValueError, match="2 results for 1 indices"):
         gather_in_order(["a", "b"], [0], 2, one)
     assert data_parallel_map(lambda xs: [x * 10 for x in xs], [1, 2, 3], one) == [10, 20, 30]
+    reqs = _requests(3)
+    got = map_requests(lambda rs: [len(c) + len(t) for c, t in rs], reqs, one)
+    assert got == [len(c) + len(t) for c, t in reqs]
 
 
 # ------------------------------------------------------------------ validation, one process
