@@ -97,8 +97,9 @@ def load_llama_org(
     )
 
 
-def meta_params(args) -> dict:
-    """Meta ``params.json`` fields of a Nakta ``ModelArgs`` (what llama_org understands)."""
+def _llama_org_params(args) -> dict:
+    """``params.json`` fields of the ``ModelArgs`` a llama_org model was built with: a second
+    llama_org of the very same shape builds from them."""
     keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")
     params = {k: getattr(args, k) for k in keys}
     params.update(
@@ -148,7 +149,7 @@ def random_pair(
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     args = PRESETS[preset]
     llama = Llama.from_state_dict(
-        meta_params(args),
+        args.to_meta_params(),
         None,
         llama_max_seq_len,
         max_batch_size,
@@ -175,7 +176,7 @@ def fp32_weights(llama) -> tuple[dict, dict]:
     The fp32 truth of a bf16/fp16 comparison runs these: the very weights the half-precision
     models hold (exactly representable in fp32), so what differs is only the arithmetic.
     """
-    params = meta_params(llama.model.params)
+    params = _llama_org_params(llama.model.params)
     state = {
         k: v.detach().to("cpu", torch.float32)
         for k, v in llama.model.state_dict().items()

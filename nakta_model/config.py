@@ -222,6 +222,27 @@ class ModelArgs:
         """Meta-style ``params.json`` dict (plus Nakta's derived ``hidden_dim`` and pairing)."""
         return dataclasses.asdict(self)
 
+    def to_meta_params(self) -> dict[str, Any]:
+        """``params.json`` as Meta writes it (what llama_org builds from); refuses a shape
+        Meta's FFN rule cannot give (an HF ``intermediate_size`` of another width)."""
+        if meta_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier) != self.hidden_dim:
+            raise ValueError(
+                f"hidden_dim {self.hidden_dim} is not what Meta's rule gives for dim={self.dim}, "
+                f"multiple_of={self.multiple_of}: llama_org cannot build this shape"
+            )
+        params = {
+            "dim": self.dim,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads if self.n_kv_heads != self.n_heads else None,
+            "vocab_size": self.vocab_size,
+            "multiple_of": self.multiple_of,
+            "ffn_dim_multiplier": self.ffn_dim_multiplier,
+            "norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+        }
+        return {k: v for k, v in params.items() if v is not None}
+
     def replace(self, **changes: Any) -> ModelArgs:
         return dataclasses.replace(self, **changes)
 

@@ -16,7 +16,7 @@ import torch
 from nakta_model.config import preset
 from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
 from speed_bench.make_length_histogram import HISTOGRAM_PATH, measure
-from speed_bench.weights import RandomWeights, matmul_params, meta_params
+from speed_bench.weights import RandomWeights, matmul_params
 from speed_bench.workload import Workload, load_histogram, synthetic_workload
 
 
@@ -133,8 +133,8 @@ def test_random_weights_are_reproducible_and_sane():
     wq = a["layers.0.attention.wq.weight"]
     assert abs(wq.std().item() - wq.shape[1] ** -0.5) < 0.2 * wq.shape[1] ** -0.5
     assert torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
-    assert meta_params(preset("tiny"))["n_kv_heads"] == 2
-    assert "n_kv_heads" not in meta_params(preset("7B"))  # LLaMA-1 params.json has none
+    assert preset("tiny").to_meta_params()["n_kv_heads"] == 2
+    assert "n_kv_heads" not in preset("7B").to_meta_params()  # LLaMA-1 params.json has none
 
 
 def test_meta_shards_are_fairscale_splits_of_the_same_weights(shared_data):
