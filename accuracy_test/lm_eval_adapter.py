@@ -12,7 +12,7 @@ the shared-context cache (``scoring.score``), ``llama_org`` through the plain sc
 forward (``scoring.score_with_forward``), so an lm-eval run reproduces ``parity.py`` exactly.
 
 Model args (anything else is refused, naming the known ones): ``checkpoint`` (Nakta dir, or
-Meta dir: converted on the fly to a temp Nakta checkpoint; llama_org needs a Meta dir),
+Meta dir: read in memory by ``nakta_model.load``, no converted copy; llama_org needs a Meta dir),
 ``tokenizer`` (sentencepiece file; its size must equal the checkpoint's vocab_size), ``dtype``
 (fp32|bf16|fp16 in any case; default bf16 on CUDA, fp32 on CPU), ``token_budget`` (padded
 tokens per forward: what bounds memory), ``max_length`` (default and upper limit: the
@@ -75,6 +75,7 @@ from tqdm.auto import tqdm
 
 from accuracy_test import models
 from nakta_model import scoring
+from nakta_model.sources import is_meta_checkpoint
 
 __all__ = ["LlamaOrgLM", "NaktaLM"]
 
@@ -367,6 +368,7 @@ class NaktaLM(_ScoringLM):
         dp: int | str = 1,
         **unknown,
     ):
+        from nakta_model.loading import load
         from nakta_model.parallel import ParallelContext, init_parallel
 
         _refuse_unknown_args("nakta", NaktaLM, unknown)
@@ -379,25 +381,26 @@ class NaktaLM(_ScoringLM):
             self.parallel = init_parallel(int(tp), int(dp), device=_parallel_device(device))
             device = str(self.parallel.device)
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        self.handle = models.load_nakta(
-            checkpoint, self.device, self.dtype, kernels=kernels, parallel=self.parallel
-        )
-        self.model = self.handle.model
+        self.model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
         try:
             _check_vocab(self.tok, tokenizer, self.model.args.vocab_size, checkpoint)
             self._max_length = _max_length(max_length, self.model.args.max_seq_len, checkpoint)
         except ValueError:
-            self.handle.close()
+            self.close()
             raise
         # Compile the scorer's kernels now (part of loading), not inside the first batch.
         self.warm_up_s = scoring.warm_up(self.model, use_cache=self.use_cache)
+
+    def close(self) -> None:
+        """Drop the model (its memory goes once nobody else holds it)."""
+        self.model = None
 
     @property
     def max_length(self) -> int:
         return self._max_length
 
     def _score(self, reqs, progress):
-        from nakta_model.parallel import data_parallel_map
+        from nakta_model.data_parallel import map_requests
 
         def local(part):
             return scoring.score(
@@ -410,17 +413,11 @@ class NaktaLM(_ScoringLM):
                 progress=progress and self.parallel.is_leader,
             )
 
-        return data_parallel_map(
-            local,
-            reqs,
-            self.parallel,
-            costs=[len(c) + len(x) for c, x in reqs],
-            keys=[tuple(c) for c, _ in reqs],
-        )
+        return map_requests(local, reqs, self.parallel)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Requests sharded over the ``dp`` replicas (longer prompts weigh more), in order."""
-        from nakta_model.parallel import data_parallel_map
+        from nakta_model.data_parallel import data_parallel_map
 
         return data_parallel_map(
             lambda part: self._generate_until_local(
@@ -486,7 +483,7 @@ def _meta_dir(checkpoint: str) -> Path:
     path = Path(checkpoint)
     if not path.exists():
         raise ModelArgsError(f"llama_org checkpoint {checkpoint} does not exist")
-    if not models.is_meta_checkpoint(path):
+    if not is_meta_checkpoint(path):
         raise ModelArgsError(
             f"llama_org checkpoint {checkpoint} must be a Meta dir "
             "(params.json + consolidated.*.pth), e.g. the one convert.py reads"

@@ -15,8 +15,9 @@
 
 Under ``torchrun`` llama_org runs as Meta runs it (model parallel over the whole world, one
 ``consolidated.NN.pth`` per rank) and Nakta on the ``--tp x --dp`` grid of the same world
-(the Meta dir converted once for ``--tp``; requests sharded over the ``--dp`` replicas). With
-``--random``, ``--tp`` must equal the world size (Nakta takes llama_org's shards).
+(each rank reading its ``--tp`` shard straight from the Meta dir; requests sharded over the
+``--dp`` replicas). With ``--random``, ``--tp`` must equal the world size (Nakta takes
+llama_org's shards).
 
 Requests are built once (lm-eval's HellaSwag preprocessing and ``_encode_pair``) and scored by
 both models: nakta through the shared-context engine (``scoring.score``), llama_org through the
@@ -419,35 +420,35 @@ def _truth_result(docs, res_n, res_o, res_t, seconds: float) -> dict:
     return out
 
 
-def run(a: argparse.Namespace, ctx=None) -> dict:
-    from nakta_model.parallel import ParallelConfigError, ParallelContext, data_parallel_map
+def run(a: argparse.Namespace, parallel=None) -> dict:
+    from nakta_model.data_parallel import map_requests
+    from nakta_model.loading import load
+    from nakta_model.parallel import ParallelConfigError, ParallelContext
 
-    ctx = ctx or ParallelContext()
+    parallel = parallel or ParallelContext()
     docs, tok = checked_on_every_rank(load_inputs, a)
-    if ctx.world_size > 1 and not a.random:
+    if parallel.world_size > 1 and not a.random:
         n = len(list(Path(a.checkpoint).glob("consolidated.*.pth")))
-        if n != ctx.world_size:  # checked before any collective: the same verdict everywhere
+        if n != parallel.world_size:  # checked before any collective: the same verdict everywhere
             raise ParallelConfigError(
                 f"llama_org runs Meta's model parallel (one shard per process): {a.checkpoint} "
-                f"has {n} consolidated.*.pth shard(s), the world has {ctx.world_size} processes"
+                f"has {n} consolidated.*.pth shard(s), the world has {parallel.world_size} processes"
             )
-    device = ctx.device or models.resolve_device(a.device)
+    device = parallel.device or models.resolve_device(a.device)
     dtype = models.parse_dtype(a.dtype)
     requests = hellaswag.build_requests(docs, lambda s: tok.encode(s, bos=True, eos=False))
     longest = max(len(c) + len(x) - 1 for c, x in requests)
-    handle = None
     if a.random:
         from nakta_model.config import PRESETS
 
         max_length = PRESETS[a.preset].max_seq_len
         cache_len = min(max_length, longest)
         model, llama = models.random_pair(
-            a.preset, a.tokenizer, device, dtype, cache_len, a.batch_size, a.seed, ctx
+            a.preset, a.tokenizer, device, dtype, cache_len, a.batch_size, a.seed, parallel
         )
         model_name = f"{a.preset}-random-seed{a.seed}"
     else:
-        handle = models.load_nakta(a.checkpoint, device, dtype, parallel=ctx)
-        model = handle.model
+        model = load(a.checkpoint, device, dtype, parallel)
         max_length = model.args.max_seq_len
         cache_len = min(max_length, longest)
         llama = models.load_llama_org(
@@ -459,7 +460,7 @@ def run(a: argparse.Namespace, ctx=None) -> dict:
         tok.encode(s, bos=True, eos=False) for s in check
     ]:
         raise RuntimeError("nakta and llama_org tokenizers disagree on the same text")
-    progress = not a.no_progress and ctx.is_leader
+    progress = not a.no_progress and parallel.is_leader
 
     def score_nakta(reqs):
         return scoring.score(
@@ -472,38 +473,26 @@ def run(a: argparse.Namespace, ctx=None) -> dict:
             progress=progress,
         )
 
-    try:
+    _sync(device)
+    t0 = time.perf_counter()
+    res_n = map_requests(score_nakta, requests, parallel)
+    _sync(device)
+    t1 = time.perf_counter()
+    res_o = _score_reference(llama, requests, a, max_length, device, progress)
+    _sync(device)
+    t2 = time.perf_counter()
+    res_t = None
+    if truth_mode(a) == "fp32" and dtype != torch.float32:
+        params, state = models.fp32_weights(llama)
+        del llama  # the half-precision reference is done: room for the fp32 one
+        _free_device_memory()
+        truth = models.llama_org_fp32(params, state, a.tokenizer, device, cache_len, a.batch_size)
+        del state
+        res_t = _score_reference(truth, requests, a, max_length, device, progress)
         _sync(device)
-        t0 = time.perf_counter()
-        res_n = data_parallel_map(
-            score_nakta,
-            requests,
-            ctx,
-            costs=[len(c) + len(x) for c, x in requests],
-            keys=[tuple(c) for c, _ in requests],
-        )
-        _sync(device)
-        t1 = time.perf_counter()
-        res_o = _score_reference(llama, requests, a, max_length, device, progress)
-        _sync(device)
-        t2 = time.perf_counter()
-        res_t = None
-        if truth_mode(a) == "fp32" and dtype != torch.float32:
-            params, state = models.fp32_weights(llama)
-            del llama  # the half-precision reference is done: room for the fp32 one
-            _free_device_memory()
-            truth = models.llama_org_fp32(
-                params, state, a.tokenizer, device, cache_len, a.batch_size
-            )
-            del state
-            res_t = _score_reference(truth, requests, a, max_length, device, progress)
-            _sync(device)
-            del truth
-            _free_device_memory()
-        t3 = time.perf_counter()
-    finally:
-        if handle is not None:
-            handle.close()
+        del truth
+        _free_device_memory()
+    t3 = time.perf_counter()
     result = compare(docs, [r[0] for r in res_n], [r[0] for r in res_o])
     result["nakta"]["seconds"] = t1 - t0
     result["llama_org"]["seconds"] = t2 - t1
@@ -528,10 +517,10 @@ def run(a: argparse.Namespace, ctx=None) -> dict:
         else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "git_commit": _git_commit(),
-        "world_size": ctx.world_size,
-        "nakta_tp": ctx.tp_size,
-        "nakta_dp": ctx.dp_size,
-        "llama_org_mp": ctx.world_size,
+        "world_size": parallel.world_size,
+        "nakta_tp": parallel.tp_size,
+        "nakta_dp": parallel.dp_size,
+        "llama_org_mp": parallel.world_size,
         "max_length": max_length,
         "token_budget": a.token_budget,
         "batch_size": a.batch_size,
@@ -557,7 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.tp * a.dp == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _finish(a, exit_on_input_error(run, a))
     # torchrun: every rank computes, rank 0 writes; bad grids exit 2 with one message
-    return launch(lambda ctx: _finish(a, run(a, ctx), ctx.is_leader), a.tp, a.dp, device=a.device)
+    return launch(
+        lambda parallel: _finish(a, run(a, parallel), parallel.is_leader),
+        a.tp,
+        a.dp,
+        device=a.device,
+    )
 
 
 def _finish(a: argparse.Namespace, result: dict, leader: bool = True) -> int:

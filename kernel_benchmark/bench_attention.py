@@ -45,11 +45,11 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from bench_common.ceilings import device_slug
+from bench_common.report import results_dir, save_figure, write_table
+from bench_common.timing import eager_ms
 from kernel_benchmark.common import announce, exit_status
 from nakta_model.attention import causal_attention
-from nakta_model.bench.ceilings import device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_table
-from nakta_model.bench.timing import eager_ms
 from nakta_model.kernels import packed_attention as packed
 
 TOKEN_BUDGET = 16384

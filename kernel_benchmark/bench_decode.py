@@ -53,9 +53,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
-from nakta_model.bench.timing import graph_ms, input_sets, rotated_ms
+from bench_common.ceilings import copy_bandwidth_gbps, device_slug
+from bench_common.report import results_dir, save_figure, write_json, write_table
+from bench_common.timing import graph_ms, input_sets, rotated_ms
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import decode_linear as dl
 from nakta_model.kernels.decode_attention import (

@@ -42,6 +42,9 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 import pandas as pd
 import torch
 
+from bench_common.ceilings import copy_bandwidth_gbps, device_slug
+from bench_common.report import results_dir
+from bench_common.timing import eager_ms, graph_ms, input_sets
 from kernel_benchmark.common import (
     cli,
     compiled,
@@ -52,9 +55,6 @@ from kernel_benchmark.common import (
     triton_skip_reason,
     write_head_to_head,
 )
-from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
-from nakta_model.bench.report import results_dir
-from nakta_model.bench.timing import eager_ms, graph_ms, input_sets
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import rmsnorm as rmsnorm_kernels
 from nakta_model.kernels.rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward

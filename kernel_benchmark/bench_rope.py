@@ -41,10 +41,10 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 import pandas as pd
 import torch
 
+from bench_common.ceilings import copy_bandwidth_gbps, device_slug
+from bench_common.report import results_dir, save_figure, write_json, write_table
+from bench_common.timing import eager_ms
 from kernel_benchmark.common import CPU_NOTE, announce, exit_status, triton_skip_reason
-from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
-from nakta_model.bench.timing import eager_ms
 from nakta_model.kernels import rope as rope_module
 from nakta_model.kernels.rope import (
     RotaryPositionEmbedding,

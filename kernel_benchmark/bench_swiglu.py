@@ -39,6 +39,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from bench_common.ceilings import copy_bandwidth_gbps, device_slug
+from bench_common.report import results_dir
+from bench_common.timing import eager_ms, graph_ms, input_sets
 from kernel_benchmark.common import (
     cli,
     compiled,
@@ -49,9 +52,6 @@ from kernel_benchmark.common import (
     triton_skip_reason,
     write_head_to_head,
 )
-from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
-from nakta_model.bench.report import results_dir
-from nakta_model.bench.timing import eager_ms, graph_ms, input_sets
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import swiglu as swiglu_kernels
 from nakta_model.kernels.swiglu import silu_mul, silu_mul_backward, silu_mul_forward, swiglu

@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from nakta_model.bench.report import save_figure, write_table
-from nakta_model.bench.timing import interleaved_ms, rotated_ms
+from bench_common.report import save_figure, write_table
+from bench_common.timing import interleaved_ms, rotated_ms
 from nakta_model.kernels._checks import interpreter_enabled
 
 CPU_NOTE = (

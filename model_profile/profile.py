@@ -1,8 +1,9 @@
 """Where the time goes: torch.profiler traces of llama_org and Nakta scoring the same tasks.
 
-Each engine (``speed_bench`` engines: ``llama_org``, ``nakta``, ``nakta_cache``) is built from
-the same weights, warmed up, then profiled scoring one fixed set of HellaSwag-shaped tasks (the
-embedded workload; 7B preset on a GPU, tiny on the CPU). Outputs in
+Each engine (``llama_org``, ``nakta``, ``nakta_cache``, built through speed_bench's public
+``engines`` module as ``speed_bench.run_all`` builds them) is built from the same weights,
+warmed up, then profiled scoring one fixed set of HellaSwag-shaped tasks (the embedded
+workload; 7B preset on a GPU, tiny on the CPU). Outputs in
 ``model_profile/results/<device>/``:
 
 * ``<engine>.pt.trace.json`` -- Chrome traces (open in chrome://tracing or Perfetto); large,
@@ -37,8 +38,8 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 import pandas as pd
 import torch
 
-from nakta_model.bench.ceilings import device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from bench_common.ceilings import device_slug
+from bench_common.report import results_dir, save_figure, write_json, write_table
 from nakta_model.io_utils import atomic_output_file
 
 CATEGORIES = ("gemm", "attention", "elementwise", "memcpy", "gaps")
@@ -190,8 +191,7 @@ def plot(cat_df: pd.DataFrame, title: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from speed_bench.engine import EngineConfig
-    from speed_bench.run_all import make_engine
+    from speed_bench.engines import EngineConfig, make_engine
     from speed_bench.weights import weight_source
     from speed_bench.workload import synthetic_workload
 

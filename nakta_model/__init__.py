@@ -23,8 +23,8 @@ _LAZY = {
     "ParallelContext": "nakta_model.parallel",
     "Tokenizer": "nakta_model.tokenizer",
     "Transformer": "nakta_model.model",
-    "load": "nakta_model.model",
-    "random_model": "nakta_model.model",
+    "load": "nakta_model.loading",
+    "random_model": "nakta_model.loading",
     "generate": "nakta_model.generation",
 }
 

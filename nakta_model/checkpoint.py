@@ -21,20 +21,8 @@ only. Sizes catch truncation; the sample catches a wrong or partly overwritten f
 outside the sample needs ``"full"``. Manifests written before the sample existed verify sizes
 only under ``"fast"``.
 
-Tensor names (per rank, local shapes with ``hq = n_heads / tp``, ``hkv = n_kv_heads / tp``,
-``f = hidden_dim / tp``, ``v = vocab_size / tp``)::
-
-    tok_embeddings.weight               [vocab, dim]            replicated
-    layers.N.attention.wqkv.weight      [(hq + 2 hkv) hd, dim]  rank's Q heads, K heads, V heads
-    layers.N.attention.wo.weight        [dim, hq hd]            row-parallel
-    layers.N.feed_forward.w13.weight    [2 f, dim]              rank's gate rows, then up rows
-    layers.N.feed_forward.w2.weight     [dim, f]                row-parallel
-    layers.N.attention_norm.weight      [dim]                   replicated
-    layers.N.ffn_norm.weight            [dim]                   replicated
-    norm.weight                         [dim]                   replicated
-    output.weight                       [v, dim]                vocab-parallel
-
-The conversion helpers work on Meta's unsplit names (``layers.N.attention.wq.weight``, ...).
+Tensor names and per-rank shapes: ``layout.py`` (Nakta's fused layout, and how Meta's and HF's
+unsplit tensors map to it).
 """
 
 from __future__ import annotations
@@ -43,35 +31,36 @@ import functools
 import hashlib
 import json
 import os
-import re
 import shutil
 import struct
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
 
 from nakta_model.config import ModelArgs
 from nakta_model.io_utils import atomic_output_dir, atomic_write_text
+from nakta_model.layout import (
+    CheckpointError,
+    check_meta_names,
+    meta_shapes,
+    nakta_shapes,
+    nakta_tensor,
+    short_list,
+)
 
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
-    "from_hf_state_dict",
-    "from_meta_state_dict",
-    "hf_to_meta_name",
-    "load_rank_state_dict",
-    "merge_meta_shards",
-    "meta_shapes",
-    "nakta_shapes",
-    "read_args",
-    "save_checkpoint",
-    "shard_file_name",
-    "to_meta_state_dict",
     "check_replaceable",
+    "load_rank_state_dict",
+    "read_args",
+    "read_json_object",
     "read_manifest",
     "sample_ranges",
+    "save_checkpoint",
+    "shard_file_name",
     "verify_checkpoint",
     "write_checkpoint",
 ]
@@ -81,11 +70,7 @@ MANIFEST = "manifest.json"
 PARAMS = "params.json"
 TOKENIZER = "tokenizer.model"
 
-# Meta names that carry no weights (LLaMA-1 consolidated files hold the RoPE frequencies).
-META_IGNORED = frozenset({"rope.freqs"})
-
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 # Fast verification: sha256 over the header plus every k-th block and the last one, k chosen so
@@ -98,288 +83,11 @@ SAMPLE_MAX_BLOCKS = 64
 VERIFY_MODES = ("fast", "full", "size")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint (or conversion source) that is incomplete, corrupt or mismatched."""
-
-
-# ----------------------------------------------------------------------------- shapes and names
-
-
-def meta_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Unsplit shape of every tensor of a Meta-format checkpoint of this shape."""
-    d, hd, f, v = args.dim, args.head_dim, args.hidden_dim, args.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (v, d)}
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        shapes[p + "attention.wq.weight"] = (args.n_heads * hd, d)
-        shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, d)
-        shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, d)
-        shapes[p + "attention.wo.weight"] = (d, args.n_heads * hd)
-        shapes[p + "feed_forward.w1.weight"] = (f, d)
-        shapes[p + "feed_forward.w2.weight"] = (d, f)
-        shapes[p + "feed_forward.w3.weight"] = (f, d)
-        shapes[p + "attention_norm.weight"] = (d,)
-        shapes[p + "ffn_norm.weight"] = (d,)
-    shapes["norm.weight"] = (d,)
-    shapes["output.weight"] = (v, d)
-    return shapes
-
-
-def nakta_shapes(args: ModelArgs, tp_size: int = 1) -> dict[str, tuple[int, ...]]:
-    """Per-rank (local) shape of every tensor of a Nakta checkpoint sharded ``tp_size`` ways."""
-    args.check_tp(tp_size)
-    d, hd = args.dim, args.head_dim
-    hq, hkv = args.n_heads // tp_size, args.n_kv_heads // tp_size
-    f, v = args.hidden_dim // tp_size, args.vocab_size // tp_size
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, d)}
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        shapes[p + "attention.wqkv.weight"] = ((hq + 2 * hkv) * hd, d)
-        shapes[p + "attention.wo.weight"] = (d, hq * hd)
-        shapes[p + "feed_forward.w13.weight"] = (2 * f, d)
-        shapes[p + "feed_forward.w2.weight"] = (d, f)
-        shapes[p + "attention_norm.weight"] = (d,)
-        shapes[p + "ffn_norm.weight"] = (d,)
-    shapes["norm.weight"] = (d,)
-    shapes["output.weight"] = (v, d)
-    return shapes
+# --------------------------------------------------------------------------- file names
 
 
 def shard_file_name(tp_rank: int, tp_size: int) -> str:
     return f"model.tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
-
-
-# ------------------------------------------------------------------ Meta (unsplit) -> Nakta
-
-
-def _rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    n = t.shape[0] // tp
-    return t[rank * n : (rank + 1) * n]
-
-
-def _cols(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    n = t.shape[1] // tp
-    return t[:, rank * n : (rank + 1) * n]
-
-
-def nakta_tensor(
-    name: str, get_meta: Callable[[str], torch.Tensor], tp_rank: int, tp_size: int
-) -> torch.Tensor:
-    """Rank ``tp_rank``'s Nakta tensor ``name`` built from unsplit Meta tensors ``get_meta(n)``."""
-    m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(wqkv|w13)\.weight", name)
-    if m:
-        p = f"layers.{m.group(1)}."
-        if m.group(3) == "wqkv":
-            parts = ["attention.wq", "attention.wk", "attention.wv"]
-        else:
-            parts = ["feed_forward.w1", "feed_forward.w3"]
-        pieces = [_rows(get_meta(p + x + ".weight"), tp_rank, tp_size) for x in parts]
-        return torch.cat(pieces, dim=0)
-    if name.endswith((".wo.weight", ".w2.weight")):
-        return _cols(get_meta(name), tp_rank, tp_size)
-    if name == "output.weight":
-        return _rows(get_meta(name), tp_rank, tp_size)
-    return get_meta(name)  # embedding and norms: replicated
-
-
-def from_meta_state_dict(
-    meta_sd: Mapping[str, torch.Tensor], args: ModelArgs, tp_rank: int = 0, tp_size: int = 1
-) -> dict[str, torch.Tensor]:
-    """Unsplit Meta names -> rank ``tp_rank``'s fused Nakta tensors (contiguous copies)."""
-    check_meta_names(meta_sd.keys(), args)
-    shapes = nakta_shapes(args, tp_size)
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
-    for name, shape in meta_shapes(args).items():
-        if tuple(meta_sd[name].shape) != shape:
-            raise CheckpointError(
-                f"{name} has shape {tuple(meta_sd[name].shape)}, params say {shape}"
-            )
-    return {
-        name: nakta_tensor(name, meta_sd.__getitem__, tp_rank, tp_size).contiguous().clone()
-        for name in shapes
-    }
-
-
-def to_meta_state_dict(
-    shards: Sequence[Mapping[str, torch.Tensor]], args: ModelArgs
-) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`from_meta_state_dict` over all ranks: Nakta shards -> unsplit Meta."""
-    tp = len(shards)
-    hd = args.head_dim
-    hq, hkv, f = args.n_heads // tp, args.n_kv_heads // tp, args.hidden_dim // tp
-    out: dict[str, torch.Tensor] = {}
-    for name in meta_shapes(args):
-        m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(\w+)\.weight", name)
-        kind = m.group(3) if m else name.split(".")[0]
-        p = f"layers.{m.group(1)}." if m else ""
-        if kind in ("wq", "wk", "wv"):
-            lo = {"wq": 0, "wk": hq * hd, "wv": (hq + hkv) * hd}[kind]
-            n = (hq if kind == "wq" else hkv) * hd
-            out[name] = torch.cat([s[p + "attention.wqkv.weight"][lo : lo + n] for s in shards])
-        elif kind in ("w1", "w3"):
-            lo = 0 if kind == "w1" else f
-            out[name] = torch.cat([s[p + "feed_forward.w13.weight"][lo : lo + f] for s in shards])
-        elif kind in ("wo", "w2"):
-            out[name] = torch.cat([s[name] for s in shards], dim=1)
-        elif kind == "output":
-            out[name] = torch.cat([s[name] for s in shards], dim=0)
-        else:
-            out[name] = shards[0][name]
-    return out
-
-
-def check_meta_names(names: Iterable[str], args: ModelArgs, what: str = "state dict") -> None:
-    """Raise :class:`CheckpointError` listing missing and unknown tensor names."""
-    names = set(names) - META_IGNORED
-    expected = set(meta_shapes(args))
-    missing, unknown = sorted(expected - names), sorted(names - expected)
-    if missing or unknown:
-        msg = [f"{what} does not match params ({args.n_layers} layers):"]
-        if missing:
-            msg.append(f"missing tensors {_short(missing)}")
-        if unknown:
-            msg.append(f"unknown tensor names {_short(unknown)}")
-        raise CheckpointError(" ".join(msg))
-
-
-def _short(names: list[str], n: int = 6) -> str:
-    return str(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
-
-
-# Meta's fairscale model-parallel split dimension (None = replicated on every shard).
-def meta_split_dim(name: str) -> int | None:
-    kind = name.split(".")[-2]
-    if kind in ("wq", "wk", "wv", "w1", "w3", "output"):
-        return 0  # ColumnParallelLinear
-    if kind in ("wo", "w2", "tok_embeddings"):
-        return 1  # RowParallelLinear, ParallelEmbedding (splits the embedding dim)
-    return None
-
-
-def merge_meta_shards(
-    shards: Sequence[Mapping[str, torch.Tensor]], args: ModelArgs
-) -> dict[str, torch.Tensor]:
-    """Meta's model-parallel shards (``consolidated.NN.pth`` dicts) -> one unsplit state dict."""
-    if not shards:
-        raise CheckpointError("no shards given")
-    for i, s in enumerate(shards):
-        check_meta_names(s.keys(), args, what=f"shard {i}")
-    shapes = meta_shapes(args)
-    return {
-        name: merge_meta_tensor(name, [s[name] for s in shards], shapes[name]) for name in shapes
-    }
-
-
-def merge_meta_tensor(
-    name: str, pieces: Sequence[torch.Tensor], expected: tuple[int, ...]
-) -> torch.Tensor:
-    """Concatenate one tensor's shards on its fairscale split dim; check the result's shape."""
-    d = meta_split_dim(name)
-    if d is None:
-        for i, p in enumerate(pieces):
-            if tuple(p.shape) != expected:
-                raise CheckpointError(
-                    f"{name} in shard {i} has shape {tuple(p.shape)}, params say {expected}"
-                )
-        return pieces[0]
-    shapes = {tuple(p.shape) for p in pieces}
-    if len(shapes) != 1:
-        raise CheckpointError(f"{name}: shards disagree on shape {sorted(shapes)}")
-    merged = pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), dim=d)
-    if tuple(merged.shape) != expected:
-        raise CheckpointError(
-            f"{name}: merged shape {tuple(merged.shape)} from {len(pieces)} shard(s) of "
-            f"{tuple(pieces[0].shape)} disagrees with params {expected}"
-        )
-    return merged
-
-
-# --------------------------------------------------------------------------- HF -> Meta names
-
-_HF_LAYER = {
-    "self_attn.q_proj": "attention.wq",
-    "self_attn.k_proj": "attention.wk",
-    "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo",
-    "mlp.gate_proj": "feed_forward.w1",
-    "mlp.down_proj": "feed_forward.w2",
-    "mlp.up_proj": "feed_forward.w3",
-    "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_HF_TOP = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def hf_to_meta_name(name: str) -> str | None:
-    """HF LLaMA tensor name -> Meta name; ``None`` for buffers that carry no weights
-    (``rotary_emb.inv_freq``); raises :class:`CheckpointError` on an unknown name."""
-    if name in _HF_TOP:
-        return _HF_TOP[name]
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-    if m and m.group(2) in _HF_LAYER:
-        return f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}.weight"
-    raise CheckpointError(f"unknown tensor name {name!r} in the HF checkpoint")
-
-
-def meta_to_hf_name(name: str) -> str:
-    """Meta tensor name -> HF LLaMA name (the inverse of :func:`hf_to_meta_name`)."""
-    for hf, meta in _HF_TOP.items():
-        if meta == name:
-            return hf
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
-    for hf, meta in _HF_LAYER.items():
-        if m and meta == m.group(2):
-            return f"model.layers.{m.group(1)}.{hf}.weight"
-    raise CheckpointError(f"unknown Meta tensor name {name!r}")
-
-
-def unpermute_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo HF's q/k row permutation (rotate-half RoPE) -> Meta's adjacent-pair layout."""
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta layout -> HF's permuted q/k rows (what HF's LLaMA conversion script does)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def hf_tensor_to_meta(meta_name: str, w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """Convert one HF tensor already renamed to ``meta_name`` (un-permute q and k)."""
-    if meta_name.endswith("attention.wq.weight"):
-        return unpermute_hf(w, args.n_heads)
-    if meta_name.endswith("attention.wk.weight"):
-        return unpermute_hf(w, args.n_kv_heads)
-    return w
-
-
-def from_hf_state_dict(
-    hf_sd: Mapping[str, torch.Tensor], args: ModelArgs, tie_word_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF LLaMA state dict -> unsplit Meta-named state dict (q/k rows un-permuted)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, w in hf_sd.items():
-        meta = hf_to_meta_name(name)
-        if meta is not None:
-            out[meta] = w
-    if "output.weight" not in out and tie_word_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    check_meta_names(out.keys(), args, what="HF checkpoint")
-    shapes = meta_shapes(args)
-    for name, t in out.items():
-        if tuple(t.shape) != shapes[name]:
-            raise CheckpointError(
-                f"{name}: shape {tuple(t.shape)} disagrees with config {shapes[name]}"
-            )
-    return {name: hf_tensor_to_meta(name, t, args) for name, t in out.items()}
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -608,7 +316,7 @@ def check_replaceable(path: str | Path) -> None:
     if extra:
         raise CheckpointError(
             f"output {path} holds files that are not part of its Nakta checkpoint "
-            f"{_short(extra)}; --force replaces only a checkpoint directory holding nothing "
+            f"{short_list(extra)}; --force replaces only a checkpoint directory holding nothing "
             "else: move them away or choose another OUT"
         )
 
@@ -655,7 +363,7 @@ def read_args(path: str | Path) -> tuple[ModelArgs, dict]:
     path = Path(path)
     if not (path / PARAMS).is_file():
         raise CheckpointError(f"{path} is not a Nakta checkpoint: {PARAMS} not found")
-    params = _read_json_object(path / PARAMS)
+    params = read_json_object(path / PARAMS)
     if params.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}/{PARAMS}: format_version {params.get('format_version')!r}, this Nakta "
@@ -667,7 +375,8 @@ def read_args(path: str | Path) -> tuple[ModelArgs, dict]:
         raise CheckpointError(f"{path / PARAMS}: {e}") from e
 
 
-def _read_json_object(f: Path) -> dict:
+def read_json_object(f: Path) -> dict:
+    """A JSON object from ``f``; a :class:`CheckpointError` naming the file otherwise."""
     try:
         data = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -699,7 +408,7 @@ def read_manifest(path: str | Path) -> dict:
     f = path / MANIFEST
     if not f.is_file():
         raise CheckpointError(f"{path}: {MANIFEST} not found (not a Nakta checkpoint?)")
-    manifest = _read_json_object(f)
+    manifest = read_json_object(f)
     if not isinstance(manifest.get("format_version"), int) or not isinstance(
         manifest.get("files"), dict
     ):
@@ -821,7 +530,7 @@ def load_rank_state_dict(
     missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
     if missing or extra:
         raise CheckpointError(
-            f"{path / fname}: missing tensors {_short(missing)}, unexpected {_short(extra)}"
+            f"{path / fname}: missing tensors {short_list(missing)}, unexpected {short_list(extra)}"
         )
     for name in sorted(expected):
         t = tensors.pop(name)
@@ -838,7 +547,3 @@ def load_rank_state_dict(
             )
         out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
     return args, out
-
-
-def st_dtype(name: str) -> torch.dtype:
-    return _ST_NAMES[name]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
+from nakta_model.parallel import ParallelConfigError, gather_objects, is_distributed
 
 R = TypeVar("R")
 
@@ -66,10 +66,6 @@ def require_meta_checkpoint(path: str | Path, option: str = "--checkpoint") -> P
     return p
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def checked_on_every_rank(check: Callable[..., R], *args: Any, **kwargs: Any) -> R:
     """``check(*args, **kwargs)``; under a process group, an :class:`InputError` on ANY rank
     becomes the same ``ParallelConfigError`` on every rank.
@@ -77,10 +73,8 @@ def checked_on_every_rank(check: Callable[..., R], *args: Any, **kwargs: Any) ->
     The message is the error itself when every rank failed alike (the usual case: one host, one
     file system), else each failing rank's message. Other exceptions are bugs and propagate.
     """
-    if not _distributed():
+    if not is_distributed():
         return check(*args, **kwargs)
-    from nakta_model.parallel import ParallelConfigError, gather_objects
-
     error: str | None = None
     result: Any = None
     try:

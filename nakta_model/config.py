@@ -174,7 +174,7 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> ModelArgs:
         """From a HF LLaMA ``config.json`` dict. HF checkpoints store q/k permuted for
-        rotate-half RoPE; ``checkpoint.from_hf_state_dict`` undoes that, so the result keeps
+        rotate-half RoPE; ``layout.unpermute_hf`` undoes that, so the result keeps
         ``rope_interleaved=True`` (Meta pairing) like every Nakta checkpoint."""
         model_type = config.get("model_type", "llama")
         if model_type != "llama":
@@ -221,6 +221,27 @@ class ModelArgs:
     def to_params(self) -> dict[str, Any]:
         """Meta-style ``params.json`` dict (plus Nakta's derived ``hidden_dim`` and pairing)."""
         return dataclasses.asdict(self)
+
+    def to_meta_params(self) -> dict[str, Any]:
+        """``params.json`` as Meta writes it (what llama_org builds from); refuses a shape
+        Meta's FFN rule cannot give (an HF ``intermediate_size`` of another width)."""
+        if meta_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier) != self.hidden_dim:
+            raise ValueError(
+                f"hidden_dim {self.hidden_dim} is not what Meta's rule gives for dim={self.dim}, "
+                f"multiple_of={self.multiple_of}: llama_org cannot build this shape"
+            )
+        params = {
+            "dim": self.dim,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads if self.n_kv_heads != self.n_heads else None,
+            "vocab_size": self.vocab_size,
+            "multiple_of": self.multiple_of,
+            "ffn_dim_multiplier": self.ffn_dim_multiplier,
+            "norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+        }
+        return {k: v for k, v in params.items() if v is not None}
 
     def replace(self, **changes: Any) -> ModelArgs:
         return dataclasses.replace(self, **changes)

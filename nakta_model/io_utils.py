@@ -36,6 +36,7 @@ __all__ = [
     "atomic_output_file",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_output_dir",
     "interruptible",
     "make_temp_dir",
     "read_temp_marker",
@@ -339,6 +340,81 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+# --------------------------------------------------------------------- output dir, checked first
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    """``inner`` is ``outer`` or lies under it, through symlinks and bind mounts alike."""
+    try:
+        outer_st = os.stat(outer)
+    except OSError:
+        return False
+    real = inner.resolve()
+    for p in (real, *real.parents):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (outer_st.st_dev, outer_st.st_ino):
+            return True
+    return False
+
+
+def _check_creatable(out_dir: Path) -> None:
+    """The nearest existing ancestor of ``out_dir`` is a directory we may write into."""
+    parent = out_dir.absolute().parent
+    existing = next(p for p in (parent, *parent.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise ValueError(f"cannot create output {out_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create output {out_dir}: no write permission in {existing}")
+
+
+def check_output_dir(
+    out_dir: str | os.PathLike,
+    force: bool = False,
+    *,
+    source: str | os.PathLike | None = None,
+    may_replace: Callable[[Path], None] | None = None,
+) -> None:
+    """Refuse, before any work, an output directory that must not be created or replaced.
+
+    Never the ``source`` directory (itself, a directory holding it, a directory inside it),
+    never a symlink or a file, never where it cannot be created; an existing one only with
+    ``force`` and only if ``may_replace(out_dir)`` does not raise. :func:`atomic_output_dir`
+    checks the same again when it writes; this finds the problem before hours of work.
+    """
+    out_dir = Path(out_dir)
+    if source is not None:
+        source = Path(source)
+        if _within(source, out_dir):
+            what = (
+                "is the input directory"
+                if _within(out_dir, source)
+                else f"contains the input {source}"
+            )
+            raise ValueError(f"output {out_dir} {what}: refusing (it would destroy the source)")
+        if _within(out_dir, source):
+            raise ValueError(
+                f"output {out_dir} is inside the input directory {source}: write the checkpoint "
+                "elsewhere"
+            )
+    _check_creatable(out_dir)
+    if out_dir.is_symlink():
+        raise ValueError(
+            f"output {out_dir} is a symbolic link (to {os.readlink(out_dir)}); refusing to "
+            "replace it: give the real directory"
+        )
+    if not os.path.lexists(out_dir):
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"output {out_dir} exists and is not a directory; refusing to replace it")
+    if not force:
+        raise FileExistsError(f"output {out_dir} already exists (pass --force to replace it)")
+    if may_replace is not None:
+        may_replace(out_dir)
 
 
 # ------------------------------------------------------------------------- atomic output dir

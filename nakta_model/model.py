@@ -11,16 +11,14 @@ head is split over the vocabulary and gathered only at the rows that are scored.
 
 Entry points: ``model(tokens, start_pos)`` (logits for every position, KV cache when set up),
 ``model.forward_packed(...)`` (packed sequences with shared-context trees, logits only at the
-scored rows), :func:`load`,
-:func:`random_model`.
+scored rows). Building one (from a checkpoint, a Meta/HF directory, random weights):
+``loading.py``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -34,10 +32,9 @@ from nakta_model.kernels import swiglu as _swiglu
 from nakta_model.kernels._checks import interpreter_enabled
 from nakta_model.parallel import ParallelContext, all_reduce, gather_last_dim
 
-__all__ = ["Transformer", "from_state_dict", "load", "random_model"]
+__all__ = ["Transformer"]
 
 KERNEL_MODES = ("auto", "triton", "reference")
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _default_kernels() -> str:
@@ -460,133 +457,3 @@ class Transformer(nn.Module):
             tokens, positions, seq_start, branch, logits_index, upcast=False,
             prefix=prefix, _cache_slots=cache_slots,
         )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- construction
-
-
-def _resolve(device, dtype) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(
-        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if dtype is not None and dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    return device, dtype
-
-
-def load(
-    path: str | Path,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    parallel: ParallelContext | None = None,
-    *,
-    kernels: str | None = None,
-    verify: str | bool = "fast",
-) -> Transformer:
-    """A model from a Nakta checkpoint (``convert.py`` output), this rank's shard only.
-
-    Built on the ``meta`` device and filled by assignment from tensors read straight onto
-    ``device``: no random init, no second copy. Strict: any missing, unexpected or misshapen
-    tensor, a manifest mismatch (``verify``: ``"fast"`` = sizes + a sampled sha256, ``"full"`` =
-    every byte, ``"size"``), or a checkpoint sharded for
-    another tensor-parallel size is an error. ``dtype`` None keeps the stored dtype.
-    """
-    from nakta_model.checkpoint import load_rank_state_dict, read_args
-
-    ctx = parallel or ParallelContext()
-    device, dtype = _resolve(device, dtype)
-    args, _ = read_args(path)
-    args.check_tp(ctx.tp_size)
-    _, state = load_rank_state_dict(path, ctx.tp_rank, ctx.tp_size, device, dtype, verify=verify)
-    with torch.device("meta"):
-        model = Transformer(args, ctx, kernels)
-    expected = set(model.state_dict())
-    if expected != set(state):
-        raise ValueError(
-            f"checkpoint tensors do not match the model: missing {sorted(expected - set(state))}, "
-            f"unexpected {sorted(set(state) - expected)}"
-        )
-    model.load_state_dict(state, strict=True, assign=True)
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def from_state_dict(
-    state: dict[str, torch.Tensor],
-    args: ModelArgs,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    parallel: ParallelContext | None = None,
-    *,
-    kernels: str | None = None,
-) -> Transformer:
-    """A model from this rank's Nakta-named tensors in memory (e.g.
-    ``checkpoint.from_meta_state_dict(meta_sd, args, rank, tp)``); strict like :func:`load`."""
-    ctx = parallel or ParallelContext()
-    device, dtype = _resolve(device, dtype)
-    with torch.device("meta"):
-        model = Transformer(args, ctx, kernels)
-    expected = model.state_dict()
-    if set(expected) != set(state):
-        raise ValueError(
-            f"state dict does not match the model: missing {sorted(set(expected) - set(state))}, "
-            f"unexpected {sorted(set(state) - set(expected))}"
-        )
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ValueError(
-                f"{name}: shape {tuple(t.shape)}, the model needs {tuple(expected[name].shape)}"
-            )
-    state = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def random_model(
-    args: ModelArgs,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-    parallel: ParallelContext | None = None,
-    *,
-    kernels: str | None = None,
-) -> Transformer:
-    """Random weights initialized directly on ``device`` (this rank's shard only), for speed runs.
-
-    Scale keeps activations finite over 80 layers: matrices ~ N(0, 1/fan_in) with the residual
-    projections (``wo``, ``w2``) further scaled by 1/sqrt(2 n_layers), embeddings ~ N(0, 1),
-    norm weights 1. Different ranks draw different shards (seeded by seed and rank); the
-    replicated embedding is the same on every rank.
-    """
-    ctx = parallel or ParallelContext()
-    device, dtype = _resolve(device, dtype)
-    dtype = dtype or torch.bfloat16
-    with torch.device("meta"):
-        model = Transformer(args, ctx, kernels).to(dtype)  # dtype first: no fp32 copy on device
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + ctx.tp_rank)
-    # Replicated tensors must be equal on every rank: drawn from a rank-independent stream.
-    shared_gen = torch.Generator(device=device).manual_seed(seed * 1000003 + 999983)
-    depth_scale = 1.0 / math.sqrt(2 * args.n_layers)
-    fan_in = {
-        "wqkv": args.dim,
-        "wo": args.dim,
-        "w13": args.dim,
-        "w2": args.hidden_dim,
-        "output": args.dim,
-    }
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            kind = name.split(".")[-2]
-            if p.dim() == 1:
-                p.fill_(1.0)
-            elif kind == "tok_embeddings":
-                p.normal_(0.0, 1.0, generator=shared_gen)
-            else:
-                std = fan_in[kind] ** -0.5 * (depth_scale if kind in ("wo", "w2") else 1.0)
-                p.normal_(0.0, std, generator=gen)
-    model.requires_grad_(False)
-    return model.eval()

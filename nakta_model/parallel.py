@@ -1,12 +1,13 @@
-"""Tensor and data parallelism over ``torch.distributed``, launched by ``torchrun``.
+"""The parallel grid over ``torch.distributed``, launched by ``torchrun``: this rank's place
+(:class:`ParallelContext`), the process groups, the tensor-parallel collectives, :func:`launch`.
 
 A run is a grid of ``world = tp x dp`` processes. Ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel
 group ``d`` (neighbouring ranks: the same host, NVLink); the ranks with the same ``tp_rank``
 form a data-parallel group. Every TP group is one model replica, Megatron-style: heads and FFN
 columns split across its ranks, ``wo`` and ``w2`` row-split and ending in one all-reduce each,
 the embedding replicated, the LM head split over the vocabulary and gathered only at the rows
-that are scored. Data parallel shards the requests over the replicas and gathers the results
-back in request order, so every rank ends up with the full, ordered answer.
+that are scored. Sharding requests over the replicas: ``data_parallel.py``; loading this rank's
+shard of a model: ``loading.py``.
 
 Backends: NCCL for CUDA tensors and gloo for host objects (one process group serving both,
 ``cpu:gloo,cuda:nccl``); gloo alone on the CPU. With ``tp == dp == 1`` nothing here touches
@@ -30,7 +31,7 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,19 +44,13 @@ __all__ = [
     "all_reduce",
     "barrier",
     "collective_call",
-    "data_parallel_map",
-    "gather_in_order",
     "gather_last_dim",
     "gather_objects",
     "grid_groups",
     "grid_position",
     "init_parallel",
+    "is_distributed",
     "launch",
-    "load_model",
-    "nakta_state_from_meta_shard",
-    "shard_indices",
-    "shard_range",
-    "shard_requests",
     "shutdown",
     "validate_grid",
 ]
@@ -114,38 +109,24 @@ class ParallelContext:
             f"dp {self.dp_rank}/{self.dp_size}{where}"
         )
 
-    @classmethod
-    def from_distributed(cls, group: object | None = None) -> ParallelContext:
-        """The whole (or the given) initialized process group as one TP group."""
-        if not dist.is_available() or not dist.is_initialized():
-            return cls()
-        return cls(tp_rank=dist.get_rank(group), tp_size=dist.get_world_size(group), tp_group=group)
-
 
 # ------------------------------------------------------------------------------ TP collectives
-def shard_range(total: int, ctx: ParallelContext) -> slice:
-    """This rank's contiguous slice of ``total`` items (``total`` must divide evenly)."""
-    if total % ctx.tp_size:
-        raise ValueError(f"{total} items cannot be split evenly over tp_size={ctx.tp_size}")
-    n = total // ctx.tp_size
-    return slice(ctx.tp_rank * n, (ctx.tp_rank + 1) * n)
-
-
-def all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
     """Sum ``x`` over the TP group in place (row-parallel ``wo`` / ``w2`` outputs)."""
-    if ctx.tp_size == 1:
+    if parallel.tp_size == 1:
         return x
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=ctx.tp_group)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=parallel.tp_group)
     return x
 
 
-def gather_last_dim(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along the last dim (vocab-split LM head logits)."""
-    if ctx.tp_size == 1:
+def gather_last_dim(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dim (vocab-split LM head logits, Meta's
+    dim-split embedding)."""
+    if parallel.tp_size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(ctx.tp_size)]
-    dist.all_gather(parts, x, group=ctx.tp_group)
+    parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]
+    dist.all_gather(parts, x, group=parallel.tp_group)
     return torch.cat(parts, dim=-1)
 
 
@@ -329,21 +310,22 @@ def shutdown() -> None:
     _STATE["groups"] = {}
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
+    """A process group of more than one process is up (else every collective is a no-op)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def barrier(ctx: ParallelContext | None = None) -> None:
+def barrier(parallel: ParallelContext | None = None) -> None:
     """Wait for every rank (after finishing this rank's queued GPU work): for timing."""
-    if ctx is not None and ctx.device is not None and ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    if _distributed():
+    if parallel is not None and parallel.device is not None and parallel.device.type == "cuda":
+        torch.cuda.synchronize(parallel.device)
+    if is_distributed():
         dist.barrier()
 
 
 def gather_objects(obj: T, group: object | None = None) -> list[T]:
     """Every rank's ``obj`` (picklable, on the host), in rank order, on every rank."""
-    if not _distributed():
+    if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -373,66 +355,8 @@ def collective_call(fn: Callable[..., R], *a: Any, **kw: Any) -> R:
     return result
 
 
-def load_model(
-    path: str | Path,
-    ctx: ParallelContext,
-    dtype: torch.dtype | None = None,
-    *,
-    kernels: str | None = None,
-    verify: str | bool = "fast",
-):
-    """This rank's shard of a Nakta checkpoint (``convert.py --tp N``), loaded collectively:
-    a shard that fails on one rank fails the load on every rank (see :func:`collective_call`)."""
-    from nakta_model.model import load
-
-    return collective_call(load, path, ctx.device, dtype, ctx, kernels=kernels, verify=verify)
-
-
-def nakta_state_from_meta_shard(
-    shard: dict[str, torch.Tensor], args: Any, ctx: ParallelContext
-) -> dict[str, torch.Tensor]:
-    """This rank's Nakta tensors from its own Meta model-parallel shard (``consolidated.0R.pth``
-    of a checkpoint with ``tp`` shards, or llama_org's state dict at MP = ``tp``).
-
-    fairscale splits exactly as Nakta does -- ``wq/wk/wv/w1/w3`` and the LM head by output rows,
-    ``wo``/``w2`` by input columns -- except the embedding, which Meta splits along ``dim`` and
-    Nakta replicates: it alone is all-gathered over the TP group. No rank ever needs the unsplit
-    checkpoint, so Meta's own shards load at tp = their count without ``convert.py``.
-    """
-    from nakta_model.checkpoint import CheckpointError, check_meta_names, nakta_shapes
-
-    shapes = nakta_shapes(args, ctx.tp_size)
-    emb = "tok_embeddings.weight"
-
-    def local() -> dict[str, torch.Tensor]:
-        check_meta_names(shard.keys(), args, what=f"Meta shard of rank {ctx.tp_rank}")
-        out = {}
-        for name, shape in shapes.items():
-            parts = name.split(".")
-            if parts[-2] in ("wqkv", "w13"):
-                pre = ".".join(parts[:-2])
-                keys = ("wq", "wk", "wv") if parts[-2] == "wqkv" else ("w1", "w3")
-                t = torch.cat([shard[f"{pre}.{k}.weight"] for k in keys], dim=0)
-            elif name == emb:
-                t = shard[name]
-                shape = (shape[0], shape[1] // ctx.tp_size)  # Meta: split along dim
-            else:
-                t = shard[name]
-            if tuple(t.shape) != shape:
-                raise CheckpointError(
-                    f"{name}: rank {ctx.tp_rank}'s Meta shard has shape {tuple(t.shape)}, "
-                    f"tp={ctx.tp_size} needs {shape} (is this a checkpoint of {ctx.tp_size} shards?)"
-                )
-            out[name] = t.contiguous()
-        return out
-
-    out = collective_call(local)  # every rank agrees the shards fit before the gather below
-    out[emb] = gather_last_dim(out[emb], ctx)
-    return out
-
-
 def launch(main: Callable[[ParallelContext], R], tp: int = 1, dp: int = 1, **init_kw: Any) -> R:
-    """Run ``main(ctx)`` on this rank of the ``tp x dp`` grid, then tear the grid down.
+    """Run ``main(parallel)`` on this rank of the ``tp x dp`` grid, then tear the grid down.
 
     The entry point for CLIs under ``torchrun``: a :class:`ParallelConfigError` (from the set-up
     or from ``main``) is printed once, by rank 0, and every rank exits with status 2 -- one
@@ -443,9 +367,9 @@ def launch(main: Callable[[ParallelContext], R], tp: int = 1, dp: int = 1, **ini
     else:
         rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
     try:
-        ctx = init_parallel(tp, dp, **init_kw)
+        parallel = init_parallel(tp, dp, **init_kw)
         try:
-            return main(ctx)
+            return main(parallel)
         finally:
             shutdown()
     except ParallelConfigError as e:
@@ -454,95 +378,3 @@ def launch(main: Callable[[ParallelContext], R], tp: int = 1, dp: int = 1, **ini
         else:  # torchrun stops all ranks when the first exits: let rank 0 print first
             time.sleep(_QUIET_RANK_EXIT_DELAY_S)
         raise SystemExit(2) from None
-
-
-# ------------------------------------------------------------------------------ data parallel
-def shard_indices(
-    costs: Sequence[float], ctx: ParallelContext, keys: Sequence[Hashable] | None = None
-) -> list[int]:
-    """The item indices this rank's replica handles, ascending.
-
-    Items with the same key (e.g. the endings of one HellaSwag context) stay together, so the
-    shared-context engine still sees every continuation of a context at once. Groups go,
-    costliest first, to the replica with the least cost so far (ties: lowest replica), which
-    balances the work to within one group. Depends only on the inputs and ``dp_size``, so the
-    TP ranks of one replica get the same items without communicating.
-    """
-    n = len(costs)
-    if keys is not None and len(keys) != n:
-        raise ValueError(f"keys has {len(keys)} entries, costs has {n}")
-    if ctx.dp_size == 1:
-        return list(range(n))
-    groups: dict[Hashable, list[int]] = {}
-    for i in range(n):
-        groups.setdefault(keys[i] if keys is not None else i, []).append(i)
-    members = list(groups.values())
-    cost = [sum(float(costs[i]) for i in m) for m in members]
-    order = sorted(range(len(members)), key=lambda g: (-cost[g], members[g][0]))
-    load = [0.0] * ctx.dp_size
-    mine: list[int] = []
-    for g in order:
-        replica = min(range(ctx.dp_size), key=lambda r: (load[r], r))
-        load[replica] += cost[g]
-        if replica == ctx.dp_rank:
-            mine.extend(members[g])
-    return sorted(mine)
-
-
-def shard_requests(requests: Sequence[tuple[Sequence[int], Sequence[int]]], ctx: ParallelContext):
-    """:func:`shard_indices` for ``(context_tokens, continuation_tokens)`` requests: grouped
-    by context, cost = tokens."""
-    keys = [tuple(c) for c, _ in requests]
-    costs = [len(c) + len(t) for c, t in requests]
-    return shard_indices(costs, ctx, keys)
-
-
-def gather_in_order(
-    local_results: Sequence[T], local_indices: Sequence[int], total: int, ctx: ParallelContext
-) -> list[T]:
-    """Every replica's results put back at their item index; the full list on every rank.
-
-    Results travel as pickled host objects over the DP group (gloo), so move tensors to the
-    CPU first. Raises if the shards do not cover ``range(total)`` exactly once.
-    """
-    if len(local_results) != len(local_indices):
-        raise ValueError(
-            f"{len(local_results)} results for {len(local_indices)} indices on {ctx.describe()}"
-        )
-    if ctx.dp_size == 1:
-        parts = [(list(local_indices), list(local_results))]
-    else:
-        parts = gather_objects((list(local_indices), list(local_results)), ctx.dp_group)
-    out: list[Any] = [None] * total
-    seen = [False] * total
-    for indices, results in parts:
-        for i, r in zip(indices, results):
-            if not 0 <= i < total or seen[i]:
-                raise RuntimeError(f"data-parallel shards overlap or overflow at item {i}")
-            seen[i] = True
-            out[i] = r
-    if not all(seen):
-        raise RuntimeError(f"data-parallel shards miss item {seen.index(False)} of {total}")
-    return out
-
-
-def data_parallel_map(
-    fn: Callable[[list[T]], Sequence[R]],
-    items: Sequence[T],
-    ctx: ParallelContext,
-    *,
-    costs: Sequence[float] | None = None,
-    keys: Sequence[Hashable] | None = None,
-) -> list[R]:
-    """``fn(items)`` computed with the items sharded over the replicas, results in item order.
-
-    ``fn`` maps a list of items to one result per item; it runs on this replica's share only
-    (not at all when the share is empty: then it has no collectives to join either, and the
-    whole replica skips it together). Every rank returns the full list.
-    """
-    costs = costs if costs is not None else [1.0] * len(items)
-    if len(costs) != len(items):
-        raise ValueError(f"costs has {len(costs)} entries, items has {len(items)}")
-    idx = shard_indices(costs, ctx, keys)
-    local = list(fn([items[i] for i in idx])) if idx else []
-    return gather_in_order(local, idx, len(items), ctx)

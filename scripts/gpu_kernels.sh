@@ -19,7 +19,7 @@ LOG=$OUT/kernels_${PART}_log.txt
 : >"$LOG"
 status=0
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
-SLUG=$(python3 -c "from nakta_model.bench.ceilings import device_slug; print(device_slug())")
+SLUG=$(python3 -c "from bench_common.ceilings import device_slug; print(device_slug())")
 K=kernel_benchmark/results/$SLUG
 case $PART in
   tests)

@@ -17,7 +17,7 @@ LOG=$OUT/h6_log.txt
 status=0
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
 
-SLUG=$(python3 -c "from nakta_model.bench.ceilings import device_slug; print(device_slug())")
+SLUG=$(python3 -c "from bench_common.ceilings import device_slug; print(device_slug())")
 echo "device slug: $SLUG" | tee -a "$LOG"
 if [ "${H6_SMOKE:-0}" = 1 ]; then  # CPU smoke test of this script: tiny model, embedded tasks
   SPEED=(--preset tiny --limit 8) ATTN=(--quick) PROF=(--preset tiny --tasks 2)

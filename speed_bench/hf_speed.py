@@ -21,9 +21,9 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 
 import torch
 
-from nakta_model.checkpoint import meta_to_hf_name, permute_for_hf
 from nakta_model.config import ModelArgs
-from speed_bench.engine import Engine, EngineConfig
+from nakta_model.layout import meta_to_hf_name, permute_for_hf
+from speed_bench.engines import Engine, EngineConfig
 from speed_bench.weights import StateDict, WeightSource
 from speed_bench.workload import Request
 

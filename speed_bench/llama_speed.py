@@ -30,8 +30,8 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 
 import torch
 
-from speed_bench.engine import Engine, EngineConfig
-from speed_bench.weights import WeightSource, meta_params
+from speed_bench.engines import Engine, EngineConfig
+from speed_bench.weights import WeightSource
 from speed_bench.workload import Request
 
 ENGINES = ("llama_org",)
@@ -61,7 +61,7 @@ class LlamaOrgEngine(Engine):
             fs_init.get_model_parallel_world_size(),
         )
         llama = Llama.from_state_dict(
-            meta_params(weights.args),
+            weights.args.to_meta_params(),
             meta,
             max_seq_len=cfg.max_length,
             max_batch_size=1,  # real cache set below

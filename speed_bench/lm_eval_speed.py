@@ -42,12 +42,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # run by path: import from this checkout, not from this script's folder
+    sys.path[0] = str(REPO)
+
+from speed_bench.lm_eval_report import DEFAULT, TASK, markdown, ratios, write_outputs  # noqa: E402
+
 TASKS = REPO / "accuracy_test" / "tasks"
-TASK = "hellaswag_local"
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
 MODELS = ("hf", "nakta")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> torch/HF names
-DEFAULT = "default"  # batch size: no --batch_size flag at all
 
 
 class UsageError(ValueError):
@@ -363,122 +366,6 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
     return record
 
 
-# ------------------------------------------------------------------ report
-def _fmt(v: object, spec: str = ".4g") -> str:
-    return "" if v is None else format(v, spec) if isinstance(v, float) else str(v)
-
-
-def _wall(runs: list[dict], model: str, shot: int) -> dict[str, float]:
-    """Wall seconds of one model's successful runs at one shot count, by batch size."""
-    return {
-        r["batch_size"]: r["wall_s"]
-        for r in runs
-        if r["model"] == model and r["num_fewshot"] == shot and r["error"] is None
-    }
-
-
-def ratios(runs: list[dict]) -> list[dict]:
-    """Per shot count: nakta/hf wall at each batch size and best vs best; nakta default/best."""
-    out = []
-    for shot in sorted({r["num_fewshot"] for r in runs}):
-        hf, nk = _wall(runs, "hf", shot), _wall(runs, "nakta", shot)
-        row: dict = {"num_fewshot": shot}
-        row["nakta_over_hf"] = {bs: nk[bs] / hf[bs] for bs in nk if bs in hf}
-        if hf and nk:
-            row["best_nakta_over_best_hf"] = min(nk.values()) / min(hf.values())
-        if nk:
-            best = min(nk, key=nk.get)
-            row["nakta_best_batch_size"] = best
-            if DEFAULT in nk:
-                row["nakta_default_over_best"] = nk[DEFAULT] / nk[best]
-        out.append(row)
-    return out
-
-
-def markdown(summary: dict) -> str:
-    m = summary
-    lines = [
-        f"# lm-eval speed: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})",
-        "",
-        f"`{TASK}` on `{m['data']}` (limit {m['limit']}, few-shot limit {m['fewshot_limit']}), "
-        f"lm-eval {m['lm_eval']}, transformers {m['transformers']}, torch {m['torch']}. "
-        "wall = child process start to end; load = model construction; scoring = "
-        "lm-eval's evaluate(). `default` = no --batch_size flag.",
-        "",
-        "| model | shots | batch size | wall s | load s | scoring s | acc | acc_norm | n |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary["runs"]:
-        lines.append(
-            f"| {r['model']} | {r['num_fewshot']} | {r['batch_size']} | {_fmt(r['wall_s'])} | "
-            f"{_fmt(r['load_s'])} | {_fmt(r['scoring_s'])} | {_fmt(r['acc'])} | "
-            f"{_fmt(r['acc_norm'])} | {_fmt(r['n'])} |"
-            + (f" failed: {r['error']}" if r["error"] else "")
-        )
-    lines += ["", "## Ratios (wall seconds)", ""]
-    for row in summary["ratios"]:
-        parts = [f"nakta/hf at {bs}: {x:.3g}" for bs, x in row["nakta_over_hf"].items()]
-        if "best_nakta_over_best_hf" in row:
-            parts.append(f"best nakta / best hf: {row['best_nakta_over_best_hf']:.3g}")
-        if "nakta_default_over_best" in row:
-            parts.append(
-                f"nakta default / its best ({row['nakta_best_batch_size']}): "
-                f"{row['nakta_default_over_best']:.3g}"
-            )
-        lines.append(f"- {row['num_fewshot']}-shot: " + ("; ".join(parts) or "no pair"))
-    extra = [f"- convert.py: {m['convert_s']:.3g} s"]
-    if m["make_hf_s"] is not None:
-        extra.append(f"- random HF checkpoint made and saved: {m['make_hf_s']:.3g} s")
-    return "\n".join(lines + [""] + extra) + "\n"
-
-
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from nakta_model.bench.report import save_figure
-
-    runs = [r for r in summary["runs"] if r["error"] is None]
-    shots = sorted({r["num_fewshot"] for r in runs}) or [0]
-    sizes = list(dict.fromkeys(r["batch_size"] for r in summary["runs"]))
-    models = list(dict.fromkeys(r["model"] for r in summary["runs"]))
-    fig, axes = plt.subplots(1, len(shots), figsize=(5 * len(shots), 4), squeeze=False)
-    width = 0.8 / max(len(models), 1)
-    for ax, shot in zip(axes[0], shots):
-        for j, model in enumerate(models):
-            by_bs = {
-                r["batch_size"]: r for r in runs if r["model"] == model and r["num_fewshot"] == shot
-            }
-            xs = [i + j * width for i, bs in enumerate(sizes) if bs in by_bs]
-            got = [by_bs[bs] for bs in sizes if bs in by_bs]
-            color = f"C{j}"
-            ax.bar(xs, [r["wall_s"] for r in got], width, color=color, alpha=0.35)
-            ax.bar(xs, [r["scoring_s"] or 0 for r in got], width * 0.6, color=color)
-            ax.bar([], [], color=color, label=f"{model}: wall (light), scoring (dark)")
-        ax.set_xticks([i + width * (len(models) - 1) / 2 for i in range(len(sizes))])
-        ax.set_xticklabels(sizes)
-        ax.set_xlabel("--batch_size")
-        ax.set_ylabel("seconds")
-        ax.set_title(f"{shot}-shot")
-        ax.legend(fontsize=8)
-    m = summary
-    fig.suptitle(f"lm-eval {TASK}: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})")
-    save_figure(fig, path)
-    plt.close(fig)
-
-
-def write_outputs(summary: dict, out: Path) -> None:
-    from nakta_model.io_utils import atomic_write_text
-
-    atomic_write_text(
-        out / "lm_eval_summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n"
-    )
-    atomic_write_text(out / "lm_eval_summary.md", markdown(summary))
-    plot(summary, out / "lm_eval_summary.png")
-
-
 # ------------------------------------------------------------------ main
 def _sample_texts(data: str, n: int = 40) -> list[str]:
     from nakta_model.tasks import hellaswag
@@ -538,7 +425,7 @@ def _environment(a: argparse.Namespace) -> dict:
 
     import torch
 
-    from nakta_model.bench.ceilings import device_slug
+    from bench_common.ceilings import device_slug
 
     name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
     return {
@@ -613,6 +500,4 @@ def _describe(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    if __package__ in (None, ""):  # `python speed_bench/lm_eval_speed.py`: this checkout first
-        sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -5,8 +5,10 @@ endings of a task behind one copy of its context under a tree mask, so the conte
 once; ``nakta`` feeds every request on its own, exactly the work lm-eval asks for.
 
 Under ``torchrun`` (``--tp/--dp``) each rank builds its tensor-parallel shard of the same
-weights, tensor by tensor, and the engine shards the requests over the data-parallel replicas
-(a task's endings stay together) and gathers the results back in request order.
+weights, tensor by tensor (``nakta_model.load`` of ``WeightSource.source``: a rank never holds
+more than its shard plus one unsplit tensor, so a 30B model splits over two GPUs without first
+materialising all 65 GB on each), and the engine shards the requests over the data-parallel
+replicas (a task's endings stay together) and gathers the results back in request order.
 
     python speed_bench/nakta_speed.py [run_all options]           # results/<device>/nakta/
     cd speed_bench && torchrun --nproc_per_node 4 nakta_speed.py  # tp = 4 (the world size)
@@ -21,50 +23,19 @@ from pathlib import Path
 if not __package__:  # run by path: import from the repo root, not from this script's folder
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import torch
-
-from nakta_model.checkpoint import nakta_shapes, nakta_tensor
+from nakta_model.data_parallel import map_requests
 from nakta_model.model import Transformer
-from nakta_model.parallel import ParallelContext, data_parallel_map
+from nakta_model.parallel import ParallelContext
 from nakta_model.scoring import score
-from speed_bench.engine import Engine, EngineConfig
-from speed_bench.weights import WeightSource
+from speed_bench.engines import NAKTA_ENGINES, Engine, EngineConfig
 from speed_bench.workload import Request, Workload
 
-ENGINES = ("nakta", "nakta_cache")
+ENGINES = NAKTA_ENGINES
 DESCRIPTION = (
     "HellaSwag scoring speed of Nakta's engines (nakta, nakta_cache), measured as "
     "speed_bench.run_all measures it (same options). Under torchrun the model is split over the "
     "whole world (tp = world size) unless --dp/--tp say otherwise."
 )
-
-
-def build_model(
-    weights: WeightSource, cfg: EngineConfig, parallel: ParallelContext | None = None
-) -> Transformer:
-    """This rank's Nakta model from the shared Meta weights, fused on the device.
-
-    Built one Meta tensor at a time (``WeightSource.tensor``): a rank never holds more than
-    its shard plus one unsplit tensor, so a 30B model splits over two GPUs without first
-    materialising all 65 GB on each of them, and every tp gives the same weights.
-    """
-    ctx = parallel or ParallelContext()
-    args = weights.args
-    state = {}
-    for name, shape in nakta_shapes(args, ctx.tp_size).items():
-        t = nakta_tensor(
-            name, lambda n: weights.tensor(n, cfg.device, cfg.dtype), ctx.tp_rank, ctx.tp_size
-        )
-        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone(memory_format=torch.contiguous_format)  # drop the unsplit tensor
-        state[name] = t
-        if tuple(state[name].shape) != shape:
-            raise ValueError(f"{name}: built {tuple(state[name].shape)}, expected {shape}")
-    with torch.device("meta"):
-        model = Transformer(args, ctx)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.requires_grad_(False)
-    return model.eval()
 
 
 class NaktaEngine(Engine):
@@ -82,13 +53,7 @@ class NaktaEngine(Engine):
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
         if self.parallel.dp_size == 1:
             return self._score_local(requests)
-        return data_parallel_map(
-            self._score_local,
-            requests,
-            self.parallel,
-            costs=[len(c) + len(t) for c, t in requests],
-            keys=[tuple(c) for c, _ in requests],
-        )
+        return map_requests(self._score_local, requests, self.parallel)
 
     def _score_local(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
         return score(

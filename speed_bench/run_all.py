@@ -56,8 +56,8 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from nakta_model.bench.ceilings import device_slug, matmul_tflops
-from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from bench_common.ceilings import device_slug, matmul_tflops
+from bench_common.report import results_dir, save_figure, write_json, write_table
 from nakta_model.cli import (
     InputError,
     checked_on_every_rank,
@@ -73,11 +73,10 @@ from nakta_model.parallel import (
     validate_grid,
 )
 from nakta_model.tasks.hellaswag import evaluate
-from speed_bench.engine import Engine, EngineConfig
+from speed_bench.engines import ALL_ENGINES, Engine, EngineConfig, make_engine, skip_reason
 from speed_bench.weights import WeightSource, matmul_params, weight_source
 from speed_bench.workload import Workload, real_workload, synthetic_workload
 
-ALL_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -95,74 +94,7 @@ class EngineSet:
 RUN_ALL = EngineSet(ALL_ENGINES, None, __doc__.split("\n\n")[0])
 
 
-# ----------------------------------------------------------------------------- building
-def _nakta_family(weights: WeightSource, cfg: EngineConfig, ctx: ParallelContext):
-    from speed_bench.nakta_speed import build_model
-
-    return build_model(weights, cfg, ctx)
-
-
-def make_engine(
-    name: str,
-    weights: WeightSource,
-    cfg: EngineConfig,
-    shared: dict,
-    ctx: ParallelContext | None = None,
-) -> Engine:
-    """Build ``name``; ``nakta`` and ``nakta_cache`` share one model (kept in ``shared``)."""
-    ctx = ctx or ParallelContext()
-    if name in ("nakta", "nakta_cache"):
-        from speed_bench.nakta_speed import NaktaEngine
-
-        if "nakta" not in shared:
-            shared["nakta"] = _nakta_family(weights, cfg, ctx)
-        return NaktaEngine(shared["nakta"], cfg, use_cache=name == "nakta_cache", parallel=ctx)
-    if name not in ALL_ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
-    reason = _grid_reason(name, ctx)
-    if reason:
-        raise ValueError(f"engine {name!r} cannot run on {ctx.describe()}: {reason}")
-    if name == "llama_org":
-        from speed_bench.llama_speed import LlamaOrgEngine
-
-        return LlamaOrgEngine(weights, cfg)
-    from speed_bench.hf_speed import HFEngine
-
-    return HFEngine(weights, cfg)
-
-
-def _grid_reason(name: str, ctx: ParallelContext) -> str | None:
-    """Why ``name`` cannot run on this grid: llama_org splits over the whole world only
-    (Meta's model parallel, MP = world size), hf runs in one process."""
-    if ctx.world_size == 1 or name in ("nakta", "nakta_cache"):
-        return None
-    if name == "hf":
-        return "single-GPU engine: it runs only in a plain `python` process (world size 1)"
-    if ctx.tp_size != ctx.world_size:
-        return (
-            f"llama_org runs Meta's model parallel over the whole world (MP = {ctx.world_size}),"
-            f" not over dp {ctx.dp_size} replicas: time it with --dp 1"
-        )
-    return None
-
-
-def skip_reason(name: str, ctx: ParallelContext | None = None) -> str | None:
-    """Why ``name`` is not timed here (this grid, or a package missing), or None."""
-    reason = _grid_reason(name, ctx or ParallelContext())
-    if reason:
-        return reason
-    if name == "hf":
-        from speed_bench.hf_speed import unavailable_reason
-
-        return unavailable_reason()
-    if name == "llama_org":
-        try:
-            import fairscale  # noqa: F401
-        except ImportError:
-            return "fairscale is not installed (llama_org needs it)"
-    return None
-
-
+# ----------------------------------------------------------------------------- running
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -186,7 +118,7 @@ def run_engine(
     workload: Workload,
     warmup: Workload | None,
     cfg: EngineConfig,
-    ctx: ParallelContext | None = None,
+    parallel: ParallelContext | None = None,
 ) -> tuple[list[tuple[float, bool]], float, float]:
     """Warm up, then time one full pass. Returns (results, seconds, peak GB).
 
@@ -194,24 +126,24 @@ def run_engine(
     GPU work synchronised), so ``seconds`` is the whole grid's wall time; peak memory is the
     largest rank's.
     """
-    ctx = ctx or ParallelContext(device=cfg.device)
+    parallel = parallel or ParallelContext(device=cfg.device)
     if warmup is not None:
         engine.score(warmup.requests)
     _sync(cfg.device)
     if cfg.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(cfg.device)
-    barrier(ctx)
+    barrier(parallel)
     t0 = time.perf_counter()
     results = engine.score(workload.requests)
     _sync(cfg.device)
-    barrier(ctx)
+    barrier(parallel)
     seconds = time.perf_counter() - t0
     peak = (
         torch.cuda.max_memory_allocated(cfg.device) / 1e9
         if cfg.device.type == "cuda"
         else float("nan")
     )
-    if ctx.world_size > 1:
+    if parallel.world_size > 1:
         peak = max(gather_objects(peak))
     return results, seconds, peak
 
@@ -408,7 +340,7 @@ def main(argv: list[str] | None = None, engine_set: EngineSet = RUN_ALL) -> dict
                 device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         return exit_on_input_error(_run, args, engine_set, ParallelContext(device=device))
-    return launch(lambda ctx: _run(args, engine_set, ctx), tp, dp, device=args.device)
+    return launch(lambda parallel: _run(args, engine_set, parallel), tp, dp, device=args.device)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -473,10 +405,10 @@ def load_inputs(
     return weights, workload
 
 
-def plan_engines(engines: tuple[str, ...], ctx: ParallelContext) -> dict[str, str]:
+def plan_engines(engines: tuple[str, ...], parallel: ParallelContext) -> dict[str, str]:
     """The requested engines that will be skipped here, with why; refuses a run where none can
     run (e.g. ``hf_speed.py`` under torchrun)."""
-    skipped = {name: reason for name in engines if (reason := skip_reason(name, ctx))}
+    skipped = {name: reason for name in engines if (reason := skip_reason(name, parallel))}
     if len(skipped) == len(engines):
         raise InputError(
             "no requested engine can run here: "
@@ -485,30 +417,30 @@ def plan_engines(engines: tuple[str, ...], ctx: ParallelContext) -> dict[str, st
     return skipped
 
 
-def default_out(engine_set: EngineSet, slug: str, model: str, ctx: ParallelContext) -> Path:
+def default_out(engine_set: EngineSet, slug: str, model: str, parallel: ParallelContext) -> Path:
     """``results/<device>/[<engine set>/][<model>-tp<N>-dp<M>/]`` beside this file."""
     out = results_dir(__file__, slug)
     if engine_set.results_subdir:
         out = out / engine_set.results_subdir
-    if ctx.world_size > 1:
-        out = out / f"{model}-tp{ctx.tp_size}-dp{ctx.dp_size}"
+    if parallel.world_size > 1:
+        out = out / f"{model}-tp{parallel.tp_size}-dp{parallel.dp_size}"
     return out
 
 
-def _run(args: argparse.Namespace, engine_set: EngineSet, ctx: ParallelContext) -> dict | None:
-    device = ctx.device
+def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelContext) -> dict | None:
+    device = parallel.device
     on_gpu = device.type == "cuda"
-    world = ctx.world_size
-    say = print if ctx.is_leader else (lambda *a, **k: None)
+    world = parallel.world_size
+    say = print if parallel.is_leader else (lambda *a, **k: None)
     dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     engines = args.engines
-    skipped = checked_on_every_rank(plan_engines, engines, ctx)
+    skipped = checked_on_every_rank(plan_engines, engines, parallel)
     preset_name = None if args.checkpoint else (args.preset or _default_preset(device))
     preset_name = gather_objects(preset_name)[0]  # a grid runs rank 0's choice (free memory)
     limit = args.limit or (1000 if on_gpu else 16)
     weights, workload = checked_on_every_rank(load_inputs, args, preset_name, limit)
     margs = weights.args
-    validate_grid(ctx.tp_size, ctx.dp_size, world, args=margs)  # every rank: same verdict
+    validate_grid(parallel.tp_size, parallel.dp_size, world, args=margs)  # every rank: same verdict
 
     cfg = EngineConfig(
         device=device,
@@ -516,7 +448,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, ctx: ParallelContext) 
         token_budget=args.token_budget or (16384 if on_gpu else 2048),
         max_length=margs.max_seq_len,
         max_rows=args.max_rows,
-        progress=not args.no_progress and ctx.is_leader,
+        progress=not args.no_progress and parallel.is_leader,
     )
     # Warm-up meets many batch shapes (Triton specialises kernels on size divisibility, so one
     # batch is not enough to keep compilation out of the timed pass): 20% of tasks, >= 64. A CPU
@@ -525,7 +457,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, ctx: ParallelContext) 
     warmup = workload.spread(n_warm) if n_warm > 0 else None
 
     say(
-        f"device {device_slug(device)} x {world} (tp {ctx.tp_size}, dp {ctx.dp_size}) | model {weights.name} ({sum(matmul_params(margs)) / 1e9:.2f}B "
+        f"device {device_slug(device)} x {world} (tp {parallel.tp_size}, dp {parallel.dp_size}) | model {weights.name} ({sum(matmul_params(margs)) / 1e9:.2f}B "
         f"matmul params) {str(dtype).removeprefix('torch.')} | workload {workload.name}: "
         f"{workload.n_tasks} tasks, {workload.request_tokens()} tokens "
         f"({workload.unique_tokens()} unique) | token budget {cfg.token_budget}"
@@ -546,10 +478,10 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, ctx: ParallelContext) 
             say(f"[{name}] skipped: {skipped[name]}")
             continue
         t0 = time.perf_counter()
-        engine = make_engine(name, weights, cfg, shared, ctx)
+        engine = make_engine(name, weights, cfg, shared, parallel)
         _sync(device)
         build_s = max(gather_objects(time.perf_counter() - t0))
-        results, seconds, peak = run_engine(engine, workload, warmup, cfg, ctx)
+        results, seconds, peak = run_engine(engine, workload, warmup, cfg, parallel)
         rows[name] = engine_row(
             name, engine, workload, weights, results, seconds, peak, peak_tflops, build_s
         )
@@ -579,8 +511,8 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, ctx: ParallelContext) 
     summary = {
         "device": slug,
         "gpus": world,
-        "tp": ctx.tp_size,
-        "dp": ctx.dp_size,
+        "tp": parallel.tp_size,
+        "dp": parallel.dp_size,
         "host": platform.node(),
         "torch": torch.__version__,
         "model": weights.name,
@@ -615,14 +547,14 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, ctx: ParallelContext) 
             for name, r in rows.items()
         },
     }
-    if not ctx.is_leader:
+    if not parallel.is_leader:
         return None
-    out = args.out or default_out(engine_set, slug, weights.name, ctx)
+    out = args.out or default_out(engine_set, slug, weights.name, parallel)
     notes = (
         f"{workload.name}: {workload.n_tasks} tasks, {workload.request_tokens()} lm-eval tokens "
         f"({workload.unique_tokens()} with contexts counted once); model {weights.name}, "
         f"{summary['dtype']}, token budget {cfg.token_budget}; {world} x {slug} (tp "
-        f"{ctx.tp_size}, dp {ctx.dp_size}), measured matmul peak {peak_tflops:.0f} TFLOP/s. tokens_per_s counts lm-eval's tokens for every engine; "
+        f"{parallel.tp_size}, dp {parallel.dp_size}), measured matmul peak {peak_tflops:.0f} TFLOP/s. tokens_per_s counts lm-eval's tokens for every engine; "
         "mfu counts the tokens the engine computed (no padding), mfu_unique only unique tokens; "
         "FLOPs = 2 x block matmul params x tokens + 2 x LM-head params x scored tokens. "
         f"pred_agree_vs_ref: share of tasks with the same acc and acc_norm predictions as "

@@ -22,7 +22,7 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 
 import pandas as pd
 
-from nakta_model.bench.report import save_figure, write_json, write_table
+from bench_common.report import save_figure, write_json, write_table
 
 COLUMNS = [
     "model",

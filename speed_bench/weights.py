@@ -15,31 +15,11 @@ from pathlib import Path
 
 import torch
 
-from nakta_model.checkpoint import META_IGNORED, merge_meta_shards, meta_shapes, meta_split_dim
-from nakta_model.config import ModelArgs, meta_hidden_dim, preset
+from nakta_model.config import ModelArgs, preset
+from nakta_model.layout import META_IGNORED, merge_meta_shards, meta_shapes, meta_split_dim
+from nakta_model.sources import Source
 
 StateDict = dict[str, torch.Tensor]
-
-
-def meta_params(args: ModelArgs) -> dict:
-    """``params.json`` for Meta's code (llama_org); refuses a shape Meta's FFN rule cannot give."""
-    if meta_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier) != args.hidden_dim:
-        raise ValueError(
-            f"hidden_dim {args.hidden_dim} is not what Meta's rule gives for dim={args.dim}, "
-            f"multiple_of={args.multiple_of}: llama_org cannot build this shape"
-        )
-    params = {
-        "dim": args.dim,
-        "n_layers": args.n_layers,
-        "n_heads": args.n_heads,
-        "n_kv_heads": args.n_kv_heads if args.n_kv_heads != args.n_heads else None,
-        "vocab_size": args.vocab_size,
-        "multiple_of": args.multiple_of,
-        "ffn_dim_multiplier": args.ffn_dim_multiplier,
-        "norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-    }
-    return {k: v for k, v in params.items() if v is not None}
 
 
 def matmul_params(args: ModelArgs) -> tuple[int, int]:
@@ -66,6 +46,16 @@ class WeightSource:
         """One unsplit Meta tensor, equal to ``state_dict(...)[name]``: lets a tensor-parallel
         rank build its shard one tensor at a time instead of holding the whole model first."""
         raise NotImplementedError
+
+    def source(self, device: torch.device, dtype: torch.dtype) -> Source:
+        """These weights as a ``nakta_model.sources.Source``: what ``nakta_model.load`` builds a
+        rank's Nakta shard from, one Meta tensor at a time (made on ``device`` in ``dtype``)."""
+        return Source(
+            args=self.args,
+            get=lambda name: self.tensor(name, device, dtype),
+            dtype=dtype,
+            description=f"speed_bench weights {self.name}",
+        )
 
     def meta_shard(
         self, name: str, device: torch.device, dtype: torch.dtype, rank: int, size: int

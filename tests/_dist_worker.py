@@ -1,9 +1,10 @@
 """Worker script for tests/test_parallel.py, run as ``torchrun --nproc_per_node 2 _dist_worker.py``.
 
 ``grids JOB OUT``: in ONE world of two processes (one torchrun start costs ~10 s here), for every
-case: tp=2 (one replica split over both ranks) and dp=2 (two replicas, requests sharded and
-gathered back in order) compute logits and lm-eval scores; then every bad configuration is tried
-and each rank records the error it raised. Rank 0 saves everything to OUT for the test to
+case: tp=2 (one replica split over both ranks; loaded from the converted checkpoint, from each
+rank's Meta shard and from the Meta dirs themselves) and dp=2 (two replicas, requests sharded
+and gathered back in order) compute logits and lm-eval scores; then every bad configuration is
+tried and each rank records the error it raised. Rank 0 saves everything to OUT for the test to
 compare against one process.
 
 ``speed JOB OUT``: speed_bench's Nakta engine at tp=2 and at dp=2, then ``run_all`` at tp=2
@@ -24,19 +25,17 @@ import torch
 
 from nakta_model.cli import checked_on_every_rank
 from nakta_model.config import ModelArgs
-from nakta_model.model import from_state_dict
+from nakta_model.data_parallel import data_parallel_map, map_requests, shard_requests
+from nakta_model.loading import load
 from nakta_model.parallel import (
     ParallelContext,
     collective_call,
-    data_parallel_map,
     gather_objects,
     init_parallel,
     launch,
-    load_model,
-    nakta_state_from_meta_shard,
-    shard_requests,
 )
 from nakta_model.scoring import score
+from nakta_model.sources import MetaRankShard
 
 DTYPE = torch.float32
 KERNELS = "reference"
@@ -48,7 +47,7 @@ def run_case(case: dict, device: str) -> dict:
     out: dict = {}
 
     ctx = init_parallel(2, 1, checkpoint=case["ckpt_tp2"], device=device)
-    model = load_model(case["ckpt_tp2"], ctx, DTYPE, kernels=KERNELS)
+    model = load(case["ckpt_tp2"], None, DTYPE, ctx, kernels=KERNELS)
     tokens = tokens.to(model.device)
     out["tp_logits"] = model(tokens)
     out["tp_scores"] = score(model, requests)
@@ -59,18 +58,17 @@ def run_case(case: dict, device: str) -> dict:
     shard = torch.load(
         Path(case["meta_mp2"]) / f"consolidated.{ctx.tp_rank:02d}.pth", weights_only=True
     )
-    state = nakta_state_from_meta_shard(shard, model.args, ctx)
-    direct = from_state_dict(state, model.args, model.device, DTYPE, ctx, kernels=KERNELS)
+    direct = load(MetaRankShard(shard, model.args), None, DTYPE, ctx, kernels=KERNELS)
     out["meta_shard_logits"] = direct(tokens)
+    # the Meta dirs themselves (2 shards and 1), read in memory, each rank building its shard
+    for name in ("meta_mp2", "meta_mp1"):
+        if name in case:
+            out[f"{name}_dir_logits"] = load(case[name], None, DTYPE, ctx, kernels=KERNELS)(tokens)
     del model, direct
 
     ctx = init_parallel(1, 2, checkpoint=case["ckpt_tp1"], device=device)
-    model = load_model(case["ckpt_tp1"], ctx, DTYPE, kernels=KERNELS)
-    costs = [len(c) + len(t) for c, t in requests]
-    keys = [tuple(c) for c, _ in requests]
-    out["dp_scores"] = data_parallel_map(
-        lambda r: score(model, r), requests, ctx, costs=costs, keys=keys
-    )
+    model = load(case["ckpt_tp1"], None, DTYPE, ctx, kernels=KERNELS)
+    out["dp_scores"] = map_requests(lambda r: score(model, r), requests, ctx)
     out["dp_shard_sizes"] = gather_objects(len(shard_requests(requests, ctx)))
     rows = list(tokens)
     out["dp_logits"] = torch.stack(
@@ -106,7 +104,7 @@ def _one_shard_at_tp2(meta_dir: str, device: str) -> None:
     params = json.loads((Path(meta_dir) / "params.json").read_text())
     shard = torch.load(Path(meta_dir) / "consolidated.00.pth", weights_only=True)
     ctx = init_parallel(2, 1, device=device)
-    nakta_state_from_meta_shard(shard, ModelArgs.from_meta_params(params), ctx)
+    load(MetaRankShard(shard, ModelArgs.from_meta_params(params)), None, DTYPE, ctx)
 
 
 def bad_configs(job: dict, device: str) -> dict[str, list[str]]:
@@ -122,10 +120,14 @@ def bad_configs(job: dict, device: str) -> dict[str, list[str]]:
         "input_error_everywhere": lambda: checked_on_every_rank(_bad_input_on, (0, 1)),
         "input_error_on_rank_1": lambda: checked_on_every_rank(_bad_input_on, (1,)),
         "meta_shard_count": lambda: _one_shard_at_tp2(job["cases"][0]["meta_mp1"], device),
-        "corrupt_shard": lambda: load_model(
+        "corrupt_shard": lambda: load(
             job["corrupt_tp2"],
-            init_parallel(2, 1, checkpoint=job["corrupt_tp2"], device=device),
+            None,
             DTYPE,
+            init_parallel(2, 1, checkpoint=job["corrupt_tp2"], device=device),
+        ),
+        "checkpoint_tp_at_load": lambda: load(
+            job["cases"][0]["ckpt_tp1"], None, DTYPE, init_parallel(2, 1, device=device)
         ),
     }
     return {name: gather_objects(_error_of(fn)) for name, fn in cases.items()}
@@ -152,8 +154,7 @@ def speed(job_path: str, out_path: str) -> None:
     import torch.distributed as dist
 
     from speed_bench import run_all
-    from speed_bench.engine import EngineConfig
-    from speed_bench.nakta_speed import NaktaEngine, build_model
+    from speed_bench.engines import EngineConfig, make_engine
     from speed_bench.weights import RandomWeights
     from speed_bench.workload import synthetic_workload
 
@@ -165,7 +166,7 @@ def speed(job_path: str, out_path: str) -> None:
     out = {}
     for tp, dp in ((2, 1), (1, 2)):
         ctx = init_parallel(tp, dp, device="cpu")
-        engine = NaktaEngine(build_model(weights, cfg, ctx), cfg, use_cache=True, parallel=ctx)
+        engine = make_engine("nakta_cache", weights, cfg, {}, ctx)
         out[f"tp{tp}_dp{dp}"] = engine.score(workload.requests)
     argv = ["--preset", "tiny", "--tp", "2", "--engines", "nakta_cache,llama_org,hf"]
     argv += ["--limit", "6"]
@@ -197,7 +198,7 @@ def accuracy(job_path: str, out_path: str) -> None:
         out[f"gen_tp{tp}_dp{dp}"] = lm.generate_until(gens, disable_tqdm=True)
         out[f"describe_tp{tp}_dp{dp}"] = lm.parallel.describe()
         dist.barrier()
-        lm.handle.close()
+        lm.close()
         res = Path(job["out_dir"]) / f"parity_tp{tp}_dp{dp}.json"
         argv = ["--checkpoint", job["meta_mp2"], "--tokenizer", job["tokenizer"], "--no-progress"]
         argv += ["--data", job["data"], "--limit", "6", "--device", "cpu", "--out", str(res)]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nakta_model.bench.timing import eager_ms, input_sets, interleaved_ms, rotated_ms
+from bench_common.timing import eager_ms, graph_ms, input_sets, interleaved_ms, rotated_ms
 
 
 def test_eager_ms_times_a_call_on_the_cpu():
@@ -42,3 +42,14 @@ def test_rotated_ms_times_each_path_and_reports_what_cannot_be_captured():
     assert set(times) == {"small", "big"} and set(errors) == {"host_sync"}
     assert errors["host_sync"]
     assert times["big"] > 1.5 * times["small"] > 0.0
+
+
+@pytest.mark.gpu
+def test_graph_ms_takes_one_call_or_several_on_the_current_stream():
+    """The one graph timer: a single callable or a list, captured on the current stream."""
+    small = torch.empty(1 << 24, device="cuda")
+    big = torch.empty(1 << 25, device="cuda")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        one = graph_ms(lambda: small.mul_(1.0))
+        several = graph_ms([lambda: big.mul_(1.0), lambda: big.mul_(1.0)], budget_ms=5.0)
+    assert several > 1.5 * one > 0.0

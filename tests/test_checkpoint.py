@@ -11,6 +11,7 @@ from hf_factory import hf_permute, hf_state_dict
 
 import nakta_model
 from nakta_model import checkpoint as ck
+from nakta_model import layout
 from nakta_model.config import ModelArgs
 from nakta_model.kernels.rope import apply_rope_qkv_reference, build_rope_cache
 
@@ -24,10 +25,10 @@ def meta_sd():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fusion_layout_and_inverse(meta_sd, tp):
-    shards = [ck.from_meta_state_dict(meta_sd, ARGS, r, tp) for r in range(tp)]
+    shards = [layout.from_meta_state_dict(meta_sd, ARGS, r, tp) for r in range(tp)]
     hd, hq, hkv, f = ARGS.head_dim, ARGS.n_heads // tp, ARGS.n_kv_heads // tp, ARGS.hidden_dim // tp
     for r, s in enumerate(shards):
-        assert {k: tuple(v.shape) for k, v in s.items()} == ck.nakta_shapes(ARGS, tp)
+        assert {k: tuple(v.shape) for k, v in s.items()} == layout.nakta_shapes(ARGS, tp)
         wqkv = s["layers.1.attention.wqkv.weight"]
         # Rank r holds Q heads [r*hq, (r+1)*hq), then its K heads, then its V heads.
         q_rows = meta_sd["layers.1.attention.wq.weight"][r * hq * hd : (r + 1) * hq * hd]
@@ -42,33 +43,33 @@ def test_fusion_layout_and_inverse(meta_sd, tp):
             meta_sd["layers.0.feed_forward.w2.weight"][:, r * f : (r + 1) * f],
         )
         assert torch.equal(s["tok_embeddings.weight"], meta_sd["tok_embeddings.weight"])
-    back = ck.to_meta_state_dict(shards, ARGS)
+    back = layout.to_meta_state_dict(shards, ARGS)
     assert back.keys() == meta_sd.keys()
     for k in meta_sd:
         assert torch.equal(back[k], meta_sd[k]), k
 
 
 def test_merge_meta_shards_undoes_fairscale_split(meta_sd):
-    merged = ck.merge_meta_shards(shard_state_dict(meta_sd, 2), ARGS)
+    merged = layout.merge_meta_shards(shard_state_dict(meta_sd, 2), ARGS)
     assert all(torch.equal(merged[k], meta_sd[k]) for k in meta_sd)
     bad = shard_state_dict(meta_sd, 2)
     bad[1]["layers.0.attention.wq.weight"] = bad[1]["layers.0.attention.wq.weight"][:-8]
     with pytest.raises(ck.CheckpointError, match="shards disagree on shape"):
-        ck.merge_meta_shards(bad, ARGS)
+        layout.merge_meta_shards(bad, ARGS)
     with pytest.raises(ck.CheckpointError, match="merged shape"):
-        ck.merge_meta_shards(shard_state_dict(meta_sd, 2)[:1], ARGS)
+        layout.merge_meta_shards(shard_state_dict(meta_sd, 2)[:1], ARGS)
     extra = dict(meta_sd, **{"layers.0.attention.wz.weight": torch.zeros(1)})
     with pytest.raises(ck.CheckpointError, match="unknown tensor names"):
-        ck.merge_meta_shards([extra], ARGS)
-    assert ck.merge_meta_shards([dict(meta_sd, **{"rope.freqs": torch.zeros(8)})], ARGS)
+        layout.merge_meta_shards([extra], ARGS)
+    assert layout.merge_meta_shards([dict(meta_sd, **{"rope.freqs": torch.zeros(8)})], ARGS)
 
 
 def test_hf_unpermute_is_the_inverse_and_matches_rope_semantics(meta_sd):
     """Meta pairs rotated on Meta rows == HF halves rotated on HF rows (then HF-permuted back)."""
     n_heads, hd = ARGS.n_heads, ARGS.head_dim
     wq = meta_sd["layers.0.attention.wq.weight"]
-    assert torch.equal(ck.unpermute_hf(hf_permute(wq, n_heads), n_heads), wq)
-    assert torch.equal(ck.permute_for_hf(wq, n_heads), hf_permute(wq, n_heads))
+    assert torch.equal(layout.unpermute_hf(hf_permute(wq, n_heads), n_heads), wq)
+    assert torch.equal(layout.permute_for_hf(wq, n_heads), hf_permute(wq, n_heads))
     x = torch.randn(5, ARGS.dim)
     cos, sin = build_rope_cache(16, hd)
     pos = torch.arange(3, 8)
@@ -81,10 +82,10 @@ def test_hf_unpermute_is_the_inverse_and_matches_rope_semantics(meta_sd):
     meta_rot = rot(wq, True)
     hf_rot = rot(hf_permute(wq, n_heads), False)
     # HF's output channel order is the permuted one: bring it back with the inverse permutation.
-    back = ck.unpermute_hf(hf_rot.T.contiguous(), n_heads).T
+    back = layout.unpermute_hf(hf_rot.T.contiguous(), n_heads).T
     torch.testing.assert_close(back, meta_rot, rtol=1e-6, atol=1e-6)
     # And from_hf_state_dict recovers the Meta weights exactly (GQA: k uses n_kv_heads).
-    rec = ck.from_hf_state_dict(hf_state_dict(meta_sd, TINY_PARAMS), ARGS)
+    rec = layout.from_hf_state_dict(hf_state_dict(meta_sd, TINY_PARAMS), ARGS)
     assert all(torch.equal(rec[k], meta_sd[k]) for k in meta_sd)
 
 
@@ -95,7 +96,7 @@ def test_writer_output_is_a_standard_safetensors_file(tmp_path, meta_sd):
     for r in range(2):
         f = out / ck.shard_file_name(r, 2)
         loaded = load_file(str(f))
-        want = ck.from_meta_state_dict(meta_sd, ARGS, r, 2)
+        want = layout.from_meta_state_dict(meta_sd, ARGS, r, 2)
         assert loaded.keys() == want.keys()
         for k in want:
             assert loaded[k].dtype == torch.bfloat16
@@ -114,7 +115,7 @@ def test_load_rank_round_trip_and_tp_mismatch(tmp_path, meta_sd):
     for r in range(2):
         args, sd = ck.load_rank_state_dict(out, r, 2)
         assert args == ARGS
-        want = ck.from_meta_state_dict(meta_sd, ARGS, r, 2)
+        want = layout.from_meta_state_dict(meta_sd, ARGS, r, 2)
         assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
     with pytest.raises(ck.CheckpointError, match="sharded for tp_size=2, but tp_size=1"):
         ck.load_rank_state_dict(out, 0, 1)
@@ -164,7 +165,7 @@ def test_load_builds_no_uninitialized_tensors_and_converts_dtype(tmp_path, meta_
     out = _saved(tmp_path, meta_sd)
     model = nakta_model.load(out, "cpu", torch.bfloat16)
     sd = model.state_dict()
-    want = ck.from_meta_state_dict(meta_sd, ARGS)
+    want = layout.from_meta_state_dict(meta_sd, ARGS)
     assert sd.keys() == want.keys()
     for k in want:
         assert sd[k].device.type == "cpu" and sd[k].dtype == torch.bfloat16
@@ -185,10 +186,10 @@ def test_existing_output_is_refused_without_force(tmp_path, meta_sd):
 
 def test_meta_to_hf_name_inverts_hf_to_meta_name():
     for name in meta_state_dict(TINY_PARAMS):
-        hf = ck.meta_to_hf_name(name)
-        assert hf != name and ck.hf_to_meta_name(hf) == name
+        hf = layout.meta_to_hf_name(name)
+        assert hf != name and layout.hf_to_meta_name(hf) == name
     with pytest.raises(ck.CheckpointError, match="unknown Meta tensor name"):
-        ck.meta_to_hf_name("layers.0.attention.wz.weight")
+        layout.meta_to_hf_name("layers.0.attention.wz.weight")
 
 
 # ------------------------------------------------------------- manifest names, --force target

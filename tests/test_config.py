@@ -148,3 +148,22 @@ def test_wrongly_typed_params_name_the_field(key, value, match):
     params = {"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": 300, "multiple_of": 16}
     with pytest.raises(ValueError, match=match):
         ModelArgs.from_meta_params({**params, key: value})
+
+
+def test_meta_params_are_what_llama_org_builds_from():
+    """params.json as Meta writes it: no n_kv_heads without GQA, no None fields; a width
+    Meta's FFN rule cannot give is refused (llama_org could not build it)."""
+    assert PRESETS["7B"].to_meta_params() == {
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "vocab_size": 32000,
+        "multiple_of": 256,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    }
+    tiny = PRESETS["tiny"]  # GQA, non-default eps; Meta's params.json has no max_seq_len
+    assert ModelArgs.from_meta_params(tiny.to_meta_params(), max_seq_len=128) == tiny
+    hf_width = PRESETS["tiny"].replace(hidden_dim=100)
+    with pytest.raises(ValueError, match="llama_org cannot build this shape"):
+        hf_width.to_meta_params()

@@ -23,6 +23,7 @@ from hf_factory import write_hf_checkpoint
 
 import convert
 from nakta_model import checkpoint as ck
+from nakta_model import layout
 from nakta_model.config import ModelArgs
 
 
@@ -38,7 +39,7 @@ def assert_round_trip(out, meta_sd, params, tp, dtype=torch.float32):
     for r in range(tp):
         loaded_args, sd = ck.load_rank_state_dict(out, r, tp)
         assert loaded_args.replace(multiple_of=args.multiple_of) == args  # HF has no multiple_of
-        want = ck.from_meta_state_dict(meta_sd, args, r, tp)
+        want = layout.from_meta_state_dict(meta_sd, args, r, tp)
         assert sd.keys() == want.keys()
         for k, v in want.items():
             assert sd[k].dtype == dtype and torch.equal(sd[k], v.to(dtype)), (r, k)

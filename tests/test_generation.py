@@ -10,10 +10,9 @@ from checkpoint_factory import TINY_PARAMS, meta_state_dict, train_tiny_tokenize
 
 import convert
 import nakta_model
-from nakta_model.checkpoint import from_meta_state_dict
 from nakta_model.config import ModelArgs
 from nakta_model.generation import generate_tokens
-from nakta_model.model import from_state_dict
+from nakta_model.sources import state_dict_source
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,8 +74,8 @@ def test_stories260k_text_through_the_tokenizer(stories):
 @pytest.fixture(scope="module")
 def tiny():
     args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=48)
-    sd = from_meta_state_dict(meta_state_dict(TINY_PARAMS, seed=11), args)
-    return from_state_dict(sd, args, "cpu", torch.float32, kernels="reference")
+    source = state_dict_source(meta_state_dict(TINY_PARAMS, seed=11), args)
+    return nakta_model.load(source, "cpu", torch.float32, kernels="reference")
 
 
 def argmax_continuation(model, prompt, n):

@@ -75,13 +75,13 @@ def test_simple_evaluate_offline_task_matches_engine(tiny, shared_data, tmp_path
     res = out["results"]["hellaswag_local"]
     # the same docs scored directly by the engine, with lm-eval's metric rules
     docs = hellaswag.load_jsonl(data)
-    handle = models.load_nakta(ckpt, models.resolve_device("cpu"), models.parse_dtype("fp32"))
     import nakta_model
 
+    model = nakta_model.load(ckpt, models.resolve_device("cpu"), models.parse_dtype("fp32"))
     t = nakta_model.Tokenizer(tok)
     reqs = hellaswag.build_requests(docs, lambda s: t.encode(s, bos=True, eos=False))
-    lls = [r[0] for r in scoring.score(handle.model, reqs)]
-    handle.close()
+    lls = [r[0] for r in scoring.score(model, reqs)]
+    del model
     metrics, results = hellaswag.evaluate(docs, lls)
     assert res["sample_len"] == 6
     assert res["acc,none"] == pytest.approx(metrics["acc"], abs=1e-12)
@@ -119,7 +119,8 @@ def test_llama_org_adapter_agrees_with_nakta(tiny, shared_data):
     nakta._max_length = org._max_length = 16  # several windows, each <= 16 tokens
     ra2, rb2 = nakta.loglikelihood_rolling(roll, True), org.loglikelihood_rolling(roll, True)
     assert ra2 == pytest.approx(rb2, abs=1e-4) and ra2[0] != pytest.approx(ra[0], abs=1e-3)
-    nakta.handle.close()
+    nakta.close()
+    assert nakta.model is None
 
 
 def test_generate_until_reproduces_stories260k_greedy_text(shared_data):

@@ -15,6 +15,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from speed_bench import lm_eval_report  # noqa: E402
 from speed_bench import lm_eval_speed as bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +102,7 @@ def test_ratios():
 
     runs = [run("hf", "default", 60.0), run("nakta", "default", 12.0), run("hf", "64", 20.0)]
     runs += [run("nakta", "64", 10.0), run("nakta", "auto", 11.0), run("hf", "default", 9.0, 10)]
-    (zero, ten) = bench.ratios(runs)
+    (zero, ten) = lm_eval_report.ratios(runs)
     assert zero["nakta_over_hf"] == {"default": 0.2, "64": 0.5}
     assert zero["best_nakta_over_best_hf"] == 0.5
     assert zero["nakta_best_batch_size"] == "64" and zero["nakta_default_over_best"] == 1.2

@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 from checkpoint_factory import TINY_PARAMS, TINY_PARAMS_MHA, meta_state_dict
 
 from nakta_model import attention
-from nakta_model.checkpoint import from_meta_state_dict
 from nakta_model.config import ModelArgs
-from nakta_model.model import from_state_dict, random_model
+from nakta_model.loading import load, random_model
 from nakta_model.parallel import ParallelContext
+from nakta_model.sources import state_dict_source
 
 VOCAB = TINY_PARAMS["vocab_size"]
 
@@ -33,9 +33,9 @@ def _one_thread():
 
 def make(params=TINY_PARAMS, dtype=torch.float32, kernels="reference", seed=0, rank=0, tp=1):
     args = ModelArgs.from_meta_params(params, max_seq_len=64)
-    sd = from_meta_state_dict(meta_state_dict(params, seed=seed), args, rank, tp)
+    source = state_dict_source(meta_state_dict(params, seed=seed), args)
     ctx = ParallelContext(rank, tp) if tp > 1 else None
-    return from_state_dict(sd, args, "cpu", dtype, ctx, kernels=kernels)
+    return load(source, "cpu", dtype, ctx, kernels=kernels)
 
 
 # ----------------------------------------------------------------------------- attention helpers
@@ -96,9 +96,7 @@ def test_hf_rope_layout_gives_the_same_model():
         hf_rows[p + "wq.weight"] = hf_permute(meta[p + "wq.weight"], args.n_heads)
         hf_rows[p + "wk.weight"] = hf_permute(meta[p + "wk.weight"], args.n_kv_heads)
     hf_args = args.replace(rope_interleaved=False)
-    hf_model = from_state_dict(
-        from_meta_state_dict(hf_rows, hf_args), hf_args, "cpu", kernels="reference"
-    )
+    hf_model = load(state_dict_source(hf_rows, hf_args), "cpu", kernels="reference")
     tokens = torch.randint(0, VOCAB, (2, 9))
     torch.testing.assert_close(hf_model(tokens), make()(tokens), rtol=1e-5, atol=1e-5)
 
@@ -271,15 +269,15 @@ def test_random_model_under_tp_holds_only_its_shard():
     assert torch.equal(r0.tok_embeddings.weight, r1.tok_embeddings.weight)
 
 
-def test_from_state_dict_is_strict():
+def test_loading_a_state_dict_is_strict():
     args = ModelArgs.from_meta_params(TINY_PARAMS)
-    sd = from_meta_state_dict(meta_state_dict(TINY_PARAMS), args)
-    with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
-        from_state_dict({k: v for k, v in sd.items() if k != "norm.weight"}, args, "cpu")
+    sd = meta_state_dict(TINY_PARAMS)
+    with pytest.raises(ValueError, match=r"missing tensors \['norm.weight'\]"):
+        load(state_dict_source({k: v for k, v in sd.items() if k != "norm.weight"}, args), "cpu")
     with pytest.raises(ValueError, match="shape"):
-        from_state_dict({**sd, "norm.weight": sd["norm.weight"][:-1]}, args, "cpu")
+        load(state_dict_source({**sd, "norm.weight": sd["norm.weight"][:-1]}, args), "cpu")
     with pytest.raises(ValueError, match="kernels must be one of"):
-        from_state_dict(sd, args, "cpu", kernels="fast")
+        load(state_dict_source(sd, args), "cpu", kernels="fast")
 
 
 # ------------------------------------------------------------------------ tensor parallel (gloo)

@@ -24,19 +24,22 @@ from checkpoint_factory import TINY_PARAMS, write_meta_checkpoint
 
 import convert
 from nakta_model.config import ModelArgs
-from nakta_model.model import load
+from nakta_model.data_parallel import (
+    data_parallel_map,
+    gather_in_order,
+    map_requests,
+    shard_indices,
+    shard_requests,
+)
+from nakta_model.loading import load
 from nakta_model.parallel import (
     ParallelConfigError,
     ParallelContext,
     collective_call,
-    data_parallel_map,
-    gather_in_order,
     grid_groups,
     grid_position,
     init_parallel,
     launch,
-    shard_indices,
-    shard_requests,
     validate_grid,
 )
 from nakta_model.scoring import score
@@ -118,6 +121,9 @@ def test_shard_indices_checks_its_inputs_and_gather_rebuilds_order():
     with pytest.raises(ValueError, match="2 results for 1 indices"):
         gather_in_order(["a", "b"], [0], 2, one)
     assert data_parallel_map(lambda xs: [x * 10 for x in xs], [1, 2, 3], one) == [10, 20, 30]
+    reqs = _requests(3)
+    got = map_requests(lambda rs: [len(c) + len(t) for c, t in rs], reqs, one)
+    assert got == [len(c) + len(t) for c, t in reqs]
 
 
 # ------------------------------------------------------------------ validation, one process
@@ -286,8 +292,12 @@ def _check_grids(tmp_path: Path, shared_data_or_none, device: str, tol: float) -
         torch.testing.assert_close(g["tp_logits"], w["logits"], **close, msg=case["name"])
         torch.testing.assert_close(g["tp_decode"], w["logits"][:, -1:], **close, msg=case["name"])
         _close_scores(g["tp_scores"], w["scores"], tol)
-        # the same weights, straight from Meta's rank shards: the very same numbers
+        # the same weights, straight from Meta's rank shards or the Meta dirs read in memory:
+        # the very same numbers as through convert.py --tp 2
         assert torch.equal(g["meta_shard_logits"], g["tp_logits"]), case["name"]
+        for name in ("meta_mp2", "meta_mp1"):
+            if name in case:
+                assert torch.equal(g[f"{name}_dir_logits"], g["tp_logits"]), (case["name"], name)
         # dp: each replica runs the unsplit model on its share
         torch.testing.assert_close(g["dp_logits"], w["logits"], **close, msg=case["name"])
         _close_scores(g["dp_scores"], w["scores"], tol)
@@ -313,7 +323,9 @@ def _check_grids(tmp_path: Path, shared_data_or_none, device: str, tol: float) -
         "input_error_everywhere": r"^ParallelConfigError: --data /nope: no such file$",
         "input_error_on_rank_1": r"^ParallelConfigError: rank 1: --data /nope: no such file$",
         "meta_shard_count": r"failed on 2 rank\(s\): rank 0: CheckpointError: .*shape .*2 shards",
-        "corrupt_shard": r"load failed on 1 rank\(s\): rank 1: CheckpointError: .*tp01-of-02",
+        "corrupt_shard": r"read_rank_state failed on 1 rank\(s\): rank 1: CheckpointError: "
+        r".*tp01-of-02",
+        "checkpoint_tp_at_load": r"ParallelConfigError: checkpoint .*tiny_tp1 is sharded for tp=1",
     }
     for name, pattern in expect.items():
         assert re.search(pattern, errors[name][0]), errors[name][0]
@@ -334,8 +346,7 @@ def test_speed_bench_engine_and_cli_under_torchrun(tmp_path):
     """The bench's Nakta engine gives one process's scores at tp=2 and at dp=2 (the same
     random weights, built shard by shard), and run_all --tp 2 writes one summary from rank 0,
     with llama_org as Meta's model parallel over both ranks agreeing with nakta_cache."""
-    from speed_bench.engine import EngineConfig
-    from speed_bench.nakta_speed import NaktaEngine, build_model
+    from speed_bench.engines import EngineConfig, make_engine
     from speed_bench.weights import RandomWeights
     from speed_bench.workload import synthetic_workload
 
@@ -349,7 +360,7 @@ def test_speed_bench_engine_and_cli_under_torchrun(tmp_path):
     weights = RandomWeights(ModelArgs(**args), "tiny", seed=3)
     workload = synthetic_workload(12, 512, 1, 64)
     cfg = EngineConfig(torch.device("cpu"), torch.float32, 512, 64, progress=False)
-    want = NaktaEngine(build_model(weights, cfg), cfg, use_cache=True).score(workload.requests)
+    want = make_engine("nakta_cache", weights, cfg, {}).score(workload.requests)
     _close_scores(got["tp2_dp1"], want)
     _close_scores(got["tp1_dp2"], want)
 
@@ -452,7 +463,7 @@ def test_lm_eval_adapter_and_parity_under_torchrun(tmp_path, shared_data):
     want_gen = one.generate_until(
         [Instance("generate_until", {}, (p, {"max_gen_toks": 8}), 0) for p in prompts], True
     )
-    one.handle.close()
+    one.close()
     assert got["describe_tp2_dp1"] == "rank 0/2: tp 0/2, dp 0/1, cpu"
     assert got["describe_tp1_dp2"] == "rank 0/2: tp 0/1, dp 0/2, cpu"
     for grid in ("tp2_dp1", "tp1_dp2"):

@@ -20,10 +20,10 @@ import convert
 import nakta_model
 from llama_org import Llama
 from llama_org.distributed import shutdown
-from nakta_model.checkpoint import from_meta_state_dict, save_checkpoint
+from nakta_model.checkpoint import save_checkpoint
 from nakta_model.config import ModelArgs
 from nakta_model.generation import generate_tokens
-from nakta_model.model import from_state_dict
+from nakta_model.sources import state_dict_source
 
 MAX_SEQ_LEN = 40
 
@@ -48,9 +48,7 @@ def pair(params, tmp_path=None, device="cpu", dtype=torch.float32, kernels="refe
         model = nakta_model.load(tmp_path / "nakta", device, dtype, kernels=kernels)
         assert model.args.replace(max_seq_len=MAX_SEQ_LEN) == args
     else:
-        model = from_state_dict(
-            from_meta_state_dict(sd, args), args, device, dtype, kernels=kernels
-        )
+        model = nakta_model.load(state_dict_source(sd, args), device, dtype, kernels=kernels)
     return ref, model
 
 

@@ -16,7 +16,7 @@ import torch
 from nakta_model.config import preset
 from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
 from speed_bench.make_length_histogram import HISTOGRAM_PATH, measure
-from speed_bench.weights import RandomWeights, matmul_params, meta_params
+from speed_bench.weights import RandomWeights, matmul_params
 from speed_bench.workload import Workload, load_histogram, synthetic_workload
 
 
@@ -133,15 +133,15 @@ def test_random_weights_are_reproducible_and_sane():
     wq = a["layers.0.attention.wq.weight"]
     assert abs(wq.std().item() - wq.shape[1] ** -0.5) < 0.2 * wq.shape[1] ** -0.5
     assert torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
-    assert meta_params(preset("tiny"))["n_kv_heads"] == 2
-    assert "n_kv_heads" not in meta_params(preset("7B"))  # LLaMA-1 params.json has none
+    assert preset("tiny").to_meta_params()["n_kv_heads"] == 2
+    assert "n_kv_heads" not in preset("7B").to_meta_params()  # LLaMA-1 params.json has none
 
 
 def test_meta_shards_are_fairscale_splits_of_the_same_weights(shared_data):
     """Rank r's shard (llama_org under torchrun) is Meta's own MP split: the real 2-shard
     stories260K files, byte for byte, from the 1-shard checkpoint; random weights' shards
     concatenate back to the unsplit tensors, norms whole on every rank."""
-    from nakta_model.checkpoint import meta_split_dim
+    from nakta_model.layout import meta_split_dim
     from speed_bench.weights import CheckpointWeights
 
     cpu = torch.device("cpu")
@@ -170,7 +170,7 @@ def test_meta_shards_are_fairscale_splits_of_the_same_weights(shared_data):
 
 
 def test_hf_weight_conversion_round_trips():
-    from nakta_model.checkpoint import from_hf_state_dict
+    from nakta_model.layout import from_hf_state_dict
     from speed_bench.hf_speed import meta_to_hf
 
     args = preset("tiny")

@@ -18,6 +18,7 @@ from cli_helpers import REPO, error_lines, run_script, torchrun
 
 from nakta_model.parallel import ParallelConfigError, ParallelContext, validate_grid
 from speed_bench import run_all
+from speed_bench.engines import skip_reason
 from speed_bench.run_all import EngineSet, resolve_grid
 
 TINY = ["--preset", "tiny", "--warmup", "0", "--no-progress", "--device", "cpu"]
@@ -105,10 +106,10 @@ def test_grid_defaults_to_one_replica_over_the_world():
 def test_engines_that_cannot_run_on_a_grid_are_skipped_or_refused():
     tp2 = ParallelContext(tp_rank=0, tp_size=2)
     dp2 = ParallelContext(dp_rank=0, dp_size=2)
-    assert run_all.skip_reason("nakta_cache", dp2) is None
-    assert run_all.skip_reason("llama_org", tp2) is None  # Meta's MP over the whole world
-    assert "--dp 1" in run_all.skip_reason("llama_org", dp2)
-    assert "single-GPU engine" in run_all.skip_reason("hf", tp2)
+    assert skip_reason("nakta_cache", dp2) is None
+    assert skip_reason("llama_org", tp2) is None  # Meta's MP over the whole world
+    assert "--dp 1" in skip_reason("llama_org", dp2)
+    assert "single-GPU engine" in skip_reason("hf", tp2)
     with pytest.raises(run_all.InputError, match="no requested engine can run here: hf: single"):
         run_all.plan_engines(("hf",), tp2)
     assert set(run_all.plan_engines(("nakta", "llama_org", "hf"), dp2)) == {"llama_org", "hf"}
@@ -213,8 +214,7 @@ def test_llama_speed_under_torchrun_is_meta_model_parallel(tmp_path):
     """``torchrun --nproc_per_node 2 speed_bench/llama_speed.py``: fairscale MP = 2, each rank
     its shard of the same seeded weights, so the predictions are one process's."""
     from nakta_model.tasks.hellaswag import evaluate
-    from speed_bench.engine import EngineConfig
-    from speed_bench.nakta_speed import NaktaEngine, build_model
+    from speed_bench.engines import EngineConfig, make_engine
     from speed_bench.weights import weight_source
     from speed_bench.workload import synthetic_workload
 
@@ -230,7 +230,7 @@ def test_llama_speed_under_torchrun_is_meta_model_parallel(tmp_path):
     cfg = EngineConfig(
         torch.device("cpu"), torch.float32, 2048, weights.args.max_seq_len, progress=False
     )
-    engine = NaktaEngine(build_model(weights, cfg), cfg, use_cache=True)
+    engine = make_engine("nakta_cache", weights, cfg, {})
     lls = [ll for ll, _ in engine.score(workload.requests)]
     _, docs = evaluate(workload.docs, lls)
     assert summary["predictions"]["llama_org"] == {

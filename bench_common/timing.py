@@ -1,5 +1,6 @@
-"""Timing primitives shared by the kernel benchmarks: eager calls, CUDA-graph replays, and
-how many input copies defeat the L2 cache."""
+"""Timing primitives shared by the benchmarks: eager calls, CUDA-graph replays (``graph_ms``,
+the one graph timer; ``rotated_ms`` / ``interleaved_ms`` for head-to-head paths), and how many
+input copies defeat the L2 cache."""
 
 from __future__ import annotations
 
@@ -29,11 +30,19 @@ def eager_ms(
     return sorted(times)[1]
 
 
-def graph_ms(calls: list[Callable[[], object]], stream, budget_ms: float = 20.0) -> float:
+def graph_ms(
+    calls: Callable[[], object] | list[Callable[[], object]],
+    stream: torch.cuda.Stream | None = None,
+    budget_ms: float = 20.0,
+) -> float:
     """GPU ms per call: calls cycled inside one CUDA graph, median of 3 replays.
 
-    Graph replay removes host launch overhead. ``calls`` use distinct input sets, together
-    larger than L2 (see ``input_sets``), so each call reads its inputs from DRAM."""
+    The one CUDA-graph timer of the benches. Graph replay removes host launch overhead.
+    ``calls`` (one callable, or several with distinct input sets, together larger than L2: see
+    ``input_sets``) then read their inputs from DRAM. ``stream``: where the graph is captured
+    (default: the current stream, which must not be the legacy default stream)."""
+    calls = [calls] if callable(calls) else list(calls)
+    stream = stream if stream is not None else torch.cuda.current_stream()
     reps = _graph_reps(calls, budget_ms)
     graph = _capture(calls, reps, stream)
     torch.cuda.synchronize()

@@ -1,0 +1,161 @@
+"""The house's arrows, read from the source (every import statement, function-level ones too):
+CLIs -> nakta_model -> kernels, no cycle inside nakta_model, llama_org and nakta_model
+independent, the bench helpers and the CLIs outside the user package.
+
+    python tests/test_import_graph.py      # prints nakta_model's import graph
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOP = (
+    "nakta_model",
+    "llama_org",
+    "bench_common",
+    "kernel_benchmark",
+    "speed_bench",
+    "accuracy_test",
+    "model_profile",
+)
+OUTSIDE_THE_PACKAGE = {t for t in TOP if t != "nakta_model"} | {"convert"}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of the project (results/ folders hold data only)."""
+    out = {"convert": REPO / "convert.py"}
+    for top in TOP:
+        for path in sorted((REPO / top).rglob("*.py")):
+            rel = path.relative_to(REPO).with_suffix("")
+            if "results" in rel.parts:
+                continue
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(parts)] = path
+    return out
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The project modules one import statement names."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".") if is_package else module.split(".")[:-1]
+            package = package[: len(package) - (node.level - 1)]
+            base = ".".join([*package, base] if base else package)
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    found = set()
+    for name in names:
+        while name and name not in known:  # `import a.b.c` of a package: its longest module
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (itself excluded)."""
+    modules = _modules()
+    known = set(modules)
+    graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        is_package = path.name == "__init__.py"
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _imported(node, module, is_package, known)
+        graph[module] = edges - {module}
+    return graph
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _cycle(graph: dict[str, set[str]], nodes: set[str]) -> list[str] | None:
+    """One import cycle among ``nodes``, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph[n] & nodes):
+            if state.get(m) == 1:
+                return path[path.index(m) :] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(nodes):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+GRAPH = import_graph()
+
+
+def _edges(source, target) -> list[str]:
+    return sorted(
+        f"{a} -> {b}" for a, deps in GRAPH.items() for b in deps if source(a) and target(b)
+    )
+
+
+def test_the_graph_sees_the_known_arrows():
+    """The reader works: arrows that exist are found (function-level imports included)."""
+    assert {"nakta_model.model", "nakta_model.sources"} <= GRAPH["nakta_model.loading"]
+    assert "nakta_model.checkpoint" in GRAPH["nakta_model.parallel"]  # validate_grid, lazily
+    assert "nakta_model.kernels.rope" in GRAPH["nakta_model.model"]
+    assert {"nakta_model.checkpoint", "nakta_model.sources"} <= GRAPH["convert"]
+
+
+def test_no_import_cycle_inside_nakta_model():
+    nodes = {m for m in GRAPH if _top(m) == "nakta_model"}
+    assert _cycle(GRAPH, nodes) is None, " -> ".join(_cycle(GRAPH, nodes))
+    assert "nakta_model.loading" not in GRAPH["nakta_model.model"]
+    assert "nakta_model.model" not in GRAPH["nakta_model.parallel"]
+
+
+def test_nakta_model_imports_nothing_of_the_rest_of_the_house():
+    inside = lambda m: _top(m) == "nakta_model"  # noqa: E731
+    assert _edges(inside, lambda m: _top(m) in OUTSIDE_THE_PACKAGE) == []
+
+
+def test_llama_org_and_nakta_model_never_import_each_other():
+    assert _edges(lambda m: _top(m) == "llama_org", lambda m: _top(m) != "llama_org") == []
+    assert _edges(lambda m: _top(m) == "nakta_model", lambda m: _top(m) == "llama_org") == []
+
+
+def test_arrows_point_into_the_kernels_never_out():
+    kernel = lambda m: m.startswith("nakta_model.kernels")  # noqa: E731
+    assert _edges(kernel, lambda m: not kernel(m)) == []
+
+
+def test_bench_helpers_and_clis_keep_their_places():
+    # bench_common serves the benches and needs only nakta_model's atomic writes
+    bench = lambda m: _top(m) == "bench_common"  # noqa: E731
+    assert _edges(bench, lambda m: _top(m) not in ("bench_common", "nakta_model")) == []
+    # model_profile builds engines through speed_bench's public modules only
+    public = {"speed_bench.engines", "speed_bench.weights", "speed_bench.workload"}
+    assert (
+        _edges(
+            lambda m: _top(m) == "model_profile",
+            lambda m: _top(m) == "speed_bench" and m not in public,
+        )
+        == []
+    )
+    # nobody calls the convert.py script: its logic lives in nakta_model
+    assert _edges(lambda m: m != "convert", lambda m: m == "convert") == []
+
+
+if __name__ == "__main__":
+    for module in sorted(m for m in GRAPH if _top(m) == "nakta_model"):
+        deps = sorted(d for d in GRAPH[module] if _top(d) == "nakta_model")
+        print(f"{module} -> {', '.join(deps) or '-'}")
