@@ -41,8 +41,8 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 import torch
 
-from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
-from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
+from bench_common.ceilings import copy_bandwidth_gbps, device_slug
+from bench_common.report import results_dir, save_figure, write_json, write_table
 
 ENGINES = ("nakta", "llama_org", "hf")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -122,11 +122,9 @@ class NaktaDecode(_Engine):
 
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from nakta_model.generation import Generator
-        from speed_bench.engine import EngineConfig
-        from speed_bench.nakta_speed import build_model
+        from nakta_model.loading import load
 
-        cfg = EngineConfig(device, dtype, token_budget=16384, max_length=max_seq)
-        self.model = build_model(weights, cfg)
+        self.model = load(weights.source(device, dtype), device, dtype)
         self.gen = Generator(self.model, max_batch=max_batch, max_seq_len=max_seq)
 
     def run(self, prompts, gen):
@@ -144,10 +142,9 @@ class LlamaOrgDecode(_Engine):
 
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from llama_org import Llama
-        from speed_bench.weights import meta_params
 
         self.llama = Llama.from_state_dict(
-            meta_params(weights.args), weights.state_dict(device, dtype), max_seq, max_batch,
+            weights.args.to_meta_params(), weights.state_dict(device, dtype), max_seq, max_batch,
             device=device, dtype=dtype,
         )  # fmt: skip
 
@@ -231,11 +228,10 @@ def layer_budget(weights, device, dtype, context: int, bandwidth_gbps: float) ->
     """One Nakta decode layer at batch 1, launch by launch (each alone in a CUDA graph, median
     of replays), against the bytes it must read over the measured copy bandwidth."""
     from nakta_model.generation.step import DecodeStep
-    from speed_bench.engine import EngineConfig
-    from speed_bench.nakta_speed import build_model
+    from nakta_model.loading import load
 
     room = context + 256  # the whole-step graph advances the position on every replay
-    model = build_model(weights, EngineConfig(device, dtype, 16384, room))
+    model = load(weights.source(device, dtype), device, dtype)
     model.setup_cache(2, room)
     step = DecodeStep(model, 1, 4, sampling=False)
     step.buffers.positions.fill_(context - 1)

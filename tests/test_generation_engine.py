@@ -16,7 +16,6 @@ from checkpoint_factory import TINY_PARAMS, TINY_PARAMS_MHA, meta_state_dict
 
 from llama_org import Llama
 from llama_org.distributed import shutdown
-from nakta_model.checkpoint import from_meta_state_dict
 from nakta_model.config import ModelArgs
 from nakta_model.generation import (
     GenerationRequest,
@@ -26,7 +25,8 @@ from nakta_model.generation import (
     generate_tokens,
     greedy_requests,
 )
-from nakta_model.model import from_state_dict
+from nakta_model.loading import load
+from nakta_model.sources import state_dict_source
 
 MAX_SEQ = 48
 
@@ -52,7 +52,7 @@ def tiny_model(params=TINY_PARAMS, kernels="reference", seed=3, interleaved=True
             sd[p + "wq.weight"] = hf_permute(sd[p + "wq.weight"], args.n_heads)
             sd[p + "wk.weight"] = hf_permute(sd[p + "wk.weight"], args.n_kv_heads)
         args = args.replace(rope_interleaved=False)
-    return from_state_dict(from_meta_state_dict(sd, args), args, "cpu", kernels=kernels)
+    return load(state_dict_source(sd, args), "cpu", kernels=kernels)
 
 
 def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
@@ -84,15 +84,13 @@ def test_greedy_equals_meta_loop_with_continuous_batching(params, interleaved):
 
 def test_stories260k_greedy_equals_llama_org_per_prompt(shared_data):
     """The real checkpoint, fp32: the engine's tokens are Meta's, prompt by prompt."""
-    from accuracy_test.models import load_nakta
-
     ckpt = shared_data / "stories260K"
     llama = Llama.build(
         str(ckpt), str(ckpt / "tokenizer.model"), 128, 4, device="cpu", dtype=torch.float32
     )
     ps = [[1], [1, 403, 407, 261], [1, 403, 407, 261, 378, 432, 383, 286, 261, 376], [1, 376]]
     want = [llama.generate([p], 40, temperature=0.0, eos_id=2)[0][0] for p in ps]
-    model = load_nakta(ckpt, torch.device("cpu"), torch.float32).model
+    model = load(ckpt, "cpu", torch.float32)
     got = Generator(model, max_batch=2, max_seq_len=128, chunk=8).generate(
         greedy_requests(ps, 40, eos_id=2)
     )
@@ -209,7 +207,7 @@ def test_bad_engine_arguments():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_graphs_equal_eager_and_meta(dtype):
     """CUDA graphs (fused kernels) vs eager steps vs Meta's loop on a GPU model."""
-    from nakta_model.model import random_model
+    from nakta_model.loading import random_model
 
     args = ModelArgs(dim=256, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=96)
     model = random_model(args, "cuda", dtype, seed=1)
@@ -234,10 +232,11 @@ def _tp_worker(rank: int, world: int, init_file: str, ps: list, out_file: str) -
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=MAX_SEQ)
-        sd = from_meta_state_dict(meta_state_dict(TINY_PARAMS, seed=3), args, rank, world)
-        model = from_state_dict(
-            sd, args, "cpu", parallel=ParallelContext(rank, world), kernels="reference"
-        )
+        sd = meta_state_dict(TINY_PARAMS, seed=3)
+        model = load(
+            state_dict_source(sd, args), "cpu", None, ParallelContext(rank, world),
+            kernels="reference",
+        )  # fmt: skip
         res = Generator(model, max_batch=2, max_seq_len=MAX_SEQ, chunk=3).generate(
             greedy_requests(ps, 8, None)
         )

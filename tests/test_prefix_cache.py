@@ -9,16 +9,16 @@ import torch
 from checkpoint_factory import TINY_PARAMS, meta_state_dict
 
 from nakta_model import scoring
-from nakta_model.checkpoint import from_meta_state_dict
 from nakta_model.config import ModelArgs
-from nakta_model.model import from_state_dict
+from nakta_model.loading import load
 from nakta_model.prefix_cache import PrefixCache, shared_prefixes
+from nakta_model.sources import state_dict_source
 
 
 def model_fp32(kernels="reference"):
     args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=256)
-    sd = from_meta_state_dict(meta_state_dict(TINY_PARAMS, seed=5), args)
-    return from_state_dict(sd, args, "cpu", kernels=kernels)
+    return load(state_dict_source(meta_state_dict(TINY_PARAMS, seed=5), args), "cpu",
+                kernels=kernels)  # fmt: skip
 
 
 def mmlu_like(n_subjects=3, per_subject=5, prefix_len=80, seed=0):
@@ -81,10 +81,9 @@ def test_a_kept_cache_reuses_prefixes_across_calls_and_evicts_lru():
 
 def test_stories260k_fp32_prefix_cache_gives_the_same_loglikelihoods(shared_data):
     """The real checkpoint, a real tokenizer, a shared 5-shot-like prefix: identical scores."""
-    from accuracy_test.models import load_nakta
     from nakta_model import Tokenizer
 
-    model = load_nakta(shared_data / "stories260K", torch.device("cpu"), torch.float32).model
+    model = load(shared_data / "stories260K", "cpu", torch.float32)
     tok = Tokenizer(shared_data / "stories260K" / "tokenizer.model")
     shots = " ".join(f"Once upon a time there was a {w} who liked to play." for w in
                      ("cat", "dog", "girl", "boy", "bird", "fish", "king", "queen"))  # fmt: skip
