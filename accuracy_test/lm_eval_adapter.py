@@ -17,7 +17,10 @@ Meta dir: read in memory by ``nakta_model.load``, no converted copy; llama_org n
 (fp32|bf16|fp16 in any case; default bf16 on CUDA, fp32 on CPU), ``token_budget`` (padded
 tokens per forward: what bounds memory), ``max_length`` (default and upper limit: the
 checkpoint's max_seq_len), ``use_cache`` (nakta: shared-context packing, default true),
-``max_gen_toks`` (default 256), ``kernels``/``tp``/``dp`` (nakta).
+``prefix_cache`` (nakta: a prefix shared by different contexts -- a few-shot prompt -- computed
+once and kept for the whole run, default true) and ``prefix_budget`` (its K/V pool in tokens,
+default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
+``kernels``/``tp``/``dp`` (nakta).
 
 Batch size. Nakta packs rows (a row = one context with its continuations) until
 ``token_budget`` padded tokens, so memory is bounded by the token budget, never by a row count:
@@ -362,6 +365,8 @@ class NaktaLM(_ScoringLM):
         token_budget: int | str = scoring.DEFAULT_TOKEN_BUDGET,
         max_length: int | str | None = None,
         use_cache: bool | str = True,
+        prefix_cache: bool | str = True,
+        prefix_budget: int | str | None = None,
         max_gen_toks: int | str = 256,
         kernels: str | None = None,
         tp: int | str = 1,
@@ -376,6 +381,12 @@ class NaktaLM(_ScoringLM):
             raise ModelArgsError(f"nakta checkpoint {checkpoint} is not a directory")
         self.rows = _rows(batch_size, max_batch_size)
         self.use_cache = _as_bool(use_cache, "use_cache")
+        self.use_prefix_cache = self.use_cache and _as_bool(prefix_cache, "prefix_cache")
+        self.prefix_budget = (
+            None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
+        )
+        self._prefixes = None
+        self.score_stats = scoring.ScoreStats()
         self.parallel = ParallelContext()
         if int(tp) * int(dp) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self.parallel = init_parallel(int(tp), int(dp), device=_parallel_device(device))
@@ -393,7 +404,19 @@ class NaktaLM(_ScoringLM):
 
     def close(self) -> None:
         """Drop the model (its memory goes once nobody else holds it)."""
-        self.model = None
+        self.model = self._prefixes = self._gen = None
+
+    def _prefix_cache(self):
+        """One prefix cache for the whole run (a few-shot prefix computed once across tasks'
+        calls), or False when the model args turned it off."""
+        if not self.use_prefix_cache:
+            return False
+        if self._prefixes is None:
+            from nakta_model.prefix_cache import PrefixCache
+
+            budget = self.prefix_budget or scoring.default_prefix_budget(self.model)
+            self._prefixes = PrefixCache(self.model, budget)
+        return self._prefixes
 
     @property
     def max_length(self) -> int:
@@ -411,6 +434,8 @@ class NaktaLM(_ScoringLM):
                 max_length=self.max_length,
                 max_rows=self.rows,
                 progress=progress and self.parallel.is_leader,
+                prefix_cache=self._prefix_cache(),
+                stats=self.score_stats,
             )
 
         return map_requests(local, reqs, self.parallel)

@@ -153,6 +153,7 @@ class _TimedModelFactory:
         _sync_cuda()
         self._timings["load_s"] = time.perf_counter() - t0
         self._timings["model_class"] = f"{self._cls.__module__}.{self._cls.__qualname__}"
+        self._timings["_lm"] = lm  # read for its token counts at exit (not written)
         return lm
 
     def create_from_arg_obj(self, *a, **kw):
@@ -194,6 +195,12 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
     finally:
         registry.get_model, evaluator.evaluate = get_model, evaluate
         timings["total_s"] = time.perf_counter() - t_start
+        lm = timings.pop("_lm", None)
+        stats = getattr(lm, "score_stats", None)
+        if stats is not None:  # nakta: tokens requested / unique / computed
+            import dataclasses
+
+            timings["tokens"] = dataclasses.asdict(stats)
         from nakta_model.io_utils import atomic_write_text
 
         atomic_write_text(path, json.dumps(timings, indent=2) + "\n")

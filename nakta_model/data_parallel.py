@@ -80,8 +80,15 @@ def map_requests(
 
 
 def _request_costs_and_keys(requests) -> tuple[list[int], list[tuple[int, ...]]]:
-    """Tokens per request, and its context (the requests of one context stay together)."""
-    return [len(c) + len(t) for c, t in requests], [tuple(c) for c, _ in requests]
+    """Tokens per request, and what keeps requests together on one replica: a prefix that
+    contexts share (``prefix_cache.shared_prefixes``: computed once per replica that holds
+    it), else the context itself (its continuations share it)."""
+    from nakta_model.prefix_cache import shared_prefixes
+
+    contexts = [list(c) for c, _ in requests]
+    shared = shared_prefixes(contexts)
+    keys = [tuple(c[:n]) if n else tuple(c) for c, n in zip(contexts, shared)]
+    return [len(c) + len(t) for c, t in requests], keys
 
 
 def gather_in_order(

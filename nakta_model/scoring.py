@@ -469,7 +469,7 @@ def unique_tokens(reqs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
     return total
 
 
-def _default_prefix_budget(model) -> int:
+def default_prefix_budget(model) -> int:
     """Pool tokens for a temporary prefix cache: 8,192, or less where memory is short (at most
     a quarter of the free device memory)."""
     args = getattr(model, "args", None)
@@ -586,7 +586,7 @@ def _prefix_cache_for(model, rows: list[_Row], use_cache: bool, prefix_cache):
     if not any(lengths):
         return None, False
     own = prefix_cache is None or prefix_cache is True
-    cache = PrefixCache(model, _default_prefix_budget(model)) if own else prefix_cache
+    cache = PrefixCache(model, default_prefix_budget(model)) if own else prefix_cache
     if not isinstance(cache, PrefixCache):
         raise TypeError(
             f"prefix_cache must be a PrefixCache, None or False, got {type(prefix_cache).__name__}"

@@ -98,7 +98,10 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     assert lm_eval.api.registry.get_model.__module__ == "lm_eval.api.registry"  # restored
     assert lm_eval.evaluator.evaluate.__module__ == "lm_eval.evaluator"
     assert lm_eval.tasks.TaskManager.__name__ == "LocalTaskManager"
-    assert lm_eval.tasks.TaskManager(include_path=str(TASKS)).all_tasks == ["hellaswag_local"]
+    local = lm_eval.tasks.TaskManager(include_path=str(TASKS)).all_tasks
+    assert "hellaswag_local" in local and "mmlu_shaped_local" in local  # the local ones only
+    assert "hellaswag" not in local and "mmlu" not in local
+    assert got["tokens"]["request_tokens"] > 0  # nakta reports what it computed
 
 
 def test_lm_eval_check_help_describes_its_own_arguments(capsys):
@@ -146,7 +149,7 @@ def test_local_tasks_are_found_and_decide_the_index(tmp_path, monkeypatch):
     (tmp_path / "a" / "t.yaml").write_text("# c\ntask: my_task\ndataset_path: json\n")
     (tmp_path / "b.yaml").write_text("task: 'other'\n")
     (tmp_path / "c.yaml").write_text("group: g\n")
-    assert lm_eval_cli.local_task_names(str(tmp_path)) == {"my_task", "other"}
+    assert lm_eval_cli.local_task_names(str(tmp_path)) == {"my_task", "other", "g"}  # groups too
     monkeypatch.delenv(lm_eval_cli.LOCAL_TASKS_ENV, raising=False)
     args = argparse.Namespace(tasks=["my_task", "other"], include_path=str(tmp_path))
     assert lm_eval_cli._only_local_tasks(args)
