@@ -49,20 +49,25 @@ def markdown(summary: dict) -> str:
     lines = [
         f"# lm-eval speed: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})",
         "",
-        f"`{TASK}` on `{m['data']}` (limit {m['limit']}, few-shot limit {m['fewshot_limit']}), "
+        f"`{m.get('task', TASK)}` (data `{m['data']}`; limit {m['limit']}, few-shot limit "
+        f"{m['fewshot_limit']}), "
         f"lm-eval {m['lm_eval']}, transformers {m['transformers']}, torch {m['torch']}. "
         "wall = child process start to end; load = model construction; scoring = "
         "lm-eval's evaluate(). `default` = no --batch_size flag.",
         "",
-        "| model | shots | batch size | wall s | load s | scoring s | acc | acc_norm | n |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | shots | batch size | wall s | load s | scoring s | acc | acc_norm | "
+        "exact_match | n | tokens computed / unique / requested |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
+        tokens = "-"
+        if r.get("computed_tokens"):
+            tokens = f"{r['computed_tokens']} / {r['unique_tokens']} / {r['request_tokens']}"
         lines.append(
             f"| {r['model']} | {r['num_fewshot']} | {r['batch_size']} | {_fmt(r['wall_s'])} | "
-            f"{_fmt(r['load_s'])} | {_fmt(r['scoring_s'])} | {_fmt(r['acc'])} | "
-            f"{_fmt(r['acc_norm'])} | {_fmt(r['n'])} |"
-            + (f" failed: {r['error']}" if r["error"] else "")
+            f"{_fmt(r['load_s'])} | {_fmt(r['scoring_s'])} | {_fmt(r.get('acc'))} | "
+            f"{_fmt(r.get('acc_norm'))} | {_fmt(r.get('exact_match'))} | {_fmt(r['n'])} | "
+            f"{tokens} |" + (f" failed: {r['error']}" if r["error"] else "")
         )
     lines += ["", "## Ratios (wall seconds)", ""]
     for row in summary["ratios"]:
@@ -113,7 +118,9 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_title(f"{shot}-shot")
         ax.legend(fontsize=8)
     m = summary
-    fig.suptitle(f"lm-eval {TASK}: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})")
+    fig.suptitle(
+        f"lm-eval {m.get('task', TASK)}: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})"
+    )
     save_figure(fig, path)
     plt.close(fig)
 

@@ -69,6 +69,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--preset", help="random weights of this shape: 7B, 13B, ..., tiny")
     p.add_argument("--tokenizer", required=True, help="sentencepiece tokenizer.model")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="HellaSwag jsonl")
+    p.add_argument(
+        "--task",
+        default=TASK,
+        help="a local task of accuracy_test/tasks: hellaswag_local (default), mmlu_shaped_local "
+        "(57 subjects, 5 fixed shots), bbh_shaped_local, gsm8k_shaped_local (generation)",
+    )
     p.add_argument("--fewshot", default="0,10", help="comma-separated shot counts")
     p.add_argument(
         "--batch-sizes", default="default,64,auto", help="comma-separated: default, N, auto"
@@ -280,10 +286,12 @@ def model_args(model: str, w: Weights, dtype_name: str) -> str:
     return f"checkpoint={w.nakta_dir},tokenizer={w.sp_model},dtype={dtype_name}"
 
 
-def child_command(spec: RunSpec, w: Weights, dtype_name: str, device: str, out: Path) -> list:
+def child_command(
+    spec: RunSpec, w: Weights, dtype_name: str, device: str, out: Path, task: str = TASK
+) -> list:
     cmd = [sys.executable, "-m", "accuracy_test.lm_eval_cli", "--model", spec.model]
     cmd += ["--model_args", model_args(spec.model, w, dtype_name)]
-    cmd += ["--include_path", str(TASKS), "--tasks", TASK]
+    cmd += ["--include_path", str(TASKS), "--tasks", task]
     cmd += ["--num_fewshot", str(spec.num_fewshot), "--device", device, "--output_path", str(out)]
     if spec.limit is not None:
         cmd += ["--limit", str(spec.limit)]
@@ -317,15 +325,23 @@ def _run_logged(cmd: list, env: dict, log: Path, timeout: float | None) -> int:
             return 124
 
 
-def read_results(output_dir: Path) -> dict:
-    """acc / acc_norm / sample count from lm-eval's newest ``results_*.json`` under the dir."""
+METRICS = ("acc", "acc_norm", "exact_match")
+
+
+def read_results(output_dir: Path, task: str = TASK) -> dict:
+    """acc / acc_norm / exact_match (those the task has) and the sample count, from lm-eval's
+    newest ``results_*.json`` under the dir (a group's sample count: its tasks' sum)."""
     files = sorted(output_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
     if not files:
         raise FileNotFoundError(f"no lm-eval results_*.json under {output_dir}")
     data = json.loads(files[-1].read_text())
-    res = data["results"][TASK]
-    n = data.get("n-samples", {}).get(TASK, {}).get("effective")
-    return {"acc": res["acc,none"], "acc_norm": res["acc_norm,none"], "n": n}
+    res = data["results"][task]
+    samples = data.get("n-samples", {})
+    n = samples.get(task, {}).get("effective")
+    if n is None and samples:  # a group: every task it ran
+        n = sum(v.get("effective", 0) for v in samples.values())
+    out = {m: res.get(f"{m},none") for m in METRICS}
+    return {**out, "n": n}
 
 
 def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict:
@@ -338,21 +354,27 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
     if a.local_tasks_only:
         env["NAKTA_LM_EVAL_LOCAL_TASKS"] = "1"
     log = out / "logs" / f"{spec.slug}.log"
-    cmd = child_command(spec, w, a.dtype, a.device, work / "lm_eval")
+    task = getattr(a, "task", TASK)
+    cmd = child_command(spec, w, a.dtype, a.device, work / "lm_eval", task)
     t0 = time.perf_counter()
     rc = _run_logged(cmd, env, log, a.timeout)
     record = {
         "model": spec.model,
         "num_fewshot": spec.num_fewshot,
         "batch_size": spec.batch_size,
-        "tasks": TASK,
+        "task": task,
+        "tasks": task,
         "limit": spec.limit,
         "wall_s": time.perf_counter() - t0,
         "load_s": None,
         "scoring_s": None,
         "acc": None,
         "acc_norm": None,
+        "exact_match": None,
         "n": None,
+        "request_tokens": None,
+        "unique_tokens": None,
+        "computed_tokens": None,
         "log": str(log.relative_to(out)),
         "error": None,
     }
@@ -360,7 +382,10 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
         if rc != 0:
             raise RuntimeError(f"exit code {rc}")
         t = json.loads(timing.read_text())
-        record.update(load_s=t["load_s"], scoring_s=t["scoring_s"], **read_results(work))
+        record.update(load_s=t["load_s"], scoring_s=t["scoring_s"], **read_results(work, task))
+        tokens = t.get("tokens") or {}
+        for key in ("request_tokens", "unique_tokens", "computed_tokens"):
+            record[key] = tokens.get(key)
     except (RuntimeError, OSError, KeyError, ValueError) as e:
         record["error"] = f"{e} (log: {log})"
     return record
@@ -468,6 +493,7 @@ def _main(a: argparse.Namespace) -> int:
         weights, made = prepare_weights(a, work, out)
         meta.update(made)
         meta.update(
+            task=a.task,
             data=Path(a.data).name,
             tokenizer=Path(a.tokenizer).name,
             preset=a.preset,
@@ -493,10 +519,14 @@ def _describe(r: dict) -> str:
     head = f"{r['model']} {r['num_fewshot']}-shot batch {r['batch_size']}: wall {r['wall_s']:.1f} s"
     if r["error"]:
         return f"{head}, FAILED {r['error']}"
-    return (
-        f"{head} (load {r['load_s']:.1f}, scoring {r['scoring_s']:.1f}), "
-        f"acc {r['acc']:.4f}, acc_norm {r['acc_norm']:.4f}"
-    )
+    metrics = ", ".join(f"{m} {r[m]:.4f}" for m in METRICS if r.get(m) is not None)
+    tokens = ""
+    if r.get("computed_tokens"):
+        tokens = (
+            f", tokens computed {r['computed_tokens']} / unique {r['unique_tokens']} "
+            f"/ requested {r['request_tokens']}"
+        )
+    return f"{head} (load {r['load_s']:.1f}, scoring {r['scoring_s']:.1f}), {metrics}{tokens}"
 
 
 if __name__ == "__main__":

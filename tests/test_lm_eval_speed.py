@@ -200,3 +200,32 @@ def test_gpu_every_batch_size_runs_for_both_models(shared_data, tmp_path):
     assert summary["dtype"] == "bf16" and summary["device"] != "cpu"
     assert len(summary["runs"]) == 6 and all(r["error"] is None for r in summary["runs"])
     assert "nakta_default_over_best" in summary["ratios"][0]
+
+
+def test_read_results_of_a_group_and_a_generation_task(tmp_path):
+    """A group's sample count is its tasks' sum; metrics a task lacks are None."""
+    group = {
+        "results": {
+            "mmlu_shaped_local": {"acc,none": 0.25},
+            "mmlu_shaped_anatomy": {"acc,none": 0.2},
+        },
+        "n-samples": {
+            "mmlu_shaped_anatomy": {"effective": 3},
+            "mmlu_shaped_virology": {"effective": 4},
+        },
+    }
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results_1.json").write_text(json.dumps(group))
+    got = bench.read_results(tmp_path / "a", "mmlu_shaped_local")
+    assert got == {"acc": 0.25, "acc_norm": None, "exact_match": None, "n": 7}
+    gen = {"results": {"gsm8k_shaped_local": {"exact_match,none": 0.0}},
+           "n-samples": {"gsm8k_shaped_local": {"effective": 5}}}  # fmt: skip
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "results_2.json").write_text(json.dumps(gen))
+    got = bench.read_results(tmp_path / "b", "gsm8k_shaped_local")
+    assert got["exact_match"] == 0.0 and got["acc"] is None and got["n"] == 5
+    a = bench.parse_args(["--preset", "tiny", "--tokenizer", "t", "--task", "mmlu_shaped_local"])
+    spec = bench.plan(a)[0]
+    w = bench.Weights(Path("H"), Path("T"), Path("N"), Path("S"))
+    cmd = bench.child_command(spec, w, "bf16", "cuda", Path("o"), a.task)
+    assert cmd[cmd.index("--tasks") + 1] == "mmlu_shaped_local"
