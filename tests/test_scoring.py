@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from nakta_model import scoring
+from nakta_model import score_batches, scoring
 from nakta_model.kernels.packed_attention import packed_attention_mask
 
 
@@ -186,15 +186,18 @@ def test_score_with_forward_matches_and_batches():
 def test_packed_layout_and_its_mask():
     """One batch of two rows: positions restart per branch, the scored positions and targets
     line up, padding is a sequence of its own, and the mask keeps rows and branches apart."""
-    rows = [scoring._Row([5, 6], [(0, [7, 8]), (1, [9])]), scoring._Row([4], [(2, [3, 2])])]
-    b = scoring._pack(rows)
+    rows = [
+        score_batches.Row([5, 6], [(0, [7, 8]), (1, [9])]),
+        score_batches.Row([4], [(2, [3, 2])]),
+    ]
+    b = score_batches.pack(rows)
     n = b.n_real
     assert b.tokens[:n].tolist() == [5, 6, 7, 4, 3]  # ctx, cont0[:-1], cont1[:-1] (empty)
     assert b.positions[:n].tolist() == [0, 1, 2, 0, 1]
     assert b.seq_start[:n].tolist() == [0, 0, 0, 3, 3]
     assert b.branch[:n].tolist() == [0, 0, 1, 0, 1]
-    assert b.tokens.shape[0] == scoring.PAD_MULTIPLE
-    assert b.seq_start[n:].tolist() == list(range(n, scoring.PAD_MULTIPLE))  # pads: alone
+    assert b.tokens.shape[0] == score_batches.PAD_MULTIPLE
+    assert b.seq_start[n:].tolist() == list(range(n, score_batches.PAD_MULTIPLE))  # pads: alone
     assert b.flat_index.tolist() == [1, 2, 3, 4]
     # targets 7, 8 | 9 | 3, 2 predicted from flat rows 0, 1 | 0 | 2, 3
     assert b.target.tolist() == [7, 8, 9, 3, 2]
@@ -213,14 +216,14 @@ def test_packed_layout_and_its_mask():
 
 def test_packed_batches_fill_the_budget_best_fit():
     lens = [9, 7, 6, 5, 4, 3, 2, 2, 1, 1]
-    rows = [scoring._Row(list(range(n)), [(i, [1])]) for i, n in enumerate(lens)]
-    batches = scoring._packed_batches(rows, token_budget=10, max_rows=None)
+    rows = [score_batches.Row(list(range(n)), [(i, [1])]) for i, n in enumerate(lens)]
+    batches = score_batches.packed_batches(rows, token_budget=10, max_rows=None)
     sizes = sorted(sum(len(r) for r in b) for b in batches)
     assert sum(sizes) == sum(lens) and max(sizes) <= 10
     assert len(batches) == 4  # 40 tokens in bins of 10: best fit leaves no gap
-    capped = scoring._packed_batches(rows, token_budget=10, max_rows=2)
+    capped = score_batches.packed_batches(rows, token_budget=10, max_rows=2)
     assert max(len(b) for b in capped) == 2
-    big = scoring._packed_batches([scoring._Row(list(range(30)), [(0, [1])])], 10, None)
+    big = score_batches.packed_batches([score_batches.Row(list(range(30)), [(0, [1])])], 10, None)
     assert [len(b) for b in big] == [1]  # a row over the budget runs alone
 
 
