@@ -5,7 +5,7 @@ time from a :class:`~speed_bench.weights.WeightSource` and freed before the next
 peak memory is its own. A multi-GPU engine (tensor / data parallel) fits the same shape: build
 it from the same weights, score the same requests.
 
-``nakta`` / ``nakta_cache`` (``nakta_speed.py``, one shared model built by ``nakta_model.load``
+``nakta`` / ``nakta_cache`` / ``nakta_ctx`` (``nakta_speed.py``, one shared model built by ``nakta_model.load``
 from the weights), ``llama_org`` (``llama_speed.py``) and ``hf`` (``hf_speed.py``).
 This module, ``weights.py`` and ``workload.py`` are speed_bench's public API: ``run_all`` and
 ``model_profile`` both build and time engines through them.
@@ -23,8 +23,9 @@ from nakta_model.scoring import score_with_forward
 from speed_bench.weights import WeightSource
 from speed_bench.workload import Request, Workload
 
-ALL_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")
-NAKTA_ENGINES = ("nakta", "nakta_cache")
+ALL_ENGINES = ("nakta", "nakta_cache", "nakta_ctx", "llama_org", "hf")
+DEFAULT_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")  # nakta_ctx: for --workload mmlu
+NAKTA_ENGINES = ("nakta", "nakta_cache", "nakta_ctx")
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,13 @@ def make_engine(
         if "nakta" not in shared:
             source = weights.source(cfg.device, cfg.dtype)
             shared["nakta"] = load(source, cfg.device, cfg.dtype, parallel)
-        return NaktaEngine(shared["nakta"], cfg, use_cache=name == "nakta_cache", parallel=parallel)
+        return NaktaEngine(
+            shared["nakta"],
+            cfg,
+            use_cache=name != "nakta",
+            parallel=parallel,
+            prefix_cache=name != "nakta_ctx",
+        )
     if name not in ALL_ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
     reason = _grid_reason(name, parallel)

@@ -1,8 +1,11 @@
-"""Nakta engines: ``nakta`` (one row per request) and ``nakta_cache`` (shared-context rows).
+"""Nakta engines: ``nakta`` (one row per request), ``nakta_cache`` (every cache) and
+``nakta_ctx`` (the per-task shared context only).
 
-Both run ``nakta_model.scoring.score`` on the same model: ``nakta_cache`` packs the four
+All run ``nakta_model.scoring.score`` on the same model: ``nakta_cache`` packs the four
 endings of a task behind one copy of its context under a tree mask, so the context is computed
-once; ``nakta`` feeds every request on its own, exactly the work lm-eval asks for.
+once, and computes a prefix shared by many tasks (a few-shot prompt) once into the prefix
+cache; ``nakta_ctx`` is the same without the prefix cache (what it buys, on ``--workload
+mmlu``); ``nakta`` feeds every request on its own, exactly the work lm-eval asks for.
 
 Under ``torchrun`` (``--tp/--dp``) each rank builds its tensor-parallel shard of the same
 weights, tensor by tensor (``nakta_model.load`` of ``WeightSource.source``: a rank never holds
@@ -25,14 +28,14 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 
 from nakta_model.data_parallel import map_requests
 from nakta_model.model import Transformer
-from nakta_model.parallel import ParallelContext
-from nakta_model.scoring import score
+from nakta_model.parallel import ParallelContext, gather_objects
+from nakta_model.scoring import ScoreStats, score
 from speed_bench.engines import NAKTA_ENGINES, Engine, EngineConfig
 from speed_bench.workload import Request, Workload
 
 ENGINES = NAKTA_ENGINES
 DESCRIPTION = (
-    "HellaSwag scoring speed of Nakta's engines (nakta, nakta_cache), measured as "
+    "Scoring speed of Nakta's engines (nakta, nakta_cache; nakta_ctx on request), measured as "
     "speed_bench.run_all measures it (same options). Under torchrun the model is split over the "
     "whole world (tp = world size) unless --dp/--tp say otherwise."
 )
@@ -45,12 +48,16 @@ class NaktaEngine(Engine):
         cfg: EngineConfig,
         use_cache: bool,
         parallel: ParallelContext | None = None,
+        prefix_cache: bool = True,
     ):
         self.model, self.cfg, self.use_cache = model, cfg, use_cache
+        self.prefix_cache = None if prefix_cache else False  # None: score() finds prefixes
         self.parallel = parallel or ParallelContext()
-        self.name = "nakta_cache" if use_cache else "nakta"
+        self.name = ("nakta_cache" if prefix_cache else "nakta_ctx") if use_cache else "nakta"
+        self.stats = ScoreStats()
 
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
+        self.stats = ScoreStats()  # of the last call: the timed pass
         if self.parallel.dp_size == 1:
             return self._score_local(requests)
         return map_requests(self._score_local, requests, self.parallel)
@@ -64,10 +71,16 @@ class NaktaEngine(Engine):
             max_length=self.cfg.max_length,
             max_rows=self.cfg.max_rows,
             progress=self.cfg.progress,
+            prefix_cache=self.prefix_cache,
+            stats=self.stats,
         )
 
     def computed_tokens(self, workload: Workload) -> int:
-        return workload.unique_tokens() if self.use_cache else workload.request_tokens()
+        """Tokens the last ``score`` call ran through the model (scoring's own count), summed
+        over the data-parallel replicas (every rank of a replica ran the same)."""
+        if self.parallel.world_size == 1:
+            return self.stats.computed_tokens
+        return sum(gather_objects(self.stats.computed_tokens)) // self.parallel.tp_size
 
     def close(self) -> None:
         self.model = None
@@ -78,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     from speed_bench.run_all import EngineSet
     from speed_bench.run_all import main as run_all_main
 
-    return run_all_main(argv, EngineSet(ENGINES, "nakta", DESCRIPTION))
+    return run_all_main(argv, EngineSet(ENGINES, "nakta", DESCRIPTION, ("nakta", "nakta_cache")))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""HellaSwag scoring speed: Nakta vs Meta's LLaMA code vs HF transformers, in ONE process.
+"""Scoring speed (HellaSwag; MMLU-shaped with --workload mmlu): Nakta vs Meta's LLaMA code vs HF transformers, in ONE process.
 
 Every engine scores the same lm-eval requests from the same weights with the same batching
 limits (``--token-budget`` padded tokens per forward call), one engine at a time (each built,
@@ -12,10 +12,11 @@ Counting (the README's speed-benchmark section says more):
 * ``mfu``: model FLOPs the engine computed / time / peak, where model FLOPs =
   ``2 x block matmul params x computed tokens + 2 x LM-head params x scored tokens`` (the head
   is only needed where a log-prob is read) and the peak is a bf16 ``8192^3`` matmul measured
-  in this run; ``computed tokens`` excludes padding (plain engines: lm-eval's tokens; the
-  shared-context engine: contexts once);
-* ``mfu_unique``: the same with every engine credited only the unique tokens (contexts
-  counted once): the fraction of the chip spent on work no engine can skip.
+  in this run; ``computed tokens`` excludes padding (plain engines: lm-eval's tokens; Nakta's
+  engines: what ``scoring.score`` reports it ran, shared contexts and prefixes once);
+* ``mfu_unique``: the same with every engine credited only the unique tokens (the trie of all
+  requests: shared contexts and prefixes counted once): the fraction of the chip spent on work
+  no engine can skip.
 
     python -m speed_bench.run_all                     # tiny model + embedded workload on the CPU
     python speed_bench/run_all.py                     # the same, by path (also from speed_bench/)
@@ -73,9 +74,21 @@ from nakta_model.parallel import (
     validate_grid,
 )
 from nakta_model.tasks.hellaswag import evaluate
-from speed_bench.engines import ALL_ENGINES, Engine, EngineConfig, make_engine, skip_reason
+from speed_bench.engines import (
+    ALL_ENGINES,
+    DEFAULT_ENGINES,
+    Engine,
+    EngineConfig,
+    make_engine,
+    skip_reason,
+)
 from speed_bench.weights import WeightSource, matmul_params, weight_source
-from speed_bench.workload import Workload, real_workload, synthetic_workload
+from speed_bench.workload import (
+    Workload,
+    mmlu_shaped_workload,
+    real_workload,
+    synthetic_workload,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -89,9 +102,14 @@ class EngineSet:
     engines: tuple[str, ...]
     results_subdir: str | None
     description: str
+    defaults: tuple[str, ...] | None = None  # what runs without --engines (None: all)
+
+    @property
+    def default_engines(self) -> tuple[str, ...]:
+        return self.defaults or self.engines
 
 
-RUN_ALL = EngineSet(ALL_ENGINES, None, __doc__.split("\n\n")[0])
+RUN_ALL = EngineSet(ALL_ENGINES, None, __doc__.split("\n\n")[0], DEFAULT_ENGINES)
 
 
 # ----------------------------------------------------------------------------- running
@@ -236,7 +254,7 @@ def plot(df: pd.DataFrame, title: str):
 
 def write_results(out: Path, summary: dict, df: pd.DataFrame, notes: str) -> None:
     write_json(summary, out / "summary.json")
-    write_table(df, out, "speed", "HellaSwag scoring speed", notes)
+    write_table(df, out, "speed", f"Scoring speed: {summary['workload']['name']}", notes)
     import matplotlib.pyplot as plt
 
     fig = plot(df, f"{summary['workload']['name']} on {summary['device']}, {summary['model']}")
@@ -260,12 +278,16 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     src.add_argument("--preset", help="random weights of this shape: 7B 13B 30B 65B tiny ...")
     src.add_argument("--checkpoint", type=Path, help="Meta checkpoint folder")
     p.add_argument("--data", type=Path, help="HellaSwag jsonl (default: embedded workload)")
+    p.add_argument("--workload", choices=("hellaswag", "mmlu"), default="hellaswag",
+                   help="embedded workload: HellaSwag lengths, or MMLU-shaped (57 subjects, a "
+                        "5-shot prefix shared by each subject's questions)")  # fmt: skip
     p.add_argument("--tokenizer", type=Path, help="LLaMA sentencepiece model (with --data)")
     p.add_argument("--limit", type=int, help="tasks (default 1000 on GPU, 16 on CPU)")
     p.add_argument("--select", choices=("first", "spread"), default="first",
                    help="with --data and --limit: first N tasks, or N spread over the file")  # fmt: skip
-    p.add_argument("--engines", default=",".join(engine_set.engines),
-                   help=f"comma-separated, from {','.join(engine_set.engines)} (default: all)")  # fmt: skip
+    p.add_argument("--engines", default=",".join(engine_set.default_engines),
+                   help=f"comma-separated, from {','.join(engine_set.engines)} (default: "
+                        f"{','.join(engine_set.default_engines)})")  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--token-budget", type=int, help="padded tokens per forward (16384 / 2048)")
     p.add_argument("--max-rows", type=int, help="rows per forward, on top of the budget")
@@ -283,6 +305,8 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     args = p.parse_args(argv)
     if args.data is not None and args.tokenizer is None:
         p.error("--data needs --tokenizer (the LLaMA sentencepiece model)")
+    if args.data is not None and args.workload != "hellaswag":
+        p.error("--data is HellaSwag; --workload mmlu is embedded (no --data)")
     if args.tokenizer is not None and args.data is None:
         p.error("--tokenizer goes with --data (the embedded workload needs no tokenizer)")
     if args.limit is not None and args.limit < 1:
@@ -396,7 +420,8 @@ def load_inputs(
     weights = load_weights(args, preset_name)
     margs = weights.args
     if workload is None:
-        workload = synthetic_workload(limit, margs.vocab_size, args.seed, margs.max_seq_len)
+        make = mmlu_shaped_workload if args.workload == "mmlu" else synthetic_workload
+        workload = make(limit, margs.vocab_size, args.seed, margs.max_seq_len)
     if workload.max_token_id() >= margs.vocab_size:
         raise InputError(
             f"the workload uses token ids up to {workload.max_token_id()} but the model's "
@@ -552,7 +577,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     out = args.out or default_out(engine_set, slug, weights.name, parallel)
     notes = (
         f"{workload.name}: {workload.n_tasks} tasks, {workload.request_tokens()} lm-eval tokens "
-        f"({workload.unique_tokens()} with contexts counted once); model {weights.name}, "
+        f"({workload.unique_tokens()} unique: shared contexts and prefixes counted once); model {weights.name}, "
         f"{summary['dtype']}, token budget {cfg.token_budget}; {world} x {slug} (tp "
         f"{parallel.tp_size}, dp {parallel.dp_size}), measured matmul peak {peak_tflops:.0f} TFLOP/s. tokens_per_s counts lm-eval's tokens for every engine; "
         "mfu counts the tokens the engine computed (no padding), mfu_unique only unique tokens; "

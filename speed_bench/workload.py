@@ -1,10 +1,16 @@
-"""The HellaSwag scoring workload every engine runs: real tasks, or an embedded synthetic copy.
+"""The scoring workloads every engine runs: HellaSwag (real tasks, or an embedded synthetic copy)
+and an embedded MMLU-shaped one (a long few-shot prefix shared by every question of a subject).
 
 Real: ``--data FILE --tokenizer FILE`` builds exactly lm-eval's requests
 (``nakta_model.tasks.hellaswag``). Embedded: no text and no tokenizer needed; random token ids
 whose context and ending lengths are drawn (seeded) from HellaSwag's own length histogram under
 the LLaMA tokenizer (``hellaswag_lengths.json``, made by ``make_length_histogram.py``). Speed
 depends only on those lengths, so the embedded workload costs what the real one costs.
+
+MMLU-shaped (``mmlu_shaped_workload``): random token ids with lm-eval's MMLU structure: per
+subject a fixed 5-shot prefix (``sampler: first_n``), then each question with its options
+(60-150 tokens) and ``Answer:``; the four continuations are one letter token each. What repeats
+(the prefix, the question across its four letters) is what makes it expensive or cheap.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from nakta_model.scoring import unique_tokens
 from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
 from speed_bench.make_length_histogram import HISTOGRAM_PATH
 
@@ -52,14 +59,9 @@ class Workload:
         return sum(len(c) + len(x) - 1 for c, x in self.requests)
 
     def unique_tokens(self) -> int:
-        """Tokens with each task's shared context counted once (what a prefix cache runs)."""
-        total, i = 0, 0
-        for doc in self.docs:
-            group = {(tuple(c), tuple(x)) for c, x in self.requests[i : i + len(doc.choices)]}
-            contexts = {c for c, _ in group}  # identical requests are computed once, too
-            total += sum(len(c) for c in contexts) + sum(len(x) - 1 for _, x in group)
-            i += len(doc.choices)
-        return total
+        """Tokens of the trie of every request's model input: each shared context (a task's, or
+        a few-shot prefix shared by many tasks) counted once; what no engine can skip."""
+        return unique_tokens(self.requests)
 
     def scored_tokens(self) -> int:
         """Positions whose next-token log-prob is summed (the continuation tokens)."""
@@ -164,3 +166,46 @@ def real_workload(
     requests = build_requests(docs, sentencepiece_encoder(tokenizer))
     tag = "" if select == "first" else "-spread"
     return Workload(f"{Path(data).stem}-{len(docs)}{tag}", docs, requests)
+
+
+MMLU_SUBJECTS = 57
+MMLU_SHOTS = 5
+
+
+def mmlu_shaped_workload(
+    n_tasks: int, vocab_size: int, seed: int = 0, max_length: int | None = None
+) -> Workload:
+    """``n_tasks`` MMLU-shaped questions over up to 57 subjects, at least 10 questions each
+    (random ids, seeded).
+
+    Per subject: BOS, a ~16-token header, 5 shots (question with options 60-150 tokens, then
+    ``Answer: X`` and a blank line, 5 tokens); per question the shots, the question and
+    ``Answer:`` (2 tokens) are the context, and the letters A-D (one token each) the four
+    continuations, as lm-eval's ``mmlu`` builds them. ``max_length`` (a tiny model's window)
+    scales every length down to fit.
+    """
+    if n_tasks < 1:
+        raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
+    if vocab_size < 16:
+        raise ValueError(f"vocab_size must be >= 16, got {vocab_size}")
+    rng = random.Random(seed)
+    longest = 1 + 16 + MMLU_SHOTS * (150 + 5) + 150 + 2
+    scale = min(1.0, (max_length or longest) / longest)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(16, vocab_size) for _ in range(max(1, round(n * scale)))]
+
+    letters = [4, 5, 6, 7]  # four fixed token ids for " A" .. " D" (below the random range)
+    n_subjects = min(MMLU_SUBJECTS, -(-n_tasks // 10))  # >= 10 questions a subject (MMLU: 100+)
+    prefixes = []
+    for _ in range(n_subjects):
+        prefix = [1] + ids(16)
+        for _ in range(MMLU_SHOTS):
+            prefix += ids(rng.randint(60, 150)) + ids(2) + [rng.choice(letters)] + ids(2)
+        prefixes.append(prefix)
+    docs, requests = [], []
+    for t in range(n_tasks):
+        ctx = prefixes[t % n_subjects] + ids(rng.randint(60, 150)) + ids(2)
+        requests += [(ctx, [letter]) for letter in letters]
+        docs.append(Doc(query="", choices=("A", "B", "C", "D"), label=rng.randrange(4), ind=t))
+    return Workload(f"synthetic-mmlu-{n_tasks}", docs, requests)

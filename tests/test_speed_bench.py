@@ -17,7 +17,12 @@ from nakta_model.config import preset
 from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
 from speed_bench.make_length_histogram import HISTOGRAM_PATH, measure
 from speed_bench.weights import RandomWeights, matmul_params
-from speed_bench.workload import Workload, load_histogram, synthetic_workload
+from speed_bench.workload import (
+    Workload,
+    load_histogram,
+    mmlu_shaped_workload,
+    synthetic_workload,
+)
 
 
 def _hist_mean(counts: dict[str, int]) -> float:
@@ -101,7 +106,8 @@ def test_token_accounting_by_hand():
     requests = [([1, 5, 6], [7, 8]), ([1, 5, 6], [9]), ([1, 4], [3, 3, 3])]
     w = Workload("hand", docs, requests)
     assert w.request_tokens() == (3 + 2 - 1) + (3 + 1 - 1) + (2 + 3 - 1)  # 4 + 3 + 4
-    assert w.unique_tokens() == (3 + 1 + 0) + (2 + 2)  # context once + cont - 1 each
+    # the trie of model inputs: [1 5 6 7], [1 5 6] inside it, [1 4 3 3] sharing BOS
+    assert w.unique_tokens() == 4 + 0 + 3
     assert w.scored_tokens() == 6
     assert w.max_length() == 4
     sub = w.spread(1)
@@ -215,8 +221,62 @@ def test_run_all_tiny_end_to_end(tmp_path, capsys):
         assert r["max_abs_ll_diff_vs_ref"] < 1e-3, name
     acc = {n: (r["acc"], r["acc_norm"]) for n, r in on_disk["engines"].items()}
     assert len(set(acc.values())) == 1, acc
-    assert on_disk["engines"]["nakta_cache"]["computed_tokens"] == wl["unique_tokens"]
+    # contexts once per row (a task whose endings overflow the tiny model's 128 tokens takes
+    # several rows); at least the unique tokens (the trie counts the common BOS once)
+    from nakta_model.score_batches import build_rows
+    from speed_bench.workload import synthetic_workload as wl_of
+
+    reqs = wl_of(6, 256, 0, 128).requests
+    rows, _ = build_rows([(list(c), list(x)) for c, x in reqs], True, 128)
+    cached = on_disk["engines"]["nakta_cache"]["computed_tokens"]
+    assert wl["unique_tokens"] <= cached == sum(len(r) for r in rows) < wl["request_tokens"]
     assert on_disk["engines"]["nakta"]["computed_tokens"] == wl["request_tokens"]
     assert set(on_disk["ratios_tasks_per_s"]) == {f"nakta_cache_vs_{e}" for e in engines} - {
         "nakta_cache_vs_nakta_cache"
     }
+
+
+# ----------------------------------------------------------------------------- MMLU-shaped
+def test_mmlu_shaped_workload_has_mmlus_structure():
+    w = mmlu_shaped_workload(120, 32000, seed=3)
+    assert w.n_tasks == 120 and len(w.requests) == 480
+    ctxs = [c for c, _ in w.requests[::4]]
+    assert all(c[0] == 1 for c in ctxs)
+    assert {tuple(x) for _, x in w.requests} == {(4,), (5,), (6,), (7,)}  # one letter each
+    assert all(
+        w.requests[4 * t][0] == w.requests[4 * t + k][0] for t in range(120) for k in (1, 2, 3)
+    )
+    # 12 subjects: tasks t and t + 12 are one subject, sharing the 5-shot prefix
+    from nakta_model.prefix_cache import _lcp
+
+    assert 5 * 65 < _lcp(ctxs[0], ctxs[12]) < len(ctxs[0]) and _lcp(ctxs[0], ctxs[1]) < 64
+    assert 400 < sum(map(len, ctxs)) / len(ctxs) < 1100
+    # with 10 questions a subject the prefixes are most of the work: the unique tokens are a
+    # fraction of the per-question contexts (lm-eval's tokens / 4)
+    ten = mmlu_shaped_workload(570, 32000, seed=3)
+    assert ten.unique_tokens() < 0.3 * ten.request_tokens() / 4
+    assert mmlu_shaped_workload(120, 32000, seed=3).requests == w.requests  # seeded
+    short = mmlu_shaped_workload(10, 512, max_length=256)
+    assert short.max_length() <= 256
+    with pytest.raises(ValueError, match="n_tasks"):
+        mmlu_shaped_workload(0, 32000)
+
+
+def test_run_all_mmlu_shaped_prefix_cache_computes_unique_tokens(tmp_path):
+    """On MMLU-shaped work the prefix cache computes each subject's shots once: tokens
+    computed within 1.2x of the unique ones, far below the per-task cache's, same results."""
+    from speed_bench.run_all import main
+
+    engines = ["nakta", "nakta_ctx", "nakta_cache"]
+    summary = main(
+        ["--preset", "tiny", "--workload", "mmlu", "--limit", "20", "--warmup", "0",
+         "--device", "cpu", "--engines", ",".join(engines), "--out", str(tmp_path),
+         "--no-progress"]
+    )  # fmt: skip
+    wl, rows = summary["workload"], summary["engines"]
+    assert wl["name"] == "synthetic-mmlu-20" and rows.keys() == set(engines)
+    assert rows["nakta"]["computed_tokens"] == wl["request_tokens"]
+    assert rows["nakta_cache"]["computed_tokens"] <= 1.2 * wl["unique_tokens"]
+    assert rows["nakta_cache"]["computed_tokens"] < 0.8 * rows["nakta_ctx"]["computed_tokens"]
+    for r in rows.values():
+        assert r["pred_agree_vs_ref"] == 1.0 and r["max_abs_ll_diff_vs_ref"] < 1e-3

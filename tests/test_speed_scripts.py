@@ -59,7 +59,7 @@ def test_engine_scripts_by_path_are_run_all_with_their_engines():
         assert proc.returncode == 0, proc.stderr[-3000:]
         text = " ".join(proc.stdout.split())
         assert f"usage: {script}" in text and "--token-budget" in text and "--dp" in text
-        assert f"comma-separated, from {engines} (default: all)" in text
+        assert f"comma-separated, from {engines} (default: {engines})" in text
 
 
 def test_engine_scripts_take_only_their_engines(capsys):
