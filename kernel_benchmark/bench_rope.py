@@ -45,14 +45,9 @@ from kernel_benchmark.common import CPU_NOTE, announce, exit_status, triton_skip
 from nakta_model.bench.ceilings import copy_bandwidth_gbps, device_slug
 from nakta_model.bench.report import results_dir, save_figure, write_json, write_table
 from nakta_model.bench.timing import eager_ms
-from nakta_model.kernels import rope as rope_module
-from nakta_model.kernels.rope import (
-    RotaryPositionEmbedding,
-    apply_rope_qkv_,
-    apply_rope_qkv_reference,
-    apply_rotary_pos_emb,
-    build_rope_cache,
-)
+from nakta_model.kernels import rope, rope_te
+from nakta_model.kernels.rope import apply_rope_qkv_, apply_rope_qkv_reference, build_rope_cache
+from nakta_model.kernels.rope_te import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 DEFAULT = dict(seq_length=4096, batch=16, heads=32, hidden=128, rotary_percent=1.0, margin=0)
 SWEEPS = {
@@ -207,7 +202,7 @@ def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> lis
             continue
         direct = None
         if name == "nakta":  # exactly what the autograd node runs
-            direct = lambda: rope_module._launch_rope_te(  # noqa: E731
+            direct = lambda: rope_te._launch(  # noqa: E731
                 grad, emb32, "sbhd", starts, False, None, 1, 0, backward=True
             )
         record(
@@ -381,7 +376,7 @@ def tune(
                 )
                 cache[key] = (fn, 2 * 2 * QKV_TOKENS * nh * 128 * qkv.element_size())
         fn, nbytes = cache[key]
-        target = rope_module._TE_TUNE if kind == "te" else rope_module._QKV_TUNE
+        target = rope_te._TUNE if kind == "te" else rope._TUNE
         target.clear()
         target.update(conf or {})
         try:
@@ -571,12 +566,12 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     import json
 
     if args.te_config:
-        rope_module._TE_TUNE.update(json.loads(args.te_config))
+        rope_te._TUNE.update(json.loads(args.te_config))
     if args.qkv_config:
-        rope_module._QKV_TUNE.update(json.loads(args.qkv_config))
+        rope._TUNE.update(json.loads(args.qkv_config))
     launch = {
-        "te": {**rope_module._TE_DEFAULTS, **rope_module._TE_TUNE},
-        "qkv": {**rope_module._QKV_DEFAULTS, **rope_module._QKV_TUNE},
+        "te": {**rope_te._CONFIGS["rope_te"], **rope_te._TUNE},
+        "qkv": {**rope._CONFIGS["rope_qkv"], **rope._TUNE},
     }
     print("launch configs:", launch)
     if on_gpu:
