@@ -238,7 +238,7 @@ def _bwd_load(
     DY, H, W, rows, row_ok, rstd, n_cols, stride_dy, stride_h, stride_w,
     START: tl.constexpr, SIZE: tl.constexpr,
 ):  # fmt: skip
-    """One column chunk: (dy, n = h * rstd, dn = dy * w), all fp32."""
+    """A tile's columns ``[START, START + SIZE)``: (dy, n = h * rstd, dn = dy * w), all fp32."""
     cols = START + tl.arange(0, SIZE)
     col_ok = cols < n_cols
     mask = row_ok[:, None] & col_ok[None, :]
@@ -257,7 +257,7 @@ def _bwd_store(
     HAS_DH_OUT: tl.constexpr, HAS_DR: tl.constexpr, CAST_META: tl.constexpr,
     COMPUTE_DW: tl.constexpr, EMULATE_RNE: tl.constexpr, h_dtype: tl.constexpr,
 ):  # fmt: skip
-    """dh for one column chunk (stored to DX and DR); returns this tile's dw contribution."""
+    """dh of a tile's columns (stored to DX and DR); returns the tile's dw contribution."""
     cols = START + tl.arange(0, SIZE)
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
     dh = rstd[:, None] * (dn - n * dot[:, None])
@@ -285,8 +285,8 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, stride_dy, stride_h, stride_w, stride_dh_out, stride_dx, stride_dr,
     inv_n, rows_per_program,
     HAS_DH_OUT: tl.constexpr, HAS_DR: tl.constexpr, CAST_META: tl.constexpr,
-    COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
-    C2: tl.constexpr, SINGLE_BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
     """dh = rstd * (dn - n * mean(dn * n)), dn = dy * w, n = h * rstd; dw = sum_rows dy * n.
 
@@ -298,62 +298,34 @@ def _rms_norm_bwd_kernel(
     if SINGLE_BLOCK:
         # Tiles of BLOCK_M rows, interleaved over programs (tile pid, pid + programs, ...), so
         # the programs running at one moment stream through neighbouring rows. The row is held
-        # as up to three power-of-2 column chunks C0, C1, C2 (see the forward).
+        # in one padded block of BLOCK_N columns.
         num_programs = tl.num_programs(0)
-        dw0 = tl.zeros([C0], dtype=tl.float32)
-        if C1 > 0:
-            dw1 = tl.zeros([C1], dtype=tl.float32)
-        if C2 > 0:
-            dw2 = tl.zeros([C2], dtype=tl.float32)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         for tile in range(pid, tl.cdiv(n_rows, BLOCK_M), num_programs):
             rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < n_rows
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            dy0, n0, dn0 = _bwd_load(DY, H, W, rows, row_ok, rstd, n_cols, stride_dy, stride_h,
-                                     stride_w, 0, C0)  # fmt: skip
-            dot = tl.sum(dn0 * n0, axis=1)
-            if C1 > 0:
-                dy1, n1, dn1 = _bwd_load(DY, H, W, rows, row_ok, rstd, n_cols, stride_dy,
-                                         stride_h, stride_w, C0, C1)  # fmt: skip
-                dot += tl.sum(dn1 * n1, axis=1)
-            if C2 > 0:
-                dy2, n2, dn2 = _bwd_load(DY, H, W, rows, row_ok, rstd, n_cols, stride_dy,
-                                         stride_h, stride_w, C0 + C1, C2)  # fmt: skip
-                dot += tl.sum(dn2 * n2, axis=1)
+            dy, n, dn = _bwd_load(DY, H, W, rows, row_ok, rstd, n_cols, stride_dy, stride_h,
+                                  stride_w, 0, BLOCK_N)  # fmt: skip
+            dot = tl.sum(dn * n, axis=1)
             dot = dot * inv_n
-            dw0 += _bwd_store(DH_OUT, DX, DR, dy0, n0, dn0, rstd, dot, rows, row_ok, n_cols,
-                              stride_dh_out, stride_dx, stride_dr, 0, C0, HAS_DH_OUT, HAS_DR,
-                              CAST_META, COMPUTE_DW, EMULATE_RNE, h_dtype)  # fmt: skip
-            if C1 > 0:
-                dw1 += _bwd_store(DH_OUT, DX, DR, dy1, n1, dn1, rstd, dot, rows, row_ok, n_cols,
-                                  stride_dh_out, stride_dx, stride_dr, C0, C1, HAS_DH_OUT,
-                                  HAS_DR, CAST_META, COMPUTE_DW, EMULATE_RNE,
-                                  h_dtype)  # fmt: skip
-            if C2 > 0:
-                dw2 += _bwd_store(DH_OUT, DX, DR, dy2, n2, dn2, rstd, dot, rows, row_ok, n_cols,
-                                  stride_dh_out, stride_dx, stride_dr, C0 + C1, C2, HAS_DH_OUT,
-                                  HAS_DR, CAST_META, COMPUTE_DW, EMULATE_RNE,
-                                  h_dtype)  # fmt: skip
+            dw += _bwd_store(DH_OUT, DX, DR, dy, n, dn, rstd, dot, rows, row_ok, n_cols,
+                             stride_dh_out, stride_dx, stride_dr, 0, BLOCK_N, HAS_DH_OUT, HAS_DR,
+                             CAST_META, COMPUTE_DW, EMULATE_RNE, h_dtype)  # fmt: skip
         if COMPUTE_DW:
-            c = tl.arange(0, C0)
-            tl.store(DW_PARTIAL + pid * n_cols + c, dw0, mask=c < n_cols)
-            if C1 > 0:
-                c = C0 + tl.arange(0, C1)
-                tl.store(DW_PARTIAL + pid * n_cols + c, dw1, mask=c < n_cols)
-            if C2 > 0:
-                c = C0 + C1 + tl.arange(0, C2)
-                tl.store(DW_PARTIAL + pid * n_cols + c, dw2, mask=c < n_cols)
+            c = tl.arange(0, BLOCK_N)
+            tl.store(DW_PARTIAL + pid * n_cols + c, dw, mask=c < n_cols)
     else:
         # Row wider than one block; each program owns a contiguous chunk of rows. Phase A:
         # per-row dot(dn, n) into DOT[row]. Phase B: one column block at a time over the
         # chunk, so the weight-gradient partial stays in registers.
         row_start = pid * rows_per_program
         row_end = tl.minimum(row_start + rows_per_program, n_rows)
-        cols = tl.arange(0, C0)
+        cols = tl.arange(0, BLOCK_N)
         for row in range(row_start, row_end):
             rstd = tl.load(RSTD + row)
-            acc = tl.zeros([C0], dtype=tl.float32)
-            for start in range(0, n_cols, C0):
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
                 c = start + cols
                 col_ok = c < n_cols
                 dy = tl.load(DY + row * stride_dy + c, mask=col_ok, other=0.0).to(tl.float32)
@@ -362,11 +334,11 @@ def _rms_norm_bwd_kernel(
                 acc += dy * w * (h * rstd)
             tl.store(DOT + row, tl.sum(acc, axis=0) * inv_n)
         tl.debug_barrier()  # DOT written above must be visible to every thread below
-        for start in range(0, n_cols, C0):
+        for start in range(0, n_cols, BLOCK_N):
             c = start + cols
             col_ok = c < n_cols
             w = tl.load(W + c * stride_w, mask=col_ok, other=0.0).to(tl.float32)
-            dw = tl.zeros([C0], dtype=tl.float32)
+            dw = tl.zeros([BLOCK_N], dtype=tl.float32)
             for row in range(row_start, row_end):
                 rstd = tl.load(RSTD + row)
                 dot = tl.load(DOT + row)
@@ -456,9 +428,8 @@ def _fwd_layout(
 # (results/nvidia-h200/ab/ab5_rmsnorm_layouts.json: one 1-D row per program, 8 warps, beat the
 # [2, 4096] tile by ~1.5%). The bench rewrites these entries for its own run; the values kept
 # here are the ones its published results used. Other widths follow ``_rule``. ``_TUNE``
-# overrides BLOCK_M / num_warps / PROGRAMS_PER_SM, and sets the layout: BLOCK_N (one column
-# block of that width), SPLIT_ROWS (backward rows as column chunks) and PROGRAMS (backward
-# grid); set by the benchmark and the tests only.
+# overrides BLOCK_M / num_warps / PROGRAMS_PER_SM, and sets BLOCK_N (rows laid out as one
+# column block of that width) and PROGRAMS (backward grid); set by the benchmark and tests only.
 _CONFIGS: dict[tuple[str, int], dict[str, int]] = {
     ("fwd", 4096): dict(BLOCK_M=1, num_warps=8),
     ("fwd", 5120): dict(BLOCK_M=1, num_warps=4),
@@ -487,14 +458,14 @@ def _rule(kernel: str, held: int, single: bool) -> dict[str, int]:
 def _config(kernel: str, n_cols: int, has_residual: bool = False) -> dict[str, int]:
     """Row layout (C0, C1, C2, SINGLE_BLOCK) and launch values of the ``"fwd"`` or ``"bwd"``
     kernel for rows of ``n_cols``: the table entry of the width held, else ``_rule``, then
-    ``_TUNE``. The backward holds a row in one padded block unless SPLIT_ROWS: on an H200 (16K
-    rows, bf16) split rows were no faster at 5120 (196 vs 200 us) and slower at 6656 (248 vs
-    213 us)."""
+    ``_TUNE``. The backward holds a row in one padded block (C1 = C2 = 0): on an H200 (16K
+    rows, bf16) rows split into chunks as in the forward were no faster at 5120 (196 vs
+    200 us) and slower at 6656 (248 vs 213 us), so that variant was removed."""
     block_n = _TUNE.get("BLOCK_N")
     if kernel == "fwd":
         chunks, single = _fwd_layout(n_cols, block_n, has_residual)
     else:
-        chunks, single = _layout(n_cols, block_n, bool(_TUNE.get("SPLIT_ROWS", False)))
+        chunks, single = _layout(n_cols, block_n, split_rows=False)
     cfg = dict(_CONFIGS.get((kernel, sum(chunks)), {})) if single else {}
     cfg = {**(cfg or _rule(kernel, sum(chunks), single)), **_TUNE}
     cfg["BLOCK_M"] = cfg["BLOCK_M"] if single else 1
@@ -630,8 +601,8 @@ def rms_norm_backward(
             dho2.stride(0) if dho2 is not None else 0, dx2.stride(0), dr2.stride(0),
             1.0 / n_cols, rpp,
             HAS_DH_OUT=dho2 is not None, HAS_DR=dr is not None, CAST_META=cast_meta,
-            COMPUTE_DW=need_dw, BLOCK_M=block_m, C0=cfg["C0"], C1=cfg["C1"], C2=cfg["C2"],
-            SINGLE_BLOCK=single, EMULATE_RNE=interpreter_enabled(), num_warps=cfg["num_warps"],
+            COMPUTE_DW=need_dw, BLOCK_M=block_m, BLOCK_N=cfg["C0"], SINGLE_BLOCK=single,
+            EMULATE_RNE=interpreter_enabled(), num_warps=cfg["num_warps"],
         )  # fmt: skip
     dw = None
     if need_dw:
