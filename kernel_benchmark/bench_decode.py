@@ -28,7 +28,7 @@ the eager reference (``decode_linear_reference`` / ``decode_attention_reference`
 per (shape, batch bucket) of the first model, one knob at a time from the current default
 (coordinate descent), batch 1 first, within ``--tune-budget`` seconds; it writes every
 measurement (``decode_linear_tune.csv``) and the best config per shape as JSON
-(``decode_linear_tune_best.json``: paste its ``shapes`` into ``decode_linear._SHAPES``, or
+(``decode_linear_tune_best.json``: paste its ``shapes`` into ``decode_linear._CONFIGS``, or
 pass the file back with ``--shapes-config`` to measure with it).
 
     python -m kernel_benchmark.bench_decode [--quick] [--tune] [--models 7B,13B,65B]
@@ -510,7 +510,7 @@ def tune(
 
 def best_configs(tdf: pd.DataFrame, shapes: list[LinearShape], dtype) -> dict:
     """Per (shape, bucket): the fastest config and its gain over the default, plus the
-    ``_SHAPES`` entries to paste (keys as ``decode_linear._config`` looks them up)."""
+    per-shape ``_CONFIGS`` entries to paste (keys as ``decode_linear._config`` looks them up)."""
     by_label = {(s.model, s.kind): s for s in shapes}
     per_point, table = {}, {}
     ok = tdf[tdf["status"] == "ok"]
@@ -542,14 +542,14 @@ def _finite(v: float, digits: int) -> float | None:
 
 
 def load_shapes_config(path: str) -> int:
-    """Put a ``--tune`` JSON's ``shapes`` into ``decode_linear._SHAPES``; returns the count."""
+    """Put a ``--tune`` JSON's ``shapes`` into ``decode_linear._CONFIGS``; returns the count."""
     import ast
 
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("shapes"), dict):
         raise ValueError(f"{path}: expected a --tune JSON with a 'shapes' object")
     for key, cfg in data["shapes"].items():
-        dl._SHAPES[tuple(ast.literal_eval(key))] = dict(cfg)
+        dl._CONFIGS[tuple(ast.literal_eval(key))] = dict(cfg)
     return len(data["shapes"])
 
 

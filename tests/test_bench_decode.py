@@ -43,7 +43,7 @@ def test_smoke_run_writes_every_path(tmp_path):
 
 @cpu_only
 def test_tune_writes_configs_the_launcher_takes_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(dl, "_SHAPES", {})
+    monkeypatch.setattr(dl, "_CONFIGS", dict(dl._CONFIGS))  # the tune adds entries
     argv = ["--quick", "--tune", "--tune-budget", "1", "--batches", "2", "--out", str(tmp_path)]
     tdf, _ = bd.main(argv)
     assert len(tdf) and (tdf["status"] == "ok").any() and tdf["default"].any()
@@ -52,7 +52,7 @@ def test_tune_writes_configs_the_launcher_takes_back(tmp_path, monkeypatch):
     assert bd.load_shapes_config(str(tmp_path / "decode_quick_linear_tune_best.json")) == len(
         best["shapes"]
     )
-    (key, cfg), *_ = dl._SHAPES.items()
+    (key, cfg), *_ = [(k, c) for k, c in dl._CONFIGS.items() if len(k) == 5]  # per shape
     dtype_name, bucket, variant, n_cols, k = key
     got = dl._config(getattr(torch, dtype_name), bucket, n_cols, k, variant, torch.device("cpu"))
     assert all(got[name] == value for name, value in cfg.items())

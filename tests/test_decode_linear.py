@@ -361,7 +361,7 @@ def test_dot_config_pads_rows(batch, block_m):
 
 def test_shape_table_and_tune_override(monkeypatch):
     key = ("bfloat16", 1, "residual", 4096, 4096)
-    monkeypatch.setitem(dl._SHAPES, key, {"BLOCK_N": 8, "BLOCK_K": 256})
+    monkeypatch.setitem(dl._CONFIGS, key, {"BLOCK_N": 8, "BLOCK_K": 256})
     cfg = dl._config(torch.bfloat16, 1, 4096, 4096, "residual", torch.device("cpu"))
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (8, 256)
     monkeypatch.setattr(dl, "_TUNE", {"BLOCK_N": 32})
