@@ -34,7 +34,9 @@ import triton.language as tl
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
     check_dtype,
+    check_index,
     check_ndim,
+    check_positive_int,
     check_same_device,
     check_tensor,
     check_triton_device,
@@ -44,8 +46,6 @@ from nakta_model.kernels._triton_math import round_to
 
 __all__ = ["packed_attention", "packed_attention_mask", "packed_attention_reference"]
 
-INDEX_DTYPES = (torch.int32, torch.int64)
-
 # ------------------------------------------------------------------------------------------------
 # 1. Triton kernel
 # ------------------------------------------------------------------------------------------------
@@ -53,23 +53,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _packed_attention_kernel(
-    qkv_ptr,
-    out_ptr,
-    start_ptr,
-    branch_ptr,
-    n_tokens,
-    stride_qt,
-    stride_ot,
-    qk_scale,
-    N_Q: tl.constexpr,
-    N_KV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
+    QKV, OUT, START, BRANCH, n_tokens, stride_qt, stride_ot, qk_scale,
+    N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
     ``IEEE``: fp32 operands and IEEE fp32 dots (fp32 inputs; also half inputs under the
@@ -82,11 +69,11 @@ def _packed_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < n_tokens
     mask_d = offs_d < HEAD_DIM
-    q_start = tl.load(start_ptr + offs_m, mask=mask_m, other=-1)
-    q_branch = tl.load(branch_ptr + offs_m, mask=mask_m, other=-1)
+    q_start = tl.load(START + offs_m, mask=mask_m, other=-1)
+    q_branch = tl.load(BRANCH + offs_m, mask=mask_m, other=-1)
     rows_m = offs_m.to(tl.int64)[:, None] * stride_qt
     q = tl.load(
-        qkv_ptr + rows_m + head * HEAD_DIM + offs_d[None, :],
+        QKV + rows_m + head * HEAD_DIM + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     )
@@ -95,7 +82,7 @@ def _packed_attention_kernel(
 
     # Keys: from the first query's sequence start (sequences are contiguous, so it is the
     # smallest start in the block) to the block's last query.
-    lo = tl.load(start_ptr + pid_m * BLOCK_M)
+    lo = tl.load(START + pid_m * BLOCK_M)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum((pid_m + 1) * BLOCK_M, n_tokens)
 
@@ -108,9 +95,9 @@ def _packed_attention_kernel(
         mask_n = offs_n < n_tokens
         rows_n = offs_n.to(tl.int64)[:, None] * stride_qt
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(qkv_ptr + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
-        k_start = tl.load(start_ptr + offs_n, mask=mask_n, other=-2)
-        k_branch = tl.load(branch_ptr + offs_n, mask=mask_n, other=-2)
+        k = tl.load(QKV + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_start = tl.load(START + offs_n, mask=mask_n, other=-2)
+        k_branch = tl.load(BRANCH + offs_n, mask=mask_n, other=-2)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -125,7 +112,7 @@ def _packed_attention_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(qkv_ptr + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(QKV + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
         p_in = round_to(p, v.dtype, EMULATE_RNE)  # P enters the P.V product in V's dtype
         if IEEE:
             pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -135,46 +122,39 @@ def _packed_attention_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :],
-        round_to(out, out_ptr.dtype.element_ty, EMULATE_RNE),
+        OUT + offs_m.to(tl.int64)[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :],
+        round_to(out, OUT.dtype.element_ty, EMULATE_RNE),
         mask=mask_m[:, None] & mask_d[None, :],
     )
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. Launcher: checks and launch configuration
+# 2. Launch configuration, checks and launcher
 # ------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim bucket; ``_TUNE`` overrides (benchmarks).
-_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    16: (64, 32, 4, 2),
-    32: (64, 32, 4, 2),
-    64: (128, 32, 4, 3),
-    128: (128, 32, 4, 3),  # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8
-    256: (64, 32, 8, 2),
+# Launch configurations by padded head dim; ``_TUNE`` overrides any key (set by
+# ``kernel_benchmark/bench_attention.py --tune`` and the tests only).
+_CONFIGS: dict[int, dict[str, int]] = {
+    16: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    32: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    64: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+    # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8
+    128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
 }
 _TUNE: dict[str, int] = {}
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # CPU tests
 
 
-def _config(block_d: int, interpret: bool) -> tuple[int, int, int, int]:
-    """Launch config for a padded head dim; small blocks under the interpreter (CPU tests)."""
+def _config(block_d: int, interpret: bool) -> dict[str, int]:
+    """The entry of a padded head dim, then ``_TUNE``; small blocks under the interpreter."""
     if interpret:
-        return 16, 16, 1, 1
-    bm, bn, warps, stages = _CONFIGS[min(max(block_d, 16), 256)]
-    return (
-        _TUNE.get("BLOCK_M", bm),
-        _TUNE.get("BLOCK_N", bn),
-        _TUNE.get("num_warps", warps),
-        _TUNE.get("num_stages", stages),
-    )
+        return dict(_INTERPRETER_CONFIG)
+    return {**_CONFIGS[min(max(block_d, 16), 256)], **_TUNE}
 
 
 def _check_index(name: str, t: object, n: int) -> torch.Tensor:
-    t = check_tensor(name, t)
-    check_dtype(name, t, INDEX_DTYPES)
-    check_ndim(name, t, 1)
-    if t.shape[0] != n:
-        raise ValueError(f"{name} must have {n} entries (one per token), got {t.shape[0]}")
+    t = check_index(name, t, n)
     if t.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
     return t
@@ -193,8 +173,7 @@ def _check_args(
     check_dtype("qkv", qkv, dtypes)
     check_ndim("qkv", qkv, 2)
     for name, v in (("n_q_heads", n_q), ("n_kv_heads", n_kv), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_int(name, v)
     if n_q % n_kv:
         raise ValueError(f"n_q_heads ({n_q}) must be a multiple of n_kv_heads ({n_kv})")
     width = (n_q + 2 * n_kv) * head_dim
@@ -246,15 +225,15 @@ def packed_attention(
     if interp:
         _check_layout(seq_start)
     block_d = triton.next_power_of_2(max(head_dim, 16))
-    block_m, block_n, num_warps, num_stages = _config(block_d, interp)
+    cfg = _config(block_d, interp)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    grid = (triton.cdiv(n_tokens, block_m), n_q_heads)
+    grid = (triton.cdiv(n_tokens, cfg["BLOCK_M"]), n_q_heads)
     _packed_attention_kernel[grid](
         qkv, out, seq_start, branch,
         n_tokens, qkv.stride(0), out.stride(0), scale * math.log2(math.e),
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32 or interp,
-        EMULATE_RNE=interp, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IEEE=qkv.dtype == torch.float32 or interp,
+        EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 
