@@ -72,7 +72,7 @@ def _config(n_cols: int) -> dict[str, int]:
     return {"BLOCK": block, **_CONFIGS["wide" if block >= 2048 else "narrow"], **_TUNE}
 
 
-def _check_logits(logits: object, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> torch.Tensor:
+def _check_args(logits: object, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> torch.Tensor:
     logits = check_tensor("logits", logits)
     check_dtype("logits", logits, dtypes)
     check_ndim("logits", logits, 2)
@@ -85,7 +85,7 @@ def _check_logits(logits: object, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
 
 def row_logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logsumexp [N] fp32, argmax [N] int32)`` of every row of ``logits [N, V]``, one pass."""
-    logits = _check_logits(logits)
+    logits = _check_args(logits)
     check_triton_device("logits", logits)
     n, v = logits.shape
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -101,7 +101,7 @@ def row_logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def row_logsumexp_argmax_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch twin of :func:`row_logsumexp_argmax` (fp32 math; fp64 stays fp64)."""
-    logits = _check_logits(logits, (*FLOAT_DTYPES, torch.float64))
+    logits = _check_args(logits, (*FLOAT_DTYPES, torch.float64))
     x = logits if logits.dtype == torch.float64 else logits.float()
     return torch.logsumexp(x, dim=-1), x.argmax(dim=-1).to(torch.int32)
 
