@@ -69,7 +69,6 @@ from nakta_model.kernels.rope import apply_rope_qkv_reference
 from nakta_model.kernels.swiglu import FAST_IS_EXACT_DTYPES, swiglu_reference
 
 MAX_BATCH = 64
-VARIANTS = ("plain", "residual", "swiglu", "rope")
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ class RopeArgs:
 
 # Configurations per (dtype, batch bucket = next power of two of B), and per-shape entries
 # keyed (dtype, bucket, variant, N, K) from ``bench_decode.py --tune`` (none kept yet), applied
-# over the bucket's. ``BLOCK_N`` is left to ``_block_n`` (fill the GPU) and ``BLOCK_K`` to
+# over the bucket's; variant is "plain", "residual", "swiglu" or "rope" (``_variant``). ``BLOCK_N`` is left to ``_block_n`` (fill the GPU) and ``BLOCK_K`` to
 # ``_block_k`` (registers) unless given. Sane starting points for an H100/H200, to be replaced
 # by ``--tune`` results. ``_TUNE`` overrides every key (set by the benchmark and the tests).
 _HALF: dict[int, dict[str, int]] = {
