@@ -1,7 +1,7 @@
-"""What the kernel benchmarks share: what runs on a CPU and the exit status (every bench), and
-for RMSNorm and SwiGLU their command line, the torch.compile peer, the sweep loop and the timing
-of one sweep point, the one-panel-per-mode plot, and the head-to-head vs Liger (rows and
-table)."""
+"""What the kernel benchmarks share: what runs on a CPU and the exit status (every bench), the
+way a bench overrides a kernel's launch configuration (``tuned``), and for RMSNorm and SwiGLU
+their command line, the torch.compile peer, the sweep loop and the timing of one sweep point,
+the one-panel-per-mode plot, and the head-to-head vs Liger (rows and table)."""
 
 from __future__ import annotations
 
