@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from bench_common.ceilings import device_slug
 from bench_common.report import results_dir, save_figure, write_table
 from bench_common.timing import eager_ms
-from kernel_benchmark.common import announce, exit_status
+from kernel_benchmark.common import announce, exit_status, tuned
 from nakta_model.attention import causal_attention
 from nakta_model.kernels import packed_attention as packed
 
@@ -303,13 +303,11 @@ def tune_packed(shapes: list[Shape], heads: int, head_dim: int, dtype, device) -
         q, k, v = (torch.randn(size, generator=g, device=device, dtype=dtype) for _ in range(3))
         qkv, start, branch = packed_layout(q, k, v, shape)
         flops = 4 * head_dim * shape.allowed_pairs() * heads
+        fn = functools.partial(packed.packed_attention, qkv, start, branch, heads, heads, head_dim)
         for bm, bn, w, st in PACKED_GRID:
-            packed._TUNE.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-            fn = functools.partial(
-                packed.packed_attention, qkv, start, branch, heads, heads, head_dim
-            )
             try:
-                ms = time_ms(fn, device, quick=True)
+                with tuned(packed, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st):
+                    ms = time_ms(fn, device, quick=True)
             except Exception as e:  # noqa: BLE001 -- out of resources for this config
                 rows.append(
                     {"case": shape.label(), "config": (bm, bn, w, st), "status": str(e)[:60]}
@@ -324,7 +322,6 @@ def tune_packed(shapes: list[Shape], heads: int, head_dim: int, dtype, device) -
                     "tflops": flops / (ms * 1e-3) / 1e12,
                 }
             )
-        packed._TUNE.clear()
     return pd.DataFrame(rows)
 
 

@@ -24,12 +24,10 @@ one point are captured and replayed in turn over 3 rounds and the medians kept
 (``rotated_ms``). ``mismatch`` is the fraction of Nakta's outputs that differ in any bit from
 the eager reference (``decode_linear_reference`` / ``decode_attention_reference``).
 
-``--tune`` sweeps ``BLOCK_N`` / ``BLOCK_K`` / ``num_warps`` / ``num_stages`` / ``USE_DOT``
-per (shape, batch bucket) of the first model, one knob at a time from the current default
-(coordinate descent), batch 1 first, within ``--tune-budget`` seconds; it writes every
-measurement (``decode_linear_tune.csv``) and the best config per shape as JSON
-(``decode_linear_tune_best.json``: paste its ``shapes`` into ``decode_linear._SHAPES``, or
-pass the file back with ``--shapes-config`` to measure with it).
+``--tune`` tunes ``decode_linear``'s launch config per (shape, batch bucket) of the first
+model instead (``tune_decode.py``: coordinate descent within ``--tune-budget`` seconds; writes
+``decode_linear_tune.csv`` and ``decode_linear_tune_best.json``, whose ``shapes`` go into
+``decode_linear._CONFIGS``, or back in with ``--shapes-config`` to measure with them).
 
     python -m kernel_benchmark.bench_decode [--quick] [--tune] [--models 7B,13B,65B]
 
@@ -42,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import time
 from collections.abc import Callable
@@ -54,9 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from bench_common.ceilings import copy_bandwidth_gbps, device_slug
-from bench_common.report import results_dir, save_figure, write_json, write_table
-from bench_common.timing import graph_ms, input_sets, rotated_ms
-from nakta_model.io_utils import atomic_write_text
+from bench_common.report import results_dir, save_figure, write_table
+from bench_common.timing import input_sets, rotated_ms
 from nakta_model.kernels import decode_linear as dl
 from nakta_model.kernels.decode_attention import (
     attention_workspace,
@@ -402,157 +398,6 @@ def bench_attention_case(
     return rows
 
 
-# ----------------------------------------------------------------------------------- tuning
-
-
-def tune_candidates(knob: str, cfg: dict[str, int], bucket: int, rows_per_col: int) -> list[int]:
-    """Values of one knob to try next to the current ``cfg`` (coordinate descent)."""
-    v = cfg[knob]
-    if knob == "BLOCK_N":
-        lo = 2 if not cfg["USE_DOT"] else 16 // rows_per_col
-        return [x for x in (v // 2, v * 2) if lo <= x <= 256]
-    if knob == "BLOCK_K":
-        return [x for x in (v // 2, v * 2) if 16 <= x <= 2048]
-    if knob == "num_warps":
-        return [x for x in (v // 2, v * 2) if 1 <= x <= 16]
-    if knob == "num_stages":
-        return [x for x in (v - 1, v + 1) if 1 <= x <= 6]
-    if knob == "USE_DOT":
-        return [1 - v] if bucket <= 4 else []
-    raise ValueError(f"unknown knob {knob!r}")
-
-
-TUNE_KNOBS = ("BLOCK_N", "BLOCK_K", "num_stages", "num_warps", "USE_DOT")
-
-
-def _cfg_knobs(cfg: dict[str, int]) -> dict[str, int]:
-    return {k: cfg[k] for k in ("USE_DOT", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-
-
-def tune_point(shape, batch, dtype, device, copy_gbps, deadline: float) -> list[dict]:
-    """Coordinate descent over ``TUNE_KNOBS`` from the current default config of one (shape,
-    batch): each knob's neighbours are timed with the others at the best so far."""
-    e = dtype.itemsize
-    n_sets = input_sets(device, shape.n * shape.k * e)
-    sets = [make_linear_set(shape, batch, dtype, device, seed=i) for i in range(n_sets)]
-    calls = [nakta_call(shape, t) for t in sets]
-    nbytes = linear_bytes(shape, batch, e)
-    bucket = 1 << (batch - 1).bit_length()
-    rows_per_col = 2 if shape.variant == "swiglu" else 1
-    saved = dict(dl._TUNE)
-    rows, seen = [], {}
-
-    def measure(knobs: dict[str, int], default: bool = False) -> tuple[float, dict[str, int]]:
-        """us of one config, and the config as ``_config`` resolves it (BLOCK_K <= K)."""
-        dl._TUNE.clear()
-        dl._TUNE.update(knobs)
-        with contextlib.suppress(ValueError):  # a refused config is measured below as failed
-            knobs = _cfg_knobs(dl._config(dtype, batch, shape.n_cols, shape.k, shape.variant,
-                                          device))  # fmt: skip
-        key = tuple(sorted(knobs.items()))
-        if key in seen:
-            return seen[key], knobs
-        try:
-            with torch.no_grad():
-                if device.type == "cuda":
-                    us = graph_ms(calls, torch.cuda.current_stream(), budget_ms=5.0) * 1e3
-                else:
-                    us = cpu_us(calls[0])
-            status = "ok"
-        except Exception as ex:  # a config the compiler or the checks refuse
-            us, status = float("nan"), f"failed: {str(ex).splitlines()[0][:80]}"
-        seen[key] = us
-        rows.append(
-            {"model": shape.model, "kind": shape.kind, "N": shape.n, "K": shape.k}
-            | {"batch": batch, "bucket": bucket, **knobs, "us": us, "status": status}
-            | {"pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps, "default": default}
-        )
-        return us, knobs
-
-    try:
-        dl._TUNE.clear()
-        best = _cfg_knobs(dl._config(dtype, batch, shape.n_cols, shape.k, shape.variant, device))
-        best_us, best = measure(best, default=True)
-        for knob in TUNE_KNOBS:
-            for value in tune_candidates(knob, best, bucket, rows_per_col):
-                if time.perf_counter() > deadline:
-                    return rows
-                trial = {**best, knob: value}
-                if trial["USE_DOT"]:  # tl.dot needs tiles of 16 weight rows
-                    trial["BLOCK_N"] = max(trial["BLOCK_N"], 16 // rows_per_col)
-                us, trial = measure(trial)
-                if us < best_us:
-                    best, best_us = trial, us
-    finally:
-        dl._TUNE.clear()
-        dl._TUNE.update(saved)
-    return rows
-
-
-def tune(
-    shapes: list[LinearShape], batches, dtype, device, copy_gbps: float, budget_s: float
-) -> pd.DataFrame:
-    """``tune_point`` over (batch, shape), batch 1 first, until ``budget_s`` is spent."""
-    from tqdm import tqdm
-
-    deadline = time.perf_counter() + budget_s
-    rows = []
-    points = list(itertools.product(batches, shapes))
-    for batch, shape in tqdm(points, desc="tune"):
-        if time.perf_counter() > deadline:
-            print(f"tune budget spent: stopped before {shape.label()} batch {batch}")
-            break
-        rows += tune_point(shape, batch, dtype, device, copy_gbps, deadline)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return pd.DataFrame(rows)
-
-
-def best_configs(tdf: pd.DataFrame, shapes: list[LinearShape], dtype) -> dict:
-    """Per (shape, bucket): the fastest config and its gain over the default, plus the
-    ``_SHAPES`` entries to paste (keys as ``decode_linear._config`` looks them up)."""
-    by_label = {(s.model, s.kind): s for s in shapes}
-    per_point, table = {}, {}
-    ok = tdf[tdf["status"] == "ok"]
-    for (model, kind, batch), grp in ok.groupby(["model", "kind", "batch"]):
-        shape = by_label[(model, kind)]
-        best = grp.loc[grp["us"].idxmin()]
-        default = grp[grp["default"]]
-        knobs = {k: int(best[k]) for k in ("USE_DOT", "BLOCK_N", "BLOCK_K", "num_warps",
-                                           "num_stages")}  # fmt: skip
-        bucket = int(best["bucket"])
-        per_point[f"{shape.label()} batch {batch}"] = {
-            "config": knobs,
-            "us": _finite(best["us"], 2),
-            "pct_copy_bw": _finite(best["pct_copy_bw"], 1),
-            "default_pct_copy_bw": _finite(default["pct_copy_bw"].iloc[0], 1)
-            if len(default)
-            else None,
-            "tried": int(len(grp)),
-        }
-        key = (str(dtype).removeprefix("torch."), bucket, shape.variant, shape.n_cols, shape.k)
-        table[repr(key)] = knobs
-    return {"points": per_point, "shapes": table}
-
-
-def _finite(v: float, digits: int) -> float | None:
-    """A JSON-safe number: None where nothing was measured (NaN, e.g. on the CPU)."""
-    v = float(v)
-    return round(v, digits) if math.isfinite(v) else None
-
-
-def load_shapes_config(path: str) -> int:
-    """Put a ``--tune`` JSON's ``shapes`` into ``decode_linear._SHAPES``; returns the count."""
-    import ast
-
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or not isinstance(data.get("shapes"), dict):
-        raise ValueError(f"{path}: expected a --tune JSON with a 'shapes' object")
-    for key, cfg in data["shapes"].items():
-        dl._SHAPES[tuple(ast.literal_eval(key))] = dict(cfg)
-    return len(data["shapes"])
-
-
 # ------------------------------------------------------------------------------------ plots
 
 
@@ -644,19 +489,13 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[pd.DataFrame, p
     out = Path(args.out) if args.out else results_dir(__file__, slug)
     stem = "decode" + ("_quick" if args.quick else "")
     shapes = [s for name, m in models.items() for s in linear_shapes(name, m)]
+    if args.shapes_config or args.tune:  # (imported here: tune_decode imports this module)
+        from kernel_benchmark import tune_decode
     if args.shapes_config:
-        print(f"loaded {load_shapes_config(args.shapes_config)} tuned shape configs")
+        print(f"loaded {tune_decode.load_shapes_config(args.shapes_config)} tuned shape configs")
     if args.tune:
         tuned = [s for s in shapes if s.model == next(iter(models))]
-        tdf = tune(tuned, batches, dtype, device, copy_gbps, args.tune_budget)
-        atomic_write_text(out / f"{stem}_linear_tune.csv", tdf.to_csv(index=False))
-        best = best_configs(tdf, tuned, dtype)
-        write_json(best, out / f"{stem}_linear_tune_best.json")
-        for label, b in best["points"].items():
-            print(
-                f"{label}: {b['pct_copy_bw']}% (default {b['default_pct_copy_bw']}%) {b['config']}"
-            )
-        print(f"copy bandwidth {copy_gbps:.0f} GB/s; tune results -> {out}")
+        tdf = tune_decode.tune_and_write(tuned, batches, dtype, device, copy_gbps, args, out / stem)
         return tdf, pd.DataFrame()
     from tqdm import tqdm
 

@@ -53,6 +53,7 @@ from kernel_benchmark.common import (
     run_sweep,
     sweep_point_rows,
     triton_skip_reason,
+    tuned,
     write_head_to_head,
 )
 from nakta_model.io_utils import atomic_write_text
@@ -200,7 +201,6 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
     import itertools
 
     rows = []
-    sm = torch.cuda.get_device_properties(device).multi_processor_count
     stream = torch.cuda.current_stream()
     fwd = list(itertools.product((1, 2), (4, 8, 16)))
     bwd = [(1, 8, 2), (2, 8, 1), (2, 16, 1), (4, 8, 1), (4, 16, 1), (2, 8, 2)]
@@ -211,18 +211,17 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
         _, _, rstd = rms_norm_forward(x, w, EPS, store_rstd=True)
         e = x.element_size()
         for bm, warps in fwd:
-            call = functools.partial(rms_norm_forward, x, w, EPS, block_m=bm, num_warps=warps)
-            us = graph_ms([call], stream, budget_ms=10) * 1e3
+            with tuned(rmsnorm_kernels, BLOCK_M=bm, num_warps=warps):
+                us = graph_ms([functools.partial(rms_norm_forward, x, w, EPS)], stream, 10) * 1e3
             rows.append(
                 {"hidden": n, "kernel": "fwd", "block_m": bm, "num_warps": warps}
                 | {"programs_per_sm": 0, "us": us}
                 | {"pct_copy_bw": 100 * min_bytes("fwd", tokens, n, e) / us / 1e3 / copy_gbps}
             )
         for bm, warps, per_sm in bwd:
-            call = functools.partial(
-                rms_norm_backward, dy, x, w, rstd, block_m=bm, num_warps=warps, programs=per_sm * sm
-            )
-            us = graph_ms([call], stream, budget_ms=10) * 1e3
+            call = functools.partial(rms_norm_backward, dy, x, w, rstd)
+            with tuned(rmsnorm_kernels, BLOCK_M=bm, num_warps=warps, PROGRAMS_PER_SM=per_sm):
+                us = graph_ms([call], stream, budget_ms=10) * 1e3
             rows.append(
                 {"hidden": n, "kernel": "bwd", "block_m": bm, "num_warps": warps}
                 | {"programs_per_sm": per_sm, "us": us}
@@ -233,8 +232,9 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
 
 
 def apply_tuning(tdf: pd.DataFrame) -> list[str]:
-    """Put the fastest configuration per row layout into the kernel module's tables, so the
-    comparison below runs with them (copy the printed values into rmsnorm.py to keep them)."""
+    """Put the fastest configuration per row layout into the kernel module's table
+    (``_CONFIGS``), so the comparison below runs with it (copy the printed values into
+    rmsnorm.py to keep them)."""
     lines = []
     for (n, kernel), grp in tdf.groupby(["hidden", "kernel"]):
         b = grp.sort_values("us").iloc[0]
@@ -242,12 +242,10 @@ def apply_tuning(tdf: pd.DataFrame) -> list[str]:
         held = sum(rmsnorm_kernels.column_chunks(int(n)))
         if kernel == "bwd":
             held = 1 << (int(n) - 1).bit_length()
-        if kernel == "fwd":
-            rmsnorm_kernels.FWD_CONFIGS[held] = (int(b.block_m), int(b.num_warps))
-            cfg = rmsnorm_kernels.FWD_CONFIGS[held]
-        else:
-            cfg = (int(b.block_m), int(b.num_warps), int(b.programs_per_sm))
-            rmsnorm_kernels.BWD_CONFIGS[held] = cfg
+        cfg = dict(BLOCK_M=int(b.block_m), num_warps=int(b.num_warps))
+        if kernel == "bwd":
+            cfg["PROGRAMS_PER_SM"] = int(b.programs_per_sm)
+        rmsnorm_kernels._CONFIGS[(kernel, held)] = cfg
         lines.append(f"tuned {kernel} width {held}: {cfg} -> {b.pct_copy_bw:.1f}% of copy bw")
     return lines
 
@@ -332,8 +330,7 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         "`us_eager` = Python-launched call incl. host overhead. Backward = "
         "torch.autograd.grad on a retained graph. `mismatch_vs_meta` = fraction of forward "
         "outputs differing in any bit from Meta's eager RMSNorm. Nakta launch configurations "
-        f"(block -> config): fwd {rmsnorm_kernels.FWD_CONFIGS}, bwd (block_m, warps, programs "
-        f"per SM) {rmsnorm_kernels.BWD_CONFIGS}."
+        f"((kernel, row width) -> config): {rmsnorm_kernels._CONFIGS}."
     )
     df = run_sweep(
         lambda m, w: bench_shape(m, w, dtype, device, copy_gbps),

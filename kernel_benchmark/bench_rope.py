@@ -19,7 +19,8 @@ Paths: ``nakta`` (fused Triton), ``torch`` (the PyTorch reference: TE's unfused 
 q and k each holding half of the heads, with precomputed cos/sin in the input dtype; it has no
 per-sequence start positions, so the margin rows give it per-batch cos/sin tables), ``te``
 (TransformerEngine's fused kernel, when importable). Backward rows time ``torch.autograd.grad``
-on a retained graph, the same for every path.
+on a retained graph, the same for every path. ``--tune`` sweeps the kernels' launch
+configurations instead (``tune_rope.py``).
 
     python -m kernel_benchmark.bench_rope [--quick] [--tune]
     python kernel_benchmark/bench_rope.py ...   # by path too; on a CPU a smoke run (--help)
@@ -28,8 +29,6 @@ on a retained graph, the same for every path.
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -45,14 +44,9 @@ from bench_common.ceilings import copy_bandwidth_gbps, device_slug
 from bench_common.report import results_dir, save_figure, write_json, write_table
 from bench_common.timing import eager_ms
 from kernel_benchmark.common import CPU_NOTE, announce, exit_status, triton_skip_reason
-from nakta_model.kernels import rope as rope_module
-from nakta_model.kernels.rope import (
-    RotaryPositionEmbedding,
-    apply_rope_qkv_,
-    apply_rope_qkv_reference,
-    apply_rotary_pos_emb,
-    build_rope_cache,
-)
+from nakta_model.kernels import rope, rope_te
+from nakta_model.kernels.rope import apply_rope_qkv_, apply_rope_qkv_reference, build_rope_cache
+from nakta_model.kernels.rope_te import RotaryPositionEmbedding, apply_rotary_pos_emb
 
 DEFAULT = dict(seq_length=4096, batch=16, heads=32, hidden=128, rotary_percent=1.0, margin=0)
 SWEEPS = {
@@ -207,7 +201,7 @@ def te_case_rows(cfg: dict, device, dtype, quick: bool, copy_gbps: float) -> lis
             continue
         direct = None
         if name == "nakta":  # exactly what the autograd node runs
-            direct = lambda: rope_module._launch_rope_te(  # noqa: E731
+            direct = lambda: rope_te._launch(  # noqa: E731
                 grad, emb32, "sbhd", starts, False, None, 1, 0, backward=True
             )
         record(
@@ -311,121 +305,7 @@ def qkv_rows(model: str, device, dtype, quick: bool, copy_gbps: float) -> list[d
     return rows
 
 
-# ----------------------------------------------------------------------------- tuning
-def tune(
-    device, dtype, copy_gbps: float, budget_s: float = 75.0, te_only: bool = False
-) -> pd.DataFrame:
-    """Block-size sweep of both kernels (forward; backward is the same kernel), GPU time from
-    CUDA-graph replay. TE configurations run one at a time over every shape (the committed
-    heuristic first), so a spent ``budget_s`` drops whole configurations, never shapes."""
-    from tqdm import tqdm
-
-    te_shapes = {
-        "default": {},
-        "seq512": {"seq_length": 512},
-        "batch2": {"batch": 2},
-        "batch4": {"batch": 4},
-        "batch8": {"batch": 8},
-        "heads8": {"heads": 8},
-        "rotary0.5": {"rotary_percent": 0.5},
-    }
-    base = dict(
-        BLOCK_B=16, ROWS=16, TARGET=4096, num_warps=4, MIN_PROGRAMS=1024, PREFETCH=False,
-        JOINT=False,
-    )  # fmt: skip
-    te_confs = [
-        {**base, **change}
-        for change in (
-            dict(TARGET=2048),  # the previous heuristic
-            dict(ROWS=1, TARGET=2048),  # one position per program: only the early first loads
-            dict(PREFETCH=True, TARGET=2048),
-            dict(MIN_PROGRAMS=2048, TARGET=2048),
-            dict(num_warps=8),
-            dict(ROWS=4, TARGET=2048),
-            dict(ROWS=1, TARGET=2048, PREFETCH=True),
-            dict(ROWS=1),
-            dict(MIN_PROGRAMS=512, TARGET=2048),
-        )
-    ]
-    qkv_shapes = {"7B": (32, False), "13B": (40, False), "65B": (64, False)}
-    qkv_confs = [
-        dict(JOINT=j, TARGET=tg, num_warps=w)
-        for j, tg, w in itertools.product((False, True), (2048, 4096), (4, 8))
-    ]
-    jobs = [] if te_only else [("qkv", n, c) for n in qkv_shapes for c in [None, *qkv_confs]]
-    jobs += [("te", n, c) for c in [None, *te_confs] for n in te_shapes]
-    rows, cache, t_start = [], {}, time.perf_counter()
-    for kind, shape, conf in tqdm(jobs, desc="tune"):
-        if time.perf_counter() - t_start > budget_s:
-            print(f"tune budget spent: stopped before {kind} {shape}")
-            break
-        key = (kind, shape)
-        if key not in cache:
-            if kind == "te":
-                extra = te_shapes[shape]
-                cfg = {**DEFAULT, **{k: v for k, v in extra.items() if k != "interleaved"}}
-                s, b, h, d = cfg["seq_length"], cfg["batch"], cfg["heads"], cfg["hidden"]
-                t = torch.randn(s, b, h, d, device=device, dtype=dtype)
-                emb = RotaryPositionEmbedding(d, cfg["rotary_percent"], device=device)(s)
-                fn = functools.partial(
-                    apply_rotary_pos_emb, t, emb, interleaved=extra.get("interleaved", False)
-                )
-                cache[key] = (fn, 2 * t.numel() * t.element_size())
-            else:
-                nh, il = qkv_shapes[shape]
-                qkv = torch.randn(QKV_TOKENS, 3 * nh * 128, device=device, dtype=dtype)
-                cos, sin = build_rope_cache(8192, 128, device=device)
-                pos = torch.randint(0, 8192, (QKV_TOKENS,), device=device)
-                fn = functools.partial(
-                    apply_rope_qkv_, qkv, pos, cos, sin, nh, nh, 128, interleaved=il
-                )
-                cache[key] = (fn, 2 * 2 * QKV_TOKENS * nh * 128 * qkv.element_size())
-        fn, nbytes = cache[key]
-        target = rope_module._TE_TUNE if kind == "te" else rope_module._QKV_TUNE
-        target.clear()
-        target.update(conf or {})
-        try:
-            with torch.no_grad():
-                ms = graph_ms(fn, True)
-            pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
-        except Exception as ex:
-            ms, pct = float("nan"), float("nan")
-            print(f"{kind} {shape} {conf}: {str(ex).splitlines()[0][:100]}")
-        finally:
-            target.clear()
-        rows.append(
-            {
-                "kernel": kind,
-                "shape": shape,
-                "config": "heuristic" if conf is None else str(conf),
-                "us": ms * 1e3,
-                "pct_copy_bw": pct,
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def best_configs(tdf: pd.DataFrame) -> dict:
-    """Per kernel, the tried configuration with the best worst-case % of copy bandwidth over the
-    tuned shapes (ties broken by the mean); only configurations measured at every shape."""
-    import ast
-
-    best = {}
-    for kind, grp in tdf.groupby("kernel"):
-        table = grp.pivot_table(index="config", columns="shape", values="pct_copy_bw")
-        table = table.dropna()
-        if not len(table):
-            continue
-        score = table.min(axis=1) + 0.25 * table.mean(axis=1)
-        name = score.idxmax()
-        best[kind] = {
-            "config": {} if name == "heuristic" else ast.literal_eval(name),
-            "min_pct": float(table.loc[name].min()),
-            "per_shape": {k: round(float(v), 1) for k, v in table.loc[name].items()},
-        }
-    return best
-
-
+# ----------------------------------------------------------------------------- host
 def host_overheads(device, dtype) -> dict:
     """Host microseconds per call at a launch-bound size (1 x 16 tokens x 2 heads)."""
     t = torch.randn(16, 1, 2, 128, device=device, dtype=dtype)
@@ -548,35 +428,19 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
             p.error("--tune needs a GPU (CUDA graphs time the launch configurations)")
         if not args.te_only:
             print("host us per call:", host_overheads(device, dtype))
-        tdf = tune(device, dtype, copy_gbps, args.tune_budget, args.te_only)
-        write_table(
-            tdf,
-            out,
-            "rope_tune",
-            "RoPE launch configurations (forward)",
-            f"copy {copy_gbps:.0f} GB/s",
-        )
-        best = best_configs(tdf)
-        write_json(best, out / "rope_tune_best.json")
-        print("best:", best)
-        for (kind, shape), grp in tdf.groupby(["kernel", "shape"], sort=False):
-            grp = grp.sort_values("pct_copy_bw", ascending=False)
-            heur = grp[grp["config"] == "heuristic"]["pct_copy_bw"].iloc[0]
-            best = grp.iloc[0]
-            print(
-                f"{kind:4s} {shape:20s} heuristic {heur:5.1f}%  best {best['pct_copy_bw']:5.1f}% {best['config']}"
-            )
-        return tdf, pd.DataFrame()
+        from kernel_benchmark import tune_rope  # (here: tune_rope imports this module)
+
+        return tune_rope.tune_and_write(device, dtype, copy_gbps, args, out), pd.DataFrame()
 
     import json
 
     if args.te_config:
-        rope_module._TE_TUNE.update(json.loads(args.te_config))
+        rope_te._TUNE.update(json.loads(args.te_config))
     if args.qkv_config:
-        rope_module._QKV_TUNE.update(json.loads(args.qkv_config))
+        rope._TUNE.update(json.loads(args.qkv_config))
     launch = {
-        "te": {**rope_module._TE_DEFAULTS, **rope_module._TE_TUNE},
-        "qkv": {**rope_module._QKV_DEFAULTS, **rope_module._QKV_TUNE},
+        "te": {**rope_te._CONFIGS["rope_te"], **rope_te._TUNE},
+        "qkv": {**rope._CONFIGS["rope_qkv"], **rope._TUNE},
     }
     print("launch configs:", launch)
     if on_gpu:

@@ -50,6 +50,7 @@ from kernel_benchmark.common import (
     run_sweep,
     sweep_point_rows,
     triton_skip_reason,
+    tuned,
     write_head_to_head,
 )
 from nakta_model.io_utils import atomic_write_text
@@ -176,16 +177,17 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
         e = gate_up.element_size()
         # plus one whole row per program, as Liger does
         for bm, bn, warps in [*configs, (1, triton.next_power_of_2(f), 16)]:
-            cfg = {"block_m": bm, "block_n": bn, "num_warps": warps}
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps}
             kernels = [
-                ("fwd", functools.partial(silu_mul_forward, gate, up, **cfg), 3),
-                ("fwd_fast", functools.partial(silu_mul_forward, gate, up, exact=False, **cfg), 3),
-                ("bwd", functools.partial(silu_mul_backward, dout, gate, up, dg, du, **cfg), 5),
+                ("fwd", functools.partial(silu_mul_forward, gate, up), 3),
+                ("fwd_fast", functools.partial(silu_mul_forward, gate, up, exact=False), 3),
+                ("bwd", functools.partial(silu_mul_backward, dout, gate, up, dg, du), 5),
             ]
             if dtype in swiglu_kernels.FAST_IS_EXACT_DTYPES:  # exact runs the fast kernel here:
-                kernels = kernels[1:]  # FWD_CONFIG (fp16/fp32 only) cannot be tuned in this dtype
+                kernels = kernels[1:]  # "fwd" (fp16/fp32 only) cannot be tuned in this dtype
             for kernel, call, elems in kernels:
-                us = graph_ms([call], stream, budget_ms=10) * 1e3
+                with tuned(swiglu_kernels, **cfg):
+                    us = graph_ms([call], stream, budget_ms=10) * 1e3
                 rows.append(
                     {"ffn": f, "kernel": kernel, **cfg, "us": us}
                     | {"pct_copy_bw": 100 * elems * tokens * f * e / us / 1e3 / copy_gbps}
@@ -196,15 +198,11 @@ def tune(dtype, device, copy_gbps: float, tokens: int = 16384) -> pd.DataFrame:
 
 def apply_tuning(tdf: pd.DataFrame) -> list[str]:
     """Put the configuration with the best mean bandwidth over the tuned widths into the kernel
-    module, so the comparison below runs with it (copy the printed values into swiglu.py)."""
+    module's table (``_CONFIGS``), so the comparison below runs with it (copy the printed values
+    into swiglu.py)."""
     lines = []
-    keys = ["block_m", "block_n", "num_warps"]
-    targets = (
-        ("fwd", swiglu_kernels.FWD_CONFIG),
-        ("fwd_fast", swiglu_kernels.FWD_FAST_CONFIG),
-        ("bwd", swiglu_kernels.BWD_CONFIG),
-    )
-    for kernel, target in targets:
+    keys = ["BLOCK_M", "BLOCK_N", "num_warps"]
+    for kernel, target in swiglu_kernels._CONFIGS.items():
         stats = tdf[tdf.kernel == kernel].groupby(keys)["pct_copy_bw"].agg(["mean", "count"])
         if stats.empty:  # not tuned in this dtype
             continue
@@ -315,9 +313,8 @@ def run(args: argparse.Namespace, device: torch.device) -> pd.DataFrame:
         "F.silu(gate) * up. `nakta_fast` = `swiglu(exact=False)`: hardware ex2 and an "
         "approximate division in the forward for every dtype (bf16: the arithmetic `nakta` "
         "uses too, bit-exact on every bf16 gate; fp16/fp32: silu within 1 ulp of eager); its "
-        "backward is the exact one). Nakta launch configurations: fwd "
-        f"{swiglu_kernels.FWD_CONFIG}, fwd fast {swiglu_kernels.FWD_FAST_CONFIG}, "
-        f"bwd {swiglu_kernels.BWD_CONFIG}."
+        "backward is the exact one). Nakta launch configurations: "
+        f"{swiglu_kernels._CONFIGS}."
     )
     df = run_sweep(
         lambda m, w: bench_shape(m, w, dtype, device, copy_gbps),

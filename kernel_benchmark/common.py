@@ -1,15 +1,16 @@
-"""What the kernel benchmarks share: what runs on a CPU and the exit status (every bench), and
-for RMSNorm and SwiGLU their command line, the torch.compile peer, the sweep loop and the timing
-of one sweep point, the one-panel-per-mode plot, and the head-to-head vs Liger (rows and
-table)."""
+"""What the kernel benchmarks share: what runs on a CPU and the exit status (every bench), the
+way a bench overrides a kernel's launch configuration (``tuned``), and for RMSNorm and SwiGLU
+their command line, the torch.compile peer, the sweep loop and the timing of one sweep point,
+the one-panel-per-mode plot, and the head-to-head vs Liger (rows and table)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pandas as pd
 import torch
@@ -25,6 +26,20 @@ CPU_NOTE = (
     "torch.compile, Liger-Kernel and TransformerEngine are compared on a GPU only. Exit status "
     "1 when no path was measured."
 )
+
+
+@contextlib.contextmanager
+def tuned(kernel_module: ModuleType, **config: object) -> Iterator[None]:
+    """Run the block with ``config`` as the kernel module's launch-config override (its
+    ``_TUNE``: every kernel file's ``_config`` applies it last), restoring it after."""
+    saved = dict(kernel_module._TUNE)
+    kernel_module._TUNE.clear()
+    kernel_module._TUNE.update(config)
+    try:
+        yield
+    finally:
+        kernel_module._TUNE.clear()
+        kernel_module._TUNE.update(saved)
 
 
 def triton_skip_reason(device: torch.device) -> str | None:

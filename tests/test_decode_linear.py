@@ -370,8 +370,9 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
     [(4096, "residual", 16), (12288, "rope", 32), (11008, "swiglu", 32), (32000, "plain", 64)],
 )
 def test_batch1_config_fills_the_gpu(n_cols, variant, block_n):
-    """LLaMA-7B at batch 1 on 132 SMs: ~2 programs per SM (wo: 4096 / 16 = 256 programs)."""
-    cfg = dl._config(torch.bfloat16, 1, n_cols, 4096, variant, torch.device("cpu"))
+    """LLaMA-7B shapes at batch 1 on 132 SMs, no tuned entry (fp16): the derived tiles give ~2
+    programs per SM (wo: 4096 / 16 = 256 programs)."""
+    cfg = dl._config(torch.float16, 1, n_cols, 4096, variant, torch.device("cpu"))
     assert cfg["BLOCK_N"] == block_n and cfg["USE_DOT"] == 0 and cfg["BLOCK_M"] == 1
     assert math.ceil(n_cols / block_n) >= 0.9 * 2 * 132
     assert cfg["TILE_N"] == block_n * (2 if variant == "swiglu" else 1)
@@ -384,9 +385,22 @@ def test_dot_config_pads_rows(batch, block_m):
     assert cfg["USE_DOT"] == 1 and cfg["BLOCK_M"] == block_m and cfg["TILE_N"] >= 16
 
 
+def test_tuned_7b_entries_apply_to_their_shapes_only():
+    """The H100 --tune winners are used at LLaMA-7B's bf16 shapes (wo at batch 1: 8 columns a
+    program, 512 of them, beat the derived 16), not at other dtypes or sizes."""
+    cpu = torch.device("cpu")
+    wo = dl._config(torch.bfloat16, 1, 4096, 4096, "residual", cpu)
+    assert (wo["BLOCK_N"], wo["BLOCK_K"], wo["num_stages"]) == (8, 512, 4)
+    assert wo["TILE_N"] * wo["BLOCK_K"] <= dl._FMA_TILE_ELEMS
+    head32 = dl._config(torch.bfloat16, 32, 32000, 4096, "plain", cpu)
+    assert (head32["BLOCK_N"], head32["BLOCK_K"], head32["num_warps"]) == (128, 64, 8)
+    assert dl._config(torch.float16, 1, 4096, 4096, "residual", cpu)["BLOCK_N"] == 16
+    assert dl._config(torch.bfloat16, 1, 5120, 5120, "residual", cpu)["BLOCK_N"] != 8
+
+
 def test_shape_table_and_tune_override(monkeypatch):
     key = ("bfloat16", 1, "residual", 4096, 4096)
-    monkeypatch.setitem(dl._SHAPES, key, {"BLOCK_N": 8, "BLOCK_K": 256})
+    monkeypatch.setitem(dl._CONFIGS, key, {"BLOCK_N": 8, "BLOCK_K": 256})
     cfg = dl._config(torch.bfloat16, 1, 4096, 4096, "residual", torch.device("cpu"))
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (8, 256)
     monkeypatch.setattr(dl, "_TUNE", {"BLOCK_N": 32})

@@ -127,3 +127,26 @@ def test_bench_exits_1_when_nothing_was_measured(stem, monkeypatch, tmp_path, ca
     assert "failed: this path does not run here" in captured.out
     assert "error: nothing was measured" in captured.err
     assert (tmp_path / f"{stem}.csv").stat().st_size > 0  # the failures are on record
+
+
+def test_rope_tune_picks_the_best_worst_case_over_shapes():
+    """``--tune``'s summary: per kernel the configuration whose worst shape is best, counting
+    only configurations measured at every shape (a failed one has NaN)."""
+    from kernel_benchmark.tune_rope import best_configs
+
+    nan = float("nan")
+    rows = [  # config -> (% at shape a, % at shape b)
+        ("heuristic", 90.0, 80.0),
+        ("{'TARGET': 2048}", 85.0, 84.0),  # lower best case, higher worst case: wins
+        ("{'num_warps': 8}", 99.0, nan),  # failed at b
+    ]
+    tdf = pd.DataFrame(
+        [
+            {"kernel": "te", "shape": shape, "config": cfg, "pct_copy_bw": pct}
+            for cfg, a, b in rows
+            for shape, pct in (("a", a), ("b", b))
+        ]
+    )
+    best = best_configs(tdf)["te"]
+    assert best["config"] == {"TARGET": 2048} and best["min_pct"] == 84.0
+    assert best["per_shape"] == {"a": 85.0, "b": 84.0}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nakta_model.kernels import logprobs
 from nakta_model.kernels.logprobs import (
     row_logsumexp_argmax,
     row_logsumexp_argmax_reference,
@@ -33,6 +34,20 @@ def test_ties_take_the_first_index_and_minus_inf_is_fine():
     ref_lse, ref_arg = row_logsumexp_argmax_reference(x)
     assert arg.tolist() == ref_arg.tolist() and arg[:4].tolist() == [3, 0, arg[2].item(), 256]
     assert 690 <= arg[2] < 700
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_launch_config_follows_the_row_width_and_the_tune_override(monkeypatch):
+    """Under the interpreter every row takes 256-column blocks; ``_TUNE`` (as a bench would set
+    it) overrides the block, and a narrow block walks a row of many blocks to the same result."""
+    assert logprobs._config(32000) == {"BLOCK": 256, "num_warps": 4}
+    monkeypatch.setattr(logprobs, "_TUNE", {"BLOCK": 32})
+    assert logprobs._config(1000)["BLOCK"] == 32
+    x = torch.randn(3, 1000)
+    x[1, 999] = 40.0  # the max in the last of 32 blocks
+    lse, arg = row_logsumexp_argmax(x)
+    ref_lse, ref_arg = row_logsumexp_argmax_reference(x)
+    assert torch.equal(arg, ref_arg)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nakta_model.kernels import rmsnorm
 from nakta_model.kernels.rmsnorm import (
     LOOPED_THREE_CHUNK_BLOCK,
     MAX_SINGLE_BLOCK,
@@ -117,10 +118,11 @@ def test_mixed_weight_dtype_promotes_like_pytorch(device, xdtype, wdtype, cast):
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_column_loop_path(device, dtype, residual):
+def test_column_loop_path(device, dtype, residual, monkeypatch):
     """Rows wider than one block loop over column blocks (forced small block here)."""
     x, w, r = _inputs(5, 300, dtype, device, residual)
-    y, h, _ = rms_norm_forward(x, w, 1e-6, r, block_n=128)
+    monkeypatch.setattr(rmsnorm, "_TUNE", {"BLOCK_N": 128})
+    y, h, _ = rms_norm_forward(x, w, 1e-6, r)
     ref = rms_norm_reference(x, w, 1e-6, r)
     y_ref = ref[0] if residual else ref
     _assert_close_ulp(y, y_ref, _ulps(dtype), _frac(dtype))
@@ -155,8 +157,8 @@ def test_forward_layout_loops_three_chunk_rows_without_residual():
 @pytest.mark.parametrize("residual", [False, True])
 def test_chunked_rows_forward_and_backward(device, n, residual):
     """Rows held as 2 or 3 column chunks (LLaMA-13B/30B widths; 6656 without residual takes
-    the column loop): forward, and gradients with the default (padded-block) and the split-row
-    backward."""
+    the column loop): forward, and gradients through autograd and through the backward
+    launcher (which holds these rows in one padded block)."""
     x, w, r = _inputs(3, n, torch.bfloat16, device, residual)
     out, ref = rms_norm(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
     if residual:
@@ -164,11 +166,11 @@ def test_chunked_rows_forward_and_backward(device, n, residual):
         out, ref = out[0], ref[0]
     _assert_close_ulp(out, ref, 2, 0.01)
     _grads_vs_fp64(x, w, r, "meta", torch.bfloat16)
-    # the backward on split rows (not the default) against fp64 autograd
+    # the backward launcher on its own against fp64 autograd
     h = x + r if residual else x
     _, _, rstd = rms_norm_forward(h, w, 1e-6, store_rstd=True)
     dy = torch.randn_like(x)
-    dx, _, dw = rms_norm_backward(dy, h, w, rstd, split_rows=True)
+    dx, _, dw = rms_norm_backward(dy, h, w, rstd)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     (rms_norm_reference(h64, w64, 1e-6) * dy.double()).sum().backward()
     assert _rel_err(dx, h64.grad) < GRAD_TOL[torch.bfloat16]
@@ -186,11 +188,12 @@ def test_widest_row_uses_column_loop(device):
 
 @pytest.mark.parametrize("block_m", [1, 2, 4])
 @pytest.mark.parametrize("n", [200, 1280])
-def test_row_tiles(device, block_m, n):
+def test_row_tiles(device, block_m, n, monkeypatch):
     """One row per program (1-D vectors) or several (a 2-D tile, partial last tile); 1280
     columns are held as two chunks (1024 + 256); rstd is stored as the backward needs it."""
     x, w, r = _inputs(7, n, torch.float16, device, True)
-    y, h, rstd = rms_norm_forward(x, w, 1e-6, r, store_rstd=True, block_m=block_m)
+    monkeypatch.setattr(rmsnorm, "_TUNE", {"BLOCK_M": block_m})
+    y, h, rstd = rms_norm_forward(x, w, 1e-6, r, store_rstd=True)
     y_ref, h_ref = rms_norm_reference(x, w, 1e-6, r)
     assert torch.equal(h, h_ref)
     _assert_close_ulp(y, y_ref, 2, 0.01)
@@ -265,17 +268,16 @@ def test_backward_matches_fp64_autograd(device, dtype, residual, cast):
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_backward_column_loop_and_uneven_programs(device, residual):
+def test_backward_column_loop_and_uneven_programs(device, residual, monkeypatch):
     """Column-block backward (forced small block) with rows not divisible by programs."""
     dtype = torch.float32
     x, w, r = _inputs(7, 300, dtype, device, residual)
     h = x + r if residual else x
-    _, _, rstd = rms_norm_forward(x, w, 1e-6, r, store_rstd=True, block_n=128)
+    monkeypatch.setattr(rmsnorm, "_TUNE", {"BLOCK_N": 128, "PROGRAMS": 3})
+    _, _, rstd = rms_norm_forward(x, w, 1e-6, r, store_rstd=True)
     dy = torch.randn_like(x)
     dh_out = torch.randn_like(x) if residual else None
-    dx, dr, dw = rms_norm_backward(
-        dy, h, w, rstd, dh_out, need_dr=residual, block_n=128, programs=3
-    )
+    dx, dr, dw = rms_norm_backward(dy, h, w, rstd, dh_out, need_dr=residual)
     h64 = h.double().requires_grad_()
     w64 = w.double().requires_grad_()
     y64 = rms_norm_reference(h64, w64, 1e-6)
@@ -287,7 +289,8 @@ def test_backward_column_loop_and_uneven_programs(device, residual):
         assert torch.equal(dr, dx)
     # Same result through the single-block path with another program count.
     for block_m, programs in ((1, 2), (2, 3), (4, 5)):
-        dx1, _, dw1 = rms_norm_backward(dy, h, w, rstd, dh_out, block_m=block_m, programs=programs)
+        monkeypatch.setattr(rmsnorm, "_TUNE", {"BLOCK_M": block_m, "PROGRAMS": programs})
+        dx1, _, dw1 = rms_norm_backward(dy, h, w, rstd, dh_out)
         assert _rel_err(dx1, h64.grad) < 1e-5 and _rel_err(dw1, w64.grad) < 1e-5
 
 

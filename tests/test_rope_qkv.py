@@ -137,18 +137,18 @@ def test_positions_near_2_pow_20(device):
 @pytest.mark.parametrize(
     "tune",
     [
-        dict(BLOCK_T=4, TARGET=32),
-        dict(BLOCK_T=1, TARGET=16, num_warps=2),
-        dict(BLOCK_T=2, JOINT=True),
-        dict(BLOCK_T=2, JOINT=False),
-        dict(BLOCK_T=4, TARGET=32, HEADS_FASTEST=False),  # 2-D grid, tokens fastest
-        dict(BLOCK_T=2, BLOCK_H=4, HEADS_FASTEST=True),  # 1-D grid, heads fastest
+        dict(BLOCK_M=4, TARGET=32),
+        dict(BLOCK_M=1, TARGET=16, num_warps=2),
+        dict(BLOCK_M=2, JOINT=True),
+        dict(BLOCK_M=2, JOINT=False),
+        dict(BLOCK_M=4, TARGET=32, HEADS_FASTEST=False),  # 2-D grid, tokens fastest
+        dict(BLOCK_M=2, BLOCK_H=4, HEADS_FASTEST=True),  # 1-D grid, heads fastest
     ],
 )
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_block_configs(tune, interleaved, monkeypatch, device):
     """Token blocks that overhang the end and head blocks that straddle Q/K/V boundaries."""
-    monkeypatch.setattr(rope_module, "_QKV_TUNE", tune)
+    monkeypatch.setattr(rope_module, "_TUNE", tune)
     nq, nkv, hd, tokens, rd = 6, 3, 24, 7, 20  # rotary half 10: padded to 16
     cos, sin = build_rope_cache(30, rd, device=device)
     qkv, _ = make_qkv(tokens, nq, nkv, hd, torch.float32, device)

@@ -1,4 +1,5 @@
-"""Input checks shared by every kernel launcher, and the row views they hand to the kernels.
+"""Input checks shared by every kernel launcher, the row views they hand to the kernels, and
+the few host facts launchers read (interpreter on, debug checks on, SM count).
 
 Launchers validate before they launch: a Triton kernel fed a wrong shape reads garbage
 instead of failing, so every check here raises ``ValueError`` / ``TypeError`` with a message
@@ -7,12 +8,14 @@ that names the argument and what was expected.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def interpreter_enabled() -> bool:
@@ -20,11 +23,18 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_can_run(*tensors: torch.Tensor) -> bool:
-    """Whether a Triton kernel can run on these tensors: all on CUDA, or the interpreter is on."""
-    if interpreter_enabled():
-        return all(t.device.type in ("cpu", "cuda") for t in tensors)
-    return all(t.is_cuda for t in tensors)
+def debug_checks() -> bool:
+    """Host checks that need a device sync (index ranges) run on CUDA only with NAKTA_DEBUG=1;
+    without it a kernel turns an out-of-range index into NaN instead of reading past a table."""
+    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device, off_gpu: int) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; ``off_gpu`` for any other device."""
+    if device.type != "cuda":
+        return off_gpu
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
@@ -47,6 +57,30 @@ def check_ndim(name: str, t: torch.Tensor, ndims: int | Iterable[int]) -> None:
     if t.dim() not in ok:
         raise ValueError(
             f"{name} must have {' or '.join(map(str, ok))} dimensions, got shape {tuple(t.shape)}"
+        )
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_index(name: str, t: object, n: int | None = None, per: str = "token") -> torch.Tensor:
+    """A 1-D int32/int64 tensor, with ``n`` entries (one per ``per``) when ``n`` is given."""
+    t = check_tensor(name, t)
+    check_dtype(name, t, INDEX_DTYPES)
+    check_ndim(name, t, 1)
+    if n is not None and t.shape[0] != n:
+        raise ValueError(f"{name} must have {n} entries (one per {per}), got {t.shape[0]}")
+    return t
+
+
+def check_range(name: str, t: torch.Tensor, n: int, what: str) -> None:
+    """Every index in ``[0, n)`` (``what`` says what it indexes); reads the values (a sync)."""
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
+        raise ValueError(
+            f"{name} must lie in [0, {n}) ({what}), got [{int(t.min())}, {int(t.max())}]"
         )
 
 

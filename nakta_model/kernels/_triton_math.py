@@ -1,9 +1,21 @@
-"""Triton device helpers shared by the kernel files."""
+"""Device helpers shared by the kernel files: rounding, libdevice functions, RoPE pairs.
+
+One module for every ``@triton.jit`` helper that more than one kernel file calls, so each piece
+of arithmetic that must match PyTorch bit for bit is written once: the fp32 -> half rounding
+(emulated under the interpreter), the libdevice functions PyTorch's CUDA kernels call (numpy
+stand-ins under the interpreter, which has no libdevice), SiLU with the arithmetic found to round
+like eager per dtype, and the RoPE pair load / rotate / store used by ``rope.py``, ``rope_te.py``
+and the RoPE epilogue of ``decode_linear.py``.
+
+``ACCURATE`` is True on the GPU (libdevice) and False under the interpreter; ``EMULATE_RNE`` is
+True under the interpreter only.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -19,3 +31,130 @@ def round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def rsqrt(x, ACCURATE: tl.constexpr):
+    """libdevice ``rsqrtf`` on the GPU (what ``torch.rsqrt`` calls); numpy in the interpreter."""
+    if ACCURATE:
+        return libdevice.rsqrt(x)
+    else:
+        return tl.rsqrt(x)
+
+
+@triton.jit
+def exp(x, ACCURATE: tl.constexpr):
+    """libdevice ``expf`` on the GPU (what PyTorch's ``::exp`` is); numpy in the interpreter."""
+    if ACCURATE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def silu(g, FAST: tl.constexpr, ACCURATE: tl.constexpr):
+    """``g / (1 + exp(-g))`` in fp32, rounding (once cast to the dtype) like PyTorch eager.
+
+    ``FAST``: the hardware ex2 and an approximate division (Liger's arithmetic), eager's bits
+    in bf16 on every gate (``swiglu.py``'s docstring). Otherwise libdevice ``expf`` and the
+    IEEE division, what PyTorch's CUDA kernel compiles to (fp16, fp32).
+    """
+    if FAST:
+        s = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)
+    else:
+        s = tl.math.div_rn(g, 1.0 + exp(-g, ACCURATE))
+    return s
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE pairs: the two members of each rotated pair of channels, in fp32
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_pairs(
+    ptrs_base,
+    stride_c,
+    mask_row,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    JOINT: tl.constexpr,
+):
+    """Load the rotary channels of a block of rows as the two members of each pair, in fp32.
+
+    ``ptrs_base`` is a pointer tensor ``[R0, R1, 1]`` at channel 0 of each row. Interleaved
+    pairs are (2i, 2i+1): one contiguous load split in registers keeps the loads vectorized.
+    Non-interleaved pairs are (i, i + HALF): two contiguous loads, or with ``JOINT`` one
+    ``[2, HALF_PAD]`` load transposed and split in registers (fewer, wider memory requests).
+    """
+    if INTERLEAVED:
+        offs = tl.arange(0, 2 * HALF_PAD)
+        m = mask_row & (offs < 2 * HALF)[None, None, :]
+        x = tl.load(ptrs_base + offs[None, None, :] * stride_c, mask=m, other=0.0)
+        x = x.to(tl.float32)
+        x = tl.reshape(x, (x.shape[0], x.shape[1], HALF_PAD, 2))
+        xa, xb = tl.split(x)
+    elif JOINT:  # one [2, HALF_PAD] load per row, split in registers
+        i = tl.arange(0, HALF_PAD)
+        offs = tl.arange(0, 2)[:, None] * HALF + i[None, :]
+        m = mask_row[:, :, :, None] & (i < HALF)[None, None, None, :]
+        x = tl.load(ptrs_base[:, :, :, None] + offs[None, None, :, :] * stride_c, mask=m, other=0.0)
+        x = tl.permute(x.to(tl.float32), (0, 1, 3, 2))
+        xa, xb = tl.split(x)
+    else:
+        offs = tl.arange(0, HALF_PAD)
+        m = mask_row & (offs < HALF)[None, None, :]
+        xa = tl.load(ptrs_base + offs[None, None, :] * stride_c, mask=m, other=0.0)
+        xb = tl.load(ptrs_base + (offs + HALF)[None, None, :] * stride_c, mask=m, other=0.0)
+        xa = xa.to(tl.float32)
+        xb = xb.to(tl.float32)
+    return xa, xb
+
+
+@triton.jit
+def store_pairs(
+    ptrs_base,
+    ya,
+    yb,
+    mask_row,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    JOINT: tl.constexpr,
+):
+    """Store the two pair members back to unit-stride channels (the inverse of ``load_pairs``)."""
+    dtype = ptrs_base.dtype.element_ty
+    if INTERLEAVED:
+        offs = tl.arange(0, 2 * HALF_PAD)
+        m = mask_row & (offs < 2 * HALF)[None, None, :]
+        y = tl.join(ya, yb)
+        y = tl.reshape(y, (ya.shape[0], ya.shape[1], 2 * HALF_PAD))
+        tl.store(ptrs_base + offs[None, None, :], y.to(dtype), mask=m)
+    elif JOINT:
+        i = tl.arange(0, HALF_PAD)
+        offs = tl.arange(0, 2)[:, None] * HALF + i[None, :]
+        m = mask_row[:, :, :, None] & (i < HALF)[None, None, None, :]
+        y = tl.permute(tl.join(ya, yb), (0, 1, 3, 2))
+        tl.store(ptrs_base[:, :, :, None] + offs[None, None, :, :], y.to(dtype), mask=m)
+    else:
+        offs = tl.arange(0, HALF_PAD)
+        m = mask_row & (offs < HALF)[None, None, :]
+        tl.store(ptrs_base + offs[None, None, :], ya.to(dtype), mask=m)
+        tl.store(ptrs_base + (offs + HALF)[None, None, :], yb.to(dtype), mask=m)
+
+
+@triton.jit
+def rotate(xa, xb, cos_a, sin_a, cos_b, sin_b, BACKWARD: tl.constexpr):
+    """Forward: ya = xa cos_a - xb sin_a, yb = xb cos_b + xa sin_b (TE's per-channel angles).
+
+    Backward is the transpose: dxa = dya cos_a + dyb sin_b, dxb = dyb cos_b - dya sin_a.
+    With equal angles in both members (every real table) this is the rotation by -theta.
+    """
+    if BACKWARD:
+        ya = xa * cos_a + xb * sin_b
+        yb = xb * cos_b - xa * sin_a
+    else:
+        ya = xa * cos_a - xb * sin_a
+        yb = xb * cos_b + xa * sin_b
+    return ya, yb

@@ -24,9 +24,7 @@ outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 import triton
@@ -35,16 +33,19 @@ import triton.language as tl
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
     check_dtype,
+    check_index,
     check_ndim,
     check_no_overlap,
+    check_positive_int,
     check_same_device,
     check_tensor,
     check_triton_device,
+    debug_checks,
     interpreter_enabled,
+    sm_count,
 )
 from nakta_model.kernels._triton_math import round_to
 
-INDEX_DTYPES = (torch.int32, torch.int64)
 LOG2E = 1.4426950408889634
 
 # ------------------------------------------------------------------------------------------------
@@ -67,14 +68,9 @@ def _scores(q, k, USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexp
 
 @triton.jit
 def _weighted_values(
-    p,
-    v,
-    USE_DOT: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
+    p, v, USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
     """``p [BLOCK_G, BLOCK_S] @ v [BLOCK_S, D]`` in fp32 (``tl.dot``: p in v's dtype)."""
     if USE_DOT:
         p_low = round_to(p, v.dtype, EMULATE_RNE)
@@ -102,41 +98,13 @@ def _chunk(lens_ptr, b, s_max, n_splits, split, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _attn_split_kernel(
-    Q,
-    K,
-    V,
-    LENS,
-    ROWS,
-    OUT,
-    WS,
-    s_max,
-    n_splits,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_oh,
-    stride_wb,
-    stride_wh,
-    stride_ws,
-    qk_scale,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HD_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    SINGLE: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
-):
+    Q, K, V, LENS, ROWS, OUT, WS, s_max, n_splits,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_ROWS: tl.constexpr,
+):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
     ``SINGLE`` (one split): normalise and write the output; otherwise write the partial
@@ -149,7 +117,7 @@ def _attn_split_kernel(
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
     heads = (kvh * GROUP + g).to(tl.int64)
-    d = tl.arange(0, HD_PAD)
+    d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     start, end, bad = _chunk(LENS, b, s_max, n_splits, split, BLOCK_S)
 
@@ -163,7 +131,7 @@ def _attn_split_kernel(
     v_base = V + row * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HD_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     offs_s = tl.arange(0, BLOCK_S)
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + offs_s
@@ -197,28 +165,17 @@ def _attn_split_kernel(
 
 @triton.jit
 def _attn_combine_kernel(
-    WS,
-    LENS,
-    OUT,
-    s_max,
-    n_splits,
-    stride_wb,
-    stride_wh,
-    stride_ws,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    HD_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    WS, LENS, OUT, s_max, n_splits, stride_wb, stride_wh, stride_ws, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
-):
+):  # fmt: skip
     """One program per (row, query head): rescale the splits' partials to their common max and
     normalise. Neutral partials (max -inf, sum 0) weigh nothing; a row with no keys gives 0."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    sp = tl.arange(0, SPLITS_PAD)
+    sp = tl.arange(0, BLOCK_SPLITS)
     sp_ok = sp < n_splits
-    d = tl.arange(0, HD_PAD)
+    d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     base = WS + b * stride_wb + h * stride_wh + sp * stride_ws
     m = tl.load(base + HEAD_DIM, mask=sp_ok, other=float("-inf"))
@@ -240,35 +197,26 @@ def _attn_combine_kernel(
 # 2. Launch configuration, checks and launcher
 # ------------------------------------------------------------------------------------------------
 
-# Defaults for an H100/H200, to be replaced by ``bench_decode.py`` results; ``_TUNE``
-# overrides them (set by the benchmark and the tests only).
-_DEFAULTS: dict[str, int] = dict(
-    BLOCK_S_FMA=32,  # keys per step, one query head per KV head (CUDA cores)
-    BLOCK_S_DOT=64,  # keys per step, GQA (tl.dot)
-    num_warps=4,
-    num_stages=3,
-    PROGRAMS_PER_SM=2,  # split until B * n_kv * n_splits reaches this many programs per SM
-    MIN_SPLIT_KEYS=256,  # ... but no split of the full cache shorter than this
-    MAX_SPLITS=64,
-)
+# Defaults for an H100/H200, to be replaced by ``bench_decode.py`` results: the split rule
+# ("splits") and the split kernel's launch values by path, "fma" (one query head per KV head,
+# CUDA cores) or "dot" (GQA, tl.dot). ``_TUNE`` overrides any key, and USE_DOT=0/1 forces the
+# path (set by the benchmark and the tests only).
+_CONFIGS: dict[str, dict[str, int]] = {
+    "splits": dict(
+        PROGRAMS_PER_SM=2,  # split until B * n_kv * n_splits reaches this many programs per SM
+        MIN_SPLIT_KEYS=256,  # ... but no split of the full cache shorter than this
+        MAX_SPLITS=64,
+    ),
+    "fma": dict(BLOCK_S=32, num_warps=4, num_stages=3),  # BLOCK_S: keys per step
+    "dot": dict(BLOCK_S=64, num_warps=4, num_stages=3),
+}
 _TUNE: dict[str, int] = {}
 _DEFAULT_SMS = 132  # H100 SXM / H200; used off the GPU
 
 
-def _cfg() -> dict[str, int]:
-    return {**_DEFAULTS, **_TUNE}
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _debug_checks() -> bool:
-    """Host checks that need a device sync run on the CPU, or when NAKTA_DEBUG=1."""
-    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
+def _config(kind: str) -> dict[str, int]:
+    """The table entry ``kind`` ("splits", "fma" or "dot"), then ``_TUNE``."""
+    return {**_CONFIGS[kind], **_TUNE}
 
 
 def decode_splits(batch: int, n_kv_heads: int, max_seq: int, device: torch.device | str) -> int:
@@ -276,10 +224,9 @@ def decode_splits(batch: int, n_kv_heads: int, max_seq: int, device: torch.devic
     programs to fill the GPU, no split of the full cache under ``MIN_SPLIT_KEYS`` keys.
     Depends on shapes only, so a captured graph keeps its grid."""
     for name, v in (("batch", batch), ("n_kv_heads", n_kv_heads), ("max_seq", max_seq)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    cfg = _cfg()
-    target = cfg["PROGRAMS_PER_SM"] * _sm_count(torch.device(device))
+        check_positive_int(name, v)
+    cfg = _config("splits")
+    target = cfg["PROGRAMS_PER_SM"] * sm_count(torch.device(device), _DEFAULT_SMS)
     wanted = triton.cdiv(target, batch * n_kv_heads)
     cap = min(cfg["MAX_SPLITS"], triton.cdiv(max_seq, cfg["MIN_SPLIT_KEYS"]))
     return max(1, min(wanted, cap))
@@ -292,8 +239,7 @@ def attention_workspace(
     sum per split): allocate once, pass as ``workspace`` on every step."""
     for name, v in (("batch", batch), ("n_q_heads", n_q_heads), ("head_dim", head_dim),
                     ("n_splits", n_splits)):  # fmt: skip
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_int(name, v)
     return torch.empty(batch, n_q_heads, n_splits, head_dim + 2, dtype=torch.float32, device=device)
 
 
@@ -308,18 +254,9 @@ def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
 
 
 def _check_args(
-    q,
-    k_cache,
-    v_cache,
-    cache_lens,
-    scale,
-    n_splits,
-    out,
-    workspace,
-    *,
-    for_kernel: bool,
+    q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, *, for_kernel: bool,
     rows=None,
-) -> tuple[float, int]:
+) -> tuple[float, int]:  # fmt: skip
     """Validate a ``decode_attention`` call; returns ``(scale, n_splits)``."""
     q = check_tensor("q", q)
     check_dtype("q", q, FLOAT_DTYPES)
@@ -344,24 +281,12 @@ def _check_args(
             f"head_dim={head_dim}], got {tuple(k_cache.shape)}"
         )
     if rows is not None:
-        rows = check_tensor("rows", rows)
-        check_dtype("rows", rows, INDEX_DTYPES)
-        check_ndim("rows", rows, 1)
-        if rows.shape[0] != batch:
-            raise ValueError(
-                f"rows must have {batch} entries (one per row of q), got {rows.shape[0]}"
-            )
+        rows = check_index("rows", rows, batch, per="row of q")
         if rows.device != q.device:
             raise ValueError(f"rows is on {rows.device} but q is on {q.device}")
     if n_q % n_kv:
         raise ValueError(f"the caches' n_kv_heads ({n_kv}) must divide q's heads ({n_q})")
-    cache_lens = check_tensor("cache_lens", cache_lens)
-    check_dtype("cache_lens", cache_lens, INDEX_DTYPES)
-    check_ndim("cache_lens", cache_lens, 1)
-    if cache_lens.shape[0] != batch:
-        raise ValueError(
-            f"cache_lens must have {batch} entries (one per row of q), got {cache_lens.shape[0]}"
-        )
+    cache_lens = check_index("cache_lens", cache_lens, batch, per="row of q")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
@@ -385,7 +310,7 @@ def _check_args(
     _check_no_aliasing(q, k_cache, v_cache, out, workspace)
     if for_kernel:
         check_triton_device("q", q)
-    if not q.is_cuda or _debug_checks() or not for_kernel:
+    if not q.is_cuda or debug_checks() or not for_kernel:
         lo, hi = int(cache_lens.min()), int(cache_lens.max())
         if lo < 0 or hi > s_max:
             raise ValueError(f"cache_lens must lie in [0, S_max={s_max}], got [{lo}, {hi}]")
@@ -427,13 +352,12 @@ def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, ro
     batch, n_q, head_dim = q.shape
     s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_q // n_kv
-    cfg = _cfg()
-    use_dot = bool(cfg.get("USE_DOT", group > 1))
+    use_dot = bool(_TUNE.get("USE_DOT", group > 1))
+    cfg = _config("dot" if use_dot else "fma")
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     if not use_dot and group > 1:
         raise ValueError("_TUNE USE_DOT=0 needs one query head per KV head (MHA)")
-    hd_pad = max(16 if use_dot else 1, triton.next_power_of_2(head_dim))
-    block_s = cfg["BLOCK_S_DOT"] if use_dot else cfg["BLOCK_S_FMA"]
+    block_d = max(16 if use_dot else 1, triton.next_power_of_2(head_dim))
     interp = interpreter_enabled()
     upcast = interp and q.dtype == torch.bfloat16
     prec = "ieee" if (q.dtype == torch.float32 or upcast) else None
@@ -453,7 +377,7 @@ def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, ro
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         *ws_strides, scale * LOG2E,
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, HD_PAD=hd_pad, BLOCK_S=block_s,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_ROWS=rows is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -461,8 +385,8 @@ def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, ro
         return
     _attn_combine_kernel[(batch, n_q)](
         ws, cache_lens, out, s_max, n_splits, *ws_strides, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HD_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_PAD=triton.next_power_of_2(n_splits), EMULATE_RNE=interp, num_warps=1,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SPLITS=triton.next_power_of_2(n_splits), EMULATE_RNE=interp, num_warps=1,
     )  # fmt: skip
 
 
@@ -489,16 +413,7 @@ def decode_attention(
     defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns ``out``
     (allocated when None), shape and dtype of q."""
     scale, n_splits = _check_args(
-        q,
-        k_cache,
-        v_cache,
-        cache_lens,
-        scale,
-        n_splits,
-        out,
-        workspace,
-        for_kernel=True,
-        rows=rows,
+        q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True, rows=rows
     )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -526,18 +441,8 @@ def decode_attention_reference(
     """Plain PyTorch (any device): fp32 scores and softmax over each row's valid keys, output
     in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace`` are checked like
     the kernel's and otherwise unused."""
-    scale, _ = _check_args(
-        q,
-        k_cache,
-        v_cache,
-        cache_lens,
-        scale,
-        n_splits,
-        out,
-        workspace,
-        for_kernel=False,
-        rows=rows,
-    )
+    args = (q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace)
+    scale, _ = _check_args(*args, for_kernel=False, rows=rows)
     batch, n_q, _ = q.shape
     s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
     kv_head = torch.arange(n_q, device=q.device) // (n_q // n_kv)

@@ -26,50 +26,49 @@ kernel that also does the small elementwise work around it:
   (LM-head logits). Eager Meta rounds logits to the dtype first; round this output to x's
   dtype to get its values up to summation order.
 
-Kernel: each program owns ``BLOCK_N`` output columns (``2 * BLOCK_N`` weight rows with
-SWIGLU) for every batch row and walks K in ``BLOCK_K`` tiles; no split-K, so no atomics and
-results do not depend on the launch. ``USE_DOT`` computes ``W_tile @ x_tile^T`` with
-``tl.dot``, the batch padded to ``BLOCK_M = max(16, next_pow2(B))`` (weights on the wide side
-of the MMA); otherwise (batch 1 by default) elementwise products are accumulated in fp32 and
-reduced over K once at the end. fp32 inputs use ``input_precision="ieee"``. The launch is
+Kernel (in ``_decode_linear_kernels.py``): each program owns ``BLOCK_N`` output columns
+(``2 * BLOCK_N`` weight rows with SWIGLU) for every batch row and walks K in ``BLOCK_K`` tiles;
+no split-K, so no atomics and results do not depend on the launch. ``USE_DOT`` computes
+``W_tile @ x_tile^T`` with ``tl.dot``, the batch padded to ``BLOCK_M = max(16, next_pow2(B))``
+(weights on the wide side of the MMA); otherwise (batch 1 by default) elementwise products are
+accumulated in fp32 and reduced over K once at the end. fp32 inputs use ``input_precision="ieee"``. The launch is
 CUDA-graph capturable: no host syncs (unless ``NAKTA_DEBUG=1``), no allocation except the
 output when ``out`` is not given, and a grid that depends on shapes only.
 
-Launch configurations: ``_TABLE`` per (dtype, batch bucket), ``BLOCK_N`` chosen to fill the
-GPU (``_config``); ``_SHAPES`` holds per-shape exceptions and ``_TUNE`` overrides both (set by
-``kernel_benchmark/bench_decode.py --tune`` and the tests only).
+Launch configurations: ``_CONFIGS`` per (dtype, batch bucket), plus per-shape entries keyed
+(dtype, bucket, variant, N, K); ``BLOCK_N`` chosen to fill the GPU unless given (``_config``);
+``_TUNE`` overrides all (set by ``kernel_benchmark/bench_decode.py --tune`` and the tests only).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
     check_dtype,
+    check_index,
     check_ndim,
     check_no_overlap,
+    check_positive_int,
+    check_range,
     check_same_device,
     check_tensor,
     check_triton_device,
+    debug_checks,
     interpreter_enabled,
+    sm_count,
 )
-from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels._decode_linear_kernels import _decode_linear_kernel
 from nakta_model.kernels.rmsnorm import rms_norm_reference
 from nakta_model.kernels.rope import apply_rope_qkv_reference
 from nakta_model.kernels.swiglu import FAST_IS_EXACT_DTYPES, swiglu_reference
 
 MAX_BATCH = 64
-INDEX_DTYPES = (torch.int32, torch.int64)
-VARIANTS = ("plain", "residual", "swiglu", "rope")
 
 
 @dataclass(frozen=True)
@@ -89,395 +88,16 @@ class RopeArgs:
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. Triton kernels
+# 1. Launch configuration and launcher
 # ------------------------------------------------------------------------------------------------
 
-
-@triton.jit
-def _rsqrt(x, ACCURATE: tl.constexpr):
-    """libdevice ``rsqrtf`` on the GPU (what ``torch.rsqrt`` calls); numpy in the interpreter."""
-    if ACCURATE:
-        return libdevice.rsqrt(x)
-    else:
-        return tl.rsqrt(x)
-
-
-@triton.jit
-def _silu(g, FAST: tl.constexpr, ACCURATE: tl.constexpr):
-    """``g / (1 + exp(-g))`` with the arithmetic ``swiglu.py`` found to round like eager: the
-    hardware ex2 and an approximate division for bf16 (every bf16 gate checked there),
-    libdevice ``expf`` and an IEEE division otherwise."""
-    if FAST:
-        s = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)
-    elif ACCURATE:
-        s = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
-    else:
-        s = tl.math.div_rn(g, 1.0 + tl.exp(-g))
-    return s
-
-
-@triton.jit
-def _row_rstd(
-    X,
-    rows,
-    row_ok,
-    K,
-    stride_xm,
-    eps,
-    inv_k,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ACCURATE: tl.constexpr,
-):
-    """1 / rms of each batch row, fp32 ``[BLOCK_M]`` (``mean`` as ``sum * (1 / K)``, as
-    PyTorch's CUDA mean and ``rmsnorm.py`` compute it)."""
-    ks = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        mask = row_ok[:, None] & (k < K)[None, :]
-        x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        ss += x * x
-    return _rsqrt(tl.sum(ss, axis=1) * inv_k + eps, ACCURATE)
-
-
-@triton.jit
-def _x_tile(
-    X,
-    NW,
-    rows,
-    row_ok,
-    k,
-    k_ok,
-    stride_xm,
-    stride_nw,
-    rstd,
-    NORM: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
-    """``[BLOCK_M, BLOCK_K]`` of the matmul's input in x's dtype: x, or with ``NORM`` Meta's
-    RMSNorm of it (normalized row rounded, times the weight, rounded)."""
-    if EVEN_K:
-        mask = row_ok[:, None]
-    else:
-        mask = row_ok[:, None] & k_ok[None, :]
-    x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-    if NORM:
-        dtype = X.dtype.element_ty
-        w = tl.load(NW + k * stride_nw, mask=k_ok, other=0.0).to(tl.float32)
-        n = round_to(x.to(tl.float32) * rstd[:, None], dtype, EMULATE_RNE).to(tl.float32)
-        x = round_to(n * w[None, :], dtype, EMULATE_RNE)
-    return x
-
-
-@triton.jit
-def _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K: tl.constexpr):
-    """``[TILE_N, BLOCK_K]`` of the weight. Weights are read once per step: evict them first so
-    the small activations stay in L2."""
-    ptrs = W + w_rows.to(tl.int64)[:, None] * stride_wn + k[None, :]
-    if EVEN_K:
-        mask = w_ok[:, None]
-    else:
-        mask = w_ok[:, None] & k_ok[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _dot_loop(
-    X,
-    W,
-    NW,
-    rows,
-    row_ok,
-    w_rows,
-    w_ok,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_nw,
-    rstd,
-    NORM: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
-    """``W_tile @ x^T`` over all of K with ``tl.dot``: fp32 ``[TILE_N, BLOCK_M]``.
-
-    ``UPCAST`` (interpreter, bf16) feeds fp32 copies of the operands: Triton 3.9's interpreter
-    returns garbage for a bf16 ``tl.dot``; the copies are exact, so the sums are the same."""
-    acc = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
-                    EMULATE_RNE)  # fmt: skip
-        w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
-def _fma_loop(
-    X,
-    W,
-    NW,
-    rows,
-    row_ok,
-    w_rows,
-    w_ok,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_nw,
-    rstd,
-    NORM: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
-    """``W_tile @ x^T`` on the CUDA cores: fp32 products accumulated per K lane, reduced over
-    K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``."""
-    ks = tl.arange(0, BLOCK_K)
-    if BLOCK_M == 1:
-        acc2 = tl.zeros([TILE_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < K
-            x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
-                        EMULATE_RNE)  # fmt: skip
-            w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
-        acc = tl.sum(acc2, axis=1)[:, None]
-    else:
-        acc3 = tl.zeros([TILE_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < K
-            x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
-                        EMULATE_RNE)  # fmt: skip
-            w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
-            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
-        acc = tl.sum(acc3, axis=2)
-    return acc
-
-
-@triton.jit
-def _store_cols(OUT, y, cols, col_ok, rows, row_ok, stride_om):
-    """Store a ``[columns, batch rows]`` tile into ``OUT[row, col]``."""
-    ptrs = OUT + rows[None, :] * stride_om + cols[:, None]
-    tl.store(ptrs, y, mask=col_ok[:, None] & row_ok[None, :])
-
-
-@triton.jit
-def _rope_epilogue(
-    acc,
-    OUT,
-    POS,
-    COS,
-    SIN,
-    KC,
-    VC,
-    SLOT,
-    n0,
-    rows,
-    row_ok,
-    n_w_rows,
-    q_cols,
-    qk_cols,
-    n_pos,
-    n_slots,
-    stride_om,
-    stride_cp,
-    stride_cc,
-    stride_sp,
-    stride_sc,
-    stride_kcs,
-    stride_kch,
-    stride_vcs,
-    stride_vch,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
-    """Round the qkv tile, rotate its Q/K pairs, store Q to OUT and K/V into the caches."""
-    dtype = OUT.dtype.element_ty
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    v = round_to(acc, dtype, EMULATE_RNE).to(tl.float32)
-    pairs = tl.permute(tl.reshape(v, (HALF_N, 2, BLOCK_M)), (0, 2, 1))
-    a, b = tl.split(pairs)  # rows 2i and 2i + 1 of the tile: [HALF_N, BLOCK_M]
-    pair_cols = n0 + 2 * tl.arange(0, HALF_N)
-    freq = (pair_cols % HEAD_DIM) // 2
-
-    pos = tl.load(POS + rows, mask=row_ok, other=0).to(tl.int64)
-    slot = tl.load(SLOT + rows, mask=row_ok, other=0).to(tl.int64)
-    ok = (pos >= 0) & (pos < n_pos) & (slot >= 0) & (slot < n_slots)
-    pos = tl.where(ok, pos, 0)
-    slot = tl.where(ok, slot, 0)
-    fmask = (pair_cols < qk_cols)[:, None] & row_ok[None, :]
-    cos = tl.load(COS + pos[None, :] * stride_cp + freq[:, None] * stride_cc, mask=fmask, other=1.0)
-    sin = tl.load(SIN + pos[None, :] * stride_sp + freq[:, None] * stride_sc, mask=fmask, other=0.0)
-    nan = float("nan")
-    cos = tl.where(ok[None, :], cos, nan)
-    sin = tl.where(ok[None, :], sin, nan)
-    ya = a * cos - b * sin
-    yb = b * cos + a * sin
-    rot = (pair_cols < qk_cols)[:, None]
-    ya = tl.where(rot, ya, a)
-    yb = tl.where(rot, yb, b)
-    y = tl.reshape(tl.permute(tl.join(ya, yb), (0, 2, 1)), (BLOCK_N, BLOCK_M))
-    y = round_to(y, dtype, EMULATE_RNE)
-
-    cols = n0 + tl.arange(0, BLOCK_N)
-    _store_cols(OUT, y, cols, cols < q_cols, rows, row_ok, stride_om)
-    store_ok = row_ok & ok
-    is_k = (cols >= q_cols) & (cols < qk_cols)
-    kcol = tl.where(is_k, cols - q_cols, 0)
-    k_ptrs = (
-        KC
-        + slot[None, :] * stride_kcs
-        + (kcol // HEAD_DIM).to(tl.int64)[:, None] * stride_kch
-        + (kcol % HEAD_DIM)[:, None]
-    )
-    tl.store(k_ptrs, y, mask=is_k[:, None] & store_ok[None, :])
-    is_v = (cols >= qk_cols) & (cols < n_w_rows)
-    vcol = tl.where(is_v, cols - qk_cols, 0)
-    v_ptrs = (
-        VC
-        + slot[None, :] * stride_vcs
-        + (vcol // HEAD_DIM).to(tl.int64)[:, None] * stride_vch
-        + (vcol % HEAD_DIM)[:, None]
-    )
-    tl.store(v_ptrs, y, mask=is_v[:, None] & store_ok[None, :])
-
-
-@triton.jit
-def _decode_linear_kernel(
-    X,
-    W,
-    NW,
-    R,
-    OUT,
-    POS,
-    COS,
-    SIN,
-    KC,
-    VC,
-    SLOT,
-    n_rows,
-    K,
-    n_w_rows,
-    n_out_cols,
-    stride_xm,
-    stride_wn,
-    stride_nw,
-    stride_rm,
-    stride_om,
-    eps,
-    inv_k,
-    q_cols,
-    qk_cols,
-    n_pos,
-    n_slots,
-    stride_cp,
-    stride_cc,
-    stride_sp,
-    stride_sc,
-    stride_kcs,
-    stride_kch,
-    stride_vcs,
-    stride_vch,
-    HEAD_DIM: tl.constexpr,
-    NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    ROPE: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    FAST_SILU: tl.constexpr,
-    ACCURATE: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
-    """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
-
-    Switches (constexpr): ``NORM`` RMSNorm prologue; at most one of ``RESIDUAL`` / ``SWIGLU``
-    (the tile holds ``TILE_N = 2 * BLOCK_N`` rows: gate rows, then the matching up rows) /
-    ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask.
-    The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
-    """
-    n0 = tl.program_id(0) * BLOCK_N
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    if SWIGLU:
-        j = tl.arange(0, TILE_N)
-        col = n0 + j % BLOCK_N
-        w_rows = tl.where(j < BLOCK_N, col, col + n_out_cols)
-        w_ok = col < n_out_cols
-    else:
-        w_rows = n0 + tl.arange(0, TILE_N)
-        w_ok = w_rows < n_w_rows
-    if NORM:
-        rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M, BLOCK_K, ACCURATE)
-    else:
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if USE_DOT:
-        acc = _dot_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
-                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, PREC, UPCAST, EMULATE_RNE)  # fmt: skip
-    else:
-        acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
-                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
-
-    dtype = OUT.dtype.element_ty
-    cols = n0 + tl.arange(0, BLOCK_N)
-    if ROPE:
-        _rope_epilogue(acc, OUT, POS, COS, SIN, KC, VC, SLOT, n0, rows, row_ok, n_w_rows, q_cols,
-                       qk_cols, n_pos, n_slots, stride_om, stride_cp, stride_cc, stride_sp,
-                       stride_sc, stride_kcs, stride_kch, stride_vcs, stride_vch, HEAD_DIM,
-                       BLOCK_M, BLOCK_N, EMULATE_RNE)  # fmt: skip
-    elif SWIGLU:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-        gate = round_to(gate, dtype, EMULATE_RNE).to(tl.float32)
-        up = round_to(up, dtype, EMULATE_RNE).to(tl.float32)
-        s = round_to(_silu(gate, FAST_SILU, ACCURATE), dtype, EMULATE_RNE).to(tl.float32)
-        y = round_to(s * up, dtype, EMULATE_RNE)
-        _store_cols(OUT, y, cols, cols < n_out_cols, rows, row_ok, stride_om)
-    elif RESIDUAL:
-        col_ok = cols < n_out_cols
-        r_ptrs = R + rows[None, :] * stride_rm + cols[:, None]
-        r = tl.load(r_ptrs, mask=col_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
-        y = round_to(r + round_to(acc, dtype, EMULATE_RNE).to(tl.float32), dtype, EMULATE_RNE)
-        _store_cols(OUT, y, cols, col_ok, rows, row_ok, stride_om)
-    else:
-        y = round_to(acc, dtype, EMULATE_RNE)
-        _store_cols(OUT, y, cols, cols < n_out_cols, rows, row_ok, stride_om)
-
-
-# ------------------------------------------------------------------------------------------------
-# 2. Launch configuration and launcher
-# ------------------------------------------------------------------------------------------------
-
-# Defaults per (dtype, batch bucket = next power of two of B). ``BLOCK_N`` is left to
-# ``_block_n`` (fill the GPU) and ``BLOCK_K`` to ``_block_k`` (registers) unless given. Sane
-# starting points for an H100/H200, to be replaced by ``bench_decode.py --tune`` results.
-_HALF_TABLE: dict[int, dict[str, int]] = {
+# Configurations per (dtype, batch bucket = next power of two of B), and per-shape entries
+# keyed (dtype, bucket, variant, N, K) from ``bench_decode.py --tune`` (LLaMA-7B's five decode
+# GEMVs at batch 1, 8 and 32 on an H100: ``results/nvidia-h100-80gb-hbm3/decode_linear_tune*``),
+# applied over the bucket's; variant is "plain", "residual", "swiglu" or "rope" (``_variant``).
+# ``BLOCK_N`` is left to ``_block_n`` (fill the GPU) and ``BLOCK_K`` to ``_block_k`` (registers)
+# unless given. ``_TUNE`` overrides every key (set by the benchmark and the tests).
+_HALF: dict[int, dict[str, int]] = {
     1: dict(USE_DOT=0, num_warps=4, num_stages=4),
     2: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
     4: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
@@ -486,34 +106,67 @@ _HALF_TABLE: dict[int, dict[str, int]] = {
     32: dict(USE_DOT=1, BLOCK_K=128, num_warps=4, num_stages=4),
     64: dict(USE_DOT=1, BLOCK_K=128, num_warps=4, num_stages=3),
 }
-_FP32_TABLE: dict[int, dict[str, int]] = {
-    b: {**c, "BLOCK_K": c["BLOCK_K"] // 2} if "BLOCK_K" in c else dict(c)
-    for b, c in _HALF_TABLE.items()
+_CONFIGS: dict[tuple, dict[str, int]] = {
+    **{("bfloat16", b): c for b, c in _HALF.items()},
+    **{("float16", b): c for b, c in _HALF.items()},
+    **{  # fp32: half the K tile (same bytes per weight row)
+        ("float32", b): {**c, "BLOCK_K": c["BLOCK_K"] // 2} if "BLOCK_K" in c else dict(c)
+        for b, c in _HALF.items()
+    },
+    # H100 --tune winners (% of copy bandwidth, default -> tuned: e.g. b32 head 66.5 -> 84.4,
+    # b32 w13 51.4 -> 79.2, b1 w2 83.5 -> 86.1); batch 1 head and w13 keep the defaults.
+    ("bfloat16", 1, "plain", 32000, 4096): dict(
+        USE_DOT=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4
+    ),
+    ("bfloat16", 1, "residual", 4096, 11008): dict(
+        USE_DOT=0, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3
+    ),
+    ("bfloat16", 1, "residual", 4096, 4096): dict(
+        USE_DOT=0, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=4
+    ),
+    ("bfloat16", 1, "rope", 12288, 4096): dict(
+        USE_DOT=0, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=5
+    ),
+    ("bfloat16", 1, "swiglu", 11008, 4096): dict(
+        USE_DOT=0, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4
+    ),
+    ("bfloat16", 8, "plain", 32000, 4096): dict(
+        USE_DOT=1, BLOCK_N=128, BLOCK_K=256, num_warps=4, num_stages=3
+    ),
+    ("bfloat16", 8, "residual", 4096, 11008): dict(
+        USE_DOT=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5
+    ),
+    ("bfloat16", 8, "residual", 4096, 4096): dict(
+        USE_DOT=1, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=5
+    ),
+    ("bfloat16", 8, "rope", 12288, 4096): dict(
+        USE_DOT=1, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=5
+    ),
+    ("bfloat16", 8, "swiglu", 11008, 4096): dict(
+        USE_DOT=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4
+    ),
+    ("bfloat16", 32, "plain", 32000, 4096): dict(
+        USE_DOT=1, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4
+    ),
+    ("bfloat16", 32, "residual", 4096, 11008): dict(
+        USE_DOT=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=5
+    ),
+    ("bfloat16", 32, "residual", 4096, 4096): dict(
+        USE_DOT=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4
+    ),
+    ("bfloat16", 32, "rope", 12288, 4096): dict(
+        USE_DOT=1, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=3
+    ),
+    ("bfloat16", 32, "swiglu", 11008, 4096): dict(
+        USE_DOT=1, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4
+    ),
 }
-_TABLE: dict[tuple[str, int], dict[str, int]] = {
-    **{("bfloat16", b): c for b, c in _HALF_TABLE.items()},
-    **{("float16", b): c for b, c in _HALF_TABLE.items()},
-    **{("float32", b): c for b, c in _FP32_TABLE.items()},
-}
-# Per-shape exceptions: (dtype, bucket, variant, N, K) -> config keys (from --tune).
-_SHAPES: dict[tuple[str, int, str, int, int], dict[str, int]] = {}
 _TUNE: dict[str, int] = {}
 
 _PROGRAMS_PER_SM = 2  # grid target: ~2 programs per SM (0.9 slack: 4096 / 16 = 256 on 132 SMs)
 _FMA_TILE_ELEMS = 8192  # fp32 accumulator elements per program on the CUDA-core path
 _BLOCK_N_RANGE = {False: (4, 64), True: (16, 128)}  # (min, max) tile rows, by USE_DOT
 _DEFAULT_SMS = 132  # H100 SXM / H200; used off the GPU so interpreter runs pick GPU-like tiles
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _block_n(n_cols: int, rows_per_col: int, use_dot: bool, sms: int) -> int:
@@ -542,17 +195,18 @@ def _block_k(k: int, tile_n: int, block_m: int, use_dot: bool, elem: int) -> int
 def _config(
     dtype: torch.dtype, batch: int, n_cols: int, k: int, variant: str, device: torch.device
 ) -> dict[str, int]:
-    """The launch config of one call: table by (dtype, batch bucket), then the per-shape
-    exceptions, then ``_TUNE``; block sizes not set there are derived from the shape."""
+    """The launch config of one call: the (dtype, batch bucket) entry, then the per-shape entry,
+    then ``_TUNE``; block sizes not set there are derived from the shape."""
     bucket = triton.next_power_of_2(batch)
-    name = _dtype_name(dtype)
-    cfg = dict(_TABLE[(name, bucket)])
-    cfg.update(_SHAPES.get((name, bucket, variant, n_cols, k), {}))
+    name = str(dtype).removeprefix("torch.")
+    cfg = dict(_CONFIGS[(name, bucket)])
+    cfg.update(_CONFIGS.get((name, bucket, variant, n_cols, k), {}))
     cfg.update(_TUNE)
     use_dot = bool(cfg["USE_DOT"])
     rows_per_col = 2 if variant == "swiglu" else 1
     block_m = max(16, bucket) if use_dot else bucket
-    block_n = cfg.get("BLOCK_N") or _block_n(n_cols, rows_per_col, use_dot, _sm_count(device))
+    sms = sm_count(device, _DEFAULT_SMS)
+    block_n = cfg.get("BLOCK_N") or _block_n(n_cols, rows_per_col, use_dot, sms)
     tile_n = rows_per_col * block_n
     block_k = cfg.get("BLOCK_K") or _block_k(k, tile_n, block_m, use_dot, dtype.itemsize)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
@@ -574,11 +228,6 @@ def _check_config(cfg: dict[str, int], variant: str) -> None:
         raise ValueError(f"launch config with USE_DOT needs tiles of at least 16, got {cfg}")
 
 
-def _debug_checks() -> bool:
-    """Host checks that need a device sync run on the CPU, or when NAKTA_DEBUG=1."""
-    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
-
-
 def _variant(residual, swiglu: bool, rope) -> str:
     if rope is not None:
         return "rope"
@@ -588,15 +237,9 @@ def _variant(residual, swiglu: bool, rope) -> str:
 
 
 def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    norm_weight: torch.Tensor | None,
-    eps: float | None,
-    residual: torch.Tensor | None,
-    swiglu: bool,
-    rope: RopeArgs | None,
-    out: torch.Tensor,
-) -> None:
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float | None,
+    residual: torch.Tensor | None, swiglu: bool, rope: RopeArgs | None, out: torch.Tensor,
+) -> None:  # fmt: skip
     batch, k = x.shape
     n_w_rows = weight.shape[0]
     variant = _variant(residual, swiglu, rope)
@@ -641,7 +284,7 @@ def _launch(
 
 
 # ------------------------------------------------------------------------------------------------
-# 2b. Input checks
+# 2. Input checks
 # ------------------------------------------------------------------------------------------------
 
 
@@ -655,23 +298,12 @@ def _check_matrix(name: str, t: object, dtype: torch.dtype | None = None) -> tor
     return t
 
 
-def _check_index(name: str, t: object, n: int) -> torch.Tensor:
-    t = check_tensor(name, t)
-    check_dtype(name, t, INDEX_DTYPES)
-    check_ndim(name, t, 1)
-    if t.shape[0] != n:
-        raise ValueError(f"{name} must have {n} entries (one per batch row), got {t.shape[0]}")
-    return t
-
-
 def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs:
     if not isinstance(rope, RopeArgs):
         raise TypeError(f"rope must be a RopeArgs, got {type(rope).__name__}")
     r = rope
     for name in ("n_q_heads", "n_kv_heads", "head_dim"):
-        v = getattr(r, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"rope.{name} must be a positive int, got {v!r}")
+        check_positive_int(f"rope.{name}", getattr(r, name))
     if r.head_dim % 2:
         raise ValueError(f"rope.head_dim must be even (Meta's pairs), got {r.head_dim}")
     if r.n_q_heads % r.n_kv_heads:
@@ -685,8 +317,8 @@ def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs
             f"for rope, got shape {tuple(weight.shape)}"
         )
     batch = x.shape[0]
-    _check_index("rope.positions", r.positions, batch)
-    _check_index("rope.cache_slots", r.cache_slots, batch)
+    check_index("rope.positions", r.positions, batch, per="batch row")
+    check_index("rope.cache_slots", r.cache_slots, batch, per="batch row")
     for name in ("cos", "sin"):
         t = check_tensor(f"rope.{name}", getattr(r, name))
         check_dtype(f"rope.{name}", t, (torch.float32,))
@@ -718,13 +350,6 @@ def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs
     if r.k_cache.data_ptr() == r.v_cache.data_ptr():
         raise ValueError("rope.k_cache and rope.v_cache must be different tensors")
     return r
-
-
-def _check_range(name: str, t: torch.Tensor, n: int, what: str) -> None:
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
-        raise ValueError(
-            f"{name} must lie in [0, {n}) ({what}), got [{int(t.min())}, {int(t.max())}]"
-        )
 
 
 def _check_args(
@@ -788,10 +413,10 @@ def _check_args(
                     ("positions", "cos", "sin", "k_cache", "v_cache", "cache_slots")}  # fmt: skip
     check_same_device(**tensors)
     _check_no_aliasing(x, weight, norm_weight, residual, rope, out)
-    if rope is not None and (not x.is_cuda or _debug_checks() or not for_kernel):
-        _check_range("rope.positions", rope.positions, rope.cos.shape[0], "the cos/sin rows")
+    if rope is not None and (not x.is_cuda or debug_checks() or not for_kernel):
+        check_range("rope.positions", rope.positions, rope.cos.shape[0], "the cos/sin rows")
         n_slots = min(rope.k_cache.shape[0], rope.v_cache.shape[0])
-        _check_range("rope.cache_slots", rope.cache_slots, n_slots, "the cache's slots")
+        check_range("rope.cache_slots", rope.cache_slots, n_slots, "the cache's slots")
     if for_kernel:
         check_triton_device("x", x)
     return out_dtype
@@ -817,7 +442,7 @@ def _check_no_aliasing(x, weight, norm_weight, residual, rope, out) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. Public function
+# 3. Public function
 # ------------------------------------------------------------------------------------------------
 
 
@@ -854,7 +479,7 @@ def _out_cols(weight: torch.Tensor, swiglu: bool, rope: RopeArgs | None) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. Reference
+# 4. Reference
 # ------------------------------------------------------------------------------------------------
 
 

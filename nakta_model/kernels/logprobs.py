@@ -55,7 +55,24 @@ def _lse_argmax_kernel(X, LSE, ARGMAX, n_rows, n_cols, stride_x, BLOCK: tl.const
     tl.store(ARGMAX + row, tl.min(cand, 0))
 
 
-def _check_logits(logits: object, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> torch.Tensor:
+# Launch values by the column block a row program holds: the whole row up to _MAX_BLOCK
+# columns (longer rows loop over blocks), 8 warps from 2048 columns; 256-column blocks under the
+# interpreter (CPU tests). ``_TUNE`` overrides any key (tests only).
+_MAX_BLOCK = 4096
+_CONFIGS: dict[str, dict[str, int]] = {
+    "wide": dict(num_warps=8),  # a block of 2048 columns or more
+    "narrow": dict(num_warps=4),
+}
+_TUNE: dict[str, int] = {}
+
+
+def _config(n_cols: int) -> dict[str, int]:
+    """BLOCK and num_warps of the row program for rows of ``n_cols``."""
+    block = 256 if interpreter_enabled() else min(_MAX_BLOCK, triton.next_power_of_2(n_cols))
+    return {"BLOCK": block, **_CONFIGS["wide" if block >= 2048 else "narrow"], **_TUNE}
+
+
+def _check_args(logits: object, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> torch.Tensor:
     logits = check_tensor("logits", logits)
     check_dtype("logits", logits, dtypes)
     check_ndim("logits", logits, 2)
@@ -68,23 +85,23 @@ def _check_logits(logits: object, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
 
 def row_logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logsumexp [N] fp32, argmax [N] int32)`` of every row of ``logits [N, V]``, one pass."""
-    logits = _check_logits(logits)
+    logits = _check_args(logits)
     check_triton_device("logits", logits)
     n, v = logits.shape
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     arg = torch.empty(n, dtype=torch.int32, device=logits.device)
     if n == 0:
         return lse, arg
-    block = 256 if interpreter_enabled() else min(4096, triton.next_power_of_2(v))
+    cfg = _config(v)
     _lse_argmax_kernel[(n,)](
-        logits, lse, arg, n, v, logits.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4
+        logits, lse, arg, n, v, logits.stride(0), BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]
     )
     return lse, arg
 
 
 def row_logsumexp_argmax_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch twin of :func:`row_logsumexp_argmax` (fp32 math; fp64 stays fp64)."""
-    logits = _check_logits(logits, (*FLOAT_DTYPES, torch.float64))
+    logits = _check_args(logits, (*FLOAT_DTYPES, torch.float64))
     x = logits if logits.dtype == torch.float64 else logits.float()
     return torch.logsumexp(x, dim=-1), x.argmax(dim=-1).to(torch.int32)
 

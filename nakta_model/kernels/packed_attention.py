@@ -34,11 +34,15 @@ import triton.language as tl
 
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_dtype,
+    check_index,
     check_ndim,
+    check_positive_int,
     check_same_device,
     check_tensor,
     check_triton_device,
+    debug_checks,
     interpreter_enabled,
 )
 from nakta_model.kernels._triton_math import round_to
@@ -51,8 +55,6 @@ __all__ = [
     "packed_attention_reference",
 ]
 
-INDEX_DTYPES = (torch.int32, torch.int64)
-
 # ------------------------------------------------------------------------------------------------
 # 1. Triton kernel
 # ------------------------------------------------------------------------------------------------
@@ -60,38 +62,16 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _packed_attention_kernel(
-    qkv_ptr,
-    out_ptr,
-    start_ptr,
-    branch_ptr,
-    entry_ptr,
-    table_ptr,
-    plen_ptr,
-    pk_ptr,
-    pv_ptr,
-    n_tokens,
-    stride_qt,
-    stride_ot,
-    stride_table,
-    stride_pks,
-    stride_pkh,
-    stride_pvs,
-    stride_pvh,
+    QKV, OUT, START, BRANCH, ENTRY, TABLE, PLEN, PK, PV,
+    n_tokens, stride_qt, stride_ot, stride_table, stride_pks, stride_pkh, stride_pvs, stride_pvh,
     qk_scale,
-    N_Q: tl.constexpr,
-    N_KV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    IEEE: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
+    N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
-    ``HAS_PREFIX``: first, the cached prefix of the block's first query (``entry_ptr``: an
+    ``HAS_PREFIX``: first, the cached prefix of the block's first query (``ENTRY``: an
     index into the page table, -1 for none): its ``plen`` keys, read page by page from the K/V
     pool, visible to every query of the block with the same entry. ``IEEE``: fp32 operands and
     IEEE fp32 dots (fp32 inputs; also half inputs under the interpreter, whose half-precision
@@ -104,11 +84,11 @@ def _packed_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < n_tokens
     mask_d = offs_d < HEAD_DIM
-    q_start = tl.load(start_ptr + offs_m, mask=mask_m, other=-1)
-    q_branch = tl.load(branch_ptr + offs_m, mask=mask_m, other=-1)
+    q_start = tl.load(START + offs_m, mask=mask_m, other=-1)
+    q_branch = tl.load(BRANCH + offs_m, mask=mask_m, other=-1)
     rows_m = offs_m.to(tl.int64)[:, None] * stride_qt
     q = tl.load(
-        qkv_ptr + rows_m + head * HEAD_DIM + offs_d[None, :],
+        QKV + rows_m + head * HEAD_DIM + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     )
@@ -117,7 +97,7 @@ def _packed_attention_kernel(
 
     # Keys: from the first query's sequence start (sequences are contiguous, so it is the
     # smallest start in the block) to the block's last query.
-    lo = tl.load(start_ptr + pid_m * BLOCK_M)
+    lo = tl.load(START + pid_m * BLOCK_M)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum((pid_m + 1) * BLOCK_M, n_tokens)
 
@@ -126,18 +106,18 @@ def _packed_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_PREFIX:
-        entry = tl.load(entry_ptr + pid_m * BLOCK_M)
-        q_entry = tl.load(entry_ptr + offs_m, mask=mask_m, other=-1)
-        plen = tl.load(plen_ptr + tl.maximum(entry, 0))
+        entry = tl.load(ENTRY + pid_m * BLOCK_M)
+        q_entry = tl.load(ENTRY + offs_m, mask=mask_m, other=-1)
+        plen = tl.load(PLEN + tl.maximum(entry, 0))
         plen = tl.where(entry >= 0, plen, 0)
         for p0 in range(0, plen, BLOCK_N):
             offs_p = p0 + tl.arange(0, BLOCK_N)
             valid = offs_p < plen
-            page = tl.load(table_ptr + entry.to(tl.int64) * stride_table + offs_p // PAGE,
+            page = tl.load(TABLE + entry.to(tl.int64) * stride_table + offs_p // PAGE,
                            mask=valid, other=0)  # fmt: skip
             slot = (page.to(tl.int64) * PAGE + offs_p % PAGE)[:, None]
             pmask = valid[:, None] & mask_d[None, :]
-            k = tl.load(pk_ptr + slot * stride_pks + kv_head * stride_pkh + offs_d[None, :],
+            k = tl.load(PK + slot * stride_pks + kv_head * stride_pkh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
             if IEEE:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -149,7 +129,7 @@ def _packed_attention_kernel(
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(pv_ptr + slot * stride_pvs + kv_head * stride_pvh + offs_d[None, :],
+            v = tl.load(PV + slot * stride_pvs + kv_head * stride_pvh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
             p_in = round_to(p, v.dtype, EMULATE_RNE)
             if IEEE:
@@ -163,9 +143,9 @@ def _packed_attention_kernel(
         mask_n = offs_n < n_tokens
         rows_n = offs_n.to(tl.int64)[:, None] * stride_qt
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(qkv_ptr + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
-        k_start = tl.load(start_ptr + offs_n, mask=mask_n, other=-2)
-        k_branch = tl.load(branch_ptr + offs_n, mask=mask_n, other=-2)
+        k = tl.load(QKV + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
+        k_start = tl.load(START + offs_n, mask=mask_n, other=-2)
+        k_branch = tl.load(BRANCH + offs_n, mask=mask_n, other=-2)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -180,7 +160,7 @@ def _packed_attention_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(qkv_ptr + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(QKV + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
         p_in = round_to(p, v.dtype, EMULATE_RNE)  # P enters the P.V product in V's dtype
         if IEEE:
             pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -190,38 +170,35 @@ def _packed_attention_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :],
-        round_to(out, out_ptr.dtype.element_ty, EMULATE_RNE),
+        OUT + offs_m.to(tl.int64)[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :],
+        round_to(out, OUT.dtype.element_ty, EMULATE_RNE),
         mask=mask_m[:, None] & mask_d[None, :],
     )
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. Launcher: checks and launch configuration
+# 2. Launch configuration, checks and launcher
 # ------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim bucket; ``_TUNE`` overrides (benchmarks).
-_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    16: (64, 32, 4, 2),
-    32: (64, 32, 4, 2),
-    64: (128, 32, 4, 3),
-    128: (128, 32, 4, 3),  # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8
-    256: (64, 32, 8, 2),
+# Launch configurations by padded head dim; ``_TUNE`` overrides any key (set by
+# ``kernel_benchmark/bench_attention.py --tune`` and the tests only).
+_CONFIGS: dict[int, dict[str, int]] = {
+    16: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    32: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    64: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+    # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8
+    128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
 }
 _TUNE: dict[str, int] = {}
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # CPU tests
 
 
-def _config(block_d: int, interpret: bool) -> tuple[int, int, int, int]:
-    """Launch config for a padded head dim; small blocks under the interpreter (CPU tests)."""
+def _config(block_d: int, interpret: bool) -> dict[str, int]:
+    """The entry of a padded head dim, then ``_TUNE``; small blocks under the interpreter."""
     if interpret:
-        return 16, 16, 1, 1
-    bm, bn, warps, stages = _CONFIGS[min(max(block_d, 16), 256)]
-    return (
-        _TUNE.get("BLOCK_M", bm),
-        _TUNE.get("BLOCK_N", bn),
-        _TUNE.get("num_warps", warps),
-        _TUNE.get("num_stages", stages),
-    )
+        return dict(_INTERPRETER_CONFIG)
+    return {**_CONFIGS[min(max(block_d, 16), 256)], **_TUNE}
 
 
 PREFIX_ALIGN = 128  # a multiple of every BLOCK_M: query blocks never straddle two prefixes
@@ -302,11 +279,7 @@ def _check_prefix_layout(prefix: PrefixKV, block_m: int) -> None:
 
 
 def _check_index(name: str, t: object, n: int) -> torch.Tensor:
-    t = check_tensor(name, t)
-    check_dtype(name, t, INDEX_DTYPES)
-    check_ndim(name, t, 1)
-    if t.shape[0] != n:
-        raise ValueError(f"{name} must have {n} entries (one per token), got {t.shape[0]}")
+    t = check_index(name, t, n)
     if t.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
     return t
@@ -325,8 +298,7 @@ def _check_args(
     check_dtype("qkv", qkv, dtypes)
     check_ndim("qkv", qkv, 2)
     for name, v in (("n_q_heads", n_q), ("n_kv_heads", n_kv), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_int(name, v)
     if n_q % n_kv:
         raise ValueError(f"n_q_heads ({n_q}) must be a multiple of n_kv_heads ({n_kv})")
     width = (n_q + 2 * n_kv) * head_dim
@@ -378,24 +350,18 @@ def packed_attention(
         return out
     interp = interpreter_enabled()
     block_d = triton.next_power_of_2(max(head_dim, 16))
-    block_m, block_n, num_warps, num_stages = _config(block_d, interp)
+    cfg = _config(block_d, interp)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if prefix is not None:
         _check_prefix(prefix, qkv, n_kv_heads, head_dim, block_n)
-    if interp or _debug_checks():
+    if interp or debug_checks():
         _check_layout(seq_start)
         if prefix is not None:
             _check_prefix_layout(prefix, block_m)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     grid = (triton.cdiv(n_tokens, block_m), n_q_heads)
     if prefix is None:  # unused pointers: any tensor of the right kind
-        entry, table, lengths, pk, pv, page = (
-            seq_start,
-            seq_start[None],
-            seq_start,
-            qkv,
-            qkv,
-            block_n,
-        )
+        entry, table, lengths, pk, pv, page = seq_start, seq_start[None], seq_start, qkv, qkv, 1
         pk_strides = pv_strides = (0, 0)
     else:
         entry, table, lengths = prefix.token_entry, prefix.page_table, prefix.lengths
@@ -408,15 +374,9 @@ def packed_attention(
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
         IEEE=qkv.dtype == torch.float32 or interp,
-        EMULATE_RNE=interp, num_warps=num_warps, num_stages=num_stages,
+        EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
-
-
-def _debug_checks() -> bool:
-    import os
-
-    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
 
 
 def _check_layout(seq_start: torch.Tensor) -> None:

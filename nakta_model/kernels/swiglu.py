@@ -37,7 +37,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
@@ -49,31 +48,14 @@ from nakta_model.kernels._checks import (
     interpreter_enabled,
     rows_view,
 )
-from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels._triton_math import exp, round_to, silu
 
-# Launch configurations (block_m rows x block_n columns per program, num_warps) on an NVIDIA
-# H200 (16K tokens, bf16): the forwards from interleaved A/B runs over 7 tiles at F = 11008 and
-# 22016 (results/nvidia-h200/ab/ab3_*: one-warp 1x512 tiles best for both), the backward from
-# ``kernel_benchmark/bench_swiglu.py --tune`` (results/nvidia-h200/swiglu_tune.csv). ``--tune``
-# rewrites these for its own run; the values kept here are the ones the published results used.
-FWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 512, "num_warps": 1}
 # Dtypes whose silu the fast arithmetic rounds like eager on every input (module docstring).
 FAST_IS_EXACT_DTYPES = (torch.bfloat16,)
-FWD_FAST_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 512, "num_warps": 1}
-BWD_CONFIG: dict[str, int] = {"block_m": 1, "block_n": 1024, "num_warps": 4}
 
 # ----------------------------------------------------------------------------------------------
 # 1. Triton kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _exp(x, ACCURATE: tl.constexpr):
-    """libdevice ``expf`` on the GPU (what PyTorch's ``::exp`` is); numpy in the interpreter."""
-    if ACCURATE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit
@@ -93,54 +75,31 @@ def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 # The row/token count is not specialised on: every batch size runs one compiled kernel.
 @triton.jit(do_not_specialize=["n_rows"])
 def _silu_mul_fwd_kernel(
-    G,
-    U,
-    OUT,
-    n_rows,
-    n_cols,
-    stride_g,
-    stride_u,
-    stride_out,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    EXACT: tl.constexpr,
-    ACCURATE: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):
+    G, U, OUT, n_rows, n_cols, stride_g, stride_u, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST_SILU: tl.constexpr,
+    ACCURATE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """``OUT = round(round(silu(G)) * U)``; ``FAST_SILU``: hardware ex2 + approximate division
+    (PyTorch's bits in bf16, every gate checked), else libdevice expf + IEEE division (PyTorch's
+    bits in fp16 and fp32)."""
     r, c, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     g = tl.load(G + r * stride_g + c, mask=mask, other=0.0)
     u = tl.load(U + r * stride_u + c, mask=mask, other=0.0)
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     dtype = OUT.dtype.element_ty
-    if EXACT:  # libdevice expf + IEEE division: PyTorch's bits in fp16 and fp32
-        silu = tl.math.div_rn(g, 1.0 + _exp(-g, ACCURATE))
-    else:  # hardware ex2 + approximate division: PyTorch's bits in bf16 (every gate checked)
-        silu = tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)
-    silu = round_to(silu, dtype, EMULATE_RNE)
-    out = round_to(silu.to(tl.float32) * u, dtype, EMULATE_RNE)
+    s = round_to(silu(g, FAST_SILU, ACCURATE), dtype, EMULATE_RNE)
+    out = round_to(s.to(tl.float32) * u, dtype, EMULATE_RNE)
     tl.store(OUT + r * stride_out + c, out, mask=mask)
 
 
 @triton.jit
 def _silu_mul_bwd_kernel(
-    DOUT,
-    G,
-    U,
-    DG,
-    DU,
-    n_rows,
-    n_cols,
-    stride_dout,
-    stride_g,
-    stride_u,
-    stride_dg,
-    stride_du,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ACCURATE: tl.constexpr,
+    DOUT, G, U, DG, DU, n_rows, n_cols, stride_dout, stride_g, stride_u, stride_dg, stride_du,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
-):
+):  # fmt: skip
+    """The gradients of autograd on ``F.silu(g) * u``, with its roundings (module docstring)."""
     r, c, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     dout = tl.load(DOUT + r * stride_dout + c, mask=mask, other=0.0)
     g = tl.load(G + r * stride_g + c, mask=mask, other=0.0)
@@ -149,22 +108,47 @@ def _silu_mul_bwd_kernel(
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     dtype = DG.dtype.element_ty
-    e = _exp(-g, ACCURATE)
-    silu = round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_RNE).to(tl.float32)
+    e = exp(-g, ACCURATE)
+    s = round_to(tl.math.div_rn(g, 1.0 + e), dtype, EMULATE_RNE).to(tl.float32)
     sig = tl.math.div_rn(1.0, 1.0 + e)
     d_silu = round_to(dout * u, dtype, EMULATE_RNE).to(tl.float32)
-    du = round_to(dout * silu, dtype, EMULATE_RNE)
+    du = round_to(dout * s, dtype, EMULATE_RNE)
     dg = round_to(d_silu * sig * (1.0 + g * (1.0 - sig)), dtype, EMULATE_RNE)
     tl.store(DG + r * stride_dg + c, dg, mask=mask)
     tl.store(DU + r * stride_du + c, du, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Launchers
+# 2. Launch configuration, launchers and input checks
 # ----------------------------------------------------------------------------------------------
 
+# Launch configurations per kernel (BLOCK_M rows x BLOCK_N columns per program, num_warps) on
+# an NVIDIA H200 (16K tokens, bf16): the forwards from interleaved A/B runs over 7 tiles at
+# F = 11008 and 22016 (results/nvidia-h200/ab/ab3_*: one-warp 1x512 tiles best for both), the
+# backward from ``kernel_benchmark/bench_swiglu.py --tune`` (results/nvidia-h200/
+# swiglu_tune.csv). ``--tune`` rewrites these for its own run; the values kept here are the
+# ones the published results used. ``_TUNE`` overrides any key (benchmark and tests only).
+_CONFIGS: dict[str, dict[str, int]] = {
+    "fwd": dict(BLOCK_M=1, BLOCK_N=512, num_warps=1),  # exact: libdevice expf, div.rn
+    "fwd_fast": dict(BLOCK_M=1, BLOCK_N=512, num_warps=1),  # FAST_SILU
+    "bwd": dict(BLOCK_M=1, BLOCK_N=1024, num_warps=4),
+}
+_TUNE: dict[str, int] = {}
 
-def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _config(kernel: str, n_cols: int) -> dict[str, int]:
+    """The table entry of ``kernel``, then ``_TUNE``; unless tuned, a narrow row gets a block
+    no wider than the row, and no more warps than 256 elements each."""
+    cfg = {**_CONFIGS[kernel], **_TUNE}
+    if "BLOCK_N" not in _TUNE:
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], triton.next_power_of_2(n_cols))
+    if "num_warps" not in _TUNE:
+        cfg["num_warps"] = min(cfg["num_warps"], max(1, cfg["BLOCK_M"] * cfg["BLOCK_N"] // 256))
+    return cfg
+
+
+def _check_args(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate gate and up; returns them as ``[rows, F]`` views."""
     check_tensor("gate", gate)
     check_tensor("up", up)
     check_dtype("gate", gate, FLOAT_DTYPES)
@@ -190,31 +174,8 @@ def _split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up[..., :f], gate_up[..., f:]
 
 
-def _grid_config(
-    default: dict[str, int],
-    n_cols: int,
-    block_m: int | None,
-    block_n: int | None,
-    num_warps: int | None,
-) -> tuple[int, int, int]:
-    """Explicit knobs, else the tuned default; narrow rows get a block no wider than the row."""
-    if block_n is None:
-        block_n = min(default["block_n"], triton.next_power_of_2(n_cols))
-    block_m = block_m or default["block_m"]
-    if num_warps is None:
-        num_warps = min(default["num_warps"], max(1, block_m * block_n // 256))
-    return block_m, block_n, num_warps
-
-
 def silu_mul_forward(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    out: torch.Tensor | None = None,
-    *,
-    exact: bool = True,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *, exact: bool = True
 ) -> torch.Tensor:
     """Launch the forward kernel; ``out`` (optional) must be a fresh ``[..., F]`` tensor.
 
@@ -222,7 +183,7 @@ def silu_mul_forward(
     (see the module docstring)."""
     if not isinstance(exact, bool):
         raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
-    g2, u2 = _check_pair(gate, up)
+    g2, u2 = _check_args(gate, up)
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     o2 = rows_view("out", out)
@@ -230,26 +191,14 @@ def silu_mul_forward(
     if n_rows == 0 or n_cols == 0:
         return out
     fast = not exact or gate.dtype in FAST_IS_EXACT_DTYPES
-    default = FWD_FAST_CONFIG if fast else FWD_CONFIG
-    block_m, block_n, num_warps = _grid_config(default, n_cols, block_m, block_n, num_warps)
+    cfg = _config("fwd_fast" if fast else "fwd", n_cols)
     interp = interpreter_enabled()
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, cfg["BLOCK_N"]),)
     _silu_mul_fwd_kernel[grid](
-        g2,
-        u2,
-        o2,
-        n_rows,
-        n_cols,
-        g2.stride(0),
-        u2.stride(0),
-        o2.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        EXACT=not fast,
-        ACCURATE=not interp,
-        EMULATE_RNE=interp,
-        num_warps=num_warps,
-    )
+        g2, u2, o2, n_rows, n_cols, g2.stride(0), u2.stride(0), o2.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], FAST_SILU=fast, ACCURATE=not interp,
+        EMULATE_RNE=interp, num_warps=cfg["num_warps"],
+    )  # fmt: skip
     return out
 
 
@@ -259,13 +208,9 @@ def silu_mul_backward(
     up: torch.Tensor,
     dgate: torch.Tensor | None = None,
     dup: torch.Tensor | None = None,
-    *,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel: ``(d_gate, d_up)``, written into ``dgate``/``dup`` if given."""
-    g2, u2 = _check_pair(gate, up)
+    g2, u2 = _check_args(gate, up)
     if dout.shape != gate.shape:
         raise ValueError(f"dout must have shape {tuple(gate.shape)}, got {tuple(dout.shape)}")
     d2 = rows_view("dout", dout)
@@ -277,28 +222,15 @@ def silu_mul_backward(
     n_rows, n_cols = g2.shape
     if n_rows == 0 or n_cols == 0:
         return dgate, dup
-    block_m, block_n, num_warps = _grid_config(BWD_CONFIG, n_cols, block_m, block_n, num_warps)
+    cfg = _config("bwd", n_cols)
     interp = interpreter_enabled()
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]) * triton.cdiv(n_cols, cfg["BLOCK_N"]),)
     _silu_mul_bwd_kernel[grid](
-        d2,
-        g2,
-        u2,
-        dg2,
-        du2,
-        n_rows,
-        n_cols,
-        d2.stride(0),
-        g2.stride(0),
-        u2.stride(0),
-        dg2.stride(0),
-        du2.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        ACCURATE=not interp,
-        EMULATE_RNE=interp,
-        num_warps=num_warps,
-    )
+        d2, g2, u2, dg2, du2, n_rows, n_cols,
+        d2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ACCURATE=not interp,
+        EMULATE_RNE=interp, num_warps=cfg["num_warps"],
+    )  # fmt: skip
     return dgate, dup
 
 

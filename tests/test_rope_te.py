@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from nakta_model.kernels import rope as rope_module
-from nakta_model.kernels.rope import (
+from nakta_model.kernels import rope_te
+from nakta_model.kernels.rope_te import (
     RotaryPositionEmbedding,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_reference,
@@ -172,7 +172,7 @@ def test_positions_near_2_pow_20(device):
 )
 def test_block_configs(tune, monkeypatch, device):
     """Every loop/split shape of the heads walk gives the reference's result."""
-    monkeypatch.setattr(rope_module, "_TE_TUNE", tune)
+    monkeypatch.setattr(rope_te, "_TUNE", tune)
     t = torch.rand(3, 3, 5, 16, device=device).requires_grad_()
     starts = torch.tensor([0, 2, 1], dtype=torch.int32, device=device)
     emb = RotaryPositionEmbedding(16, 0.5, device=device)(6)
@@ -189,24 +189,24 @@ def test_default_blocks_at_benchmark_shapes():
     head split below MIN_PROGRAMS, only below MIN_SPLIT) and pipelines their 16-step walk; a
     batch of 2 trades positions per program for 1024 programs, unpipelined; 8 heads are too
     short a walk to pipeline; tiny grids still split their heads."""
-    blocks = rope_module._te_blocks
-    block_s, block_b, block_h, heads_per_prog, _, prefetch = blocks(512, 16, 32, 64)
+    keys = ("BLOCK_S", "BLOCK_B", "BLOCK_H", "HEADS_PER_PROG", "PREFETCH")
+    block_s, block_b, block_h, heads_per_prog, prefetch = map(
+        rope_te._config(512, 16, 32, 64).get, keys
+    )
     assert (block_s, block_b, block_h, heads_per_prog, prefetch) == (1, 16, 2, 32, True)
-    block_s, block_b, _, heads_per_prog, _, prefetch = blocks(4096, 2, 32, 64)
+    block_s, block_b, _, heads_per_prog, prefetch = map(rope_te._config(4096, 2, 32, 64).get, keys)
     assert (block_s, block_b, heads_per_prog, prefetch) == (4, 2, 32, False)
-    assert blocks(4096, 16, 8, 64)[5] is False
-    _, _, block_h, heads_per_prog, _, _ = blocks(8, 1, 64, 128)
-    assert heads_per_prog == block_h == 32
+    assert rope_te._config(4096, 16, 8, 64)["PREFETCH"] is False
+    cfg = rope_te._config(8, 1, 64, 128)
+    assert cfg["HEADS_PER_PROG"] == cfg["BLOCK_H"] == 32
 
 
 @pytest.mark.parametrize("rows", [4, 8])
 def test_multi_position_tiles(rows, monkeypatch, device):
     """Several positions per program (BLOCK_S > 1) with ragged tails, for every position rule:
     thd search (empty sequence, start positions), context parallel, bshd strides."""
-    monkeypatch.setattr(
-        rope_module, "_TE_TUNE", dict(BLOCK_B=2, ROWS=rows, MIN_PROGRAMS=1, MIN_SPLIT=1)
-    )
-    assert rope_module._te_blocks(7, 3, 3, 8)[0] == rows // 2
+    monkeypatch.setattr(rope_te, "_TUNE", dict(BLOCK_B=2, ROWS=rows, MIN_PROGRAMS=1, MIN_SPLIT=1))
+    assert rope_te._config(7, 3, 3, 8)["BLOCK_S"] == rows // 2
     cu = torch.tensor([0, 5, 8, 8, 15], dtype=torch.int32, device=device)
     starts = torch.tensor([1, 0, 3, 2], dtype=torch.int32, device=device)
     t = torch.rand(15, 3, 16, device=device).requires_grad_()
@@ -522,7 +522,7 @@ def test_gpu_large_tensor_int64_offsets():
 def test_gpu_start_position_past_table_poisons_with_nan(tune, monkeypatch):
     """A fused CUDA call does not synchronise on start_positions: a bad one gives NaN rows
     (also with several positions per program)."""
-    monkeypatch.setattr(rope_module, "_TE_TUNE", tune)
+    monkeypatch.setattr(rope_te, "_TUNE", tune)
     t = torch.rand(4, 2, 2, 8, device="cuda")
     emb = RotaryPositionEmbedding(8)(6)
     starts = torch.tensor([0, 5], dtype=torch.int32, device="cuda")  # 5 + 4 > 6 positions

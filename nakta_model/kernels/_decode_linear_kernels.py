@@ -1,0 +1,250 @@
+"""The Triton kernel of ``decode_linear.py``: a decode matmul with its prologue and epilogues.
+
+Kept apart from the launcher and its checks so that neither file grows past a readable size;
+what the kernel computes and how it rounds is in ``decode_linear.py``'s docstring, and
+``decode_linear.py`` chooses every constexpr (``_config``) and launches it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nakta_model.kernels._triton_math import rotate, round_to, rsqrt, silu
+
+
+@triton.jit
+def _row_rstd(
+    X, rows, row_ok, K, stride_xm, eps, inv_k,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ACCURATE: tl.constexpr,
+):  # fmt: skip
+    """1 / rms of each batch row, fp32 ``[BLOCK_M]`` (``mean`` as ``sum * (1 / K)``, as
+    PyTorch's CUDA mean and ``rmsnorm.py`` compute it)."""
+    ks = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        mask = row_ok[:, None] & (k < K)[None, :]
+        x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        ss += x * x
+    return rsqrt(tl.sum(ss, axis=1) * inv_k + eps, ACCURATE)
+
+
+@triton.jit
+def _x_tile(
+    X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd,
+    NORM: tl.constexpr, EVEN_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_M, BLOCK_K]`` of the matmul's input in x's dtype: x, or with ``NORM`` Meta's
+    RMSNorm of it (normalized row rounded, times the weight, rounded)."""
+    if EVEN_K:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & k_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+    if NORM:
+        dtype = X.dtype.element_ty
+        w = tl.load(NW + k * stride_nw, mask=k_ok, other=0.0).to(tl.float32)
+        n = round_to(x.to(tl.float32) * rstd[:, None], dtype, EMULATE_RNE).to(tl.float32)
+        x = round_to(n * w[None, :], dtype, EMULATE_RNE)
+    return x
+
+
+@triton.jit
+def _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K: tl.constexpr):
+    """``[TILE_N, BLOCK_K]`` of the weight. Weights are read once per step: evict them first so
+    the small activations stay in L2."""
+    ptrs = W + w_rows.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    if EVEN_K:
+        mask = w_ok[:, None]
+    else:
+        mask = w_ok[:, None] & k_ok[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _dot_loop(
+    X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
+    NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """``W_tile @ x^T`` over all of K with ``tl.dot``: fp32 ``[TILE_N, BLOCK_M]``.
+
+    ``UPCAST`` (interpreter, bf16) feeds fp32 copies of the operands: Triton 3.9's interpreter
+    returns garbage for a bf16 ``tl.dot``; the copies are exact, so the sums are the same."""
+    acc = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
+                    EMULATE_RNE)  # fmt: skip
+        w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _fma_loop(
+    X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
+    NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """``W_tile @ x^T`` on the CUDA cores: fp32 products accumulated per K lane, reduced over
+    K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``."""
+    ks = tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([TILE_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
+                        EMULATE_RNE)  # fmt: skip
+            w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        acc = tl.sum(acc2, axis=1)[:, None]
+    else:
+        acc3 = tl.zeros([TILE_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
+                        EMULATE_RNE)  # fmt: skip
+            w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
+            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+        acc = tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit
+def _store_cols(OUT, y, cols, col_ok, rows, row_ok, stride_om):
+    """Store a ``[columns, batch rows]`` tile into ``OUT[row, col]``."""
+    ptrs = OUT + rows[None, :] * stride_om + cols[:, None]
+    tl.store(ptrs, y, mask=col_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _rope_epilogue(
+    acc, OUT, POS, COS, SIN, KC, VC, SLOT, n0, rows, row_ok, n_w_rows, q_cols, qk_cols, n_pos,
+    n_slots, stride_om, stride_cp, stride_cc, stride_sp, stride_sc, stride_kcs, stride_kch,
+    stride_vcs, stride_vch,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """Round the qkv tile, rotate its Q/K pairs, store Q to OUT and K/V into the caches."""
+    dtype = OUT.dtype.element_ty
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    v = round_to(acc, dtype, EMULATE_RNE).to(tl.float32)
+    pairs = tl.permute(tl.reshape(v, (HALF_N, 2, BLOCK_M)), (0, 2, 1))
+    a, b = tl.split(pairs)  # rows 2i and 2i + 1 of the tile: [HALF_N, BLOCK_M]
+    pair_cols = n0 + 2 * tl.arange(0, HALF_N)
+    freq = (pair_cols % HEAD_DIM) // 2
+
+    pos = tl.load(POS + rows, mask=row_ok, other=0).to(tl.int64)
+    slot = tl.load(SLOT + rows, mask=row_ok, other=0).to(tl.int64)
+    ok = (pos >= 0) & (pos < n_pos) & (slot >= 0) & (slot < n_slots)
+    pos = tl.where(ok, pos, 0)
+    slot = tl.where(ok, slot, 0)
+    fmask = (pair_cols < qk_cols)[:, None] & row_ok[None, :]
+    cos = tl.load(COS + pos[None, :] * stride_cp + freq[:, None] * stride_cc, mask=fmask, other=1.0)
+    sin = tl.load(SIN + pos[None, :] * stride_sp + freq[:, None] * stride_sc, mask=fmask, other=0.0)
+    nan = float("nan")
+    cos = tl.where(ok[None, :], cos, nan)
+    sin = tl.where(ok[None, :], sin, nan)
+    ya, yb = rotate(a, b, cos, sin, cos, sin, False)
+    rot = (pair_cols < qk_cols)[:, None]
+    ya = tl.where(rot, ya, a)
+    yb = tl.where(rot, yb, b)
+    y = tl.reshape(tl.permute(tl.join(ya, yb), (0, 2, 1)), (BLOCK_N, BLOCK_M))
+    y = round_to(y, dtype, EMULATE_RNE)
+
+    cols = n0 + tl.arange(0, BLOCK_N)
+    _store_cols(OUT, y, cols, cols < q_cols, rows, row_ok, stride_om)
+    store_ok = row_ok & ok
+    is_k = (cols >= q_cols) & (cols < qk_cols)
+    kcol = tl.where(is_k, cols - q_cols, 0)
+    k_ptrs = (
+        KC
+        + slot[None, :] * stride_kcs
+        + (kcol // HEAD_DIM).to(tl.int64)[:, None] * stride_kch
+        + (kcol % HEAD_DIM)[:, None]
+    )
+    tl.store(k_ptrs, y, mask=is_k[:, None] & store_ok[None, :])
+    is_v = (cols >= qk_cols) & (cols < n_w_rows)
+    vcol = tl.where(is_v, cols - qk_cols, 0)
+    v_ptrs = (
+        VC
+        + slot[None, :] * stride_vcs
+        + (vcol // HEAD_DIM).to(tl.int64)[:, None] * stride_vch
+        + (vcol % HEAD_DIM)[:, None]
+    )
+    tl.store(v_ptrs, y, mask=is_v[:, None] & store_ok[None, :])
+
+
+@triton.jit
+def _decode_linear_kernel(
+    X, W, NW, R, OUT, POS, COS, SIN, KC, VC, SLOT,
+    n_rows, K, n_w_rows, n_out_cols, stride_xm, stride_wn, stride_nw, stride_rm, stride_om,
+    eps, inv_k, q_cols, qk_cols, n_pos, n_slots,
+    stride_cp, stride_cc, stride_sp, stride_sc, stride_kcs, stride_kch, stride_vcs, stride_vch,
+    HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+    ROPE: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
+
+    Switches (constexpr): ``NORM`` RMSNorm prologue; at most one of ``RESIDUAL`` / ``SWIGLU``
+    (the tile holds ``TILE_N = 2 * BLOCK_N`` rows: gate rows, then the matching up rows) /
+    ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask.
+    The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
+    """
+    n0 = tl.program_id(0) * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    if SWIGLU:
+        j = tl.arange(0, TILE_N)
+        col = n0 + j % BLOCK_N
+        w_rows = tl.where(j < BLOCK_N, col, col + n_out_cols)
+        w_ok = col < n_out_cols
+    else:
+        w_rows = n0 + tl.arange(0, TILE_N)
+        w_ok = w_rows < n_w_rows
+    if NORM:
+        rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M, BLOCK_K, ACCURATE)
+    else:
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_DOT:
+        acc = _dot_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, PREC, UPCAST, EMULATE_RNE)  # fmt: skip
+    else:
+        acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
+
+    dtype = OUT.dtype.element_ty
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if ROPE:
+        _rope_epilogue(acc, OUT, POS, COS, SIN, KC, VC, SLOT, n0, rows, row_ok, n_w_rows, q_cols,
+                       qk_cols, n_pos, n_slots, stride_om, stride_cp, stride_cc, stride_sp,
+                       stride_sc, stride_kcs, stride_kch, stride_vcs, stride_vch, HEAD_DIM,
+                       BLOCK_M, BLOCK_N, EMULATE_RNE)  # fmt: skip
+    elif SWIGLU:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        gate = round_to(gate, dtype, EMULATE_RNE).to(tl.float32)
+        up = round_to(up, dtype, EMULATE_RNE).to(tl.float32)
+        s = round_to(silu(gate, FAST_SILU, ACCURATE), dtype, EMULATE_RNE).to(tl.float32)
+        y = round_to(s * up, dtype, EMULATE_RNE)
+        _store_cols(OUT, y, cols, cols < n_out_cols, rows, row_ok, stride_om)
+    elif RESIDUAL:
+        col_ok = cols < n_out_cols
+        r_ptrs = R + rows[None, :] * stride_rm + cols[:, None]
+        r = tl.load(r_ptrs, mask=col_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+        y = round_to(r + round_to(acc, dtype, EMULATE_RNE).to(tl.float32), dtype, EMULATE_RNE)
+        _store_cols(OUT, y, cols, col_ok, rows, row_ok, stride_om)
+    else:
+        y = round_to(acc, dtype, EMULATE_RNE)
+        _store_cols(OUT, y, cols, cols < n_out_cols, rows, row_ok, stride_om)
