@@ -207,8 +207,13 @@ def identical(before: Callable[[], object], after: Callable[[], object]) -> bool
 
 
 def run(
-    before_root: Path, device: torch.device, only: str | None = None
+    before_root: Path,
+    device: torch.device,
+    only: str | None = None,
+    on_row: Callable[[pd.DataFrame, float], None] | None = None,
 ) -> tuple[pd.DataFrame, float]:
+    """Every case (``only``: those whose name contains it); ``on_row(rows so far, copy GB/s)``
+    after each, so a run cut short still leaves its results."""
     mods = {"before": load_kernels(before_root), "after": load_kernels(None)}
     on_gpu = device.type == "cuda"
     copy = copy_bandwidth_gbps(device=str(device)) if on_gpu else float("nan")
@@ -234,6 +239,8 @@ def run(
             torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)
+        if on_row is not None:
+            on_row(pd.DataFrame(rows), copy)
     return pd.DataFrame(rows), copy
 
 
@@ -262,10 +269,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if not (a.before / "nakta_model" / "kernels").is_dir():
         p.error(f"--before {a.before}: no nakta_model/kernels there (give a checkout's root)")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        with torch.cuda.stream(torch.cuda.Stream(device)):
-            df, copy = run(a.before, device, a.only)
-        out = a.out or results_dir(__file__, device_slug(device))
+    if device.type != "cuda":
+        return run(a.before, device, a.only)[0]
+    out = a.out or results_dir(__file__, device_slug(device))
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(df: pd.DataFrame, copy: float) -> None:
         notes = (
             f"Before: {a.before}. Copy bandwidth {copy:.0f} GB/s measured in this run; bf16, "
             "LLaMA-7B shapes (16K scoring tokens; decode batch 1 and 32); GPU time of CUDA-graph "
@@ -273,12 +282,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             "trees' results bit for bit on the same inputs."
         )
         write_table(df, out, "before_after", "Kernels before / after", notes)
-        save_figure(
-            plot(df, f"kernels after vs before, {device_slug(device)}"), out / "before_after.png"
-        )
-        print(f"results -> {out}")
-    else:
-        df, _ = run(a.before, device, a.only)
+
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        df, _ = run(a.before, device, a.only, on_row=write)
+    import matplotlib.pyplot as plt
+
+    fig = plot(df, f"kernels after vs before, {device_slug(device)}")
+    save_figure(fig, out / "before_after.png")
+    plt.close(fig)
+    print(f"results -> {out}")
     return df
 
 
