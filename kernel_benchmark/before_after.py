@@ -147,12 +147,11 @@ def cases(device: torch.device, small: bool) -> list[tuple[str, int, Callable]]:
     def attention(m, i):
         rng = random.Random(i)
         starts, branches = [], []
-        while len(starts) < n - 200:
-            st, ctx, ends = (
-                len(starts),
-                rng.randint(20, 120),
-                [rng.randint(5, 40) for _ in range(4)],
-            )
+        while True:  # HellaSwag-like trees (context + 4 endings) while they fit, then pads
+            st, ctx = len(starts), rng.randint(*((3, 12) if small else (20, 120)))
+            ends = [rng.randint(*((1, 5) if small else (5, 40))) for _ in range(4)]
+            if st + ctx + sum(ends) > n:
+                break
             starts += [st] * (ctx + sum(ends))
             branches += [0] * ctx + [k for k, L in enumerate(ends, 1) for _ in range(L)]
         pad = n - len(starts)

@@ -14,33 +14,35 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     .whl/fairscale-*.whl .whl/liger_kernel-*.whl && export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
 step() { echo "== $(date +%T) $1"; }
+pack() { tar -C "$OUT" -cf "$OUT/$1.tar" "$1" "$1.log" 2>/dev/null && rm -rf "${OUT:?}/$1"; }  # few files back
 
 step "GPU tests"
-timeout 85 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_prefix_cache.py tests/test_packed_attention.py tests/test_generation_engine.py \
-    tests/test_decode_linear.py tests/test_safetensors_read.py tests/test_logprobs.py \
-    tests/test_model.py > "$OUT/gpu_tests.txt" 2>&1
-tail -3 "$OUT/gpu_tests.txt"
+timeout "${TEST_S:-110}" python3 -m pytest -v -m gpu -p no:cacheprovider \
+    tests/test_prefix_cache.py tests/test_generation_engine.py tests/test_decode_linear.py \
+    tests/test_safetensors_read.py tests/test_logprobs.py tests/test_model.py \
+    tests/test_packed_attention.py > "$OUT/gpu_tests.txt" 2>&1
+grep -c PASSED "$OUT/gpu_tests.txt"; grep -E "FAILED|ERROR" "$OUT/gpu_tests.txt" | head; tail -1 "$OUT/gpu_tests.txt"
+
+step "kernels before/after"
+timeout 70 python3 -m kernel_benchmark.before_after --before .scratch/before \
+    --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1
+tail -3 "$OUT/kernels.log"; pack kernels
+
+step "MMLU-shaped: prefix cache vs per-task cache vs HF"
+timeout 65 python3 -m speed_bench.run_all --preset 7B --workload mmlu --limit 230 --warmup 24 \
+    --engines nakta_cache,nakta_ctx,hf --no-progress --out "$OUT/mmlu" > "$OUT/mmlu.log" 2>&1
+tail -6 "$OUT/mmlu.log"; pack mmlu
 
 SPEED=(--preset 7B --data "$ROOT/.data/hellaswag_val_full.jsonl"
        --tokenizer "$ROOT/.data/llama_tokenizer.model" --limit 1000 --select spread
        --engines nakta_cache,nakta --no-progress)
 step "speed_bench after"
-timeout 70 python3 -m speed_bench.run_all "${SPEED[@]}" --out "$OUT/speed_after" \
+timeout 40 python3 -m speed_bench.run_all "${SPEED[@]}" --out "$OUT/speed_after" \
     > "$OUT/speed_after.log" 2>&1
-tail -4 "$OUT/speed_after.log"
+tail -4 "$OUT/speed_after.log"; pack speed_after
 step "speed_bench before (dc16e0d)"
-(cd .scratch/before && timeout 70 python3 -m speed_bench.run_all "${SPEED[@]}" \
+(cd .scratch/before && timeout 40 python3 -m speed_bench.run_all "${SPEED[@]}" \
     --out "$OUT/speed_before" > "$OUT/speed_before.log" 2>&1)
-tail -4 "$OUT/speed_before.log"
+tail -4 "$OUT/speed_before.log"; pack speed_before
 
-step "kernels before/after"
-timeout 75 python3 -m kernel_benchmark.before_after --before .scratch/before \
-    --out "$OUT/kernels" > "$OUT/before_after.log" 2>&1
-tail -3 "$OUT/before_after.log"
-
-step "MMLU-shaped: prefix cache vs per-task cache vs HF"
-timeout 95 python3 -m speed_bench.run_all --preset 7B --workload mmlu --limit 230 --warmup 24 \
-    --engines nakta_cache,nakta_ctx,hf --no-progress --out "$OUT/mmlu" > "$OUT/mmlu.log" 2>&1
-tail -6 "$OUT/mmlu.log"
 step "done"
