@@ -441,8 +441,13 @@ def test_gpu_llama7b_shapes(variant, n, k, batch):
     heads = (32, 32, 128)
     x, w, kw, ref_kw = make_case(variant, batch, torch.bfloat16, device, k=k, n=n, heads=heads)
     got, ref = run_both(x, w, kw, ref_kw)
+    # fp64 first: an H100 run found 40% of batch-32 norm_rope outputs an ulp off the cuBLAS
+    # reference (not seen in the interpreter with the same launch config); this order says
+    # which side is off when it fails again
+    expected = expected_fp64(x, w, ref_kw)
+    assert_near_fp64(got, expected, torch.bfloat16)
+    assert_near_fp64(ref, expected, torch.bfloat16)
     assert_matches_reference(got, ref, torch.bfloat16)
-    assert_near_fp64(got, expected_fp64(x, w, ref_kw), torch.bfloat16)
     if variant == "norm_rope":
         torch.testing.assert_close(kw["rope"].k_cache, ref_kw["rope"].k_cache, equal_nan=True)
 

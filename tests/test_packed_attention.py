@@ -246,19 +246,21 @@ def test_cached_prefixes_are_attended_before_each_sequence(dtype):
 @pytest.mark.parametrize("hq, hkv", [(32, 32), (32, 8)])
 def test_gpu_cached_prefixes_at_llama_heads(dtype, hq, hkv):
     """The prefix path as the scorer runs it on the GPU: 128-dim heads, 64-token pages (the
-    prefix cache's), the tuned launch config; against the fp64 loop."""
-    hd = 128
-    qkv, seq_start, branch, p = prefix_case(hq, hkv, hd, dtype, page=64, seed=3)
+    prefix cache's), the tuned launch config; against the reference in fp32 (itself checked
+    against the fp64 loop on the CPU above)."""
     from nakta_model.kernels.packed_attention import PrefixKV
 
-    cuda = [t.cuda() for t in (qkv, seq_start, branch, p.k_pool, p.v_pool, p.page_table,
-                               p.lengths, p.token_entry)]  # fmt: skip
-    qkv_c, start_c, branch_c = cuda[:3]
-    prefix = PrefixKV(*cuda[3:], 64)
-    got = packed_attention(qkv_c, start_c, branch_c, hq, hkv, hd, prefix=prefix)
-    want = naive_with_prefix(qkv, seq_start, branch, PrefixKV(*[t.cpu() for t in cuda[3:]], 64),
-                             hq, hkv, hd)  # fmt: skip
-    err = (got.double().cpu() - want).norm() / want.norm()
+    hd = 128
+    qkv, seq_start, branch, p = prefix_case(hq, hkv, hd, dtype, page=64, seed=3)
+    qkv, seq_start, branch = qkv.cuda(), seq_start.cuda(), branch.cuda()
+    pools = [p.k_pool.cuda(), p.v_pool.cuda()]
+    index = [p.page_table.cuda(), p.lengths.cuda(), p.token_entry.cuda()]
+    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, prefix=PrefixKV(*pools, *index, 64))
+    ref_prefix = PrefixKV(*[t.float() for t in pools], *index, 64)
+    want = packed_attention_reference(
+        qkv.float(), seq_start, branch, hq, hkv, hd, prefix=ref_prefix
+    )
+    err = (got.float() - want).norm() / want.norm()
     assert torch.isfinite(got).all() and err < {torch.float32: 1e-5}.get(dtype, 1e-2), err
 
 
