@@ -66,6 +66,7 @@ from nakta_model.cli import (
     require_file,
     require_meta_checkpoint,
 )
+from nakta_model.config import preset
 from nakta_model.parallel import (
     ParallelContext,
     barrier,
@@ -342,12 +343,16 @@ def _world_size() -> int:
     return int(raw) if raw.isdigit() else 1
 
 
-def _default_preset(device: torch.device) -> str:
-    """7B on a GPU that holds it comfortably, else tiny (so the default runs anywhere)."""
+def _default_preset(device: torch.device, tp: int = 1) -> str:
+    """7B on a GPU that holds it comfortably (per GPU: its tp shard), else the tiny model whose
+    heads split over ``tp`` (so the default, the seed's 4-process run included, runs anywhere)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        if free > 40e9:
+        if free * tp > 40e9:
             return "7B"
+    for name in ("tiny", "tiny-mha"):
+        if preset(name).n_kv_heads % tp == 0:
+            return name
     return "tiny"
 
 
@@ -460,7 +465,9 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     engines = args.engines
     skipped = checked_on_every_rank(plan_engines, engines, parallel)
-    preset_name = None if args.checkpoint else (args.preset or _default_preset(device))
+    preset_name = (
+        None if args.checkpoint else (args.preset or _default_preset(device, parallel.tp_size))
+    )
     preset_name = gather_objects(preset_name)[0]  # a grid runs rank 0's choice (free memory)
     limit = args.limit or (1000 if on_gpu else 16)
     weights, workload = checked_on_every_rank(load_inputs, args, preset_name, limit)

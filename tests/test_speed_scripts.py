@@ -248,3 +248,15 @@ def test_bad_path_under_torchrun_is_one_line_from_one_rank(tmp_path):
     ], output[-3000:]
     assert "exitcode  : 2" in output  # rank 0 exits by itself (status 2), not killed
     assert 'run_all.py", line' not in output  # no traceback of ours
+
+
+def test_default_preset_splits_over_the_seed_grid():
+    """Without --preset a CPU run picks a tiny model whose KV heads split over tp, so the
+    seed's `torchrun --nproc_per_node 4 nakta_speed.py` runs as written (tiny has 2 KV heads)."""
+    from nakta_model.config import preset
+    from speed_bench.run_all import _default_preset
+
+    cpu = torch.device("cpu")
+    assert _default_preset(cpu) == _default_preset(cpu, 2) == "tiny"
+    four = _default_preset(cpu, 4)
+    assert four == "tiny-mha" and preset(four).n_kv_heads % 4 == 0
