@@ -164,9 +164,9 @@ class HFDecode(_Engine):
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from transformers import LlamaForCausalLM
 
-        from speed_bench.hf_speed import _default_dtype, hf_config, meta_to_hf
+        from speed_bench.hf_speed import default_dtype, hf_config, meta_to_hf
 
-        with torch.device(device), _default_dtype(dtype):
+        with torch.device(device), default_dtype(dtype):
             model = LlamaForCausalLM(hf_config(weights.args, max_seq))
         model.load_state_dict(
             meta_to_hf(weights.state_dict(device, dtype), weights.args), strict=True, assign=True

@@ -78,7 +78,8 @@ def hf_config(args: ModelArgs, max_length: int):
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Tensors created inside are ``dtype`` by default (HF builds its modules that way)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -98,7 +99,7 @@ class HFEngine(Engine):
 
         self.cfg = cfg
         config = hf_config(weights.args, cfg.max_length)
-        with torch.device(cfg.device), _default_dtype(cfg.dtype):
+        with torch.device(cfg.device), default_dtype(cfg.dtype):
             model = LlamaForCausalLM(config)
         if model.config._attn_implementation != "sdpa":
             raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}")

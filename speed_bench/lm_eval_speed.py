@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,18 +153,6 @@ def _check_inputs(a: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------ weights
-@contextlib.contextmanager
-def _default_dtype(dtype) -> Iterator[None]:
-    import torch
-
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def preset_args(name: str, vocab_size: int, max_seq_len: int):
     """The preset's shape with the tokenizer's vocabulary (a 512-piece tokenizer on ``tiny``)."""
     from nakta_model.config import preset
@@ -179,25 +167,15 @@ def preset_args(name: str, vocab_size: int, max_seq_len: int):
 def make_random_hf(out: Path, args, dtype_name: str, device: str, seed: int) -> None:
     """``LlamaForCausalLM(LlamaConfig(...))`` with seeded random weights, saved as safetensors."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        max_position_embeddings=args.max_seq_len,
-        rms_norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    from speed_bench.hf_speed import default_dtype, hf_config
+
+    config = hf_config(args, args.max_seq_len)
+    config.bos_token_id, config.eos_token_id = 1, 2
     torch.manual_seed(seed)
     dtype = getattr(torch, DTYPES[dtype_name])
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(config)
     model.save_pretrained(out)  # safetensors (transformers' default since 4.35)
     del model
