@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nakta_model.scoring import unique_tokens
@@ -34,6 +34,7 @@ class Workload:
     name: str
     docs: list[Doc]
     requests: list[Request]
+    _unique: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         need = sum(len(d.choices) for d in self.docs)
@@ -60,8 +61,11 @@ class Workload:
 
     def unique_tokens(self) -> int:
         """Tokens of the trie of every request's model input: each shared context (a task's, or
-        a few-shot prefix shared by many tasks) counted once; what no engine can skip."""
-        return unique_tokens(self.requests)
+        a few-shot prefix shared by many tasks) counted once; what no engine can skip. Computed
+        once (a sort of every request: run_all reports it per engine)."""
+        if self._unique is None:
+            self._unique = unique_tokens(self.requests)
+        return self._unique
 
     def scored_tokens(self) -> int:
         """Positions whose next-token log-prob is summed (the continuation tokens)."""
