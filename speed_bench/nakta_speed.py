@@ -54,10 +54,10 @@ class NaktaEngine(Engine):
         self.prefix_cache = None if prefix_cache else False  # None: score() finds prefixes
         self.parallel = parallel or ParallelContext()
         self.name = ("nakta_cache" if prefix_cache else "nakta_ctx") if use_cache else "nakta"
-        self.stats = ScoreStats()
+        self.stats = ScoreStats(count_unique=False)  # the workload knows its unique tokens
 
     def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
-        self.stats = ScoreStats()  # of the last call: the timed pass
+        self.stats = ScoreStats(count_unique=False)  # of the last call: the timed pass
         if self.parallel.dp_size == 1:
             return self._score_local(requests)
         return map_requests(self._score_local, requests, self.parallel)

@@ -58,6 +58,9 @@ def test_scores_equal_the_uncached_engine_and_prefixes_are_computed_once(kernels
     for (a, _), (b, _) in zip(cached, plain):
         assert a == pytest.approx(b, abs=1e-4)
     assert stats.prefixes == 3 and stats.prefix_tokens == 3 * 80  # each computed once
+    quiet = scoring.ScoreStats(count_unique=False)  # same counts, no trie sort
+    assert scoring.score(model, reqs, stats=quiet) == cached
+    assert quiet.unique_tokens == 0 and quiet.computed_tokens == stats.computed_tokens
     assert stats.computed_tokens < 0.1 * stats.request_tokens
     assert stats.computed_tokens <= 1.2 * stats.unique_tokens
     assert stats.unique_tokens == scoring.unique_tokens(reqs) <= stats.computed_tokens
