@@ -3,7 +3,8 @@
 Each engine (``llama_org``, ``nakta``, ``nakta_cache``, built through speed_bench's public
 ``engines`` module as ``speed_bench.run_all`` builds them) is built from the same weights,
 warmed up, then profiled scoring one fixed set of HellaSwag-shaped tasks (the embedded
-workload; 7B preset on a GPU, tiny on the CPU). Outputs in
+workload; 7B preset on a GPU, tiny on the CPU), or with ``--workload mmlu`` MMLU-shaped ones
+whose 5-shot prefix is shared by every question of a subject (where the prefix cache works). Outputs in
 ``model_profile/results/<device>/``:
 
 * ``<engine>.pt.trace.json`` -- Chrome traces (open in chrome://tracing or Perfetto); large,
@@ -20,7 +21,7 @@ by the aten op that launched it (``aten::mm`` -> GEMM, ``aten::bmm``/``softmax``
 attention), else by its name (``gemm``/``nvjet``/``cutlass`` -> GEMM, ``flash``/``fmha`` ->
 attention).
 
-    python -m model_profile.profile [--preset 7B] [--tasks 64]
+    python -m model_profile.profile [--preset 7B] [--tasks 64] [--workload mmlu]
     python model_profile/profile.py ...        # by path works too (also from model_profile/)
 """
 
@@ -193,11 +194,17 @@ def plot(cat_df: pd.DataFrame, title: str):
 def main(argv: list[str] | None = None) -> dict:
     from speed_bench.engines import EngineConfig, make_engine
     from speed_bench.weights import weight_source
-    from speed_bench.workload import synthetic_workload
+    from speed_bench.workload import mmlu_shaped_workload, synthetic_workload
 
     p = argparse.ArgumentParser(description="Profile llama_org and Nakta on the same tasks.")
     p.add_argument("--preset", help="default 7B on GPU, tiny on CPU")
-    p.add_argument("--tasks", type=int, help="HellaSwag-shaped tasks (default 64 GPU / 4 CPU)")
+    p.add_argument("--tasks", type=int, help="tasks (default 64 GPU / 4 CPU)")
+    p.add_argument(
+        "--workload",
+        choices=("hellaswag", "mmlu"),
+        default="hellaswag",
+        help="HellaSwag-shaped tasks, or MMLU-shaped ones (5-shot prefixes shared per subject)",
+    )
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES))
     p.add_argument("--token-budget", type=int, help="default 16384 GPU / 2048 CPU")
     p.add_argument("--top", type=int, default=25, help="rows of the per-kernel tables")
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     on_gpu = device.type == "cuda"
     weights = weight_source(args.preset or ("7B" if on_gpu else "tiny"), None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    workload = synthetic_workload(
+    make_workload = mmlu_shaped_workload if args.workload == "mmlu" else synthetic_workload
+    workload = make_workload(
         args.tasks or (64 if on_gpu else 4), weights.args.vocab_size, 0, weights.args.max_seq_len
     )
     cfg = EngineConfig(
@@ -263,15 +271,16 @@ def main(argv: list[str] | None = None) -> dict:
         out,
         "categories",
         "Time by category",
-        f"{weights.name}, {workload.n_tasks} tasks, {slug}. gaps = device idle inside the "
-        "profiled span (GPU) or time outside aten ops (CPU).",
+        f"{weights.name}, {workload.n_tasks} {args.workload}-shaped tasks, {slug}. gaps = device "
+        "idle inside the profiled span (GPU) or time outside aten ops (CPU).",
     )
     import matplotlib.pyplot as plt
 
     fig = plot(cat_df, f"{weights.name}, {workload.n_tasks} tasks on {slug}")
     save_figure(fig, out / "profile.png")
     plt.close(fig)
-    result = {"device": slug, "model": weights.name, "tasks": workload.n_tasks,
+    result = {"device": slug, "model": weights.name, "workload": args.workload,
+              "tasks": workload.n_tasks, "unique_tokens": workload.unique_tokens(),
               "engines": summary}  # fmt: skip
     write_json(result, out / "summary.json")
     print(f"results -> {out} (Chrome traces *.pt.trace.json are not committed)")

@@ -230,10 +230,13 @@ def layer_budget(weights, device, dtype, context: int, bandwidth_gbps: float) ->
     from nakta_model.generation.step import DecodeStep
     from nakta_model.loading import load
 
-    room = context + 256  # the whole-step graph advances the position on every replay
+    # the whole-step graph advances the position and the history column on every call: room
+    # for _graph_us's 2 eager calls + 5 replays of 20 steps (history past its end would index
+    # out of bounds on the device)
+    calls = 256
     model = load(weights.source(device, dtype), device, dtype)
-    model.setup_cache(2, room)
-    step = DecodeStep(model, 1, 4, sampling=False)
+    model.setup_cache(2, context + calls)
+    step = DecodeStep(model, 1, calls, sampling=False)
     step.buffers.positions.fill_(context - 1)
     from nakta_model.kernels import decode_attention as da
     from nakta_model.kernels import decode_linear as dl

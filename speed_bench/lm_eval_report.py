@@ -17,21 +17,34 @@ def _fmt(v: object, spec: str = ".4g") -> str:
     return "" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
-def _wall(runs: list[dict], model: str, shot: int) -> dict[str, float]:
-    """Wall seconds of one model's successful runs at one shot count, by batch size."""
+def _task(r: dict) -> str:
+    return r.get("task") or TASK
+
+
+def _groups(runs: list[dict]) -> list[tuple[str, int]]:
+    """(task, shot count) pairs in the order the runs first name them."""
+    return list(dict.fromkeys((_task(r), r["num_fewshot"]) for r in runs))
+
+
+def _wall(runs: list[dict], model: str, task: str, shot: int) -> dict[str, float]:
+    """Wall seconds of one model's successful runs of one task and shot count, by batch size."""
     return {
         r["batch_size"]: r["wall_s"]
         for r in runs
-        if r["model"] == model and r["num_fewshot"] == shot and r["error"] is None
+        if r["model"] == model
+        and _task(r) == task
+        and r["num_fewshot"] == shot
+        and r["error"] is None
     }
 
 
 def ratios(runs: list[dict]) -> list[dict]:
-    """Per shot count: nakta/hf wall at each batch size and best vs best; nakta default/best."""
+    """Per task and shot count: nakta/hf wall at each batch size and best vs best; nakta
+    default/best."""
     out = []
-    for shot in sorted({r["num_fewshot"] for r in runs}):
-        hf, nk = _wall(runs, "hf", shot), _wall(runs, "nakta", shot)
-        row: dict = {"num_fewshot": shot}
+    for task, shot in _groups(runs):
+        hf, nk = _wall(runs, "hf", task, shot), _wall(runs, "nakta", task, shot)
+        row: dict = {"task": task, "num_fewshot": shot}
         row["nakta_over_hf"] = {bs: nk[bs] / hf[bs] for bs in nk if bs in hf}
         if hf and nk:
             row["best_nakta_over_best_hf"] = min(nk.values()) / min(hf.values())
@@ -50,21 +63,22 @@ def markdown(summary: dict) -> str:
         f"# lm-eval speed: hf vs nakta ({m['weights']}, {m['dtype']}, {m['device']})",
         "",
         f"`{m.get('task', TASK)}` (data `{m['data']}`; limit {m['limit']}, few-shot limit "
-        f"{m['fewshot_limit']}), "
+        f"{m['fewshot_limit']}, unless the task names its own), "
         f"lm-eval {m['lm_eval']}, transformers {m['transformers']}, torch {m['torch']}. "
         "wall = child process start to end; load = model construction; scoring = "
         "lm-eval's evaluate(). `default` = no --batch_size flag.",
         "",
-        "| model | shots | batch size | wall s | load s | scoring s | acc | acc_norm | "
+        "| task | model | shots | batch size | wall s | load s | scoring s | acc | acc_norm | "
         "exact_match | n | tokens computed / unique / requested |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
         tokens = "-"
         if r.get("computed_tokens"):
             tokens = f"{r['computed_tokens']} / {r['unique_tokens']} / {r['request_tokens']}"
         lines.append(
-            f"| {r['model']} | {r['num_fewshot']} | {r['batch_size']} | {_fmt(r['wall_s'])} | "
+            f"| {_task(r)} | {r['model']} | {r['num_fewshot']} | {r['batch_size']} | "
+            f"{_fmt(r['wall_s'])} | "
             f"{_fmt(r['load_s'])} | {_fmt(r['scoring_s'])} | {_fmt(r.get('acc'))} | "
             f"{_fmt(r.get('acc_norm'))} | {_fmt(r.get('exact_match'))} | {_fmt(r['n'])} | "
             f"{tokens} |" + (f" failed: {r['error']}" if r["error"] else "")
@@ -79,8 +93,13 @@ def markdown(summary: dict) -> str:
                 f"nakta default / its best ({row['nakta_best_batch_size']}): "
                 f"{row['nakta_default_over_best']:.3g}"
             )
-        lines.append(f"- {row['num_fewshot']}-shot: " + ("; ".join(parts) or "no pair"))
-    extra = [f"- convert.py: {m['convert_s']:.3g} s"]
+        head = f"- {row.get('task', TASK)} {row['num_fewshot']}-shot: "
+        lines.append(head + ("; ".join(parts) or "no pair"))
+    extra = []
+    if m.get("convert_s") is not None:
+        extra.append(f"- convert.py: {m['convert_s']:.3g} s")
+    if m.get("reused_work"):
+        extra.append(f"- checkpoints reused from an earlier run (`{m['reused_work']}`)")
     if m["make_hf_s"] is not None:
         extra.append(f"- random HF checkpoint made and saved: {m['make_hf_s']:.3g} s")
     return "\n".join(lines + [""] + extra) + "\n"
@@ -95,15 +114,17 @@ def plot(summary: dict, path: Path) -> None:
     from bench_common.report import save_figure
 
     runs = [r for r in summary["runs"] if r["error"] is None]
-    shots = sorted({r["num_fewshot"] for r in runs}) or [0]
+    groups = _groups(runs) or [(TASK, 0)]
     sizes = list(dict.fromkeys(r["batch_size"] for r in summary["runs"]))
     models = list(dict.fromkeys(r["model"] for r in summary["runs"]))
-    fig, axes = plt.subplots(1, len(shots), figsize=(5 * len(shots), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
     width = 0.8 / max(len(models), 1)
-    for ax, shot in zip(axes[0], shots):
+    for ax, (task, shot) in zip(axes[0], groups):
         for j, model in enumerate(models):
             by_bs = {
-                r["batch_size"]: r for r in runs if r["model"] == model and r["num_fewshot"] == shot
+                r["batch_size"]: r
+                for r in runs
+                if r["model"] == model and r["num_fewshot"] == shot and _task(r) == task
             }
             xs = [i + j * width for i, bs in enumerate(sizes) if bs in by_bs]
             got = [by_bs[bs] for bs in sizes if bs in by_bs]
@@ -115,7 +136,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_xticklabels(sizes)
         ax.set_xlabel("--batch_size")
         ax.set_ylabel("seconds")
-        ax.set_title(f"{shot}-shot")
+        ax.set_title(f"{task}, {shot}-shot" if len({t for t, _ in groups}) > 1 else f"{shot}-shot")
         ax.legend(fontsize=8)
     m = summary
     fig.suptitle(

@@ -50,6 +50,7 @@ from speed_bench.lm_eval_report import DEFAULT, TASK, markdown, ratios, write_ou
 TASKS = REPO / "accuracy_test" / "tasks"
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
 MODELS = ("hf", "nakta")
+REUSED = ("hf", "hf_tokenizer", "nakta")  # --reuse-work: what an earlier run left in --work
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> torch/HF names
 
 
@@ -72,8 +73,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--task",
         default=TASK,
-        help="a local task of accuracy_test/tasks: hellaswag_local (default), mmlu_shaped_local "
-        "(57 subjects, 5 fixed shots), bbh_shaped_local, gsm8k_shaped_local (generation)",
+        help="comma-separated local tasks of accuracy_test/tasks, each NAME[:SHOTS[:LIMIT]] "
+        "(SHOTS, LIMIT override --fewshot and the limits for that task): hellaswag_local "
+        "(default), mmlu_shaped_local (57 subjects, 5 fixed shots), bbh_shaped_local, "
+        "gsm8k_shaped_local (generation)",
     )
     p.add_argument("--fewshot", default="0,10", help="comma-separated shot counts")
     p.add_argument(
@@ -96,6 +99,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="random weights' seed")
     p.add_argument("--out", default=None, help="results folder (default results/<device>/)")
     p.add_argument("--work", default=None, help="keep the HF/Nakta checkpoints here (new dir)")
+    p.add_argument(
+        "--reuse-work",
+        action="store_true",
+        help="--work holds an earlier run's checkpoints (hf/, hf_tokenizer/, nakta/): use them",
+    )
     p.add_argument(
         "--local-tasks-only",
         action="store_true",
@@ -129,6 +137,44 @@ def parse_batch_sizes(text: str) -> list[str]:
     return sizes
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskPlan:
+    """One task's runs: its name, shot counts and limits (0-shot / few-shot)."""
+
+    name: str
+    shots: tuple[int, ...]
+    limit: int | None
+    fewshot_limit: int | None
+
+
+def parse_tasks(
+    text: str, fewshot: str, limit: int | None, fewshot_limit: int | None
+) -> list[TaskPlan]:
+    """``NAME[:SHOTS[:LIMIT]],...``: a task's own shot count and limit override the flags."""
+    default_shots = tuple(parse_fewshot(fewshot))
+    few_limit = fewshot_limit if fewshot_limit is not None else limit
+    plans = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        name, *rest = item.split(":")
+        if not name or len(rest) > 2:
+            raise UsageError(f"--task: {item!r} is not NAME[:SHOTS[:LIMIT]]")
+        shots, lim, few = default_shots, limit, few_limit
+        if rest:
+            if not rest[0].isdigit():
+                raise UsageError(f"--task: {item!r} needs SHOTS as an int >= 0")
+            shots = (int(rest[0]),)
+        if len(rest) == 2:
+            if not rest[1].isdigit() or int(rest[1]) < 1:
+                raise UsageError(f"--task: {item!r} needs a LIMIT >= 1")
+            lim = few = int(rest[1])
+        plans.append(TaskPlan(name, shots, lim, few))
+    if not plans:
+        raise UsageError("--task is empty")
+    return plans
+
+
 def parse_models(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [n for n in names if n not in MODELS]
@@ -148,7 +194,13 @@ def _check_inputs(a: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be >= 1, got {n}")
     if a.max_seq_len < 2:
         raise UsageError(f"--max-seq-len must be >= 2, got {a.max_seq_len}")
-    if a.work and Path(a.work).exists() and any(Path(a.work).iterdir()):
+    if a.reuse_work:
+        missing = [d for d in REUSED if not (Path(a.work or "") / d).is_dir()]
+        if not a.work or missing:
+            raise UsageError(f"--reuse-work needs --work with {', '.join(REUSED)} in it")
+        if a.hf:
+            raise UsageError("--reuse-work reuses --work's HF checkpoint; leave out --hf")
+    elif a.work and Path(a.work).exists() and any(Path(a.work).iterdir()):
         raise UsageError(f"--work {a.work} exists and is not empty")
 
 
@@ -251,11 +303,12 @@ class RunSpec:
     num_fewshot: int
     batch_size: str
     limit: int | None
+    task: str = TASK
 
     @property
     def slug(self) -> str:
         bs = self.batch_size.replace(":", "-")
-        return f"{self.model}_{self.num_fewshot}shot_bs-{bs}"
+        return f"{self.task}_{self.model}_{self.num_fewshot}shot_bs-{bs}"
 
 
 def model_args(model: str, w: Weights, dtype_name: str) -> str:
@@ -265,8 +318,9 @@ def model_args(model: str, w: Weights, dtype_name: str) -> str:
 
 
 def child_command(
-    spec: RunSpec, w: Weights, dtype_name: str, device: str, out: Path, task: str = TASK
+    spec: RunSpec, w: Weights, dtype_name: str, device: str, out: Path, task: str | None = None
 ) -> list:
+    task = task or spec.task
     cmd = [sys.executable, "-m", "accuracy_test.lm_eval_cli", "--model", spec.model]
     cmd += ["--model_args", model_args(spec.model, w, dtype_name)]
     cmd += ["--include_path", str(TASKS), "--tasks", task]
@@ -332,7 +386,7 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
     if a.local_tasks_only:
         env["NAKTA_LM_EVAL_LOCAL_TASKS"] = "1"
     log = out / "logs" / f"{spec.slug}.log"
-    task = getattr(a, "task", TASK)
+    task = spec.task
     cmd = child_command(spec, w, a.dtype, a.device, work / "lm_eval", task)
     t0 = time.perf_counter()
     rc = _run_logged(cmd, env, log, a.timeout)
@@ -383,6 +437,14 @@ def prepare_weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Weigh
 
     n_words = Tokenizer(a.tokenizer).n_words
     meta: dict = {"make_hf_s": None}
+    if a.reuse_work:  # an earlier run's checkpoints (checked by _check_inputs)
+        hf_dir = work / "hf"
+        if hf_vocab_size(hf_dir) != n_words:
+            raise UsageError(f"--reuse-work: {hf_dir} does not match --tokenizer {a.tokenizer}")
+        meta.update(weights=f"{a.preset}-random-seed{a.seed}" if a.preset else hf_dir.name)
+        meta.update(convert_s=None, reused_work=str(work))
+        sp = Path(a.tokenizer).resolve()
+        return Weights(hf_dir, work / "hf_tokenizer", work / "nakta", sp), meta
     if a.hf:
         hf_dir = Path(a.hf).resolve()
         if hf_vocab_size(hf_dir) != n_words:
@@ -409,14 +471,14 @@ def prepare_weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Weigh
 
 
 def plan(a: argparse.Namespace) -> list[RunSpec]:
-    """Shot count, then batch size, then model: the two models' runs sit side by side."""
-    few_limit = a.fewshot_limit if a.fewshot_limit is not None else a.limit
+    """Task, then shot count, then batch size, then model: the two models' runs side by side."""
     sizes = parse_batch_sizes(a.batch_sizes)
     hf_text = getattr(a, "hf_batch_sizes", None)
     hf_sizes = parse_batch_sizes(hf_text) if hf_text else sizes
     return [
-        RunSpec(model, shot, bs, a.limit if shot == 0 else few_limit)
-        for shot in parse_fewshot(a.fewshot)
+        RunSpec(model, shot, bs, t.limit if shot == 0 else t.fewshot_limit, t.name)
+        for t in parse_tasks(a.task, a.fewshot, a.limit, a.fewshot_limit)
+        for shot in t.shots
         for bs in dict.fromkeys(sizes + hf_sizes)
         for model in parse_models(a.models)
         if bs in (hf_sizes if model == "hf" else sizes)

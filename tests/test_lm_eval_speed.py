@@ -106,7 +106,40 @@ def test_ratios():
     assert zero["nakta_over_hf"] == {"default": 0.2, "64": 0.5}
     assert zero["best_nakta_over_best_hf"] == 0.5
     assert zero["nakta_best_batch_size"] == "64" and zero["nakta_default_over_best"] == 1.2
-    assert ten == {"num_fewshot": 10, "nakta_over_hf": {}}
+    assert ten == {"task": "hellaswag_local", "num_fewshot": 10, "nakta_over_hf": {}}
+    other = [{**r, "task": "gsm8k_shaped_local", "wall_s": 1.0} for r in runs[:2]]
+    rows = lm_eval_report.ratios(runs + other)
+    assert [(r["task"], r["num_fewshot"]) for r in rows] == [
+        ("hellaswag_local", 0),
+        ("hellaswag_local", 10),
+        ("gsm8k_shaped_local", 0),
+    ]
+    assert rows[2]["nakta_over_hf"] == {"default": 1.0}  # its own runs only
+
+
+def test_tasks_with_their_own_shots_and_limits():
+    argv = ["--preset", "tiny", "--tokenizer", "t", "--batch-sizes", "default", "--limit", "30"]
+    argv += ["--task", "hellaswag_local,gsm8k_shaped_local:8:128,bbh_shaped_local:3"]
+    specs = bench.plan(bench.parse_args(argv + ["--fewshot", "0,10", "--fewshot-limit", "5"]))
+    got = [(s.task, s.num_fewshot, s.limit, s.model) for s in specs]
+    assert got == [
+        ("hellaswag_local", 0, 30, "hf"),
+        ("hellaswag_local", 0, 30, "nakta"),
+        ("hellaswag_local", 10, 5, "hf"),
+        ("hellaswag_local", 10, 5, "nakta"),
+        ("gsm8k_shaped_local", 8, 128, "hf"),
+        ("gsm8k_shaped_local", 8, 128, "nakta"),
+        ("bbh_shaped_local", 3, 5, "hf"),
+        ("bbh_shaped_local", 3, 5, "nakta"),
+    ]
+    assert len({s.slug for s in specs}) == len(specs)  # every run keeps its own folder and log
+    w = bench.Weights(Path("H"), Path("T"), Path("N"), Path("S"))
+    cmd = bench.child_command(specs[4], w, "bf16", "cuda", Path("o"))
+    assert cmd[cmd.index("--tasks") + 1] == "gsm8k_shaped_local"
+    assert cmd[cmd.index("--num_fewshot") + 1] == "8" and cmd[cmd.index("--limit") + 1] == "128"
+    for bad in ("a:1:2:3", "a:x", "a:1:0", ":3", ","):
+        with pytest.raises(bench.UsageError, match="--task"):
+            bench.parse_tasks(bad, "0", None, None)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +151,7 @@ def test_ratios():
         (["--limit", "0"], "--limit must be >= 1"),
         (["--data", "/nope.jsonl"], "--data /nope.jsonl is not a file"),
         (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--reuse-work"], "--reuse-work needs --work with hf, hf_tokenizer, nakta"),
     ],
 )
 def test_bad_input_is_one_error_line(shared_data, tmp_path, capsys, extra, message):

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One device call, any of the GPU jobs of issues 13/14/17, by name, in the order given:
+#   bash scripts/gpu_session.sh tests profile_mmlu decode ...
+# tests         every `-m gpu` test (-v), tests.txt
+# profile_mmlu  model_profile --workload mmlu (prefix cache vs per-task cache), 230 tasks
+# decode        decode_speed: nakta + llama_org at batch 1/8/32, prompts 64/512, 128 new; hf
+#               (static cache) at batch 1 and 32, prompt 64 (its rows are slow)
+# gen           lm-eval generate_until: gsm8k_shaped_local (8-shot) and bbh_shaped_local
+#               (3-shot), nakta (default batch) vs hf --batch_size 64
+# mmlu          lm-eval mmlu_shaped_local 5-shot (57 subjects), nakta vs hf at 64
+# hellaswag     lm-eval hellaswag_local 0-shot (3,000 tasks) and 10-shot (300), nakta at
+#               default/64/auto vs hf at 64
+# Run from the repo root with `.whl/` (lm-eval 0.4.13 + deps, fairscale, liger-kernel) and
+# `.data/` (hellaswag_val_full.jsonl, llama_tokenizer.model) carried. Each job writes
+# $OUT/<job>.tar.gz (its results folder, logs included) and its summary files beside it; the
+# device tool returns only a few files per call, so each job's results travel as one archive.
+set -uo pipefail
+: "${OUT:?OUT must be set (the device tool sets it)}"
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+use_wheels
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+LOG=$OUT/log.txt
+: >"$LOG"
+status=0
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+TOK=.data/llama_tokenizer.model
+HS=.data/hellaswag_val_full.jsonl
+WORK=/tmp/nakta_work  # the random 7B HF checkpoint + its conversion, shared by the lm-eval jobs
+
+pack() {  # pack NAME: $OUT/NAME (a folder) -> $OUT/NAME.tar.gz
+  tar czf "$OUT/$1.tar.gz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
+}
+
+lm_eval_job() {  # lm_eval_job NAME LIMIT_S ARGS...: lm_eval_speed into $OUT/NAME
+  local name=$1 limit=$2
+  shift 2
+  local reuse=()
+  [ -f "$WORK/ready" ] && reuse=(--reuse-work)
+  step "$name" "$limit" python3 speed_bench/lm_eval_speed.py --preset 7B --tokenizer "$TOK" \
+    --data "$HS" --work "$WORK" "${reuse[@]}" --out "$OUT/$name" "$@"
+  [ -f "$WORK/nakta/params.json" ] && touch "$WORK/ready"
+  cp "$OUT/$name/lm_eval_summary.md" "$OUT/${name}_summary.md" 2>/dev/null
+  pack "$name"
+}
+
+for job in "$@"; do
+  case $job in
+    tests)
+      step tests 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$LOG" >"$OUT/tests.txt"
+      ;;
+    profile_mmlu)
+      step profile_mmlu 150 python3 -m model_profile.profile --workload mmlu --tasks 230 \
+        --engines nakta_cache,nakta_ctx --out "$OUT/profile_mmlu"
+      rm -f "$OUT"/profile_mmlu/*.pt.trace.json
+      pack profile_mmlu
+      ;;
+    decode)
+      step decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 1,8,32 \
+        --lengths 64:128,512:128 --engines nakta,llama_org --out "$OUT/decode"
+      step decode_hf 150 python3 speed_bench/decode_speed.py --preset 7B --batches 1,32 \
+        --lengths 64:128 --engines hf --no-budget --out "$OUT/decode/hf"
+      cp "$OUT/decode/decode.md" "$OUT/decode.md" 2>/dev/null
+      pack decode
+      ;;
+    gen)
+      lm_eval_job gen 420 --task gsm8k_shaped_local:8:128,bbh_shaped_local:3:128 \
+        --batch-sizes default --hf-batch-sizes 64
+      ;;
+    mmlu)
+      lm_eval_job mmlu 400 --task mmlu_shaped_local:5:20 --batch-sizes default \
+        --hf-batch-sizes 64
+      ;;
+    hellaswag)
+      lm_eval_job hellaswag 500 --task hellaswag_local --fewshot 0,10 \
+        --batch-sizes default,64,auto --hf-batch-sizes 64 --limit 3000 --fewshot-limit 300
+      ;;
+    *)
+      echo "unknown job $job" | tee -a "$LOG"
+      status=1
+      ;;
+  esac
+done
+grep -v -E "it/s\]|s/it\]" "$LOG" | cut -c1-220 | tail -80
+exit $status
