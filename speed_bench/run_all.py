@@ -35,13 +35,14 @@ over the whole world when tp = world (dp 1), ``hf`` is skipped (one GPU). The cl
 between barriers on all ranks, MFU divides by the sum of every GPU's measured peak, peak memory
 is the largest rank's, and rank 0 alone prints and writes (default folder
 ``results/<device>/<model>-tp<N>-dp<M>/``).
+
+This file is the command line and the run, engine after engine; ``run_measure.py`` times one
+engine and makes its row, ``run_report.py`` prints the table and writes the files.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import math
 import os
 import pickle
 import platform
@@ -58,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from bench_common.ceilings import device_slug, matmul_tflops
-from bench_common.report import results_dir, save_figure, write_json, write_table
+from bench_common.report import results_dir
 from nakta_model.cli import (
     InputError,
     checked_on_every_rank,
@@ -69,20 +70,19 @@ from nakta_model.cli import (
 from nakta_model.config import preset
 from nakta_model.parallel import (
     ParallelContext,
-    barrier,
     gather_objects,
     launch,
     validate_grid,
 )
-from nakta_model.tasks.hellaswag import evaluate
 from speed_bench.engines import (
     ALL_ENGINES,
     DEFAULT_ENGINES,
-    Engine,
     EngineConfig,
     make_engine,
     skip_reason,
 )
+from speed_bench.run_measure import agreement, engine_row, free_memory, run_engine, sync
+from speed_bench.run_report import format_table, json_num, write_results
 from speed_bench.weights import WeightSource, matmul_params, weight_source
 from speed_bench.workload import (
     Workload,
@@ -111,163 +111,6 @@ class EngineSet:
 
 
 RUN_ALL = EngineSet(ALL_ENGINES, None, __doc__.split("\n\n")[0], DEFAULT_ENGINES)
-
-
-# ----------------------------------------------------------------------------- running
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ----------------------------------------------------------------------------- measuring
-def model_flops(weights: WeightSource, block_tokens: int, scored_tokens: int) -> float:
-    blocks, head = matmul_params(weights.args)
-    return 2.0 * (blocks * block_tokens + head * scored_tokens)
-
-
-def run_engine(
-    engine: Engine,
-    workload: Workload,
-    warmup: Workload | None,
-    cfg: EngineConfig,
-    parallel: ParallelContext | None = None,
-) -> tuple[list[tuple[float, bool]], float, float]:
-    """Warm up, then time one full pass. Returns (results, seconds, peak GB).
-
-    Under a grid the clock starts after a barrier and stops after the last rank is done (its
-    GPU work synchronised), so ``seconds`` is the whole grid's wall time; peak memory is the
-    largest rank's.
-    """
-    parallel = parallel or ParallelContext(device=cfg.device)
-    if warmup is not None:
-        engine.score(warmup.requests)
-    _sync(cfg.device)
-    if cfg.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(cfg.device)
-    barrier(parallel)
-    t0 = time.perf_counter()
-    results = engine.score(workload.requests)
-    _sync(cfg.device)
-    barrier(parallel)
-    seconds = time.perf_counter() - t0
-    peak = (
-        torch.cuda.max_memory_allocated(cfg.device) / 1e9
-        if cfg.device.type == "cuda"
-        else float("nan")
-    )
-    if parallel.world_size > 1:
-        peak = max(gather_objects(peak))
-    return results, seconds, peak
-
-
-def engine_row(
-    name: str,
-    engine: Engine,
-    workload: Workload,
-    weights: WeightSource,
-    results: list[tuple[float, bool]],
-    seconds: float,
-    peak_gb: float,
-    peak_tflops: float,
-    build_s: float,
-) -> dict:
-    metrics, per_doc = evaluate(workload.docs, [ll for ll, _ in results])
-    computed = engine.computed_tokens(workload)
-    scored = workload.scored_tokens()
-    peak_flops = peak_tflops * 1e12
-    return {
-        "engine": name,
-        "wall_s": seconds,
-        "build_s": build_s,
-        "tasks_per_s": workload.n_tasks / seconds,
-        "tokens_per_s": workload.request_tokens() / seconds,
-        "computed_tokens": computed,
-        "computed_tokens_per_s": computed / seconds,
-        "mfu": model_flops(weights, computed, scored) / seconds / peak_flops,
-        "mfu_unique": model_flops(weights, workload.unique_tokens(), scored) / seconds / peak_flops,
-        "peak_mem_gb": peak_gb,
-        "acc": metrics["acc"],
-        "acc_norm": metrics["acc_norm"],
-        "_preds": [(r.pred, r.pred_norm) for r in per_doc],
-        "_lls": [ll for ll, _ in results],
-    }
-
-
-def agreement(rows: dict[str, dict], reference: str) -> None:
-    """Per engine: share of tasks whose acc / acc_norm predictions equal the reference's, and
-    the largest log-likelihood difference (dtype rounding shows up here, bugs show up above)."""
-    ref = rows[reference]
-    for row in rows.values():
-        n = max(1, len(ref["_preds"]))
-        row["pred_agree_vs_ref"] = sum(a == b for a, b in zip(row["_preds"], ref["_preds"])) / n
-        row["max_abs_ll_diff_vs_ref"] = max(
-            (abs(a - b) for a, b in zip(row["_lls"], ref["_lls"])), default=0.0
-        )
-
-
-# ----------------------------------------------------------------------------- reporting
-TABLE_COLUMNS = [
-    "engine",
-    "wall_s",
-    "tasks_per_s",
-    "tokens_per_s",
-    "mfu",
-    "mfu_unique",
-    "peak_mem_gb",
-    "acc",
-    "acc_norm",
-    "pred_agree_vs_ref",
-]
-
-
-def plot(df: pd.DataFrame, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].bar(df["engine"], df["tasks_per_s"], color="tab:blue")
-    axes[0].set_ylabel("HellaSwag tasks / s")
-    for i, v in enumerate(df["tasks_per_s"]):
-        axes[0].text(i, v, f"{v:.3g}", ha="center", va="bottom")
-    x = range(len(df))
-    axes[1].bar([i - 0.2 for i in x], 100 * df["mfu"], width=0.4, label="MFU (computed tokens)")
-    axes[1].bar(
-        [i + 0.2 for i in x], 100 * df["mfu_unique"], width=0.4, label="MFU (unique tokens)"
-    )
-    axes[1].set_xticks(list(x), df["engine"])
-    axes[1].set_ylabel("% of matmul peak measured in this run")
-    axes[1].legend()
-    for ax in axes:
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
-def write_results(out: Path, summary: dict, df: pd.DataFrame, notes: str) -> None:
-    write_json(summary, out / "summary.json")
-    write_table(df, out, "speed", f"Scoring speed: {summary['workload']['name']}", notes)
-    import matplotlib.pyplot as plt
-
-    fig = plot(df, f"{summary['workload']['name']} on {summary['device']}, {summary['model']}")
-    save_figure(fig, out / "speed.png")
-    plt.close(fig)
-
-
-def _fmt_table(df: pd.DataFrame) -> str:
-    show = df[TABLE_COLUMNS].copy()
-    for c in ("mfu", "mfu_unique", "acc", "acc_norm", "pred_agree_vs_ref"):
-        show[c] = (100 * show[c]).map(lambda v: f"{v:.1f}%")
-    return show.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -511,7 +354,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
             continue
         t0 = time.perf_counter()
         engine = make_engine(name, weights, cfg, shared, parallel)
-        _sync(device)
+        sync(device)
         build_s = max(gather_objects(time.perf_counter() - t0))
         results, seconds, peak = run_engine(engine, workload, warmup, cfg, parallel)
         rows[name] = engine_row(
@@ -525,7 +368,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
         del engine
         if "nakta" in shared and not any(e.startswith("nakta") for e in engines[i + 1 :]):
             shared.clear()
-        _free(device)
+        free_memory(device)
     reference = "llama_org" if "llama_org" in rows else next(iter(rows))
     agreement(rows, reference)
 
@@ -565,7 +408,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
         },
         "reference_engine": reference,
         "engines": {
-            r["engine"]: {k: _json_num(v) for k, v in r.items() if k != "engine"}
+            r["engine"]: {k: json_num(v) for k, v in r.items() if k != "engine"}
             for r in df.to_dict("records")
         },
         "skipped": skipped,
@@ -596,19 +439,13 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     write_results(out, summary, df, notes)
 
     print()
-    print(_fmt_table(df))
+    print(format_table(df))
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     for k, v in skipped.items():
         print(f"skipped {k}: {v}")
     print(f"results -> {out}")
     return summary
-
-
-def _json_num(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
 
 
 if __name__ == "__main__":
