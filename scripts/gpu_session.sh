@@ -2,6 +2,8 @@
 # One device call, any of the GPU jobs of issues 13/14/17, by name, in the order given:
 #   bash scripts/gpu_session.sh tests profile_mmlu decode ...
 # tests         every `-m gpu` test (-v), tests.txt
+# failing       the GPU tests that failed in a full run, with tracebacks
+# budget        decode_speed at batch 1 only, with the per-launch time budget of one layer
 # profile_mmlu  model_profile --workload mmlu (prefix cache vs per-task cache), 230 tasks
 # decode        decode_speed: nakta + llama_org at batch 1/8/32, prompts 64/512, 128 new; hf
 #               (static cache) at batch 1 and 32, prompt 64 (its rows are slow)
@@ -64,12 +66,23 @@ for job in "$@"; do
       cp "$OUT/decode/decode.md" "$OUT/decode.md" 2>/dev/null
       pack decode
       ;;
+    budget)
+      step budget 120 python3 speed_bench/decode_speed.py --preset 7B --batches 1 \
+        --lengths 64:128 --engines nakta --out "$OUT/budget"
+      cp "$OUT/budget/decode.md" "$OUT/budget.md" 2>/dev/null
+      pack budget
+      ;;
+    failing)
+      step failing 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        "tests/test_decode_linear.py::test_gpu_llama7b_shapes" \
+        tests/test_lm_eval_speed.py
+      ;;
     gen)
-      lm_eval_job gen 420 --task gsm8k_shaped_local:8:128,bbh_shaped_local:3:128 \
+      lm_eval_job gen 300 --task gsm8k_shaped_local:8:128,bbh_shaped_local:3:128 \
         --batch-sizes default --hf-batch-sizes 64
       ;;
     mmlu)
-      lm_eval_job mmlu 400 --task mmlu_shaped_local:5:20 --batch-sizes default \
+      lm_eval_job mmlu 280 --task mmlu_shaped_local:5:20 --batch-sizes default \
         --hf-batch-sizes 64
       ;;
     hellaswag)
