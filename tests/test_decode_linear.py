@@ -194,17 +194,7 @@ def test_rope_writes_only_its_cache_slots(device):
     dtype = torch.bfloat16
     x, w, kw, ref_kw = make_case("norm_rope", 5, dtype, device)
     decode_linear(x, w, **kw)
-    r = kw["rope"]
-    expected = expected_fp64(x, w, {**kw, "rope": None})
-    nq, nkv, hd = r.n_q_heads, r.n_kv_heads, r.head_dim
-    k_expect = _rotate_fp64(expected, r)[:, nq * hd : (nq + nkv) * hd].view(-1, nkv, hd)
-    v_expect = expected[:, (nq + nkv) * hd :].view(-1, nkv, hd)
-    slots = r.cache_slots.long()
-    assert_near_fp64(r.k_cache[slots], k_expect, dtype)
-    assert_near_fp64(r.v_cache[slots], v_expect, dtype)
-    others = torch.ones(r.k_cache.shape[0], dtype=torch.bool, device=device)
-    others[slots] = False
-    assert torch.isnan(r.k_cache[others]).all() and torch.isnan(r.v_cache[others]).all()
+    assert_cache_near_fp64(x, w, kw)
 
 
 @pytest.mark.parametrize(
@@ -449,7 +439,26 @@ def test_gpu_llama7b_shapes(variant, n, k, batch):
     assert_near_fp64(ref, expected, torch.bfloat16)
     assert_matches_reference(got, ref, torch.bfloat16)
     if variant == "norm_rope":
-        torch.testing.assert_close(kw["rope"].k_cache, ref_kw["rope"].k_cache, equal_nan=True)
+        # an H200 run found 9 of 163,840 cached K values an ulp apart from the reference's (one
+        # near zero): the kernel and cuBLAS round the fp32 sum differently, so both caches are
+        # checked against fp64 instead of against each other
+        assert_cache_near_fp64(x, w, kw)
+        assert_cache_near_fp64(x, w, ref_kw)
+
+
+def assert_cache_near_fp64(x, w, kw) -> None:
+    """The rotated K and raw V in the rows' cache slots match fp64; other slots stay NaN."""
+    r = kw["rope"]
+    expected = expected_fp64(x, w, {**kw, "rope": None})
+    nq, nkv, hd = r.n_q_heads, r.n_kv_heads, r.head_dim
+    k_expect = _rotate_fp64(expected, r)[:, nq * hd : (nq + nkv) * hd].reshape(-1, nkv, hd)
+    v_expect = expected[:, (nq + nkv) * hd :].reshape(-1, nkv, hd)
+    slots = r.cache_slots.long()
+    assert_near_fp64(r.k_cache[slots], k_expect, x.dtype)
+    assert_near_fp64(r.v_cache[slots], v_expect, x.dtype)
+    others = torch.ones(r.k_cache.shape[0], dtype=torch.bool, device=x.device)
+    others[slots] = False
+    assert torch.isnan(r.k_cache[others]).all() and torch.isnan(r.v_cache[others]).all()
 
 
 @pytest.mark.gpu
