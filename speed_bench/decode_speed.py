@@ -8,6 +8,9 @@ over the device's copy bandwidth measured in this run: ``floor_tok_s = batch / (
 
 * ``nakta``: ``nakta_model.generation.Generator``: fused decode kernels, the step captured in a
   CUDA graph per batch bucket, chunked host checks (what lm-eval's ``generate_until`` runs);
+* ``nakta_compile`` (on request only: ``--engines nakta,nakta_compile``): the same engine and
+  step math, the step run through ``torch.compile(mode="reduce-overhead")`` (inductor + CUDA
+  graph trees, graph breaks at the kernel launchers' host checks) instead of the manual capture;
 * ``llama_org``: Meta's LLaMA-1 loop (one Python iteration per token, eager kernels);
 * ``hf``: ``transformers``' ``generate`` with its static KV cache (``cache_implementation=
   "static"``), greedy.
@@ -44,7 +47,8 @@ import torch
 from bench_common.ceilings import copy_bandwidth_gbps, device_slug
 from bench_common.report import results_dir, save_figure, write_json, write_table
 
-ENGINES = ("nakta", "llama_org", "hf")
+ENGINES = ("nakta", "llama_org", "hf")  # the default --engines
+OPT_IN = ("nakta_compile",)  # run only when named
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -57,7 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--lengths", default=None, help="prompt:gen pairs (default 64:128,512:128; CPU 8:5)"
     )
-    p.add_argument("--engines", default=",".join(ENGINES), help="nakta,llama_org,hf")
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help="nakta,llama_org,hf (also: nakta_compile)"
+    )
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", help="default cuda when present")
     p.add_argument("--decode-configs", type=Path, help="JSON of decode_linear shape configs")
@@ -67,8 +73,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     for e in a.engines:
-        if e not in ENGINES:
-            p.error(f"--engines: unknown engine {e!r}; choose from {ENGINES}")
+        if e not in ENGINES + OPT_IN:
+            p.error(f"--engines: unknown engine {e!r}; choose from {ENGINES + OPT_IN}")
     return a
 
 
@@ -119,13 +125,16 @@ class _Engine:
 
 class NaktaDecode(_Engine):
     name = "nakta"
+    graph_mode: str | None = None  # the Generator's default: CUDA graphs on a GPU
 
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from nakta_model.generation import Generator
         from nakta_model.loading import load
 
         self.model = load(weights.source(device, dtype), device, dtype)
-        self.gen = Generator(self.model, max_batch=max_batch, max_seq_len=max_seq)
+        self.gen = Generator(
+            self.model, max_batch=max_batch, max_seq_len=max_seq, graph_mode=self.graph_mode
+        )
 
     def run(self, prompts, gen):
         from nakta_model.generation import greedy_requests
@@ -135,6 +144,25 @@ class NaktaDecode(_Engine):
     def close(self):
         self.model.clear_cache()
         self.gen = self.model = None
+
+
+class NaktaCompileDecode(NaktaDecode):
+    """The Nakta engine with its step under ``torch.compile`` (the first run compiles)."""
+
+    name = "nakta_compile"
+    graph_mode = "compile"
+
+    def run(self, prompts, gen):
+        """Graph breaks make dynamo compile each launcher's frame once per weight shape and
+        batch bucket: past its recompile limit (8) a frame would silently run eager."""
+        cfg = torch._dynamo.config
+        key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        with cfg.patch(**{key: 64}):
+            super().run(prompts, gen)
+
+    def close(self):
+        super().close()
+        torch._dynamo.reset()  # drop the compiled steps (and their graph pools)
 
 
 class LlamaOrgDecode(_Engine):
@@ -187,7 +215,12 @@ class HFDecode(_Engine):
         self.model = None
 
 
-BUILDERS: dict[str, Callable] = {"nakta": NaktaDecode, "llama_org": LlamaOrgDecode, "hf": HFDecode}
+BUILDERS: dict[str, Callable] = {
+    "nakta": NaktaDecode,
+    "nakta_compile": NaktaCompileDecode,
+    "llama_org": LlamaOrgDecode,
+    "hf": HFDecode,
+}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -384,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out = a.out or results_dir(__file__, device_slug(device))
     out.mkdir(parents=True, exist_ok=True)
     for name in a.engines:
-        reason = _skip(name)
+        reason = _skip(name, device)
         if reason:
             print(f"[{name}] skipped: {reason}")
             skipped[name] = reason
@@ -442,7 +475,9 @@ def _summary(weights, device, dtype, bw, runs, budget, skipped) -> dict:
     }
 
 
-def _skip(name: str) -> str | None:
+def _skip(name: str, device: torch.device) -> str | None:
+    if name == "nakta_compile":
+        return _compile_unavailable(device)
     if name == "hf":
         from speed_bench.hf_speed import unavailable_reason
 
@@ -452,6 +487,20 @@ def _skip(name: str) -> str | None:
             import fairscale  # noqa: F401
         except ImportError:
             return "fairscale is not installed"
+    return None
+
+
+def _compile_unavailable(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot run here (None: it can): inductor builds CPU kernels with
+    a C++ compiler, and dynamo supports only some Python versions."""
+    import os
+    import shutil
+
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile (dynamo) is not supported on this Python / torch build"
+    compilers = (os.environ.get("CXX"), "g++", "c++", "clang++")
+    if device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+        return "torch.compile on the CPU needs a C++ compiler (inductor); none found"
     return None
 
 
@@ -472,7 +521,7 @@ def _ratios(runs: list[dict]) -> dict:
     for (e, b, p, g), v in by.items():
         if e != "nakta":
             continue
-        for peer in ("llama_org", "hf"):
+        for peer in ("nakta_compile", "llama_org", "hf"):
             if (peer, b, p, g) in by:
                 out[f"nakta_vs_{peer}_b{b}_p{p}_g{g}"] = v / by[(peer, b, p, g)]
     return out

@@ -48,3 +48,36 @@ def test_step_bytes_counts_weights_and_the_cache():
     assert step_bytes(args, 1, 0, 2) == 2 * (blocks + head)  # ~13.2 GB of bf16 weights
     kv = step_bytes(args, 8, 100, 2) - step_bytes(args, 8, 0, 2)
     assert kv == 2 * 2 * 32 * 4096 * 100 * 8  # K and V, 32 layers, 4096 wide, 100 positions
+
+
+def test_nakta_compile_is_an_opt_in_engine(monkeypatch):
+    import torch
+
+    from speed_bench import decode_speed as ds
+
+    assert "nakta_compile" not in ds.parse_args([]).engines
+    assert ds.parse_args(["--engines", "nakta,nakta_compile"]).engines == ["nakta", "nakta_compile"]
+    with pytest.raises(SystemExit):
+        ds.parse_args(["--engines", "nakta_compiled"])
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert "C++ compiler" in ds._skip("nakta_compile", torch.device("cpu"))
+
+
+@pytest.mark.slow  # torch.compile builds the step's CPU kernels (~20 s)
+def test_decode_speed_times_the_compiled_step_next_to_the_captured_one(tmp_path):
+    """``--engines nakta,nakta_compile``: a row (or a recorded reason) for each, one ratio."""
+    out = tmp_path / "res"
+    cmd = [sys.executable, str(REPO / "speed_bench" / "decode_speed.py"), "--preset", "tiny"]
+    cmd += ["--engines", "nakta,nakta_compile", "--batches", "1", "--lengths", "4:3"]
+    cmd += ["--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "decode_summary.json").read_text())
+    runs = {r["engine"] for r in summary["runs"]}
+    assert runs | {k.split()[0] for k in summary["skipped"]} == {"nakta", "nakta_compile"}
+    for why in summary["skipped"].values():  # 2 CPU steps can drown in noise; nothing else
+        assert "not measurable" in why, why
+    if runs == {"nakta", "nakta_compile"}:
+        assert "nakta_vs_nakta_compile_b1_p4_g3" in summary["ratios"]

@@ -9,6 +9,7 @@ sampling settings and bad requests behave as documented.
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from nakta_model.generation import (
     generate_tokens,
     greedy_requests,
 )
+from nakta_model.generation.step import DecodeStep
 from nakta_model.loading import load
 from nakta_model.sources import state_dict_source
 
@@ -201,6 +203,35 @@ def test_bad_engine_arguments():
         Generator(model, max_batch=65)
     with pytest.raises(ValueError, match="chunk"):
         Generator(model, chunk=0)
+    with pytest.raises(ValueError, match="graph_mode"):
+        Generator(model, graph_mode="graphs")
+    with pytest.raises(ValueError, match="graphs or graph_mode"):
+        Generator(model, graphs=False, graph_mode="eager")
+    model.setup_cache(2, MAX_SEQ)
+    with pytest.raises(ValueError, match="graph_mode"):
+        DecodeStep(model, 1, 2, sampling=False, graph_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="capture"):
+        DecodeStep(model, 1, 2, sampling=False, graph_mode="eager").capture()
+
+
+@pytest.mark.slow  # torch.compile: inductor builds the step's CPU kernels (~20 s)
+@pytest.mark.skipif(not shutil.which("g++"), reason="inductor needs a C++ compiler")
+def test_compiled_step_decodes_the_default_steps_tokens():
+    """graph_mode="compile" (the step under torch.compile, reduce-overhead) is the same math:
+    greedy tokens equal the default step's on the fp32 tiny model (reference kernels)."""
+    shutdown()  # a live process group (llama_org's) gets a compile-time group that outlives it
+    model = tiny_model()
+    ps = prompts(300, 2, seed=10)
+    want = Generator(model, max_batch=2, max_seq_len=MAX_SEQ, chunk=2).generate(
+        greedy_requests(ps, 3, None)
+    )
+    gen = Generator(model, max_batch=2, max_seq_len=MAX_SEQ, chunk=2, graph_mode="compile")
+    try:
+        got = gen.generate(greedy_requests(ps, 3, None))
+    finally:
+        torch._dynamo.reset()
+    assert gen.graph_mode == "compile" and gen.stats.decode_steps == 2
+    assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nakta_model.generation.sampling import SamplingParams, sample_next
-from nakta_model.generation.step import DecodeStep
+from nakta_model.generation.step import DecodeStep, check_graph_mode
 from nakta_model.generation.stops import StopStrings
 from nakta_model.kernels.packed_attention import PREFIX_ALIGN
 
@@ -86,7 +86,9 @@ class Generator:
 
     ``max_batch`` rows decode at once (<= 64); ``max_seq_len`` bounds prompt + continuation per
     row (default: the model's); ``chunk`` tokens are decoded between host checks; ``graphs``
-    captures the decode step per batch bucket in CUDA graphs (default: on CUDA).
+    captures the decode step per batch bucket in CUDA graphs (default: on CUDA). ``graph_mode``
+    (instead of ``graphs``) names how the step runs: ``"cuda_graph"`` (captured), ``"compile"``
+    (``torch.compile(mode="reduce-overhead")``, to compare with the capture) or ``"eager"``.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Generator:
         chunk: int = 16,
         graphs: bool | None = None,
         prefix_rows: int = 2,
+        graph_mode: str | None = None,
     ):
         if not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ValueError(f"max_batch must be an int in [1, {BUCKETS[-1]}], got {max_batch!r}")
@@ -115,7 +118,14 @@ class Generator:
             chunk,
         )
         self.device = model.device
-        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        if graph_mode is None:
+            graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+            graph_mode = "cuda_graph" if graphs else "eager"
+        elif graphs is not None:
+            raise ValueError(
+                f"give graphs or graph_mode, not both (got {graphs!r}, {graph_mode!r})"
+            )
+        self.graph_mode = check_graph_mode(graph_mode)
         # cache rows: max_batch for requests, one scratch row for idle batch entries, then the
         # shared-prefix rows; each row's length a multiple of 64 (the prefix pages' size rule)
         self.scratch = max_batch
@@ -151,9 +161,11 @@ class Generator:
     def _step(self, bucket: int, sampling: bool) -> DecodeStep:
         key = (bucket, sampling)
         if key not in self._steps:
-            step = DecodeStep(self.model, bucket, self.chunk, sampling=sampling)
+            step = DecodeStep(
+                self.model, bucket, self.chunk, sampling=sampling, graph_mode=self.graph_mode
+            )
             self._idle(step, range(bucket))
-            if self.graphs:
+            if self.graph_mode == "cuda_graph":
                 step.capture()
             self._steps[key] = step
         return self._steps[key]

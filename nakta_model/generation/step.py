@@ -11,7 +11,9 @@ bytes over the copy bandwidth, and every extra kernel costs launch and tail time
 
 then the final RMSNorm + LM head and the next-token choice (``sampling.sample_next``), all on
 static buffers so the whole step is captured once per batch bucket in a CUDA graph and
-replayed: the host issues one graph launch per token. Under tensor parallelism the ``wo``/``w2``
+replayed: the host issues one graph launch per token (``graph_mode="cuda_graph"``; ``"compile"``
+runs the step through ``torch.compile(mode="reduce-overhead")`` instead, so the two can be
+compared, and ``"eager"`` just calls it). Under tensor parallelism the ``wo``/``w2``
 partial sums are all-reduced (NCCL, inside the graph) before the residual add. The same code
 runs the PyTorch references on the CPU (``model.kernels``), which the tests compare against.
 
@@ -30,7 +32,9 @@ from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
 from nakta_model.parallel import all_reduce
 
-__all__ = ["DecodeBuffers", "DecodeStep"]
+__all__ = ["GRAPH_MODES", "DecodeBuffers", "DecodeStep", "check_graph_mode"]
+
+GRAPH_MODES = ("cuda_graph", "compile", "eager")
 
 
 @dataclass
@@ -69,11 +73,23 @@ class DecodeBuffers:
         )
 
 
+def check_graph_mode(graph_mode: object) -> str:
+    """``graph_mode`` if it is one of :data:`GRAPH_MODES`, else a ValueError naming it."""
+    if graph_mode not in GRAPH_MODES:
+        raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+    return str(graph_mode)
+
+
 class DecodeStep:
     """The decode step of ``model`` for ``batch`` rows; call it, or :meth:`capture` it once
-    and :meth:`replay` it (CUDA). ``sampling=False`` keeps the step greedy (no sort, no draw)."""
+    and :meth:`run` replays it (CUDA). ``sampling=False`` keeps the step greedy (no sort, no
+    draw). ``graph_mode="compile"``: :meth:`run` calls the step compiled by ``torch.compile``
+    (reduce-overhead: inductor + CUDA graph trees) and :meth:`capture` is refused."""
 
-    def __init__(self, model, batch: int, chunk: int, *, sampling: bool):
+    def __init__(
+        self, model, batch: int, chunk: int, *, sampling: bool, graph_mode: str = "cuda_graph"
+    ):
+        self.graph_mode = check_graph_mode(graph_mode)
         if batch > _dl.MAX_BATCH:
             raise ValueError(f"decode batch {batch} exceeds decode_linear's {_dl.MAX_BATCH}")
         if not model.max_seq_len:
@@ -94,6 +110,7 @@ class DecodeStep:
             else None
         )
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._compiled = self._compile() if graph_mode == "compile" else None
 
     # ------------------------------------------------------------------------------- math
     def _linear(self, x, weight, **kw) -> torch.Tensor:
@@ -170,6 +187,8 @@ class DecodeStep:
     def capture(self) -> None:
         """Record one step as a CUDA graph (after two eager warm-up steps, which compile the
         kernels; the buffers' values are restored afterwards)."""
+        if self.graph_mode != "cuda_graph":
+            raise ValueError(f"capture() needs graph_mode='cuda_graph', got {self.graph_mode!r}")
         buf = self.buffers
         saved = {k: getattr(buf, k).clone() for k in ("tokens", "positions", "step", "history")}
         stream = torch.cuda.Stream(self.model.device)
@@ -187,10 +206,26 @@ class DecodeStep:
             getattr(buf, k).copy_(v)
         self.graph = graph
 
+    def _compile(self):
+        """``self.__call__`` under ``torch.compile(mode="reduce-overhead")``. The tensors the
+        step mutates or reads by address (buffers, KV cache, tables) are marked static: CUDA
+        graph trees then neither copy them in on each replay nor skip graphs that mutate them
+        in place. Host checks in the kernel launchers break the graph (``fullgraph=False``)."""
+        tensors = [*vars(self.buffers).values(), self.cos, self.sin, self.workspace]
+        for layer in self.model.layers:
+            tensors += [layer.attention.k_cache, layer.attention.v_cache]
+        for t in tensors:
+            if t is not None:
+                torch._dynamo.mark_static_address(t, guard=False)
+        return torch.compile(self.__call__, mode="reduce-overhead", fullgraph=False)
+
     def run(self, steps: int) -> None:
-        """``steps`` decode steps (graph replays when captured)."""
+        """``steps`` decode steps (graph replays when captured, compiled calls in compile mode)."""
         for _ in range(steps):
-            if self.graph is not None:
+            if self._compiled is not None:
+                torch.compiler.cudagraph_mark_step_begin()  # a new step: outputs are not kept
+                self._compiled()
+            elif self.graph is not None:
                 self.graph.replay()
             else:
                 self()
