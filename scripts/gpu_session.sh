@@ -4,6 +4,9 @@
 # tests         every `-m gpu` test (-v), tests.txt
 # failing       the GPU tests that failed in a full run, with tracebacks
 # budget        decode_speed at batch 1 only, with the per-launch time budget of one layer
+# tune          decode_linear launch configs for the 7B shapes at batch 1 (bench_decode --tune)
+# compile       decode_speed's nakta_compile engine (torch.compile reduce-overhead) at batch
+#               1 and 32 next to the CUDA-graph capture (nakta), prompt 64, 128 new
 # profile_mmlu  model_profile --workload mmlu (prefix cache vs per-task cache), 230 tasks
 # decode        decode_speed: nakta + llama_org at batch 1/8/32, prompts 64/512, 128 new; hf
 #               (static cache) at batch 1 and 32, prompt 64 (its rows are slow)
@@ -71,6 +74,17 @@ for job in "$@"; do
         --lengths 64:128 --engines nakta --out "$OUT/budget"
       cp "$OUT/budget/decode.md" "$OUT/budget.md" 2>/dev/null
       pack budget
+      ;;
+    tune)
+      step tune 200 python3 -m kernel_benchmark.bench_decode --tune --models 7B --batches 1 \
+        --tune-budget 150 --out "$OUT/tune"
+      pack tune
+      ;;
+    compile)
+      step compile 240 python3 speed_bench/decode_speed.py --preset 7B --batches 1,32 \
+        --lengths 64:128 --engines nakta,nakta_compile --no-budget --out "$OUT/compile"
+      cp "$OUT/compile/decode.md" "$OUT/compile.md" 2>/dev/null
+      pack compile
       ;;
     failing)
       step failing 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
