@@ -398,6 +398,27 @@ def test_shape_table_and_tune_override(monkeypatch):
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (32, 256)
 
 
+
+def test_device_tables_override_the_shape_entries_on_their_device_only(monkeypatch):
+    """An H200 launch uses the H200's tuned entry (a valid config), other devices the shared
+    one; every per-device entry passes the config checks."""
+    cpu = torch.device("cpu")
+    shared = dl._config(torch.bfloat16, 1, 12288, 4096, "rope", cpu)
+    monkeypatch.setattr(dl, "device_family", lambda device: "h200")
+    for (dtype, bucket, variant, n, k), entry in dl._DEVICE_CONFIGS["h200"].items():
+        cfg = dl._config(getattr(torch, dtype), bucket, n, k, variant, cpu)
+        assert {key: cfg[key] for key in entry} == entry
+    h200 = dl._config(torch.bfloat16, 1, 12288, 4096, "rope", cpu)
+    assert (h200["BLOCK_N"], h200["num_warps"]) != (shared["BLOCK_N"], shared["num_warps"])
+    monkeypatch.setattr(dl, "device_family", lambda device: "h100")
+    assert dl._config(torch.bfloat16, 1, 12288, 4096, "rope", cpu) == shared
+
+
+def test_device_family_is_empty_off_the_gpu():
+    from nakta_model.kernels._checks import device_family
+
+    assert device_family(torch.device("cpu")) == ""
+
 @pytest.mark.parametrize(
     "tune, variant, match",
     [

@@ -227,7 +227,9 @@ def test_gpu_every_batch_size_runs_for_both_models(shared_data, tmp_path):
     cmd += ["--data", str(shared_data / "hellaswag_val_full.jsonl"), "--limit", "40"]
     cmd += ["--fewshot", "0", "--batch-sizes", "default,64,auto", "--device", "cuda"]
     cmd += ["--out", str(out), "--local-tasks-only"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the repo first, then whatever the machine put there (the GPU image's carried wheels)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "lm_eval_summary.json").read_text())

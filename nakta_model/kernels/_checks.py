@@ -30,6 +30,23 @@ def debug_checks() -> bool:
 
 
 @functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_family(device: torch.device) -> str:
+    """A word of the CUDA device's name that launch-config tables are keyed by (``"h200"``,
+    ``"h100"``, ...; ``""`` off the GPU or for other devices): tuned tile sizes differ."""
+    if device.type != "cuda":
+        return ""
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    for family in ("h200", "h100", "a100"):
+        if family in name.lower():
+            return family
+    return ""
+
+
+@functools.lru_cache(maxsize=16)
 def sm_count(device: torch.device, off_gpu: int) -> int:
     """Streaming multiprocessors of a CUDA ``device``; ``off_gpu`` for any other device."""
     if device.type != "cuda":

@@ -28,6 +28,8 @@ def _row_rstd(
         x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
         ss += x * x
+    # fp32 scalars: torch.compile's inductor passes Python floats to Triton as fp64
+    inv_k, eps = tl.cast(inv_k, tl.float32), tl.cast(eps, tl.float32)
     return rsqrt(tl.sum(ss, axis=1) * inv_k + eps, ACCURATE)
 
 

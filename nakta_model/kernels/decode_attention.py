@@ -120,6 +120,7 @@ def _attn_split_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     start, end, bad = _chunk(LENS, b, s_max, n_splits, split, BLOCK_S)
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats to Triton as fp64
 
     q_mask = g_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)

@@ -60,6 +60,7 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     debug_checks,
+    device_family,
     interpreter_enabled,
     sm_count,
 )
@@ -161,6 +162,19 @@ _CONFIGS: dict[tuple, dict[str, int]] = {
         USE_DOT=1, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4
     ),
 }
+# Per-device overrides of the entries above, by a word of the device name: the H200's batch-1
+# --tune winners (% of copy bandwidth, H100 entry -> tuned, this run: wqkv 79.2 -> 89.7, w2
+# 89.0 -> 89.7; head, w13 and wo keep theirs: speed_bench/results/nvidia-h200/decode_tune).
+_DEVICE_CONFIGS: dict[str, dict[tuple, dict[str, int]]] = {
+    "h200": {
+        ("bfloat16", 1, "rope", 12288, 4096): dict(
+            USE_DOT=0, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4
+        ),
+        ("bfloat16", 1, "residual", 4096, 11008): dict(
+            USE_DOT=0, BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=2
+        ),
+    },
+}
 _TUNE: dict[str, int] = {}
 
 _PROGRAMS_PER_SM = 2  # grid target: ~2 programs per SM (0.9 slack: 4096 / 16 = 256 on 132 SMs)
@@ -201,6 +215,9 @@ def _config(
     name = str(dtype).removeprefix("torch.")
     cfg = dict(_CONFIGS[(name, bucket)])
     cfg.update(_CONFIGS.get((name, bucket, variant, n_cols, k), {}))
+    cfg.update(
+        _DEVICE_CONFIGS.get(device_family(device), {}).get((name, bucket, variant, n_cols, k), {})
+    )
     cfg.update(_TUNE)
     use_dot = bool(cfg["USE_DOT"])
     rows_per_col = 2 if variant == "swiglu" else 1
