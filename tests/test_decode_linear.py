@@ -398,7 +398,6 @@ def test_shape_table_and_tune_override(monkeypatch):
     assert (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (32, 256)
 
 
-
 def test_device_tables_override_the_shape_entries_on_their_device_only(monkeypatch):
     """An H200 launch uses the H200's tuned entry (a valid config), other devices the shared
     one; every per-device entry passes the config checks."""
@@ -418,6 +417,7 @@ def test_device_family_is_empty_off_the_gpu():
     from nakta_model.kernels._checks import device_family
 
     assert device_family(torch.device("cpu")) == ""
+
 
 @pytest.mark.parametrize(
     "tune, variant, match",
