@@ -301,8 +301,16 @@ def layer_budget(weights, device, dtype, context: int, bandwidth_gbps: float) ->
         ),
         "attention": (
             lambda: da.decode_attention(
-                q, kc, vc, lens, workspace=step.workspace, n_splits=step.splits
-            ),  # fmt: skip
+                q,
+                kc,
+                vc,
+                lens,
+                workspace=step.workspace,
+                n_splits=step.splits,
+                rows=step.buffers.rows,
+                prefix_rows=step.buffers.prefix_rows,
+                prefix_lens=step.buffers.prefix_lens,
+            ),  # fmt: skip (the step's call: rows and a (here empty) shared prefix)
             2 * context * hkv * hd * elem,
         ),
         "wo+residual": (

@@ -311,3 +311,48 @@ def test_rows_pick_any_cache_row(n_q, n_kv, n_splits):
         decode_attention(q, k_cache, v_cache, lens, rows=torch.tensor([0, 5, 1]))
     with pytest.raises(ValueError, match="rows must have 3 entries"):
         decode_attention(q, k_cache, v_cache, lens, rows=rows[:2])
+
+
+@pytest.mark.parametrize("n_q, n_kv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("n_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_rows_read_a_shared_prefix_without_copies(n_q, n_kv, n_splits, dtype):
+    """Keys below ``prefix_lens[b]`` come from cache row ``prefix_rows[b]``: the output is the
+    one the rows would give with the prefix copied in (bit for bit), including a prefix longer
+    than the row's keys, no prefix (0) and a prefix tile boundary inside a split."""
+    q, k_cache, v_cache, lens = make_inputs(4, n_q, n_kv, dtype, "cpu", b_max=6)
+    lens = torch.tensor([1, 37, 20, 29])
+    rows = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
+    prefix_rows = torch.tensor([5, 5, 4, 5], dtype=torch.int32)
+    prefix_lens = torch.tensor([9, 17, 0, 33], dtype=torch.int32)
+    got = decode_attention(
+        q, k_cache, v_cache, lens, rows=rows, n_splits=n_splits,
+        prefix_rows=prefix_rows, prefix_lens=prefix_lens,
+    )  # fmt: skip
+    copied_k, copied_v = k_cache[rows.long()].clone(), v_cache[rows.long()].clone()
+    for b in range(4):
+        n = int(prefix_lens[b])
+        copied_k[b, :n] = k_cache[int(prefix_rows[b]), :n]
+        copied_v[b, :n] = v_cache[int(prefix_rows[b]), :n]
+    want = decode_attention(q, copied_k, copied_v, lens, n_splits=n_splits)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref = decode_attention_reference(
+        q, k_cache, v_cache, lens, rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens
+    )
+    assert torch.equal(ref, decode_attention_reference(q, copied_k, copied_v, lens))
+    assert_near_fp64(got, expected_fp64(q, copied_k, copied_v, lens), dtype)
+
+
+def test_prefix_arguments_are_checked():
+    q, k_cache, v_cache, lens = make_inputs(2, 4, 4, torch.float32, "cpu", b_max=3)
+    pr, pl = torch.tensor([2, 2]), torch.tensor([3, 3])
+    with pytest.raises(ValueError, match="prefix_rows and prefix_lens go together"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_rows=pr)
+    with pytest.raises(ValueError, match=r"prefix_rows must lie in \[0, B_max=3\)"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_rows=pr + 1, prefix_lens=pl)
+    with pytest.raises(ValueError, match=r"prefix_lens must lie in \[0, S_max=37\]"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_rows=pr, prefix_lens=pl + 40)
+    with pytest.raises(ValueError, match="prefix_lens must have 2 entries"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_rows=pr, prefix_lens=pl[:1])
+    with pytest.raises(TypeError, match="prefix_rows"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_rows=pr.float(), prefix_lens=pl)

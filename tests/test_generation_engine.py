@@ -304,16 +304,28 @@ def shared_prompts(n_prefixes=2, per=3, prefix_len=70, seed=9):
 
 
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
-def test_shared_prompt_prefixes_prefill_once_and_decode_the_same(kernels):
+def test_shared_prompt_prefixes_prefill_once_and_decode_the_same(kernels, monkeypatch):
     model = tiny_model(kernels=kernels)
     ps = shared_prompts(per=3 if kernels == "reference" else 2)
     n_new = 6 if kernels == "reference" else 2
     plain = Generator(model, max_batch=2, max_seq_len=96, prefix_rows=0).generate(
         greedy_requests(ps, n_new, None)
     )
+    from nakta_model.kernels import decode_attention as da
+
+    seen = []  # the prefix lengths decode attention was asked to read from the prefix rows
+    for name in ("decode_attention", "decode_attention_reference"):
+        fn = getattr(da, name)
+
+        def spy(*a, _fn=fn, **kw):
+            seen.append(int(kw["prefix_lens"].max()))
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(da, name, spy)
     gen = Generator(model, max_batch=2, max_seq_len=96, prefix_rows=2)
     shared = gen.generate(greedy_requests(ps, n_new, None))
     assert [r.tokens for r in shared] == [r.tokens for r in plain]
+    assert max(seen) == 70  # decoding read the prefix in place, from its prefix row
     # each 70-token prefix ran once, whatever the admission wave; the rest ran per prompt
     suffixes = sum(len(p) - 70 for p in ps)
     assert gen.stats.prefilled_tokens == 2 * 70 + suffixes

@@ -13,7 +13,10 @@ is shortened so that no row runs past its token budget or the cache.
 Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefixes``) prefill
 it once: its K/V is computed into one of ``prefix_rows`` spare cache rows (kept, least recently
 used first out, for later admissions) and copied into each prompt's row; only the rest of each
-prompt runs through the model, attending to the copied prefix.
+prompt runs through the model, attending to the copied prefix. Decoding then reads the prefix
+from the prefix row itself while it is held there (``decode_attention``'s ``prefix_rows``):
+the rows of a batch share one copy, which L2 serves, instead of each streaming its own from
+HBM at every step; a row whose prefix was evicted reads its own copy.
 
 Greedy decoding gives, per prompt, the tokens Meta's loop gives (``meta_loop``): the same model
 math on each row, just not padded to the batch's shortest prompt.
@@ -64,6 +67,7 @@ class _Row:
     index: int  # position of the request in the caller's list
     request: GenerationRequest
     shared: int = 0  # length of the prefix it shares with other requests (0: none)
+    prefix: tuple[int, ...] = ()  # the prefix held in a prefix row that decode reads in place
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
     finished: str | None = None
@@ -175,6 +179,7 @@ class Generator:
         idx = torch.tensor(list(entries), dtype=torch.long, device=self.device)
         if idx.numel():
             step.buffers.rows[idx] = self.scratch
+            step.buffers.prefix_lens[idx] = 0
             step.buffers.positions[idx] = 0
             step.buffers.tokens[idx] = 0
             step.buffers.temperature[idx] = 0.0
@@ -280,8 +285,9 @@ class Generator:
             as_t([p.top_p for p in params], torch.float32),
             any_sampling=not all(p.greedy for p in params),
         ).tolist()
-        for r, c, t in zip(rows, cache_rows, first):
+        for r, c, t, p, n in zip(rows, cache_rows, first, prompts, shared):
             slots[c] = r
+            r.prefix = tuple(p[:n])
             self._accept(r, [t])
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefilled_tokens += sum(len(p) - n for p, n in zip(prompts, shared))
@@ -366,18 +372,26 @@ class Generator:
         """Write the active rows' state into the step's buffers (entry s = cache row s)."""
         buf = step.buffers
         tokens, positions, rows = [0] * bucket, [0] * bucket, [self.scratch] * bucket
+        pre_rows, pre_lens = [self.scratch] * bucket, [0] * bucket
         temp, top_k, top_p = [0.0] * bucket, [0] * bucket, [1.0] * bucket
         for s in active:
             r = slots[s]
             tokens[s] = r.tokens[-1]
             positions[s] = len(r.request.prompt) + len(r.tokens) - 1
             rows[s] = s
+            # the prefix row still holds the prefix (not evicted since): read it there, where
+            # the other rows of the prefix read it too; else the row's own copy
+            held = self._prefixes.get(r.prefix) if r.prefix else None
+            if held is not None:
+                pre_rows[s], pre_lens[s] = held, len(r.prefix)
             sp = r.request.sampling
             temp[s], top_k[s], top_p[s] = sp.temperature, sp.top_k, sp.top_p
         for t, v in (
             (buf.tokens, tokens),
             (buf.positions, positions),
             (buf.rows, rows),
+            (buf.prefix_rows, pre_rows),
+            (buf.prefix_lens, pre_lens),
             (buf.temperature, temp),
             (buf.top_k, top_k),
             (buf.top_p, top_p),

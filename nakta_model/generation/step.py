@@ -42,7 +42,9 @@ class DecodeBuffers:
     """The step's inputs and outputs, on the device, at fixed addresses (graph capture).
 
     Row b of the batch holds its last token ``tokens[b]`` at position ``positions[b]`` of cache
-    row ``rows[b]``; ``temperature``/``top_k``/``top_p`` are its sampling settings. Each step
+    row ``rows[b]``, its first ``prefix_lens[b]`` keys in cache row ``prefix_rows[b]`` (a
+    shared prompt prefix, read in place; 0: none); ``temperature``/``top_k``/``top_p`` are its
+    sampling settings. Each step
     writes the chosen token into ``history[:, step]`` and advances ``tokens``, ``positions``
     and ``step`` in place, so replaying the step N times decodes N tokens per row.
     """
@@ -50,6 +52,8 @@ class DecodeBuffers:
     tokens: torch.Tensor  # int64 [B]
     positions: torch.Tensor  # int32 [B]
     rows: torch.Tensor  # int32 [B]
+    prefix_rows: torch.Tensor  # int32 [B]
+    prefix_lens: torch.Tensor  # int32 [B]
     temperature: torch.Tensor  # fp32 [B]
     top_k: torch.Tensor  # int64 [B]
     top_p: torch.Tensor  # fp32 [B]
@@ -65,6 +69,8 @@ class DecodeBuffers:
             tokens=torch.zeros(batch, **i64),
             positions=torch.zeros(batch, **i32),
             rows=torch.zeros(batch, **i32),
+            prefix_rows=torch.zeros(batch, **i32),
+            prefix_lens=torch.zeros(batch, **i32),
             temperature=torch.zeros(batch, **f32),
             top_k=torch.zeros(batch, **i64),
             top_p=torch.ones(batch, **f32),
@@ -117,13 +123,14 @@ class DecodeStep:
         fn = _dl.decode_linear if self.kernels else _dl.decode_linear_reference
         return fn(x, weight, **kw)
 
-    def _attention(self, q, k_cache, v_cache, lens, rows) -> torch.Tensor:
+    def _attention(self, q, k_cache, v_cache, lens) -> torch.Tensor:
+        buf = self.buffers
+        kw = dict(rows=buf.rows, prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
         if self.kernels:
             return _da.decode_attention(
-                q, k_cache, v_cache, lens, rows=rows, n_splits=self.splits,
-                workspace=self.workspace,
-            )  # fmt: skip
-        return _da.decode_attention_reference(q, k_cache, v_cache, lens, rows=rows)
+                q, k_cache, v_cache, lens, n_splits=self.splits, workspace=self.workspace, **kw
+            )
+        return _da.decode_attention_reference(q, k_cache, v_cache, lens, **kw)
 
     def logits(self) -> torch.Tensor:
         """Logits ``[B, vocab]`` (model dtype) for the buffers' tokens; writes their K/V."""
@@ -153,7 +160,7 @@ class DecodeStep:
                     k_cache=a.k_cache, v_cache=a.v_cache, cache_slots=slots,
                 )  # fmt: skip
                 q = qkv[:, : hq * hd]
-            o = self._attention(q.view(b, hq, hd), kc, vc, lens, buf.rows).view(b, hq * hd)
+            o = self._attention(q.view(b, hq, hd), kc, vc, lens).view(b, hq * hd)
             h = self._residual(o, a.wo.weight, h, ctx)
             g = self._linear(h, f.w13.weight, norm_weight=norm2.weight, eps=norm2.eps, swiglu=True)
             h = self._residual(g, f.w2.weight, h, ctx)

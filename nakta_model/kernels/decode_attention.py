@@ -7,6 +7,12 @@ query heads (GQA: K/V loaded once per group) and writes a partial result (runnin
 exponentials, unnormalised output: fp32 workspace); a second small kernel combines the splits.
 With one split the first kernel writes the output directly (one launch).
 
+Shared prefixes: with ``prefix_rows``/``prefix_lens`` a row reads its first keys from another
+cache row, where a prompt prefix many rows share (a few-shot prompt) is held once. The rows'
+programs for one KV head run side by side (the batch is the grid's fastest axis), so that
+prefix is fetched from HBM about once per step and served from L2 to the other rows, instead
+of every row streaming its own copy.
+
 CUDA-graph capturable: the grid ``(B, n_kv_heads, n_splits)`` depends on shapes only
 (``n_splits`` from the batch, KV heads and cache length, never from ``cache_lens``' values);
 each program derives its chunk from ``cache_lens[b]`` on the device (the valid keys are spread
@@ -98,18 +104,21 @@ def _chunk(lens_ptr, b, s_max, n_splits, split, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _attn_split_kernel(
-    Q, K, V, LENS, ROWS, OUT, WS, s_max, n_splits,
+    Q, K, V, LENS, ROWS, PRE_ROWS, PRE_LENS, OUT, WS, s_max, n_splits,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
     ``SINGLE`` (one split): normalise and write the output; otherwise write the partial
     ``(acc, max, sum)`` to the workspace (neutral when the chunk is empty). ``HAS_ROWS``: row b
     reads cache row ``ROWS[b]`` (continuous batching: any request in any cache row).
+    ``HAS_PREFIX``: keys ``< PRE_LENS[b]`` come from cache row ``PRE_ROWS[b]`` (a prompt prefix
+    several rows share: they read one copy, which stays in L2 while the rows' programs run).
     """
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -128,8 +137,14 @@ def _attn_split_kernel(
         row = tl.load(ROWS + b).to(tl.int64)
     else:
         row = b
-    k_base = K + row * stride_kb + kvh.to(tl.int64) * stride_kh + d[None, :]
-    v_base = V + row * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
+    if HAS_PREFIX:
+        pre_row = tl.load(PRE_ROWS + b).to(tl.int64)
+        pre_len = tl.load(PRE_LENS + b).to(tl.int32)
+        k_base = K + kvh.to(tl.int64) * stride_kh + d[None, :]  # the row is chosen per key
+        v_base = V + kvh.to(tl.int64) * stride_vh + d[None, :]
+    else:
+        k_base = K + row * stride_kb + kvh.to(tl.int64) * stride_kh + d[None, :]
+        v_base = V + row * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -139,8 +154,13 @@ def _attn_split_kernel(
         k_ok = keys < end
         kv_mask = k_ok[:, None] & d_ok[None, :]
         rows = keys.to(tl.int64)[:, None]
-        k = tl.load(k_base + rows * stride_ks, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows * stride_vs, mask=kv_mask, other=0.0)
+        if HAS_PREFIX:
+            from_row = tl.where(keys < pre_len, pre_row, row)[:, None]
+            k = tl.load(k_base + from_row * stride_kb + rows * stride_ks, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + from_row * stride_vb + rows * stride_vs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_base + rows * stride_ks, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + rows * stride_vs, mask=kv_mask, other=0.0)
         s = _scores(q, k, USE_DOT, PREC, UPCAST) * qk_scale
         s = tl.where(k_ok[None, :], s, float("-inf"))
         # the first tile of a non-empty chunk holds a valid key, so m_new is finite
@@ -256,7 +276,7 @@ def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
 
 def _check_args(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, *, for_kernel: bool,
-    rows=None,
+    rows=None, prefix_rows=None, prefix_lens=None,
 ) -> tuple[float, int]:  # fmt: skip
     """Validate a ``decode_attention`` call; returns ``(scale, n_splits)``."""
     q = check_tensor("q", q)
@@ -285,6 +305,14 @@ def _check_args(
         rows = check_index("rows", rows, batch, per="row of q")
         if rows.device != q.device:
             raise ValueError(f"rows is on {rows.device} but q is on {q.device}")
+    if (prefix_rows is None) != (prefix_lens is None):
+        raise ValueError("prefix_rows and prefix_lens go together: give both or neither")
+    if prefix_rows is not None:
+        prefix_rows = check_index("prefix_rows", prefix_rows, batch, per="row of q")
+        prefix_lens = check_index("prefix_lens", prefix_lens, batch, per="row of q")
+        for name, t in (("prefix_rows", prefix_rows), ("prefix_lens", prefix_lens)):
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if n_q % n_kv:
         raise ValueError(f"the caches' n_kv_heads ({n_kv}) must divide q's heads ({n_q})")
     cache_lens = check_index("cache_lens", cache_lens, batch, per="row of q")
@@ -315,9 +343,17 @@ def _check_args(
         lo, hi = int(cache_lens.min()), int(cache_lens.max())
         if lo < 0 or hi > s_max:
             raise ValueError(f"cache_lens must lie in [0, S_max={s_max}], got [{lo}, {hi}]")
-        if rows is not None and (int(rows.min()) < 0 or int(rows.max()) >= b_max):
+        for name, t in (("rows", rows), ("prefix_rows", prefix_rows)):
+            if t is not None and (int(t.min()) < 0 or int(t.max()) >= b_max):
+                raise ValueError(
+                    f"{name} must lie in [0, B_max={b_max}), got [{int(t.min())}, {int(t.max())}]"
+                )
+        if prefix_lens is not None and (
+            int(prefix_lens.min()) < 0 or int(prefix_lens.max()) > s_max
+        ):
             raise ValueError(
-                f"rows must lie in [0, B_max={b_max}), got [{int(rows.min())}, {int(rows.max())}]"
+                f"prefix_lens must lie in [0, S_max={s_max}], got "
+                f"[{int(prefix_lens.min())}, {int(prefix_lens.max())}]"
             )
     return float(scale), n_splits
 
@@ -349,7 +385,9 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
                 check_no_overlap("workspace", workspace, name, t)
 
 
-def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None) -> None:
+def _launch(
+    q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None
+) -> None:
     batch, n_q, head_dim = q.shape
     s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_q // n_kv
@@ -373,14 +411,15 @@ def _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, ro
         ws = ws.view(batch, n_q, n_splits, head_dim + 2)
         ws_strides = ws.stride()[:3]
     _attn_split_kernel[(batch, n_kv, n_splits)](
-        q, k_cache, v_cache, cache_lens, cache_lens if rows is None else rows, out, ws, s_max,
-        n_splits,
+        q, k_cache, v_cache, cache_lens, cache_lens if rows is None else rows,
+        *(prefix or (cache_lens, cache_lens)), out, ws, s_max, n_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         *ws_strides, scale * LOG2E,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
-        HAS_ROWS=rows is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_ROWS=rows is not None, HAS_PREFIX=prefix is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     if single:
         return
@@ -407,18 +446,24 @@ def decode_attention(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, n_q, hd]`` (one query per row) over ``k_cache``/``v_cache``
     ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1`` (or cache rows ``rows[b]``), keys
-    ``0 .. cache_lens[b] - 1``; query head h reads KV head ``h // (n_q / n_kv)``. ``scale``
-    defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns ``out``
-    (allocated when None), shape and dtype of q."""
+    ``0 .. cache_lens[b] - 1``; query head h reads KV head ``h // (n_q / n_kv)``. With
+    ``prefix_rows``/``prefix_lens`` (int ``[B]``), keys ``< prefix_lens[b]`` are read from cache
+    row ``prefix_rows[b]`` instead (a shared prompt prefix held once). ``scale`` defaults to
+    ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns ``out`` (allocated when
+    None), shape and dtype of q."""
     scale, n_splits = _check_args(
-        q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True, rows=rows
-    )
+        q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True,
+        rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
+    )  # fmt: skip
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows)
+    prefix = None if prefix_rows is None else (prefix_rows, prefix_lens)
+    _launch(q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows, prefix)
     return out
 
 
@@ -438,18 +483,27 @@ def decode_attention_reference(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch (any device): fp32 scores and softmax over each row's valid keys, output
     in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace`` are checked like
     the kernel's and otherwise unused."""
     args = (q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace)
-    scale, _ = _check_args(*args, for_kernel=False, rows=rows)
+    scale, _ = _check_args(
+        *args, for_kernel=False, rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens
+    )
     batch, n_q, _ = q.shape
     s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
     kv_head = torch.arange(n_q, device=q.device) // (n_q // n_kv)
     picked = slice(0, batch) if rows is None else rows.long()
     k = k_cache[picked].float()[:, :, kv_head]  # [B, S, n_q, hd]
     v = v_cache[picked].float()[:, :, kv_head]
+    if prefix_rows is not None:
+        shared = torch.arange(s_max, device=q.device)[None, :] < prefix_lens.to(q.device)[:, None]
+        shared = shared[:, :, None, None]
+        k = torch.where(shared, k_cache[prefix_rows.long()].float()[:, :, kv_head], k)
+        v = torch.where(shared, v_cache[prefix_rows.long()].float()[:, :, kv_head], v)
     scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * scale
     valid = torch.arange(s_max, device=q.device)[None, :] < cache_lens.to(q.device)[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
