@@ -34,7 +34,8 @@ Batch size. Nakta packs rows (a row = one context with its continuations) until
 
 ``llama_org`` keeps Meta's rule: its KV cache is allocated for ``rows x max_length`` up front,
 so it always needs a row count: ``N > 1`` rows, else 32 (no flag, 1, ``auto``). Generation
-batches ``N`` prompts (nakta: 16 when uncapped).
+batches ``N`` prompts; nakta's engine decodes up to 64 at once when uncapped (as many as its
+KV cache fits in 80% of the free GPU memory, rows as long as the requests need).
 
 Device: lm-eval's CLI passes ``--device cuda:0`` when none was given; on a machine without that
 GPU the adapters fall back to the automatic choice with a warning line, as lm-eval's ``hf`` does.
@@ -476,21 +477,29 @@ class NaktaLM(_ScoringLM):
             )
         if not reqs:
             return []
-        results = self._generator().generate(reqs, progress=not disable_tqdm)
+        results = self._generator(reqs).generate(reqs, progress=not disable_tqdm)
         out = []
         for req, res in zip(requests, results):
             out.append(res.text)
             self.cache_hook.add_partial("generate_until", req.args, res.text)
         return out
 
-    def _generator(self):
-        """The generation engine, built on first use (it owns the model's KV cache)."""
-        if getattr(self, "_gen", None) is None:
-            from nakta_model.generation import Generator
+    def _generator(self, reqs):
+        """The generation engine (it owns the model's KV cache), built on first use and again
+        when requests need longer rows: rows as long as the longest prompt + budget asks
+        (rounded up to 256, at most ``max_length``), and as many as fit in memory (at most 64,
+        or the ``--batch_size`` cap)."""
+        from nakta_model.generation import Generator, fitting_batch
 
-            self._gen = Generator(
-                self.model, max_batch=min(self.rows or 32, 64), max_seq_len=self.max_length
-            )
+        need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+        gen = getattr(self, "_gen", None)
+        if gen is None or gen.max_seq_len < need:
+            row_len = min(self.max_length, -(-need // 256) * 256)
+            self._gen = None
+            self.model.clear_cache()  # the old rows go before the new ones are sized
+            cap = min(self.rows or 64, 64)
+            rows = fitting_batch(self.model, row_len, cap=cap)
+            self._gen = Generator(self.model, max_batch=rows, max_seq_len=row_len)
         return self._gen
 
 

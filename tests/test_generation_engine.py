@@ -42,7 +42,7 @@ def _one_thread_and_cleanup():
     shutdown()
 
 
-def tiny_model(params=TINY_PARAMS, kernels="reference", seed=3, interleaved=True):
+def tiny_model(params=TINY_PARAMS, kernels="reference", seed=3, interleaved=True, device="cpu"):
     args = ModelArgs.from_meta_params(params, max_seq_len=MAX_SEQ)
     sd = meta_state_dict(params, seed=seed)
     if not interleaved:  # HF's rotate-half rows: the same model with permuted q/k
@@ -54,7 +54,7 @@ def tiny_model(params=TINY_PARAMS, kernels="reference", seed=3, interleaved=True
             sd[p + "wq.weight"] = hf_permute(sd[p + "wq.weight"], args.n_heads)
             sd[p + "wk.weight"] = hf_permute(sd[p + "wk.weight"], args.n_kv_heads)
         args = args.replace(rope_interleaved=False)
-    return load(state_dict_source(sd, args), "cpu", kernels=kernels)
+    return load(state_dict_source(sd, args), device, kernels=kernels)
 
 
 def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
@@ -346,3 +346,27 @@ def test_more_prefixes_than_prefix_rows_and_a_scorer_in_between():
     reqs = [(p, [5]) for p in ps]
     scoring.score(model, reqs)  # builds (and frees) its own prefix pool in the model's cache
     assert [r.tokens for r in gen.generate(greedy_requests(ps, 4, None))] == want
+
+
+def test_fitting_batch_on_the_cpu_is_the_cap_and_checks_its_arguments():
+    from nakta_model.generation import fitting_batch
+
+    model = tiny_model()
+    assert fitting_batch(model, 128) == 64 and fitting_batch(model, 128, cap=7) == 7
+    with pytest.raises(ValueError, match="cap must be an int in"):
+        fitting_batch(model, 128, cap=65)
+    with pytest.raises(ValueError, match="max_seq_len must be an int >= 2"):
+        fitting_batch(model, 1)
+
+
+@pytest.mark.gpu
+def test_gpu_fitting_batch_follows_free_memory():
+    """Rows of a longer cache fit fewer times; a cap wins when memory allows more."""
+    from nakta_model.generation import fitting_batch
+
+    model = tiny_model(kernels="triton", device="cuda")
+    assert fitting_batch(model, 256, cap=3) == 3
+    free = torch.cuda.mem_get_info()[0]
+    per_row = 2 * sum(a.n_kv_heads * a.head_dim for a in (x.attention for x in model.layers))
+    huge = int(free // (per_row * model.dtype.itemsize)) // 64 * 64  # one row ~ all free memory
+    assert fitting_batch(model, huge) == 1

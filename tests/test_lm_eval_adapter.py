@@ -151,6 +151,11 @@ def test_generate_until_reproduces_stories260k_greedy_text(shared_data):
         assert ref["text"].startswith(
             "Once upon a time, there was a little girl named Lily. " + out[1]
         )
+        if cls is adapter.NaktaLM:  # rows as long as the requests need, as many as the cap
+            assert (lm._gen.max_seq_len, lm._gen.max_batch) == (256, 2)
+            long = [Instance("generate_until", {}, ("Once", {"max_gen_toks": 300}), 0)]
+            assert len(lm.generate_until(long, disable_tqdm=True)) == 1
+            assert lm._gen.max_seq_len == 512
 
 
 def test_adapter_argument_errors(tiny):

@@ -9,6 +9,7 @@ from nakta_model.generation.engine import (
     GenerationRequest,
     GenerationResult,
     Generator,
+    fitting_batch,
     greedy_requests,
 )
 from nakta_model.generation.meta_loop import generate, generate_tokens, sample_top_p
@@ -21,6 +22,7 @@ __all__ = [
     "Generator",
     "SamplingParams",
     "StopStrings",
+    "fitting_batch",
     "generate",
     "generate_tokens",
     "greedy_requests",

@@ -36,7 +36,7 @@ from nakta_model.generation.step import DecodeStep, check_graph_mode
 from nakta_model.generation.stops import StopStrings
 from nakta_model.kernels.packed_attention import PREFIX_ALIGN
 
-__all__ = ["GenerationRequest", "GenerationResult", "Generator"]
+__all__ = ["GenerationRequest", "GenerationResult", "Generator", "fitting_batch"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -446,6 +446,32 @@ class Generator:
                 raise ValueError(f"requests[{i}].max_new_tokens must be an int >= 1")
             if not isinstance(r.sampling, SamplingParams):
                 raise TypeError(f"requests[{i}].sampling must be a SamplingParams")
+
+
+def fitting_batch(
+    model, max_seq_len: int, *, cap: int = BUCKETS[-1], prefix_rows: int = 2, fraction: float = 0.8
+) -> int:
+    """The most request rows (<= ``cap``) whose K/V cache of ``max_seq_len`` positions, with
+    the engine's scratch and ``prefix_rows`` rows, fits in ``fraction`` of the device memory
+    that is free once the model's current cache is dropped (CPU: ``cap``). More rows per step
+    spread each step's weight reads over more tokens; the cache is what bounds them."""
+    if not isinstance(cap, int) or not 1 <= cap <= BUCKETS[-1]:
+        raise ValueError(f"cap must be an int in [1, {BUCKETS[-1]}], got {cap!r}")
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
+    if model.device.type != "cuda":
+        return cap
+    per_position = (
+        sum(2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in model.layers)
+        * torch.empty((), dtype=model.dtype).element_size()
+    )
+    held = 0
+    k0 = model.layers[0].attention.k_cache
+    if k0 is not None:  # the current cache is given back before the new one is made
+        held = 2 * len(model.layers) * k0.numel() * k0.element_size()
+    free = torch.cuda.mem_get_info(model.device)[0] + held
+    rows = int(fraction * free // (per_position * (-(-max_seq_len // 64) * 64))) - 1 - prefix_rows
+    return max(1, min(cap, rows))
 
 
 def greedy_requests(
