@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh tests profile_mmlu decode ...
 # tests         every `-m gpu` test (-v), tests.txt
 # failing       the GPU tests that failed in a full run, with tracebacks
+# decode_tests  the GPU tests of the decode kernels and the generation engine
 # budget        decode_speed at batch 1 only, with the per-launch time budget of one layer
 # tune          decode_linear launch configs for the 7B shapes at batch 1 (bench_decode --tune)
 # compile       decode_speed's nakta_compile engine (torch.compile reduce-overhead) at batch
@@ -85,6 +86,11 @@ for job in "$@"; do
         --lengths 64:128 --engines nakta,nakta_compile --no-budget --out "$OUT/compile"
       cp "$OUT/compile/decode.md" "$OUT/compile.md" 2>/dev/null
       pack compile
+      ;;
+    decode_tests)
+      step decode_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/test_decode_attention.py tests/test_decode_linear.py \
+        tests/test_generation_engine.py tests/test_decode_speed.py
       ;;
     failing)
       step failing 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
