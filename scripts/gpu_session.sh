@@ -3,6 +3,8 @@
 #   bash scripts/gpu_session.sh tests profile_mmlu decode ...
 # tests         every `-m gpu` test (-v), tests.txt
 # failing       the GPU tests that failed in a full run, with tracebacks
+# prefix_decode nakta at batch 32 and 64, 896-token prompts, 128 new: prompts sharing a
+#               768-token prefix (read in place) vs nothing shared (GSM8K-shaped decoding)
 # decode_tests  the GPU tests of the decode kernels and the generation engine
 # budget        decode_speed at batch 1 only, with the per-launch time budget of one layer
 # tune          decode_linear launch configs for the 7B shapes at batch 1 (bench_decode --tune)
@@ -86,6 +88,14 @@ for job in "$@"; do
         --lengths 64:128 --engines nakta,nakta_compile --no-budget --out "$OUT/compile"
       cp "$OUT/compile/decode.md" "$OUT/compile.md" 2>/dev/null
       pack compile
+      ;;
+    prefix_decode)
+      step prefix_decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
+        --lengths 896:128 --engines nakta --no-budget --shared-prefix 768 \
+        --out "$OUT/prefix_decode/shared"
+      step plain_decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
+        --lengths 896:128 --engines nakta --no-budget --out "$OUT/prefix_decode/plain"
+      pack prefix_decode
       ;;
     decode_tests)
       step decode_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \

@@ -68,6 +68,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", help="default cuda when present")
     p.add_argument("--decode-configs", type=Path, help="JSON of decode_linear shape configs")
     p.add_argument("--no-budget", action="store_true", help="skip the per-layer time budget")
+    p.add_argument(
+        "--shared-prefix", type=int, default=0,
+        help="the prompts of a batch share their first N tokens (a few-shot prompt); the floor "
+        "then counts that prefix's K/V once",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default results/<device>/)")
     a = p.parse_args(argv)
@@ -102,13 +107,15 @@ def _lengths(text: str) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------- bytes and floor
-def step_bytes(args, batch: int, context: float, elem: int) -> float:
+def step_bytes(args, batch: int, context: float, elem: int, shared: int = 0) -> float:
     """Bytes one decode step must read: every block weight and the LM head once, plus each
-    row's K and V at ``context`` positions (activations are noise next to these)."""
+    row's K and V at ``context`` positions, the first ``shared`` of them (a prefix every row
+    has) once for all rows (activations are noise next to these)."""
     from speed_bench.weights import matmul_params
 
     blocks, head = matmul_params(args)
-    kv = 2 * args.n_layers * args.n_kv_heads * args.head_dim * context * batch
+    positions = (context - shared) * batch + shared
+    kv = 2 * args.n_layers * args.n_kv_heads * args.head_dim * positions
     return (blocks + head + kv) * elem
 
 
@@ -251,9 +258,14 @@ def measure(engine: _Engine, prompts, gen: int, device, repeats: int = 3) -> flo
     return step
 
 
-def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(
+    batch: int, length: int, vocab: int, seed: int, shared: int = 0
+) -> list[list[int]]:
+    """BOS + random tokens; with ``shared``, every prompt starts with the same ``shared``."""
     rng = random.Random(seed * 7919 + batch * 31 + length)
-    return [[1] + [rng.randrange(3, vocab) for _ in range(length - 1)] for _ in range(batch)]
+    prefix = [1] + [rng.randrange(3, vocab) for _ in range(max(shared, 1) - 1)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(length - len(prefix))]
+            for _ in range(batch)]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- budget
@@ -433,19 +445,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
         engine = BUILDERS[name](weights, device, dtype, max_seq, max(batches))
         for batch in batches:
             for prompt, gen in lengths:
-                prompts = random_prompts(batch, prompt, args.vocab_size, a.seed)
+                if a.shared_prefix >= prompt:
+                    raise SystemExit(f"error: --shared-prefix must be < every prompt ({prompt})")
+                shared = a.shared_prefix
+                prompts = random_prompts(batch, prompt, args.vocab_size, a.seed, shared)
                 try:
                     s = measure(engine, prompts, gen, device)
                 except (RuntimeError, ValueError, TypeError) as e:  # a peer that cannot run it
                     skipped[f"{name} b{batch} p{prompt} g{gen}"] = f"{type(e).__name__}: {e}"
                     print(f"[{name}] batch {batch} prompt {prompt} gen {gen} failed: {e}")
                     continue
-                floor_s = step_bytes(args, batch, prompt + gen / 2, elem) / (bw * 1e9)
+                floor_s = step_bytes(args, batch, prompt + gen / 2, elem, shared) / (bw * 1e9)
                 row = {
                     "engine": name,
                     "batch": batch,
                     "prompt": prompt,
                     "gen": gen,
+                    "shared_prefix": shared,
                     "tok_s": batch / s,
                     "floor_tok_s": batch / floor_s if on_gpu else float("nan"),
                     "ms_per_token": s * 1e3,

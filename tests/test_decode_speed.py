@@ -48,6 +48,19 @@ def test_step_bytes_counts_weights_and_the_cache():
     assert step_bytes(args, 1, 0, 2) == 2 * (blocks + head)  # ~13.2 GB of bf16 weights
     kv = step_bytes(args, 8, 100, 2) - step_bytes(args, 8, 0, 2)
     assert kv == 2 * 2 * 32 * 4096 * 100 * 8  # K and V, 32 layers, 4096 wide, 100 positions
+    # a 60-token prefix all 8 rows share is read once: 8 * 40 + 60 positions
+    shared = step_bytes(args, 8, 100, 2, shared=60) - step_bytes(args, 8, 0, 2)
+    assert shared == 2 * 2 * 32 * 4096 * (8 * 40 + 60)
+
+
+def test_random_prompts_share_the_asked_prefix_only():
+    from speed_bench.decode_speed import random_prompts
+
+    ps = random_prompts(4, 30, 1000, seed=1, shared=12)
+    assert all(len(p) == 30 and p[0] == 1 and p[:12] == ps[0][:12] for p in ps)
+    assert len({tuple(p[12:]) for p in ps}) == 4
+    plain = random_prompts(4, 30, 1000, seed=1)
+    assert len({p[1] for p in plain}) > 1  # only BOS in common
 
 
 def test_nakta_compile_is_an_opt_in_engine(monkeypatch):

@@ -224,7 +224,8 @@ class DecodeStep:
         for t in tensors:
             if t is not None:
                 torch._dynamo.mark_static_address(t, guard=False)
-        return torch.compile(self.__call__, mode="reduce-overhead", fullgraph=False)
+        # static shapes: a symbolic batch or width breaks the Triton launchers' grid arithmetic
+        return torch.compile(self.__call__, mode="reduce-overhead", fullgraph=False, dynamic=False)
 
     def run(self, steps: int) -> None:
         """``steps`` decode steps (graph replays when captured, compiled calls in compile mode)."""
