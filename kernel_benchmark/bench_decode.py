@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from bench_common.ceilings import copy_bandwidth_gbps, device_slug
 from bench_common.report import results_dir, save_figure, write_table
 from bench_common.timing import input_sets, rotated_ms
+from nakta_model.kernels import decode_attention as da_mod
 from nakta_model.kernels import decode_linear as dl
 from nakta_model.kernels.decode_attention import (
     attention_workspace,
@@ -355,6 +356,18 @@ def attn_calls(case: AttnCase, t: dict, ctx: int, device) -> dict[str, Callable[
         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa)
 
     calls = {"nakta": nakta, "sdpa": sdpa}
+    if not gqa:  # MHA runs on the CUDA cores by default; the tensor-core path, forced
+
+        def nakta_dot():
+            saved = dict(da_mod._TUNE)
+            da_mod._TUNE.update(USE_DOT=1)
+            try:
+                return nakta()
+            finally:
+                da_mod._TUNE.clear()
+                da_mod._TUNE.update(saved)
+
+        calls["nakta_dot"] = nakta_dot
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -485,6 +498,11 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[pd.DataFrame, p
         copy_gbps = float("nan")
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
+    if args.attn_batches:
+        attn_batches = tuple(int(b) for b in args.attn_batches.split(","))
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        s_max = max(s_max, max(contexts))
     slug = device_slug(device)
     out = Path(args.out) if args.out else results_dir(__file__, slug)
     stem = "decode" + ("_quick" if args.quick else "")
@@ -501,12 +519,15 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[pd.DataFrame, p
 
     notes = notes_text(slug, args.dtype, copy_gbps)
     rows = []
+    if args.attention_only:
+        shapes, stem = [], stem + "_attention_only"
     for shape, batch in tqdm(list(itertools.product(shapes, batches)), desc="decode_linear"):
         rows += bench_linear_point(shape, batch, dtype, device, copy_gbps)
         if on_gpu:
             torch.cuda.empty_cache()
     linear = pd.DataFrame(rows)
-    write_table(linear, out, f"{stem}_linear", "Decode linear layers: Nakta vs cuBLAS", notes)
+    if not args.attention_only:
+        write_table(linear, out, f"{stem}_linear", "Decode linear layers: Nakta vs cuBLAS", notes)
     rows = []
     cases = [AttnCase(b, hq, hkv, head_dim, s_max) for b in attn_batches for hq, hkv in attn_heads]
     for case in tqdm(cases, desc="decode_attention"):
@@ -515,14 +536,15 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[pd.DataFrame, p
             torch.cuda.empty_cache()
     attn = pd.DataFrame(rows)
     write_table(attn, out, f"{stem}_attention", "Decode attention: Nakta vs SDPA", notes)
-    fig = plot(linear, attn, f"Decode kernels ({args.dtype}) on {slug}")
-    save_figure(fig, out / f"{stem}.png")
-    show = ["model", "kind", "batch", "path", "us", "pct_copy_bw", "mismatch", "status"]
-    print(linear[show].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     show = ["heads", "batch", "context", "path", "us", "pct_copy_bw", "n_splits", "status"]
     print(attn[show].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    for line in summarize(linear, attn) if on_gpu else []:
-        print(line)
+    if not args.attention_only:
+        fig = plot(linear, attn, f"Decode kernels ({args.dtype}) on {slug}")
+        save_figure(fig, out / f"{stem}.png")
+        show = ["model", "kind", "batch", "path", "us", "pct_copy_bw", "mismatch", "status"]
+        print(linear[show].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        for line in summarize(linear, attn) if on_gpu else []:
+            print(line)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; results -> {out}")
     return linear, attn
 
@@ -555,6 +577,9 @@ def main(argv: list[str] | None = None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="results folder (default results/<device>)")
+    p.add_argument("--attention-only", action="store_true", help="skip decode_linear")
+    p.add_argument("--attn-batches", default=None, help="attention batch sizes (1,8,32)")
+    p.add_argument("--contexts", default=None, help="attention contexts (128,...,4096)")
     args = p.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:

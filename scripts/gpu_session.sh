@@ -5,6 +5,8 @@
 # failing       the GPU tests that failed in a full run, with tracebacks
 # prefix_decode nakta at batch 32 and 64, 896-token prompts, 128 new: prompts sharing a
 #               768-token prefix (read in place) vs nothing shared (GSM8K-shaped decoding)
+# attn_bench    decode_attention alone (MHA and GQA, batch 1/32/64, contexts 128-2048): the
+#               CUDA-core path, the tensor-core path and SDPA flash
 # decode_tests  the GPU tests of the decode kernels and the generation engine
 # budget        decode_speed at batch 1 only, with the per-launch time budget of one layer
 # tune          decode_linear launch configs for the 7B shapes at batch 1 (bench_decode --tune)
@@ -96,6 +98,11 @@ for job in "$@"; do
       step plain_decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
         --lengths 896:128 --engines nakta --no-budget --out "$OUT/prefix_decode/plain"
       pack prefix_decode
+      ;;
+    attn_bench)
+      step attn_bench 200 python3 -m kernel_benchmark.bench_decode --attention-only \
+        --attn-batches 1,32,64 --contexts 128,1024,2048 --out "$OUT/attn_bench"
+      pack attn_bench
       ;;
     decode_tests)
       step decode_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
