@@ -1,14 +1,14 @@
 """``decode_attention`` (split-K flash-decoding over the KV cache) against
 ``decode_attention_reference`` (fp32 softmax over each row's valid keys) and fp64.
 
-Tolerances: fp32 within 2e-6 of the reference. MHA runs in fp32 throughout, so fp16/bf16
-outputs differ from the reference only by summation order before the final rounding: at most
-1% of elements differ in any bit (measured: none on these shapes), all within
-``assert_close``'s default tolerance. GQA rounds the probabilities to the cache dtype for the
-``tl.dot`` P @ V (as flash attention does): each probability is off by at most the unit
-roundoff u (2^-9 bf16, 2^-12 fp16), so the output by at most u * max |v| on top of the default
-tolerance (measured: ~25% of elements differ by 1-2 ulps). Against fp64: max error / max
-|value| below 1e-5 (fp32), 2^-8 (fp16), 2^-6 (bf16).
+Tolerances: fp32 within 2e-6 of the reference. The default (tensor-core) path rounds the
+probabilities to the cache dtype for the ``tl.dot`` P @ V (as flash attention does): each
+probability is off by at most the unit roundoff u (2^-9 bf16, 2^-12 fp16), so the output by at
+most u * max |v| on top of ``assert_close``'s default tolerance (measured: ~25% of elements
+differ by 1-2 ulps). The CUDA-core path (MHA with ``_TUNE`` ``USE_DOT=0``) runs in fp32
+throughout, so fp16/bf16 outputs differ from the reference only by summation order before the
+final rounding: at most 1% of elements differ in any bit, all within the default tolerance.
+Against fp64: max error / max |value| below 1e-5 (fp32), 2^-8 (fp16), 2^-6 (bf16).
 
 CPU runs use the Triton interpreter on tiny shapes; ``gpu`` tests use LLaMA shapes and
 CUDA-graph capture.
@@ -68,14 +68,14 @@ def expected_fp64(q, k_cache, v_cache, lens, scale=None):
     return out
 
 
-def assert_matches_reference(out, ref, v_cache, gqa: bool):
+def assert_matches_reference(out, ref, v_cache, rounded_p: bool = True):
     """See the module docstring; ``v_cache`` bounds the error of rounded probabilities."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
         return
     rtol, atol = HALF_TOL[out.dtype]
-    if gqa:
+    if rounded_p:
         p_err = UNIT_ROUNDOFF[out.dtype] * v_cache.abs().max().item()
         torch.testing.assert_close(out, ref, rtol=rtol, atol=atol + p_err)
         return
@@ -117,7 +117,7 @@ def test_matches_reference_and_fp64(dtype, heads, batch, n_splits, device):
     assert got is out and torch.isnan(pad).all()
     ref = decode_attention_reference(q, k_cache, v_cache, lens)
     assert not torch.isnan(got).any()
-    assert_matches_reference(got, ref, v_cache, gqa=n_q > n_kv)
+    assert_matches_reference(got, ref, v_cache)
     assert_near_fp64(got, expected_fp64(q, k_cache, v_cache, lens), dtype)
 
 
@@ -127,7 +127,7 @@ def test_more_splits_than_keys_and_custom_scale(device):
     lens = torch.tensor([1, 2, 40], device=device)
     got = decode_attention(q, k_cache, v_cache, lens, n_splits=16, scale=0.3)
     ref = decode_attention_reference(q, k_cache, v_cache, lens, scale=0.3)
-    assert_matches_reference(got, ref, v_cache, gqa=True)
+    assert_matches_reference(got, ref, v_cache)
     assert_near_fp64(got, expected_fp64(q, k_cache, v_cache, lens, scale=0.3), torch.float32)
 
 
@@ -141,7 +141,7 @@ def test_permuted_cache_layout(device):
     for n_splits in (1, 2):
         got = decode_attention(q, k_cache, v_cache, lens, n_splits=n_splits)
         ref = decode_attention_reference(q, k_cache, v_cache, lens)
-        assert_matches_reference(got, ref, v_cache, gqa=False)
+        assert_matches_reference(got, ref, v_cache)
 
 
 @pytest.mark.parametrize("n_splits", [1, 4])
@@ -159,7 +159,7 @@ def test_out_may_be_q(device):
     ref = decode_attention_reference(q, k_cache, v_cache, lens)
     got = decode_attention(q, k_cache, v_cache, lens, n_splits=2, out=q)
     assert got is q
-    assert_matches_reference(q, ref, v_cache, gqa=True)
+    assert_matches_reference(q, ref, v_cache)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's 0 / 0
@@ -176,13 +176,18 @@ def test_length_out_of_range_gives_nan_on_the_device_path(n_splits, device):
     assert not torch.isnan(out[1]).any()
 
 
-def test_mha_through_tl_dot(device, monkeypatch):
-    """The tl.dot path also serves one query head per KV head when asked (bench/tuning)."""
-    monkeypatch.setattr(da, "_TUNE", {"USE_DOT": 1})
-    q, k_cache, v_cache, lens = make_inputs(3, 4, 4, torch.float32, device)
-    got = decode_attention(q, k_cache, v_cache, lens, n_splits=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_splits", [1, 2])
+def test_mha_on_the_cuda_cores(dtype, n_splits, device, monkeypatch):
+    """The CUDA-core path (MHA, ``USE_DOT=0``: fp32 throughout) when asked (bench/tuning)."""
+    monkeypatch.setattr(da, "_TUNE", {"USE_DOT": 0})
+    q, k_cache, v_cache, lens = make_inputs(3, 4, 4, dtype, device)
+    got = decode_attention(q, k_cache, v_cache, lens, n_splits=n_splits)
     ref = decode_attention_reference(q, k_cache, v_cache, lens)
-    assert_matches_reference(got, ref, v_cache, gqa=True)
+    assert_matches_reference(got, ref, v_cache, rounded_p=False)
+    assert_near_fp64(got, expected_fp64(q, k_cache, v_cache, lens), dtype)
+    with pytest.raises(ValueError, match="USE_DOT=0 needs one query head per KV head"):
+        decode_attention(*make_inputs(3, 4, 2, dtype, device))
 
 
 # ---------------------------------------------------------------------------- splits
@@ -266,7 +271,7 @@ def test_gpu_llama_shapes(heads, batch):
                                             hd=128)  # fmt: skip
     got = decode_attention(q, k_cache, v_cache, lens)
     ref = decode_attention_reference(q, k_cache, v_cache, lens)
-    assert_matches_reference(got, ref, v_cache, gqa=heads[0] > heads[1])
+    assert_matches_reference(got, ref, v_cache)
 
 
 @pytest.mark.gpu
@@ -289,7 +294,7 @@ def test_gpu_cuda_graph_replay_follows_lengths():
         graph.replay()
         torch.cuda.synchronize()
         ref = decode_attention_reference(q, k_cache, v_cache, lens)
-        assert_matches_reference(out, ref, v_cache, gqa=True)
+        assert_matches_reference(out, ref, v_cache)
 
 
 @pytest.mark.parametrize("n_q, n_kv", [(4, 4), (4, 2)], ids=["mha", "gqa"])

@@ -20,9 +20,13 @@ over all splits), and a split past the end writes a neutral partial (max -inf, s
 ``workspace`` (``attention_workspace``) and ``out`` to allocate nothing.
 
 Numerics: scores and softmax in fp32 with ``exp2`` (scale folded with log2 e); output in q's
-dtype. MHA (one query head per KV head) runs on the CUDA cores in fp32 throughout; GQA uses
-``tl.dot`` with the query group padded to 16 rows, the probabilities rounded to the cache
-dtype for the P @ V product as flash attention does (fp32 inputs: ``input_precision="ieee"``).
+dtype. Every head layout uses ``tl.dot`` with the query group (1 for MHA) padded to 16 rows,
+the probabilities rounded to the cache dtype for the P @ V product as flash attention does
+(fp32 inputs: ``input_precision="ieee"``). The padding wastes tensor-core work nobody waits
+for: an H200 run (``kernel_benchmark/bench_decode.py --attention-only``) read LLaMA-7B's MHA
+cache at 100-105% of copy bandwidth this way at batch 32-64 and contexts 1024-2048, against
+53% for the CUDA-core path (one query head, fp32 throughout; still there with ``_TUNE``
+``USE_DOT=0``), and 41-60% against 28-33% at batch 1.
 ``cache_lens[b] == 0`` gives a zero output row (an idle slot of a static batch); a length
 outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
 ``NAKTA_DEBUG=1``, a ValueError.
@@ -219,8 +223,8 @@ def _attn_combine_kernel(
 # ------------------------------------------------------------------------------------------------
 
 # Defaults for an H100/H200, to be replaced by ``bench_decode.py`` results: the split rule
-# ("splits") and the split kernel's launch values by path, "fma" (one query head per KV head,
-# CUDA cores) or "dot" (GQA, tl.dot). ``_TUNE`` overrides any key, and USE_DOT=0/1 forces the
+# ("splits") and the split kernel's launch values by path, "dot" (tl.dot, the default) or
+# "fma" (MHA on the CUDA cores). ``_TUNE`` overrides any key, and USE_DOT=0/1 forces the
 # path (set by the benchmark and the tests only).
 _CONFIGS: dict[str, dict[str, int]] = {
     "splits": dict(
@@ -391,7 +395,7 @@ def _launch(
     batch, n_q, head_dim = q.shape
     s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = n_q // n_kv
-    use_dot = bool(_TUNE.get("USE_DOT", group > 1))
+    use_dot = bool(_TUNE.get("USE_DOT", 1))
     cfg = _config("dot" if use_dot else "fma")
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     if not use_dot and group > 1:
