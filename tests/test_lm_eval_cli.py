@@ -42,6 +42,19 @@ def test_entry_keeps_lm_eval_builtins_and_imports_ours_lazily():
     assert out.stdout.split() == ["DummyLM", "HFLM", "NaktaLM"]
 
 
+def test_the_adapter_imports_no_heavy_optional_library():
+    """Importing the adapter (lm-eval does it when ``nakta`` is asked for) costs ~1 s, ~0.7 s of
+    it torch, which the model needs at once; libraries only other paths use stay out."""
+    out = _python(
+        "import sys\n"
+        "import accuracy_test.lm_eval_adapter\n"
+        "heavy = ('transformers', 'scipy', 'matplotlib', 'pandas', 'datasets', 'llama_org')\n"
+        "print(' '.join(m for m in heavy if m in sys.modules) or 'none')\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["none"]
+
+
 def test_importing_the_adapter_first_keeps_the_builtins():
     out = _python(
         "import accuracy_test.lm_eval_adapter\n"
