@@ -95,6 +95,31 @@ def markdown(summary: dict) -> str:
             )
         head = f"- {row.get('task', TASK)} {row['num_fewshot']}-shot: "
         lines.append(head + ("; ".join(parts) or "no pair"))
+    warm = m.get("warmups") or []
+    if warm:
+        lines += ["", "## First nakta run on this machine (--warmup, not in the ratios)", ""]
+        lines += [
+            "Each task and shot count's first nakta run, before the timed ones: Triton's disk "
+            "cache empty for its shapes and the checkpoint not yet in the page cache, as on a "
+            "user's first run. Its timed twin is the same command run again.",
+            "",
+        ]
+        for r in warm:
+            timed = next(
+                (
+                    t
+                    for t in summary["runs"]
+                    if (_task(t), t["num_fewshot"], t["model"], t["batch_size"])
+                    == (_task(r), r["num_fewshot"], r["model"], r["batch_size"])
+                ),
+                None,
+            )
+            twin = f" (timed twin: {_fmt(timed['wall_s'])} s)" if timed else ""
+            lines.append(
+                f"- {_task(r)} {r['num_fewshot']}-shot, batch {r['batch_size']}: wall "
+                f"{_fmt(r['wall_s'])} s, load {_fmt(r['load_s'])} s, scoring "
+                f"{_fmt(r['scoring_s'])} s{twin}" + (f" failed: {r['error']}" if r["error"] else "")
+            )
     extra = []
     if m.get("convert_s") is not None:
         extra.append(f"- convert.py: {m['convert_s']:.3g} s")

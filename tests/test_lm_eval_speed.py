@@ -90,6 +90,61 @@ def test_plan_orders_shots_then_batch_sizes_then_models():
     assert hf64[-2:] == ["--batch_size", "64"] and "pretrained=H,tokenizer=T,dtype=bfloat16" in hf64
 
 
+def test_warmup_runs_each_shot_counts_first_nakta_run_once_more_first():
+    a = bench.parse_args(
+        ["--preset", "tiny", "--tokenizer", "t", "--fewshot", "0,10", "--warmup"]
+        + ["--batch-sizes", "default,64", "--hf-batch-sizes", "64"]
+    )
+    specs = bench.plan(a)
+    warm = [s for s in specs if s.warmup]
+    assert [(s.num_fewshot, s.batch_size, s.model) for s in warm] == [
+        (0, "default", "nakta"),
+        (10, "default", "nakta"),
+    ]
+    assert specs[0].warmup and specs[0].slug.endswith("_warmup")
+    assert specs[0].slug.removesuffix("_warmup") == specs[1].slug  # its timed twin, next
+    assert (
+        len(specs)
+        == len(
+            bench.plan(
+                bench.parse_args(
+                    [
+                        "--preset",
+                        "tiny",
+                        "--tokenizer",
+                        "t",
+                        "--fewshot",
+                        "0,10",
+                        "--batch-sizes",
+                        "default,64",
+                        "--hf-batch-sizes",
+                        "64",
+                    ]
+                )
+            )
+        )
+        + 2
+    )
+
+
+def test_markdown_reports_warmups_apart_from_the_ratios():
+    from speed_bench.lm_eval_report import markdown, ratios
+
+    def run(model, bs, wall, warmup=False):
+        r = dict(model=model, num_fewshot=0, batch_size=bs, task="hellaswag_local", wall_s=wall,
+                 load_s=1.0, scoring_s=wall / 2, n=10, error=None)  # fmt: skip
+        return {**r, "warmup": True} if warmup else r
+
+    runs = [run("nakta", "default", 10.0), run("hf", "64", 30.0)]
+    summary = dict(runs=runs, ratios=ratios(runs), warmups=[run("nakta", "default", 15.0, True)])
+    summary |= dict(weights="w", dtype="bf16", device="d", data="x", limit=10, fewshot_limit=10)
+    summary |= dict(lm_eval="0", transformers="0", torch="0", make_hf_s=None)
+    text = markdown(summary)
+    assert "First nakta run on this machine" in text
+    assert "batch default: wall 15 s, load 1 s, scoring 7.5 s (timed twin: 10 s)" in text
+    assert summary["ratios"][0]["best_nakta_over_best_hf"] == pytest.approx(1 / 3)
+
+
 def test_ratios():
     def run(model, bs, wall, shot=0):
         return {
