@@ -119,11 +119,11 @@ for job in "$@"; do
         --batch-sizes default --hf-batch-sizes 64
       ;;
     mmlu)
-      lm_eval_job mmlu 280 --task mmlu_shaped_local:5:20 --batch-sizes default \
+      lm_eval_job mmlu 280 --task mmlu_shaped_local:5:20 --batch-sizes default --warmup \
         --hf-batch-sizes 64
       ;;
     hellaswag)
-      lm_eval_job hellaswag 500 --task hellaswag_local --fewshot 0,10 \
+      lm_eval_job hellaswag 540 --task hellaswag_local --fewshot 0,10 --warmup \
         --batch-sizes default,64,auto --hf-batch-sizes 64 --limit 3000 --fewshot-limit 300
       ;;
     *)

@@ -168,6 +168,11 @@ class NaktaCompileDecode(NaktaDecode):
             super().run(prompts, gen)
 
     def close(self):
+        from torch._dynamo.utils import counters
+
+        breaks = counters["graph_break"]
+        top = "; ".join(f"{n}x {why[:90]}" for why, n in breaks.most_common(3))
+        print(f"[nakta_compile] dynamo graph breaks: {sum(breaks.values())} ({top or 'none'})")
         super().close()
         torch._dynamo.reset()  # drop the compiled steps (and their graph pools)
 

@@ -29,6 +29,13 @@ def debug_checks() -> bool:
     return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
 
 
+def tracing() -> bool:
+    """True while torch.compile traces a caller: address checks (``data_ptr``) are skipped
+    there (dynamo cannot trace them and would split the graph at every launch); the same
+    calls ran them when the step was built and tested eagerly."""
+    return torch.compiler.is_compiling()
+
+
 @functools.lru_cache(maxsize=16)
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
@@ -164,7 +171,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 def check_no_overlap(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     """A kernel output must not share memory with an input other programs still read (a race
     the kernel cannot detect). Conservative: views whose address ranges interleave count."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or tracing():
         return
     a0, a1 = _byte_span(a)
     b0, b1 = _byte_span(b)

@@ -63,6 +63,7 @@ from nakta_model.kernels._checks import (
     device_family,
     interpreter_enabled,
     sm_count,
+    tracing,
 )
 from nakta_model.kernels._decode_linear_kernels import _decode_linear_kernel
 from nakta_model.kernels.rmsnorm import rms_norm_reference
@@ -364,7 +365,7 @@ def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs
             raise ValueError(
                 f"rope.{name} must be unit-stride in its last dimension, got {c.stride()}"
             )
-    if r.k_cache.data_ptr() == r.v_cache.data_ptr():
+    if not tracing() and r.k_cache.data_ptr() == r.v_cache.data_ptr():
         raise ValueError("rope.k_cache and rope.v_cache must be different tensors")
     return r
 
@@ -452,7 +453,7 @@ def _check_no_aliasing(x, weight, norm_weight, residual, rope, out) -> None:
         for rname, r in reads.items():
             if r is not None:
                 check_no_overlap(wname, w, rname, r)
-    if out is not None and residual is not None:
+    if out is not None and residual is not None and not tracing():
         same = out.data_ptr() == residual.data_ptr() and out.stride() == residual.stride()
         if not same:
             check_no_overlap("out", out, "residual", residual)
