@@ -41,6 +41,7 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+@torch.compiler.assume_constant_result  # torch.compile: a constant, not a graph break
 def device_family(device: torch.device) -> str:
     """A word of the CUDA device's name that launch-config tables are keyed by (``"h200"``,
     ``"h100"``, ...; ``""`` off the GPU or for other devices): tuned tile sizes differ."""
@@ -53,6 +54,7 @@ def device_family(device: torch.device) -> str:
     return ""
 
 
+@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=16)
 def sm_count(device: torch.device, off_gpu: int) -> int:
     """Streaming multiprocessors of a CUDA ``device``; ``off_gpu`` for any other device."""
