@@ -356,18 +356,18 @@ def attn_calls(case: AttnCase, t: dict, ctx: int, device) -> dict[str, Callable[
         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa)
 
     calls = {"nakta": nakta, "sdpa": sdpa}
-    if not gqa:  # MHA runs on the CUDA cores by default; the tensor-core path, forced
+    if not gqa:  # MHA's CUDA-core path (fp32 throughout), forced: the default uses tl.dot
 
-        def nakta_dot():
+        def nakta_fma():
             saved = dict(da_mod._TUNE)
-            da_mod._TUNE.update(USE_DOT=1)
+            da_mod._TUNE.update(USE_DOT=0)
             try:
                 return nakta()
             finally:
                 da_mod._TUNE.clear()
                 da_mod._TUNE.update(saved)
 
-        calls["nakta_dot"] = nakta_dot
+        calls["nakta_fma"] = nakta_fma
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
