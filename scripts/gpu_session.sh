@@ -58,7 +58,7 @@ lm_eval_job() {  # lm_eval_job NAME LIMIT_S ARGS...: lm_eval_speed into $OUT/NAM
 for job in "$@"; do
   case $job in
     tests)
-      step tests 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests
+      step tests 380 python3 -m pytest -v -m gpu -p no:cacheprovider tests
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$LOG" >"$OUT/tests.txt"
       ;;
     profile_mmlu)
