@@ -172,3 +172,46 @@ def test_local_tasks_are_found_and_decide_the_index(tmp_path, monkeypatch):
     assert not lm_eval_cli._only_local_tasks(
         argparse.Namespace(tasks=["my_task"], include_path=str(tmp_path))
     )
+
+
+def _requests(task_names: list[str], metadata: dict) -> list[tuple]:
+    """Every request lm-eval builds for the tasks (3 docs each), as plain tuples."""
+    import lm_eval.tasks
+
+    manager = lm_eval.tasks.TaskManager(
+        include_path=str(TASKS), include_defaults=False, metadata=metadata
+    )
+    out = []
+    for name, task in sorted(manager.load(task_names)["tasks"].items()):
+        task.build_all_requests(limit=3)
+        out += [(name, i.doc_id, i.idx, i.arguments) for i in task.instances]
+    return out
+
+
+def test_prompt_templates_compile_once_and_render_the_same_requests(monkeypatch, shared_data):
+    """lm-eval compiles a template per rendered document (#1286); cached, the requests of
+    every local task (0-shot, few-shot, generation) are the same, and a template string is
+    compiled once however many documents and shots render it."""
+    import lm_eval.utils
+
+    meta = {"hellaswag_jsonl": str(shared_data / "hellaswag_val_subset1000.jsonl")}
+    names = ["hellaswag_local", "mmlu_shaped_anatomy", "gsm8k_shaped_local", "bbh_shaped_local"]
+    current = lm_eval.utils.apply_template  # an earlier main() in this process may have cached
+    monkeypatch.setattr(lm_eval.utils, "apply_template", getattr(current, "original", current))
+    fresh = _requests(names, meta)
+    compiles: list[str] = []
+    from_string = lm_eval.utils.env.from_string
+
+    def counting(source, *a, **kw):
+        compiles.append(source)
+        return from_string(source, *a, **kw)
+
+    monkeypatch.setattr(lm_eval.utils.env, "from_string", counting)
+    lm_eval_cli.cache_prompt_templates()
+    lm_eval_cli.cache_prompt_templates()  # idempotent: one cache, not one wrapped in another
+    assert lm_eval.utils.apply_template.nakta_cached
+    cached = _requests(names, meta)
+    assert cached == fresh and len(fresh) > 12
+    assert compiles and len(compiles) == len(set(compiles))  # each template once
+    again = _requests(names, meta)
+    assert again == fresh and len(compiles) == len(set(compiles))
