@@ -22,7 +22,16 @@ checkpoint's max_seq_len), ``use_cache`` (nakta: shared-context packing, default
 ``prefix_cache`` (nakta: a prefix shared by different contexts -- a few-shot prompt -- computed
 once and kept for the whole run, default true) and ``prefix_budget`` (its K/V pool in tokens,
 default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
-``kernels``/``tp``/``dp`` (nakta).
+``kernels``/``tp``/``dp`` (nakta), ``background_load`` (nakta, default true).
+
+Loading (``nakta``). The constructor reads the checkpoint's params and checks the tokenizer and
+``max_length`` against them at once; the weights are then read, and the scorer's kernels
+compiled (``scoring.warm_up``), on a worker thread while lm-eval loads its tasks and builds its
+requests (seconds of host work in every run; 7-10 s for MMLU's 5-shot contexts). The first
+request waits for whatever is left, and a failed load (a damaged shard) raises there, with the
+original error. ``background_load=false``, and any ``torchrun`` grid (its loads go through
+collectives), load in the constructor instead. ``load_timings`` holds ``read_s``, ``warm_up_s``
+and ``wait_s`` (what the first request still waited).
 
 Batch size. Nakta packs rows (a row = one context with its continuations) until
 ``token_budget`` padded tokens, so memory is bounded by the token budget, never by a row count:
@@ -66,9 +75,11 @@ implemented and are refused, unless they hold their no-op value (``num_beams=1``
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -390,9 +401,10 @@ class NaktaLM(_ScoringLM):
         kernels: str | None = None,
         tp: int | str = 1,
         dp: int | str = 1,
+        background_load: bool | str = True,
         **unknown,
     ):
-        from nakta_model.loading import load
+        from nakta_model.loading import checkpoint_args
         from nakta_model.parallel import ParallelContext, init_parallel
 
         _refuse_unknown_args("nakta", NaktaLM, unknown)
@@ -404,26 +416,55 @@ class NaktaLM(_ScoringLM):
         self.prefix_budget = (
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
-        self._prefixes = None
+        background = _as_bool(background_load, "background_load")
+        self._prefixes = self._gen = self._model = self._pending = None
+        self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
         self.parallel = ParallelContext()
         if int(tp) * int(dp) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self.parallel = init_parallel(int(tp), int(dp), device=_parallel_device(device))
             device = str(self.parallel.device)
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        self.model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
-        try:
-            _check_vocab(self.tok, tokenizer, self.model.args.vocab_size, checkpoint)
-            self._max_length = _max_length(max_length, self.model.args.max_seq_len, checkpoint)
-        except ValueError:
-            self.close()
-            raise
-        # Compile the scorer's kernels now (part of loading), not inside the first batch.
-        self.warm_up_s = scoring.warm_up(self.model, use_cache=self.use_cache)
+        args = checkpoint_args(checkpoint)  # params only: a bad tokenizer fails before the load
+        _check_vocab(self.tok, tokenizer, args.vocab_size, checkpoint)
+        self._max_length = _max_length(max_length, args.max_seq_len, checkpoint)
+        build = functools.partial(self._build, checkpoint, kernels)
+        if background and self.parallel.world_size == 1:
+            self._pending = _start_in_background(build, self.device)
+        else:
+            self._model = build()
+
+    def _build(self, checkpoint: str, kernels: str | None):
+        """Read the weights, then compile the scorer's kernels (part of loading, not of the
+        first batch); under ``background_load`` this runs while lm-eval builds its requests."""
+        from nakta_model.loading import load
+
+        t0 = time.perf_counter()
+        model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
+        self.load_timings["read_s"] = time.perf_counter() - t0
+        self.load_timings["warm_up_s"] = scoring.warm_up(model, use_cache=self.use_cache)
+        return model
+
+    @property
+    def model(self):
+        """The loaded model; the first use waits for a background load (and raises its error)."""
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            try:
+                self._model = self._pending.result()
+            finally:
+                self.load_timings["wait_s"] = time.perf_counter() - t0
+                self._failed = self._pending.exception()
+                self._pending = None
+        if self._model is None and getattr(self, "_failed", None) is not None:
+            raise self._failed
+        return self._model
 
     def close(self) -> None:
         """Drop the model (its memory goes once nobody else holds it)."""
-        self.model = self._prefixes = self._gen = None
+        if self._pending is not None:
+            self._pending.exception()  # a load still running finishes first: threads can't stop
+        self._model = self._prefixes = self._gen = self._pending = None
 
     def _prefix_cache(self):
         """One prefix cache for the whole run (a few-shot prefix computed once across tasks'
@@ -519,6 +560,24 @@ class NaktaLM(_ScoringLM):
             rows = fitting_batch(self.model, row_len, cap=cap)
             self._gen = Generator(self.model, max_batch=rows, max_seq_len=row_len)
         return self._gen
+
+
+def _start_in_background(fn, device):
+    """``fn()`` on a worker thread, as a ``Future``. The thread takes the caller's CUDA device
+    (the current device is per thread) and is joined at exit, never killed mid-copy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    def run():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return fn()
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nakta-load")
+    future = pool.submit(run)
+    pool.shutdown(wait=False)  # the thread ends with its one job
+    return future
 
 
 def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) -> None:

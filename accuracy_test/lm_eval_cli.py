@@ -19,9 +19,12 @@ Bad ``nakta`` / ``llama_org`` model_args or generation settings (``ModelArgsErro
 (``--metadata hellaswag_jsonl=...``, ``$NAKTA_HELLASWAG_JSONL`` or the defaults): a missing one
 is one ``error:`` line and exit code 2, not a traceback after a long model load.
 
-``NAKTA_LM_EVAL_TIMING=path.json``: the seconds spent constructing the model (``load_s``) and in
-``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) are written there
-at exit, for any model (``speed_bench/lm_eval_speed.py`` reads them).
+``NAKTA_LM_EVAL_TIMING=path.json``: the seconds spent constructing the model (``load_s``), in
+``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) and inside the
+model's request methods (``requests_s``: the model's share of it) are written there at exit,
+for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: model
+start/end, evaluate start/end, first request, exit) and Nakta's own ``nakta_load`` timings
+(``speed_bench/lm_eval_speed.py`` reads them).
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
@@ -32,8 +35,16 @@ Prompt templates: lm-eval compiles a task's Jinja template (``doc_to_text`` etc.
 every document it renders, shots included (``lm_eval.utils.apply_template``; lm-eval issue
 #1286): 8,000 compiles and 7-10 s of a 1,140-question MMLU-shaped 5-shot run, for every model.
 This entry compiles each template string once (same environment, same rendered text);
-``NAKTA_LM_EVAL_TEMPLATE_CACHE=0`` turns that off. Both fixes serve every model alike, ``hf``
-included, so a comparison through this entry credits Nakta with none of them.
+``NAKTA_LM_EVAL_TEMPLATE_CACHE=0`` turns that off.
+
+Environment report: after the evaluation, lm-eval records ``torch.utils.collect_env``'s report
+in its results (it runs ``pip list``, ``nvidia-smi`` and more: 0.5-2 s on the critical path).
+This entry starts that collection when ``evaluate`` starts, on a thread that mostly waits on
+those subprocesses while the model scores, and lm-eval receives the same report from it;
+``NAKTA_LM_EVAL_ENV_PREFETCH=0`` turns that off.
+
+These fixes serve every model alike, ``hf`` included, so a comparison through this entry
+credits Nakta with none of them.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+ENTRY_UNIX = time.time()  # this module is the entry's first import: process start + Python's
+
 TIMING_ENV = "NAKTA_LM_EVAL_TIMING"
 OUR_MODELS = {
     "nakta": "accuracy_test.lm_eval_adapter:NaktaLM",
@@ -54,6 +67,7 @@ OUR_MODELS = {
 }
 LOCAL_TASKS_ENV = "NAKTA_LM_EVAL_LOCAL_TASKS"
 TEMPLATE_CACHE_ENV = "NAKTA_LM_EVAL_TEMPLATE_CACHE"
+ENV_PREFETCH_ENV = "NAKTA_LM_EVAL_ENV_PREFETCH"
 TEMPLATE_CACHE_SIZE = 4096  # distinct template strings kept compiled (a task has a handful)
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -113,8 +127,9 @@ def index_local_tasks_only() -> None:
     lm_eval.tasks.TaskManager = LocalTaskManager
 
 
-def cache_prompt_templates() -> None:
-    """lm-eval's ``apply_template`` with each template string compiled once (idempotent).
+@contextlib.contextmanager
+def cached_prompt_templates() -> Iterator[None]:
+    """lm-eval's ``apply_template`` with each template string compiled once, inside the block.
 
     A compiled Jinja template is a pure function of its source and the environment (lm-eval's
     one module-level ``env``), so rendering a cached one gives the very text a fresh compile
@@ -123,17 +138,55 @@ def cache_prompt_templates() -> None:
 
     import lm_eval.utils as lm_utils
 
-    if getattr(lm_utils.apply_template, "nakta_cached", False):
-        return
+    original = lm_utils.apply_template
     compiled = functools.lru_cache(maxsize=TEMPLATE_CACHE_SIZE)(lm_utils.env.from_string)
 
     def apply_template(template: str, doc: dict) -> str:
         return compiled(template).render(**doc)
 
-    apply_template.nakta_cached = True  # type: ignore[attr-defined]
     apply_template.compiled = compiled  # type: ignore[attr-defined]  (its cache_info)
-    apply_template.original = lm_utils.apply_template  # type: ignore[attr-defined]
     lm_utils.apply_template = apply_template
+    try:
+        yield
+    finally:
+        lm_utils.apply_template = original
+
+
+@contextlib.contextmanager
+def env_report_prefetched() -> Iterator[None]:
+    """Inside the block, every ``lm_eval.evaluator.evaluate`` starts collecting
+    ``torch.utils.collect_env``'s report on a thread; the report's next request returns it (or
+    raises its error, which lm-eval records as before) and the function is put back."""
+    import lm_eval.evaluator as evaluator
+
+    evaluate = evaluator.evaluate
+
+    def evaluate_with_env_prefetch(*a, **kw):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch.utils.collect_env as collect_env
+
+        original = collect_env.get_pretty_env_info
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nakta-env")
+        future = pool.submit(original)
+        pool.shutdown(wait=False)
+
+        def get_pretty_env_info() -> str:
+            collect_env.get_pretty_env_info = original  # one report per evaluate
+            return future.result()
+
+        collect_env.get_pretty_env_info = get_pretty_env_info
+        try:
+            return evaluate(*a, **kw)
+        finally:
+            if collect_env.get_pretty_env_info is get_pretty_env_info:  # never asked for
+                collect_env.get_pretty_env_info = original
+
+    evaluator.evaluate = evaluate_with_env_prefetch
+    try:
+        yield
+    finally:
+        evaluator.evaluate = evaluate
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -186,11 +239,14 @@ class _TimedModelFactory:
 
     def _timed(self, method: str, *a, **kw):
         t0 = time.perf_counter()
+        _event(self._timings, "model_start")
         lm = getattr(self._cls, method)(*a, **kw)
         _sync_cuda()
+        _event(self._timings, "model_end")
         self._timings["load_s"] = time.perf_counter() - t0
         self._timings["model_class"] = f"{self._cls.__module__}.{self._cls.__qualname__}"
         self._timings["_lm"] = lm  # read for its token counts at exit (not written)
+        _time_requests(lm, self._timings)
         return lm
 
     def create_from_arg_obj(self, *a, **kw):
@@ -198,6 +254,34 @@ class _TimedModelFactory:
 
     def create_from_arg_string(self, *a, **kw):
         return self._timed("create_from_arg_string", *a, **kw)
+
+
+REQUEST_METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+
+def _event(timings: dict, name: str) -> None:
+    """Seconds since the entry started, once per name (the first occurrence counts)."""
+    timings["events"].setdefault(name, time.time() - ENTRY_UNIX)
+
+
+def _time_requests(lm: object, timings: dict) -> None:
+    """Add the seconds inside the model's request methods to ``requests_s`` (this instance's
+    methods only: lm-eval calls them by name on it)."""
+    for name in REQUEST_METHODS:
+        method = getattr(lm, name, None)
+        if method is None:
+            continue
+
+        def timed(*a, _method=method, **kw):
+            _event(timings, "first_request")
+            t0 = time.perf_counter()
+            try:
+                return _method(*a, **kw)
+            finally:
+                _sync_cuda()
+                timings["requests_s"] += time.perf_counter() - t0
+
+        setattr(lm, name, timed)
 
 
 def _sync_cuda() -> None:
@@ -212,7 +296,8 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
     import lm_eval.api.registry as registry
     import lm_eval.evaluator as evaluator
 
-    timings: dict = {"load_s": None, "scoring_s": None, "argv": sys.argv[1:]}
+    timings: dict = {"load_s": None, "scoring_s": None, "requests_s": 0.0, "argv": sys.argv[1:]}
+    timings.update(entry_unix=ENTRY_UNIX, events={})
     get_model, evaluate = registry.get_model, evaluator.evaluate
 
     def timed_get_model(name: str):
@@ -220,8 +305,10 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
 
     def timed_evaluate(*a, **kw):
         t0 = time.perf_counter()
+        _event(timings, "evaluate_start")
         out = evaluate(*a, **kw)
         _sync_cuda()
+        _event(timings, "evaluate_end")
         timings["scoring_s"] = time.perf_counter() - t0
         return out
 
@@ -232,7 +319,10 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
     finally:
         registry.get_model, evaluator.evaluate = get_model, evaluate
         timings["total_s"] = time.perf_counter() - t_start
+        _event(timings, "exit")
         lm = timings.pop("_lm", None)
+        if getattr(lm, "load_timings", None):
+            timings["nakta_load"] = dict(lm.load_timings)
         stats = getattr(lm, "score_stats", None)
         if stats is not None:  # nakta: tokens requested / unique / computed
             import dataclasses
@@ -260,10 +350,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2)
     if getattr(args, "command", None) == "run" and _only_local_tasks(args):
         index_local_tasks_only()
-    if _env_flag(TEMPLATE_CACHE_ENV, True):
-        cache_prompt_templates()
     timing_path = os.environ.get(TIMING_ENV)
-    with timing(timing_path) if timing_path else contextlib.nullcontext():
+    with contextlib.ExitStack() as fixes:
+        if _env_flag(TEMPLATE_CACHE_ENV, True):
+            fixes.enter_context(cached_prompt_templates())
+        if _env_flag(ENV_PREFETCH_ENV, True):
+            fixes.enter_context(env_report_prefetched())
+        if timing_path:
+            fixes.enter_context(timing(timing_path))
         try:
             parser.execute(args)
         except ValueError as e:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from nakta_model.checkpoint import load_rank_state_dict
+from nakta_model.checkpoint import load_rank_state_dict, read_args
 from nakta_model.config import ModelArgs
 from nakta_model.layout import CheckpointError, check_meta_names, nakta_shapes, nakta_tensor
 from nakta_model.model import Transformer
@@ -58,7 +58,7 @@ from nakta_model.sources import (
     open_source,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "load", "random_model", "read_rank_state"]
+__all__ = ["SUPPORTED_DTYPES", "checkpoint_args", "load", "random_model", "read_rank_state"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _EMBEDDING = "tok_embeddings.weight"
@@ -91,6 +91,16 @@ def load(
     if isinstance(source, MetaRankShard):  # every rank agreed the shards fit: now gather
         state[_EMBEDDING] = gather_last_dim(state[_EMBEDDING], parallel)
     return _assemble(args, state, parallel, kernels)
+
+
+def checkpoint_args(path: str | os.PathLike) -> ModelArgs:
+    """The ``ModelArgs`` that :func:`load` of checkpoint directory ``path`` builds, without
+    reading its weights (a Nakta ``params.json``; a Meta or HF directory opened memory-mapped):
+    callers check a tokenizer or a length against them before a long load, or while it runs."""
+    path = Path(path)
+    if is_meta_checkpoint(path) or is_hf_checkpoint(path):
+        return open_source(path, quiet=True).args
+    return read_args(path)[0]
 
 
 def read_rank_state(

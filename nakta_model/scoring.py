@@ -315,13 +315,16 @@ def _prefix_cache_for(model, rows: list[Row], use_cache: bool, prefix_cache):
     return cache, own
 
 
-def warm_up(model, *, use_cache: bool = True) -> float:
-    """Score one tiny batch so the first real batch pays no kernel compilation; returns seconds.
+def warm_up(model, *, use_cache: bool = True, prefix: bool | None = None) -> float:
+    """Score tiny batches so the first real batch pays no kernel compilation; returns seconds.
 
     Every Triton kernel the scorer launches is compiled once per process (or loaded from
     Triton's on-disk cache) and none of them specialises on the token count, so one small batch
     (a context with two branches and a plain row) compiles exactly what every later batch runs.
-    Call it right after loading (the lm-eval adapter does) to keep compilation out of scoring.
+    ``prefix`` (default: with ``use_cache``, when the model can prefill) also runs two contexts
+    that share a few-shot-length prefix through a small temporary prefix cache, which compiles
+    the prefill and prefix-reading kernels that a few-shot task's first batch would. Call it
+    right after loading (the lm-eval adapter does) to keep compilation out of scoring.
     """
     import time
 
@@ -330,6 +333,18 @@ def warm_up(model, *, use_cache: bool = True) -> float:
     reqs = [(tok[:6], tok[6:9]), (tok[:6], tok[9:12]), (tok[3:5], tok[5:8])]
     t0 = time.perf_counter()
     score(model, reqs, use_cache=use_cache, max_rows=None)  # ends with a host sync
+    if prefix is None:
+        prefix = use_cache and hasattr(model, "forward_prefill")
+    if prefix:
+        from nakta_model.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
+
+        shared = [(5 * i + 1) % vocab for i in range(MIN_PREFIX_TOKENS + 2)]
+        few_shot = [(shared + [tok[0]], tok[1:3]), (shared + [tok[4]], tok[5:7])]
+        cache = PrefixCache(model, budget_tokens=2 * len(shared))
+        try:
+            score(model, few_shot, use_cache=True, max_rows=None, prefix_cache=cache)
+        finally:
+            model.clear_cache()
     return time.perf_counter() - t0
 
 

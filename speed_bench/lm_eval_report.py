@@ -65,12 +65,16 @@ def markdown(summary: dict) -> str:
         f"`{m.get('task', TASK)}` (data `{m['data']}`; limit {m['limit']}, few-shot limit "
         f"{m['fewshot_limit']}, unless the task names its own), "
         f"lm-eval {m['lm_eval']}, transformers {m['transformers']}, torch {m['torch']}. "
-        "wall = child process start to end; load = model construction; scoring = "
-        "lm-eval's evaluate(). `default` = no --batch_size flag.",
+        "wall = child process start to end; load = model construction (nakta: the weights "
+        "then load in the background while lm-eval builds its requests; wait = what the "
+        "first request still waited for them); 1st request = process start to the first "
+        "model call; scoring = lm-eval's evaluate(), of which model = inside the model's "
+        "request methods. `default` = no --batch_size flag.",
         "",
-        "| task | model | shots | batch size | wall s | load s | scoring s | acc | acc_norm | "
-        "exact_match | n | tokens computed / unique / requested |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | model | shots | batch size | wall s | load s | wait s | 1st request s | "
+        "scoring s | model s | acc | acc_norm | exact_match | n | "
+        "tokens computed / unique / requested |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
         tokens = "-"
@@ -78,8 +82,9 @@ def markdown(summary: dict) -> str:
             tokens = f"{r['computed_tokens']} / {r['unique_tokens']} / {r['request_tokens']}"
         lines.append(
             f"| {_task(r)} | {r['model']} | {r['num_fewshot']} | {r['batch_size']} | "
-            f"{_fmt(r['wall_s'])} | "
-            f"{_fmt(r['load_s'])} | {_fmt(r['scoring_s'])} | {_fmt(r.get('acc'))} | "
+            f"{_fmt(r['wall_s'])} | {_fmt(r['load_s'])} | {_fmt(r.get('load_wait_s'))} | "
+            f"{_fmt(r.get('first_request_s'))} | {_fmt(r['scoring_s'])} | "
+            f"{_fmt(r.get('requests_s'))} | {_fmt(r.get('acc'))} | "
             f"{_fmt(r.get('acc_norm'))} | {_fmt(r.get('exact_match'))} | {_fmt(r['n'])} | "
             f"{tokens} |" + (f" failed: {r['error']}" if r["error"] else "")
         )

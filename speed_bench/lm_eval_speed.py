@@ -398,7 +398,7 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
     log = out / "logs" / f"{spec.slug}.log"
     task = spec.task
     cmd = child_command(spec, w, a.dtype, a.device, work / "lm_eval", task)
-    t0 = time.perf_counter()
+    t0, spawn_unix = time.perf_counter(), time.time()
     rc = _run_logged(cmd, env, log, a.timeout)
     record = {
         "model": spec.model,
@@ -410,6 +410,9 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
         "wall_s": time.perf_counter() - t0,
         "load_s": None,
         "scoring_s": None,
+        "requests_s": None,
+        "first_request_s": None,
+        "load_wait_s": None,
         "acc": None,
         "acc_norm": None,
         "exact_match": None,
@@ -427,12 +430,25 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
             raise RuntimeError(f"exit code {rc}")
         t = json.loads(timing.read_text())
         record.update(load_s=t["load_s"], scoring_s=t["scoring_s"], **read_results(work, task))
+        record.update(phases(t, spawn_unix))
         tokens = t.get("tokens") or {}
         for key in ("request_tokens", "unique_tokens", "computed_tokens"):
             record[key] = tokens.get(key)
     except (RuntimeError, OSError, KeyError, ValueError) as e:
         record["error"] = f"{e} (log: {log})"
     return record
+
+
+def phases(timing: dict, spawn_unix: float) -> dict:
+    """From the child's timing file: seconds inside the model's request methods, from process
+    start to the first request, and what that request still waited for a background load."""
+    first = (timing.get("events") or {}).get("first_request")
+    entry = timing.get("entry_unix")
+    return {
+        "requests_s": timing.get("requests_s"),
+        "first_request_s": None if first is None or entry is None else entry + first - spawn_unix,
+        "load_wait_s": (timing.get("nakta_load") or {}).get("wait_s"),
+    }
 
 
 # ------------------------------------------------------------------ main
@@ -591,7 +607,13 @@ def _describe(r: dict) -> str:
             f", tokens computed {r['computed_tokens']} / unique {r['unique_tokens']} "
             f"/ requested {r['request_tokens']}"
         )
-    return f"{head} (load {r['load_s']:.1f}, scoring {r['scoring_s']:.1f}), {metrics}{tokens}"
+    first = r.get("first_request_s")
+    at = f", first request at {first:.1f}" if first is not None else ""
+    model = f", model calls {r['requests_s']:.1f}" if r.get("requests_s") is not None else ""
+    return (
+        f"{head} (load {r['load_s']:.1f}{at}, scoring {r['scoring_s']:.1f}{model}), "
+        f"{metrics}{tokens}"
+    )
 
 
 if __name__ == "__main__":

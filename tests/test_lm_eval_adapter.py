@@ -203,7 +203,8 @@ def test_default_batch_size_scores_with_the_token_budget_alone(tiny, monkeypatch
     seen = []
     real = scoring.score
     kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
-    lm = adapter.NaktaLM(**kw, batch_size=1)  # (its warm-up batch is not counted)
+    lm = adapter.NaktaLM(**kw, batch_size=1)
+    assert lm.model is not None  # the background load and its warm-up batches, not counted
     monkeypatch.setattr(
         scoring, "score", lambda *a, **kw: seen.append(kw["max_rows"]) or real(*a, **kw)
     )
@@ -355,3 +356,55 @@ def test_lm_eval_check_reproduces_parity(tiny, shared_data, tmp_path):
     assert [r["model"] for r in result["models"]] == ["nakta", "llama_org"]
     assert all(r["lm_eval"]["n"] == 4 for r in result["models"])
     assert out.with_suffix(".md").is_file()
+
+
+def test_background_load_overlaps_the_caller_and_scores_like_a_blocking_one(tiny, monkeypatch):
+    """The constructor returns while the weights are still being read (lm-eval builds its
+    requests meanwhile); the first request waits for them; the numbers equal a blocking load's."""
+    import threading
+
+    import nakta_model.loading
+
+    ckpt, tok = tiny
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="fp32")
+    insts = [Instance("loglikelihood", {}, ("the cat", " sat on a mat"), 0)]
+    insts.append(Instance("loglikelihood", {}, ("the cat", " ran"), 1))
+    blocking = adapter.NaktaLM(**kw, background_load="false")
+    assert blocking._pending is None and set(blocking.load_timings) == {"read_s", "warm_up_s"}
+    want = blocking.loglikelihood(insts, disable_tqdm=True)
+    release, threads = threading.Event(), []
+    real_load = nakta_model.loading.load
+
+    def held_load(*a, **k):
+        threads.append(threading.current_thread().name)
+        assert release.wait(30)
+        return real_load(*a, **k)
+
+    monkeypatch.setattr(nakta_model.loading, "load", held_load)
+    lm = adapter.NaktaLM(**kw)  # returns with the load still held
+    assert lm._pending is not None and not lm._pending.done()
+    assert lm.max_length == 256 and lm.load_timings == {}  # known from params alone
+    release.set()
+    assert lm.loglikelihood(insts, disable_tqdm=True) == want
+    assert threads and threads[0].startswith("nakta-load")
+    assert set(lm.load_timings) == {"read_s", "warm_up_s", "wait_s"}
+
+
+def test_a_failed_background_load_raises_its_error_at_the_first_request(tiny, tmp_path):
+    """A damaged shard is not hidden by the worker thread: the first request (and any later
+    one) raises the loader's own error (a wrong tokenizer fails in the constructor still:
+    ``test_tokenizer_of_another_model_is_refused_at_load`` runs with the background load on)."""
+    from convert import convert
+    from nakta_model.layout import CheckpointError
+
+    ckpt, tok = tiny
+    nakta_dir = convert(ckpt, tmp_path / "nakta", quiet=True)
+    shard = next(nakta_dir.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-8:] = b"\x00" * 8  # same size, other bytes: the manifest's sampled hash differs
+    shard.write_bytes(bytes(data))
+    lm = adapter.NaktaLM(checkpoint=str(nakta_dir), tokenizer=str(tok), device="cpu")
+    inst = [Instance("loglikelihood", {}, ("the cat", " sat"), 0)]
+    for _ in range(2):
+        with pytest.raises(CheckpointError):
+            lm.loglikelihood(inst, disable_tqdm=True)

@@ -115,6 +115,11 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     assert "hellaswag_local" in local and "mmlu_shaped_local" in local  # the local ones only
     assert "hellaswag" not in local and "mmlu" not in local
     assert got["tokens"]["request_tokens"] > 0  # nakta reports what it computed
+    ev = got["events"]  # the run's phases, in order, all inside the entry's lifetime
+    order = ["model_start", "model_end", "evaluate_start", "first_request", "evaluate_end", "exit"]
+    assert [ev[k] for k in order] == sorted(ev[k] for k in order) and ev["model_start"] > 0
+    assert 0 < got["requests_s"] < got["scoring_s"]  # the model's share of evaluate()
+    assert set(got["nakta_load"]) == {"read_s", "warm_up_s", "wait_s"}
 
 
 def test_lm_eval_check_help_describes_its_own_arguments(capsys):
@@ -196,8 +201,6 @@ def test_prompt_templates_compile_once_and_render_the_same_requests(monkeypatch,
 
     meta = {"hellaswag_jsonl": str(shared_data / "hellaswag_val_subset1000.jsonl")}
     names = ["hellaswag_local", "mmlu_shaped_anatomy", "gsm8k_shaped_local", "bbh_shaped_local"]
-    current = lm_eval.utils.apply_template  # an earlier main() in this process may have cached
-    monkeypatch.setattr(lm_eval.utils, "apply_template", getattr(current, "original", current))
     fresh = _requests(names, meta)
     compiles: list[str] = []
     from_string = lm_eval.utils.env.from_string
@@ -207,11 +210,43 @@ def test_prompt_templates_compile_once_and_render_the_same_requests(monkeypatch,
         return from_string(source, *a, **kw)
 
     monkeypatch.setattr(lm_eval.utils.env, "from_string", counting)
-    lm_eval_cli.cache_prompt_templates()
-    lm_eval_cli.cache_prompt_templates()  # idempotent: one cache, not one wrapped in another
-    assert lm_eval.utils.apply_template.nakta_cached
-    cached = _requests(names, meta)
-    assert cached == fresh and len(fresh) > 12
-    assert compiles and len(compiles) == len(set(compiles))  # each template once
-    again = _requests(names, meta)
-    assert again == fresh and len(compiles) == len(set(compiles))
+    original = lm_eval.utils.apply_template
+    with lm_eval_cli.cached_prompt_templates():
+        cached = _requests(names, meta)
+        assert cached == fresh and len(fresh) > 12
+        assert compiles and len(compiles) == len(set(compiles))  # each template once
+        again = _requests(names, meta)
+        assert again == fresh and len(compiles) == len(set(compiles))
+    assert lm_eval.utils.apply_template is original  # put back after the block
+    _requests(names[:1], meta)
+    assert len(compiles) > len(set(compiles))  # lm-eval's own: a compile per document
+
+
+def test_env_report_is_collected_while_evaluate_runs_and_is_the_same(monkeypatch):
+    """lm-eval asks for torch's environment report after the evaluation; the entry has it
+    collected on a thread from evaluate's start: same text, off the critical path."""
+    import threading
+
+    import lm_eval.evaluator
+    import torch.utils.collect_env as collect_env
+
+    original_evaluate = lm_eval.evaluator.evaluate
+    seen = {}
+
+    def slow_report() -> str:
+        seen["thread"] = threading.current_thread().name
+        return "REPORT"
+
+    def fake_evaluate(*a, **kw):
+        seen["evaluate"] = a
+        return collect_env.get_pretty_env_info()  # what lm-eval's add_env_info calls
+
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", slow_report)
+    monkeypatch.setattr(lm_eval.evaluator, "evaluate", fake_evaluate)
+    with lm_eval_cli.env_report_prefetched():
+        assert lm_eval.evaluator.evaluate(1, 2) == "REPORT"
+        assert seen == {"thread": seen["thread"], "evaluate": (1, 2)}
+        assert seen["thread"].startswith("nakta-env")
+        assert collect_env.get_pretty_env_info is slow_report  # put back after one use
+    assert lm_eval.evaluator.evaluate is fake_evaluate
+    monkeypatch.setattr(lm_eval.evaluator, "evaluate", original_evaluate)

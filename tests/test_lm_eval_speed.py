@@ -46,6 +46,8 @@ def test_end_to_end_tiny_cpu_hf_and_nakta_agree(shared_data, tmp_path):
         assert set(r) >= RUN_KEYS and r["error"] is None and r["n"] == 4
         assert r["batch_size"] == "default" and r["tasks"] == "hellaswag_local"
         assert 0 < r["load_s"] < r["wall_s"] and 0 < r["scoring_s"] < r["wall_s"]
+        assert 0 < r["requests_s"] < r["scoring_s"] and 0 < r["first_request_s"] < r["wall_s"]
+        assert (r["load_wait_s"] is None) == (r["model"] == "hf")  # nakta's background load
         assert (out / r["log"]).is_file()
     for shot in (0, 1):
         hf, nakta = (r for r in runs if r["num_fewshot"] == shot)

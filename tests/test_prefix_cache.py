@@ -125,3 +125,30 @@ def test_gpu_prefix_cache_scores_like_the_uncached_engine(dtype):
         assert (a - b).abs().max() < 0.1 * b.abs().mean()
         same = (a.view(-1, 4).argmax(1) == b.view(-1, 4).argmax(1)).float().mean()
         assert same >= 0.9, same
+
+
+def test_warm_up_runs_the_prefix_path_and_leaves_no_cache():
+    """The warm-up compiles what a few-shot task's first batch runs (a prefix prefill, packed
+    attention reading prefix pages) and gives the pool back: scores are unchanged after it."""
+    model = model_fp32()
+    reqs = mmlu_like(n_subjects=1, per_subject=3)
+    before = scoring.score(model, reqs)
+    calls = {"prefill": 0, "prefix": 0}
+    prefill, packed = model.forward_prefill, model.forward_packed
+
+    def counting_prefill(*a, **kw):
+        calls["prefill"] += 1
+        return prefill(*a, **kw)
+
+    def counting_packed(*a, **kw):
+        calls["prefix"] += kw.get("prefix") is not None
+        return packed(*a, **kw)
+
+    model.forward_prefill, model.forward_packed = counting_prefill, counting_packed
+    assert scoring.warm_up(model) >= 0
+    assert calls == {"prefill": 1, "prefix": 1}
+    assert model.layers[0].attention.k_cache is None  # the temporary pool is gone
+    calls.update(prefill=0, prefix=0)
+    assert scoring.warm_up(model, prefix=False) >= 0 and calls == {"prefill": 0, "prefix": 0}
+    model.forward_prefill, model.forward_packed = prefill, packed
+    assert scoring.score(model, reqs) == before
