@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import random
 import sys
 from collections.abc import Callable
@@ -146,7 +147,7 @@ def cases(device: torch.device, small: bool) -> list[tuple[str, int, Callable]]:
 
     def attention(m, i):
         rng = random.Random(i)
-        starts, branches = [], []
+        starts, branches, spans = [], [], []
         while True:  # HellaSwag-like trees (context + 4 endings) while they fit, then pads
             st, ctx = len(starts), rng.randint(*((3, 12) if small else (20, 120)))
             ends = [rng.randint(*((1, 5) if small else (5, 40))) for _ in range(4)]
@@ -154,14 +155,21 @@ def cases(device: torch.device, small: bool) -> list[tuple[str, int, Callable]]:
                 break
             starts += [st] * (ctx + sum(ends))
             branches += [0] * ctx + [k for k, L in enumerate(ends, 1) for _ in range(L)]
+            spans += [st + ctx + sum(ends)] * ctx
+            for j, L in enumerate(ends):
+                spans += [st + ctx + sum(ends[: j + 1])] * L
         pad = n - len(starts)
         starts += range(len(starts), n)
         branches += [0] * pad
+        spans += range(len(spans) + 1, n + 1)
         seq = torch.tensor(starts, dtype=torch.int32, device=device)
-        br = torch.tensor(branches, dtype=torch.int32, device=device)
+        # a tree of the kernel's own kind: branch ids before the token tries, span ends after
+        params = inspect.signature(m["packed_attention"].packed_attention).parameters
+        tree = spans if "span_end" in params else branches
+        tree = torch.tensor(tree, dtype=torch.int32, device=device)
         seeded(i)
         qkv = _rand(n, (hq + 2 * hkv) * hd, device=device)
-        return lambda: m["packed_attention"].packed_attention(qkv, seq, br, hq, hkv, hd)
+        return lambda: m["packed_attention"].packed_attention(qkv, seq, tree, hq, hkv, hd)
 
     out.append(("packed attention 16K", 0, attention))
 

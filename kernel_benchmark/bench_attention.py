@@ -14,7 +14,7 @@ This sweep times, on the same inputs:
   bias (row stride padded to 16) through SDPA, which picks cuDNN and plans per shape;
 * ``nakta_packed`` -- the packed kernel on the same tokens laid out as one stream (what the
   scoring engine runs): reads Q/K/V in place from a fused ``[T, 3 H D]`` projection, masks from
-  per-token sequence starts and branch ids; for plain and prefill rows it is varlen causal.
+  per-token sequence starts and subtree ends; for plain and prefill rows it is varlen causal.
 
 HellaSwag shapes: 4 endings x tasks, context 20-120 tokens, endings 5-40 tokens, about 16K
 tokens per call (the scorer's token budget); long prefill: 2K-8K causal. TFLOP/s count only the
@@ -158,18 +158,20 @@ def sdpa_bias(allowed: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Te
     return bias
 
 
-def packed_layout(q, k, v, shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(qkv [T, 3 H D], seq_start [T], branch [T])``: the batch's rows as one token stream."""
+def packed_layout(q, k, v, shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(qkv [T, 3 H D], seq_start [T], span_end [T] or None)``: the batch's rows as one token
+    stream; a tree row's context is seen by the whole row, each ending by itself (None: causal
+    rows)."""
     b, h, length, d = q.shape
     qkv = torch.cat([q, k, v], dim=1).permute(0, 2, 1, 3).reshape(b * length, 3 * h * d)
     start = (torch.arange(b, device=q.device, dtype=torch.int32) * length).repeat_interleave(length)
+    span = None
     if shape.kind == "tree":
         pos = torch.arange(length, device=q.device)
-        row = torch.where(pos < shape.ctx, 0, (pos - shape.ctx) // max(shape.ending, 1) + 1)
-        branch = row.to(torch.int32).repeat(b)
-    else:
-        branch = torch.zeros(b * length, dtype=torch.int32, device=q.device)
-    return qkv.contiguous(), start, branch
+        ending = max(shape.ending, 1)
+        own_end = shape.ctx + ((pos - shape.ctx) // ending + 1) * ending
+        span = (torch.where(pos < shape.ctx, length, own_end).to(torch.int32).repeat(b)) + start
+    return qkv.contiguous(), start, span
 
 
 def sdpa_backend(name: str) -> Callable:
@@ -232,13 +234,13 @@ def bench_shape(
         if device.type == "cuda":
             for name in ("flash", "efficient", "cudnn"):
                 paths[f"sdpa_{name}"] = (lambda f: lambda: f(q, k, v))(sdpa_backend(name))
-    qkv, start, branch = packed_layout(q, k, v, shape)
+    qkv, start, span = packed_layout(q, k, v, shape)
     run_packed = (
         packed.packed_attention if device.type == "cuda" else packed.packed_attention_reference
     )
     h = heads
     paths["nakta_packed"] = lambda: (
-        run_packed(qkv, start, branch, h, h, head_dim)
+        run_packed(qkv, start, span, h, h, head_dim)
         .view(shape.batch, shape.seq, h, head_dim)
         .transpose(1, 2)
     )
@@ -301,9 +303,9 @@ def tune_packed(shapes: list[Shape], heads: int, head_dim: int, dtype, device) -
         g = torch.Generator(device=device).manual_seed(7)
         size = (shape.batch, heads, shape.seq, head_dim)
         q, k, v = (torch.randn(size, generator=g, device=device, dtype=dtype) for _ in range(3))
-        qkv, start, branch = packed_layout(q, k, v, shape)
+        qkv, start, span = packed_layout(q, k, v, shape)
         flops = 4 * head_dim * shape.allowed_pairs() * heads
-        fn = functools.partial(packed.packed_attention, qkv, start, branch, heads, heads, head_dim)
+        fn = functools.partial(packed.packed_attention, qkv, start, span, heads, heads, head_dim)
         for bm, bn, w, st in PACKED_GRID:
             try:
                 with tuned(packed, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st):

@@ -250,14 +250,35 @@ def _scenario(k: dict, mark: Callable[[str], None]) -> dict[str, Callable[[], No
                     da.decode_attention(q, cache, cache.clone(), lens, rows=torch.arange(batch))
 
     def packed():
+        import inspect
+
+        pa = k["packed_attention"]
         start = (torch.arange(512, dtype=torch.int32) // 64) * 64
-        branch = torch.zeros(512, dtype=torch.int32)
+        # 64-token chains through the tree mask (a tree of branch ids before span ends)
+        new_api = "span_end" in inspect.signature(pa.packed_attention).parameters
+        tree = start + 64 if new_api else torch.zeros(512, dtype=torch.int32)
         for dtype in (bf16, f16, f32):
             for hq, hkv, hd in ((32, 32, 128), (32, 8, 128), (8, 8, 64), (4, 4, 32), (4, 4, 256),
                                 (4, 4, 80)):  # fmt: skip
                 mark(f"packed {dtype} {hq}/{hkv}x{hd}")
                 qkv = t(512, (hq + 2 * hkv) * hd, dtype=dtype)
-                k["packed_attention"].packed_attention(qkv, start, branch, hq, hkv, hd)
+                pa.packed_attention(qkv, start, tree, hq, hkv, hd)
+        if not new_api:
+            return  # an older tree: no causal-only and prefix variants to compare
+        for dtype in (bf16, f32):
+            hq, hkv, hd = 32, 8, 128
+            qkv = t(512, (hq + 2 * hkv) * hd, dtype=dtype)
+            mark(f"packed causal {dtype} {hq}/{hkv}x{hd}")
+            pa.packed_attention(qkv, start, None, hq, hkv, hd)
+            pool = t(8 * 64, hkv, hd, dtype=dtype)
+            prefix = pa.PrefixKV(
+                pool, pool.clone(), torch.zeros(1, 2, dtype=torch.int32),
+                torch.tensor([100], dtype=torch.int32), torch.zeros(512, dtype=torch.int32), 64,
+            )  # fmt: skip
+            mark(f"packed prefix {dtype} {hq}/{hkv}x{hd}")
+            pa.packed_attention(qkv, start, start + 64, hq, hkv, hd, prefix=prefix)
+            mark(f"packed prefix causal {dtype} {hq}/{hkv}x{hd}")
+            pa.packed_attention(qkv, start, None, hq, hkv, hd, prefix=prefix)
 
     def logprobs():
         for dtype in (bf16, f32, f16):

@@ -105,7 +105,7 @@ class _Step:
     sin: torch.Tensor
     cache_slots: torch.Tensor | None = None  # int [batch * seqlen]: write K/V here
     key_len: int = 0  # with a cache: attend over cache positions [0, key_len)
-    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq_start, branch) [T] each
+    packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (seq_start, span_end) [T]
     prefix: PrefixPages | None = None  # cached prefixes in the KV cache (packed scoring)
 
 
@@ -138,7 +138,7 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)  # [b*s, (hq + 2 hkv) * hd]
         if step.packed is not None:  # one flat stream of sequences
             # RoPE once, in place (prefill also writes K/V into the cache), then attention
-            # within each sequence and branch. (Rotating K as it is read cost more than this
+            # within each sequence's token tree. (Rotating K as it is read cost more than this
             # pass on long rows: every query block re-rotates the same keys.)
             cache = {}
             if step.cache_slots is not None:
@@ -378,7 +378,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         seq_start: torch.Tensor,
-        branch: torch.Tensor,
+        span_end: torch.Tensor | None,
         logits_index: torch.Tensor,
         *,
         upcast: bool = True,
@@ -389,11 +389,11 @@ class Transformer(nn.Module):
         (in the model's dtype with ``upcast=False``).
 
         All inputs but ``logits_index`` are 1-D ``[T]``: sequences back to back with no padding
-        between them; ``seq_start[t]`` is the index of the first token of t's sequence and
-        ``branch[t]`` 0 for a shared context, k > 0 for its k-th continuation branch (a token
-        sees the earlier context tokens of its sequence and the earlier tokens of its own
-        branch; see ``kernels/packed_attention.py``). ``positions`` restart per sequence and per
-        branch as the caller lays them out. The final norm and the LM head run on the N rows of
+        between them, each a token tree in depth-first order; ``seq_start[t]`` is the index of
+        the first token of t's sequence and ``span_end[t]`` one past the last token of t's
+        subtree (a token sees itself and its ancestors; None: every sequence a chain, plain
+        causal attention; see ``kernels/packed_attention.py``). ``positions`` are each token's
+        depth in its tree (plus the prefix length) as the caller lays them out. The final norm and the LM head run on the N rows of
         ``logits_index`` only. The KV cache is not used.
         """
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
@@ -403,7 +403,8 @@ class Transformer(nn.Module):
         if tokens.device != self.device:
             raise ValueError(f"tokens are on {tokens.device}, the model on {self.device}")
         n = tokens.shape[0]
-        for name, t in (("positions", positions), ("seq_start", seq_start), ("branch", branch)):
+        named = [("positions", positions), ("seq_start", seq_start)]
+        for name, t in named + ([("span_end", span_end)] if span_end is not None else []):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
                 raise ValueError(f"{name} must be a tensor of shape ({n},)")
             if t.dtype not in (torch.int64, torch.int32):
@@ -415,7 +416,7 @@ class Transformer(nn.Module):
         if logits_index.dtype not in (torch.int64, torch.int32):
             raise TypeError("logits_index must be an int64/int32 tensor")
         cos, sin = self._rope_tables(self.args.max_seq_len)
-        step = _Step(1, n, positions, cos, sin, packed=(seq_start, branch))
+        step = _Step(1, n, positions, cos, sin, packed=(seq_start, span_end))
         step.cache_slots = _cache_slots  # forward_prefill: K/V into the cache
         if prefix is not None:
             if not isinstance(prefix, PrefixPages):
@@ -440,8 +441,8 @@ class Transformer(nn.Module):
         *,
         prefix: PrefixPages | None = None,
     ) -> torch.Tensor:
-        """Prefill prompts packed back to back (``[T]`` each, as ``forward_packed`` without
-        branches) into the KV cache: token t's rotated K and its V go to cache slot
+        """Prefill prompts packed back to back (``[T]`` each, as ``forward_packed`` with every
+        sequence a chain) into the KV cache: token t's rotated K and its V go to cache slot
         ``cache_slots[t]`` (cache row r, position p: ``r * max_seq_len + p``). Returns logits
         ``[N, vocab]`` in the model's dtype at ``logits_index`` (each prompt's last token).
         Needs ``setup_cache``; each prompt attends to itself, and with ``prefix`` also to the
@@ -452,8 +453,7 @@ class Transformer(nn.Module):
         n = tokens.shape[0] if isinstance(tokens, torch.Tensor) else 0
         if not isinstance(cache_slots, torch.Tensor) or tuple(cache_slots.shape) != (n,):
             raise ValueError(f"cache_slots must be a tensor of shape ({n},)")
-        branch = torch.zeros_like(seq_start)
         return self.forward_packed(
-            tokens, positions, seq_start, branch, logits_index, upcast=False,
+            tokens, positions, seq_start, None, logits_index, upcast=False,
             prefix=prefix, _cache_slots=cache_slots,
         )  # fmt: skip

@@ -24,18 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from nakta_model.score_batches import common_prefix_len
+
 __all__ = ["MIN_PREFIX_TOKENS", "PrefixCache", "shared_prefixes"]
 
 MIN_PREFIX_TOKENS = 64  # shorter shared beginnings are not worth a cache entry
 PAGE_SIZE = 64  # a multiple of every packed-attention key block
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def shared_prefixes(
@@ -52,11 +46,11 @@ def shared_prefixes(
     length: dict[tuple[int, ...], int] = {}
     start = 0
     for i in range(1, len(distinct) + 1):
-        if i < len(distinct) and _lcp(distinct[i - 1], distinct[i]) >= min_tokens:
+        if i < len(distinct) and common_prefix_len(distinct[i - 1], distinct[i]) >= min_tokens:
             continue
         group = distinct[start:i]  # one run of neighbours sharing >= min_tokens
         if len(group) >= 2:
-            common = min(_lcp(group[0], g) for g in group[1:])
+            common = min(common_prefix_len(group[0], g) for g in group[1:])
             common = min(common, min(len(g) for g in group) - 1)
             for g in group:
                 length[g] = common if common >= min_tokens else 0

@@ -1,6 +1,11 @@
 """How the scoring engine lays requests out: rows (a context and its continuation branches),
 batches of rows under a token budget, and the host tensors of one batch.
 
+A packed row is a token tree: the context, then the trie of its continuations' input tokens
+(``cont[:-1]``; the last token of a continuation is only ever a target) in depth-first order,
+so continuations that begin alike ("the man ...", "the woman ...") compute their shared tokens
+once. On HellaSwag that is 12.5% of the tokens of a row that repeats them per ending.
+
 Packed batches (``pack``) put rows back to back in one token stream for the packed engine;
 padded batches (``pad_rows``) are right-padded ``[B, L]`` token matrices for peers whose forward
 takes one. Both orders are canonical (a function of the tokens only), so the same requests give
@@ -10,6 +15,7 @@ the same batches in any input order. Host-only work: nothing here touches a devi
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,21 +24,130 @@ from nakta_model.kernels.packed_attention import PREFIX_ALIGN
 
 
 @dataclass
+class Trie:
+    """Token sequences as a trie in depth-first order: node n holds ``tokens[n]`` at depth
+    ``depth[n]`` (its index in every sequence through it), its subtree is nodes
+    ``[n, end[n])``, and ``paths[k]`` lists the nodes of sequence k, one per token."""
+
+    tokens: list[int]
+    depth: list[int]
+    end: list[int]
+    paths: list[list[int]]
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def sequence_trie(seqs: Sequence[Sequence[int]]) -> Trie:
+    """The trie of ``seqs``; ``paths`` in the order of ``seqs``. The sequences are walked in
+    sorted order, which makes insertion a depth-first walk: each one's new nodes follow the
+    nodes it shares with the one before (sorted neighbours share the most)."""
+    tokens: list[int] = []
+    depth: list[int] = []
+    end: list[int] = []
+    paths: list[list[int]] = [[] for _ in seqs]
+    path: list[int] = []  # the nodes of the previous sequence
+    prev: Sequence[int] = ()
+    for k in sorted(range(len(seqs)), key=lambda k: seqs[k]):
+        u = seqs[k]
+        shared = common_prefix_len(prev, u)
+        while len(path) > shared:  # the previous sequence's deeper nodes are complete
+            end[path.pop()] = len(tokens)
+        for d in range(shared, len(u)):
+            path.append(len(tokens))
+            tokens.append(u[d])
+            depth.append(d)
+            end.append(-1)
+        paths[k] = list(path)
+        prev = u
+    while path:
+        end[path.pop()] = len(tokens)
+    return Trie(tokens, depth, end, paths)
+
+
+@dataclass
 class Row:
-    """One model input row: a context followed by one or more continuation branches; the
-    first ``prefix`` context tokens come from the prefix cache instead of the stream."""
+    """One tree of the packed stream: a context followed by its continuation branches, and the
+    rows ``merged`` into it (contexts that begin alike: :func:`merge_rows`); every token of the
+    trie of their ``ctx + cont[:-1]`` sequences is computed once (:func:`sequence_trie`). The
+    first ``prefix`` context tokens come from the prefix cache instead of the stream (rows
+    with a prefix are never merged)."""
 
     ctx: list[int]
     branches: list[tuple[int, list[int]]] = field(default_factory=list)  # (request idx, cont)
     prefix: int = 0
+    merged: list[Row] = field(default_factory=list)
+    _trie: Trie | None = field(default=None, repr=False, compare=False)
+
+    def requests(self) -> list[tuple[list[int], int, list[int]]]:
+        """``(ctx, request idx, cont)`` of every branch of this row and the merged ones."""
+        return [(r.ctx, i, cont) for r in (self, *self.merged) for i, cont in r.branches]
+
+    @property
+    def trie(self) -> Trie:
+        """The trie of its sequences (built once: rows are final once they are batched)."""
+        if self._trie is None:
+            self._trie = sequence_trie([ctx + cont[:-1] for ctx, _, cont in self.requests()])
+        return self._trie
 
     def __len__(self) -> int:
-        return len(self.ctx) + sum(len(c) - 1 for _, c in self.branches)
+        return len(self.trie.tokens)
 
     @property
     def stream_len(self) -> int:
         """Tokens this row puts in the packed stream."""
         return len(self) - self.prefix
+
+
+# Merging rows, measured on 3,000 HellaSwag tasks (LLaMA tokenizer): 270,305 stream tokens
+# unmerged, 242,101 merged (unique: 240,241), while the packed kernel's key blocks (it skips
+# those no query of the block can see) grow 1.10x: attention is ~3% of a batch's time.
+MERGE_MIN_SHARED = 4  # contexts sharing fewer leading tokens stay in rows of their own
+MERGE_MAX_TOKENS = 1024  # a merged row's tokens at most (keys a query block may scan)
+
+
+def merge_rows(
+    rows: list[Row],
+    max_tokens: int = MERGE_MAX_TOKENS,
+    min_shared: int = MERGE_MIN_SHARED,
+    max_contexts: int | None = None,
+) -> list[Row]:
+    """Rows whose contexts share at least ``min_shared`` leading tokens become one tree (their
+    shared tokens computed once: HellaSwag tasks of one video repeat its first sentence), up to
+    ``max_tokens`` tokens and ``max_contexts`` contexts a tree; rows with a cached prefix stay
+    as they are. Canonical: the trees depend on the rows' tokens only."""
+    out = [r for r in rows if r.prefix]
+    group: list[Row] = []
+    size = 0
+    prev: list[int] = []
+    for r in sorted((r for r in rows if not r.prefix), key=lambda r: r.ctx):
+        shared = common_prefix_len(prev, r.ctx) if group else 0
+        grow = len(r) - shared  # at most: its branches may share more with the tree
+        fits = max_contexts is None or len(group) < max_contexts
+        if group and shared >= min_shared and size + grow <= max_tokens and fits:
+            group.append(r)
+            size += grow
+        else:
+            if group:
+                out.append(_tree_of(group))
+            group, size = [r], len(r)
+        prev = r.ctx
+    if group:
+        out.append(_tree_of(group))
+    return out
+
+
+def _tree_of(group: list[Row]) -> Row:
+    if len(group) == 1:
+        return group[0]
+    head, *rest = group
+    return Row(head.ctx, head.branches, 0, [*head.merged, *rest])
 
 
 def check_budget(token_budget: int, max_rows: int | None) -> None:
@@ -48,12 +163,13 @@ def build_rows(
     """Group requests into rows. Returns rows and ``duplicate -> original`` request indices.
 
     With the cache, requests whose (truncated) context tokens are equal share a row (split
-    into several rows only if the packed row would grow past ``max_length`` tokens); identical
-    (context, continuation) pairs are computed once.
+    into several rows only if the packed row could grow past ``max_length`` tokens, counting
+    every branch's tokens in full); identical (context, continuation) pairs are computed once.
     """
     if not use_cache:
         return [Row(ctx, [(i, cont)]) for i, (ctx, cont) in enumerate(reqs)], {}
     groups: dict[tuple[int, ...], list[Row]] = {}
+    sizes: dict[int, int] = {}  # row id -> its tokens with every branch in full (an upper bound)
     seen: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     dup: dict[int, int] = {}
     for i, (ctx, cont) in enumerate(reqs):
@@ -64,9 +180,11 @@ def build_rows(
             continue
         seen[pair] = i
         rows = groups.setdefault(key, [])
-        if not rows or len(rows[-1]) + len(cont) - 1 > max_length:
+        if not rows or sizes[id(rows[-1])] + len(cont) - 1 > max_length:
             rows.append(Row(ctx))  # a packed row stays within the model's length
+            sizes[id(rows[-1])] = len(ctx)
         rows[-1].branches.append((i, cont))
+        sizes[id(rows[-1])] += len(cont) - 1
     for rows in groups.values():
         for r in rows:
             r.branches.sort(key=lambda b: b[1])
@@ -104,29 +222,32 @@ def padded_batches(rows: list[Row], token_budget: int, max_rows: int | None) -> 
 
 def packed_batches(rows: list[Row], token_budget: int, max_rows: int | None) -> list[list[Row]]:
     """For the packed engine: rows go into batches of at most ``token_budget`` tokens (no padding
-    between rows) and ``max_rows`` rows, best fit decreasing: each row, longest first, joins the
-    batch with the least room that still fits it, so batches come out nearly full and their
-    token counts (the forward's only shape) nearly equal. A row longer than the budget gets a
-    batch of its own. Canonical row order, as in :func:`padded_batches`.
+    between rows) and ``max_rows`` contexts (a merged row counts each of its contexts), best
+    fit decreasing: each row, longest first, joins the batch with the least room that still
+    fits it, so batches come out nearly full and their token counts (the forward's only shape)
+    nearly equal. A row longer than the budget gets a batch of its own. Canonical row order,
+    as in :func:`padded_batches`.
     """
     rows = sorted(rows, key=_row_key)
     batches: list[list[Row]] = []
-    sizes: list[int] = []
+    contexts: list[int] = []
     room: list[tuple[int, int]] = []  # sorted (free tokens, batch id) of batches still open
     for row in rows:
-        n = row.stream_len
+        n, w = row.stream_len, 1 + len(row.merged)
         at = bisect.bisect_left(room, (n, -1))
+        while at < len(room) and max_rows is not None and contexts[room[at][1]] + w > max_rows:
+            at += 1
         if at < len(room):
             free, b = room.pop(at)
         else:
             b = len(batches)
             batches.append([])
-            sizes.append(0)
+            contexts.append(0)
             free = max(token_budget, n)
         batches[b].append(row)
-        sizes[b] += n
+        contexts[b] += w
         free -= n
-        if free > 0 and (max_rows is None or len(batches[b]) < max_rows):
+        if free > 0 and (max_rows is None or contexts[b] < max_rows):
             bisect.insort(room, (free, b))
     return batches
 
@@ -138,7 +259,7 @@ class Packed:
     tokens: torch.Tensor  # [T] long: every row's tokens back to back, then padding
     positions: torch.Tensor  # [T] long
     seq_start: torch.Tensor  # [T] int32: first token of each token's row
-    branch: torch.Tensor  # [T] int32: 0 context, k > 0 branch k
+    span_end: torch.Tensor  # [T] int32: one past the token's subtree (kernels/packed_attention)
     flat_index: torch.Tensor  # [N] long: scored token indices
     src: torch.Tensor  # [S] long: row of the [N, V] logits that predicts each target
     target: torch.Tensor  # [S] long: target token ids
@@ -153,10 +274,11 @@ PAD_MULTIPLE = 128  # token counts are rounded up to this: few distinct forward 
 def pack(
     batch: list[Row], pin: bool = False, entries: dict[tuple[int, ...], int] | None = None
 ) -> Packed:
-    """Lay out a batch as one token stream: each row is its context, then every branch's
-    tokens but the last (the last token of a continuation is a target, never an input), with
-    positions restarting at ``len(ctx)`` for every branch. Scored positions: the last context
-    token (predicts every branch's first target), then every branch token.
+    """Lay out a batch as one token stream: each row is the trie of its ``ctx + cont[:-1]``
+    sequences (the last token of a continuation is a target, never an input) depth first, a
+    node's position its depth. Scored positions: each context's last node (predicts its
+    branches' first targets) and every continuation node (predicts the next token of each
+    branch through it).
 
     A row with a cached prefix puts only ``ctx[prefix:]`` in the stream (positions from
     ``prefix`` on) and attends to the prefix's cached K/V; ``entries`` maps each prefix to its
@@ -173,7 +295,7 @@ def pack(
     toks: list[int] = []
     pos: list[int] = []
     start: list[int] = []
-    branch: list[int] = []
+    span: list[int] = []
     entry: list[int] = []
     flat: list[int] = []
     src: list[int] = []
@@ -183,9 +305,9 @@ def pack(
     def pad(to: int, e: int) -> None:
         n = -len(toks) % to
         start.extend(range(len(toks), len(toks) + n))
+        span.extend(range(len(toks) + 1, len(toks) + n + 1))
         toks.extend([0] * n)
         pos.extend([0] * n)
-        branch.extend([0] * n)
         entry.extend([e] * n)
 
     current = -1
@@ -195,23 +317,23 @@ def pack(
             pad(PREFIX_ALIGN, current)
             current = e
         s0 = len(toks)
-        c, p = len(row.ctx), row.prefix
-        toks += row.ctx[p:]
-        pos += range(p, c)
-        branch += [0] * (c - p)
-        first_scored = len(flat)
-        flat.append(s0 + c - p - 1)  # predicts the first token of every branch
-        for k, (i, cont) in enumerate(row.branches, start=1):
-            m = len(cont)
-            b0 = len(toks)
-            toks += cont[:-1]
-            pos += range(c, c + m - 1)
-            branch += [k] * (m - 1)
-            src.append(first_scored)
-            src += range(len(flat), len(flat) + m - 1)
-            flat += range(b0, b0 + m - 1)
+        p, trie = row.prefix, row.trie
+        base = s0 - p  # stream index of trie node n (the first p nodes: the cached prefix)
+        toks += trie.tokens[p:]
+        pos += trie.depth[p:]
+        span += [base + x for x in trie.end[p:]]
+        reqs = row.requests()
+        # node path[len(ctx) - 1 + j] predicts cont[j]: the last context node, then the
+        # continuation's own nodes
+        scored = sorted(
+            {n for (ctx, _, _), path in zip(reqs, trie.paths) for n in path[len(ctx) - 1 :]}
+        )
+        flat_of = {n: len(flat) + k for k, n in enumerate(scored)}
+        flat += [base + n for n in scored]
+        for (ctx, i, cont), path in zip(reqs, trie.paths):
+            src += [flat_of[n] for n in path[len(ctx) - 1 :]]
             target += cont
-            req += [i] * m
+            req += [i] * len(cont)
         start += [s0] * (len(toks) - s0)
         entry += [e] * (len(toks) - s0)
     n_real = len(toks)
@@ -220,7 +342,7 @@ def pack(
         tokens=torch.tensor(toks, dtype=torch.long),
         positions=torch.tensor(pos, dtype=torch.long),
         seq_start=torch.tensor(start, dtype=torch.int32),
-        branch=torch.tensor(branch, dtype=torch.int32),
+        span_end=torch.tensor(span, dtype=torch.int32),
         flat_index=torch.tensor(flat, dtype=torch.long),
         src=torch.tensor(src, dtype=torch.long),
         target=torch.tensor(target, dtype=torch.long),
@@ -229,7 +351,7 @@ def pack(
         token_entry=torch.tensor(entry, dtype=torch.int32) if entries is not None else None,
     )
     if pin:
-        for name in ("tokens", "positions", "seq_start", "branch", "flat_index", "src"):
+        for name in ("tokens", "positions", "seq_start", "span_end", "flat_index", "src"):
             setattr(out, name, getattr(out, name).pin_memory())
         out.target, out.req = out.target.pin_memory(), out.req.pin_memory()
         if out.token_entry is not None:

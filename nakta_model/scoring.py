@@ -8,12 +8,13 @@ Why an engine and not a loop over requests: multiple-choice benchmarks score sev
 continuations of ONE context (HellaSwag: 4 endings of ~17 tokens after a ~34-token context).
 With ``use_cache=True`` the requests sharing a context become one row
 
-    [ctx..., cont1[:-1]..., cont2[:-1]..., ...]
+    [ctx..., trie of cont1[:-1], cont2[:-1], ... in depth-first order]
 
-whose positions restart at ``len(ctx)`` for every continuation, under a tree mask (each
-continuation sees the whole context and its own causal prefix). The context is computed once,
-with no K/V copies, and the first token of every continuation is predicted from the one shared
-last-context position. That halves the tokens of a HellaSwag run. Only the scored positions go
+a token tree under a tree mask (each continuation sees the whole context and its own causal
+prefix; continuations that begin alike share those tokens, positions count depth). The context
+is computed once, with no K/V copies, and the first token of every continuation is predicted
+from the one shared last-context position. That halves the tokens of a HellaSwag run, and the
+trie takes another 12.5% (every token of the trie of all requests is computed once). Only the scored positions go
 through the LM head and the log-softmax (``forward_packed``'s ``logits_index``), never
 ``[rows, len, vocab]``.
 
@@ -41,11 +42,13 @@ import torch
 
 from nakta_model.kernels.logprobs import target_logprobs
 from nakta_model.score_batches import (
+    MERGE_MAX_TOKENS,
     Packed,
     PaddedBatch,
     Row,
     build_rows,
     check_budget,
+    merge_rows,
     pack,
     packed_batches,
     pad_rows,
@@ -215,7 +218,7 @@ def score(
 ) -> list[tuple[float, bool]]:
     """lm-eval ``loglikelihood`` over token requests with a Nakta model.
 
-    ``model`` needs ``forward_packed(tokens, positions, seq_start, branch, logits_index)``
+    ``model`` needs ``forward_packed(tokens, positions, seq_start, span_end, logits_index)``
     (fp32 logits at ``logits_index`` only; see ``Transformer.forward_packed``). ``max_length``
     defaults to the model's ``max_seq_len``; ``use_cache`` packs the continuations of a shared
     context behind one copy of it, and computes a prefix shared by different contexts (a
@@ -228,7 +231,7 @@ def score(
     """
     if not hasattr(model, "forward_packed"):
         raise TypeError(
-            "model must have forward_packed(tokens, positions, seq_start, branch, logits_index)"
+            "model must have forward_packed(tokens, positions, seq_start, span_end, logits_index)"
         )
     if max_length is None:
         max_length = _model_attr(model, ("max_seq_len", "max_length"))
@@ -240,6 +243,8 @@ def score(
     rows, dup = build_rows(reqs, use_cache, max_length)
     cache, own_cache = _prefix_cache_for(model, rows, use_cache, prefix_cache)
     plain = [r for r in rows if not r.prefix]
+    if use_cache:  # contexts that begin alike: one tree, their shared tokens computed once
+        plain = merge_rows(plain, min(MERGE_MAX_TOKENS, max_length), max_contexts=max_rows)
     batches = [(b, False) for b in packed_batches(plain, token_budget, max_rows)]
     if cache is not None:
         shared = [r for r in rows if r.prefix]
@@ -248,7 +253,7 @@ def score(
     device = _model_device(model)
     sums = torch.zeros(len(reqs), dtype=torch.float64, device=device)
     misses = torch.zeros(len(reqs), dtype=torch.int32, device=device)
-    total = sum(r.stream_len for r in rows)
+    total = sum(r.stream_len for b, _ in batches for r in b)
     pin = device.type == "cuda"
     computed_before = cache.computed_tokens if cache is not None else 0
 
@@ -271,7 +276,7 @@ def score(
                     kw["prefix"] = PrefixPages(table, lengths, put(b.token_entry), cache.page_size)
                 index = put(b.flat_index)
                 logits = model.forward_packed(
-                    put(b.tokens), put(b.positions), put(b.seq_start), put(b.branch), index, **kw
+                    put(b.tokens), put(b.positions), put(b.seq_start), put(b.span_end), index, **kw
                 )
                 if logits.shape[0] != index.shape[0]:
                     raise RuntimeError(

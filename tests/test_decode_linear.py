@@ -498,3 +498,13 @@ def test_gpu_cuda_graph_replay_follows_new_inputs():
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(out, decode_linear_reference(x, w, **ref_kw), torch.bfloat16)
+
+
+def test_reference_never_reads_a_strided_inputs_padding():
+    """torch's CPU bf16 matmul on AVX512-BF16/AMX machines reads a strided input's row padding
+    (multiplying it by zero: NaN there poisons the row); the reference must not see it."""
+    x = _padded(33, 75, torch.bfloat16, "cpu", pad=3)  # NaN in the padding
+    w = (torch.randn(45, 75) / 9).to(torch.bfloat16)
+    got = decode_linear_reference(x, w)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, decode_linear_reference(x.contiguous(), w), rtol=0, atol=0)

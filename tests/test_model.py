@@ -114,7 +114,7 @@ def test_forward_without_cache_at_an_offset_rotates_from_start_pos():
 def tree_stream(c=5, a=3, b=4, plain=9, pad=2):
     """One packed stream: a row of context C with branches A and B (each sees C and its own
     prefix), then a plain causal row of ``plain`` tokens, then ``pad`` pad tokens (each a
-    sequence of its own). Returns tokens, positions, seq_start, branch and the row lengths."""
+    sequence of its own). Returns tokens, positions, seq_start, span_end and the row lengths."""
     row0 = c + a + b
     n = row0 + plain + pad
     tokens = torch.randint(3, VOCAB, (n,))
@@ -128,17 +128,20 @@ def tree_stream(c=5, a=3, b=4, plain=9, pad=2):
         ]
     )
     seq_start = torch.tensor([0] * row0 + [row0] * plain + list(range(row0 + plain, n)))
-    branch = torch.tensor([0] * c + [1] * a + [2] * b + [0] * (plain + pad))
-    return tokens, positions, seq_start, branch, (c, a, b, plain, n)
+    span_end = torch.tensor(
+        [row0] * c + [c + a] * a + [row0] * b + [row0 + plain] * plain
+        + list(range(row0 + plain + 1, n + 1))
+    )  # fmt: skip
+    return tokens, positions, seq_start, span_end, (c, a, b, plain, n)
 
 
 @pytest.mark.parametrize("params", [TINY_PARAMS, TINY_PARAMS_MHA], ids=["gqa", "mha"])
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_forward_packed_equals_separate_forwards(params, kernels):
     model = make(params, kernels=kernels)
-    tokens, positions, seq_start, branch, (c, a, b, plain, n) = tree_stream()
+    tokens, positions, seq_start, span_end, (c, a, b, plain, n) = tree_stream()
     index = torch.arange(n)  # every token, pads included (they must stay finite)
-    out = model.forward_packed(tokens, positions, seq_start, branch, index)
+    out = model.forward_packed(tokens, positions, seq_start, span_end, index)
     assert out.dtype == torch.float32 and out.shape == (n, VOCAB) and torch.isfinite(out).all()
     ref = make(params)
     ca = ref(torch.cat([tokens[:c], tokens[c : c + a]])[None])[0]
@@ -151,15 +154,33 @@ def test_forward_packed_equals_separate_forwards(params, kernels):
     torch.testing.assert_close(out[c + a + b : c + a + b + plain], row1, **tol)
 
 
+def test_a_trie_row_equals_a_forward_of_each_path():
+    """Continuations that share their first tokens share those nodes: context C, then the trie
+    x-y-{z1, z2} and w in depth-first order; each node's logits are its own path's."""
+    model = make(kernels="triton")
+    c = 5
+    tokens = torch.randint(3, VOCAB, (c + 5,))
+    x, y, z1, z2, w = range(c, c + 5)
+    positions = torch.tensor(list(range(c)) + [c, c + 1, c + 2, c + 2, c])
+    seq_start = torch.zeros(c + 5, dtype=torch.long)
+    span_end = torch.tensor([c + 5] * c + [w, w, z1 + 1, z2 + 1, w + 1])
+    out = model.forward_packed(tokens, positions, seq_start, span_end, torch.arange(c + 5))
+    ref = make()
+    for path in ([x, y, z1], [x, y, z2], [w]):
+        alone = ref(torch.cat([tokens[:c], tokens[path]])[None])[0]
+        torch.testing.assert_close(out[path], alone[c:], rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(out[:c], alone[:c], rtol=2e-5, atol=2e-5)
+
+
 def test_logits_index_gathers_rows_and_the_lm_head_sees_only_them():
     model = make()
-    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
-    full = model.forward_packed(tokens, positions, seq_start, branch, torch.arange(n))
+    tokens, positions, seq_start, span_end, (_, _, _, _, n) = tree_stream()
+    full = model.forward_packed(tokens, positions, seq_start, span_end, torch.arange(n))
     index = torch.tensor([13, 4, 5, 20, 6, 4])  # any order, repeats allowed
     rows_seen = []
     hook = model.output.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
     try:
-        got = model.forward_packed(tokens, positions, seq_start, branch, index)
+        got = model.forward_packed(tokens, positions, seq_start, span_end, index)
     finally:
         hook.remove()
     assert rows_seen == [len(index)]
@@ -168,11 +189,11 @@ def test_logits_index_gathers_rows_and_the_lm_head_sees_only_them():
 
 def test_forward_packed_ignores_the_kv_cache_and_returns_plain_tensors():
     model = make()
-    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    tokens, positions, seq_start, span_end, (_, _, _, _, n) = tree_stream()
     idx = torch.arange(n)
-    before = model.forward_packed(tokens, positions, seq_start, branch, idx)
+    before = model.forward_packed(tokens, positions, seq_start, span_end, idx)
     model.setup_cache(1, 4)  # too small for this batch: must not be touched
-    after = model.forward_packed(tokens, positions, seq_start, branch, idx)
+    after = model.forward_packed(tokens, positions, seq_start, span_end, idx)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     after.sub_(after.max())  # callers may edit logits in place (no inference tensors)
     assert not after.is_inference()
@@ -180,22 +201,22 @@ def test_forward_packed_ignores_the_kv_cache_and_returns_plain_tensors():
 
 def test_forward_packed_rejects_bad_inputs():
     model = make()
-    tokens, positions, seq_start, branch, _ = tree_stream()
+    tokens, positions, seq_start, span_end, _ = tree_stream()
     idx = torch.tensor([0])
     with pytest.raises(ValueError, match="positions must be a tensor of shape"):
-        model.forward_packed(tokens, positions[:-1], seq_start, branch, idx)
-    with pytest.raises(TypeError, match="branch must be an int64/int32"):
-        model.forward_packed(tokens, positions, seq_start, branch.float(), idx)
+        model.forward_packed(tokens, positions[:-1], seq_start, span_end, idx)
+    with pytest.raises(TypeError, match="span_end must be an int64/int32"):
+        model.forward_packed(tokens, positions, seq_start, span_end.float(), idx)
     with pytest.raises(TypeError, match="logits_index must be an int64/int32"):
-        model.forward_packed(tokens, positions, seq_start, branch, idx.float())
+        model.forward_packed(tokens, positions, seq_start, span_end, idx.float())
     with pytest.raises(ValueError, match=r"tokens must have shape \[T>0\]"):
-        model.forward_packed(tokens[None], positions, seq_start, branch, idx)
+        model.forward_packed(tokens[None], positions, seq_start, span_end, idx)
     backwards = seq_start.clone()
     backwards[-1] = 0  # the last token claims the first sequence: not contiguous
     with pytest.raises(ValueError, match="seq_start must be non-decreasing"):
-        model.forward_packed(tokens, positions, backwards, branch, idx)
+        model.forward_packed(tokens, positions, backwards, span_end, idx)
     with pytest.raises(ValueError, match=r"seq_start\[t\] must lie in \[0, t\]"):
-        model.forward_packed(tokens, positions, seq_start.flip(0), branch, idx)
+        model.forward_packed(tokens, positions, seq_start.flip(0), span_end, idx)
     with pytest.raises(TypeError, match="tokens must be an int64/int32"):
         model(tokens[None].float())
     with pytest.raises(ValueError, match="start_pos must be an int"):
@@ -208,12 +229,12 @@ def test_forward_packed_rejects_bad_inputs():
 def test_triton_kernels_match_reference_path():
     """The Triton kernels (interpreter on CPU) give the reference path's logits, all three paths."""
     ref, tri = make(kernels="reference"), make(kernels="triton")
-    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    tokens, positions, seq_start, span_end, (_, _, _, _, n) = tree_stream()
     idx = torch.arange(n)
     tol = dict(rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(
-        tri.forward_packed(tokens, positions, seq_start, branch, idx),
-        ref.forward_packed(tokens, positions, seq_start, branch, idx),
+        tri.forward_packed(tokens, positions, seq_start, span_end, idx),
+        ref.forward_packed(tokens, positions, seq_start, span_end, idx),
         **tol,
     )
     rows = tokens[:12].view(2, 6)
@@ -227,12 +248,12 @@ def test_triton_kernels_match_reference_path():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_forward_tracks_fp32(dtype):
-    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    tokens, positions, seq_start, span_end, (_, _, _, _, n) = tree_stream()
     idx = torch.arange(n)
-    want = make().forward_packed(tokens, positions, seq_start, branch, idx)
+    want = make().forward_packed(tokens, positions, seq_start, span_end, idx)
     model = make(dtype=dtype)
     assert model.dtype == dtype
-    got = model.forward_packed(tokens, positions, seq_start, branch, idx)
+    got = model.forward_packed(tokens, positions, seq_start, span_end, idx)
     assert got.dtype == torch.float32
     # bf16 keeps 8 bits of mantissa: a few percent of the logit scale after 2 layers
     assert (got - want).abs().max() < 0.05 * want.abs().max()
@@ -303,12 +324,12 @@ def _tp_worker(rank: int, world: int, init_file: str, inputs: dict, out_file: st
 
 @pytest.mark.slow  # two fresh interpreters importing torch: a few seconds
 def test_tensor_parallel_two_gloo_ranks_match_single_process(tmp_path):
-    tokens, positions, seq_start, branch, (_, _, _, _, n) = tree_stream()
+    tokens, positions, seq_start, span_end, (_, _, _, _, n) = tree_stream()
     inputs = dict(
         tokens=tokens,
         positions=positions,
         seq_start=seq_start,
-        branch=branch,
+        span_end=span_end,
         logits_index=torch.arange(0, n, 3),
         rows=tokens[:12].view(2, 6),
     )
@@ -346,12 +367,13 @@ def test_gpu_paths_agree_with_fp32_and_the_packed_tree(dtype):
     tokens = torch.randint(3, 1000, (rows, c + a + b), device="cuda", generator=gen)
     row = c + a + b
     positions = torch.cat([torch.arange(c), torch.arange(c, c + a), torch.arange(c, c + b)])
-    branch = torch.tensor([0] * c + [1] * a + [2] * b)
+    span = torch.tensor([row] * c + [c + a] * a + [row] * b)  # offsets within a row
+    seq_start = torch.arange(rows).repeat_interleave(row).mul(row)
     flat = dict(
         tokens=tokens.reshape(-1),
         positions=positions.repeat(rows).cuda(),
-        seq_start=torch.arange(rows).repeat_interleave(row).mul(row).cuda(),
-        branch=branch.repeat(rows).cuda(),
+        seq_start=seq_start.cuda(),
+        span_end=(span.repeat(rows) + seq_start).cuda(),
         logits_index=torch.arange(rows * row, device="cuda"),
     )
     out = model.forward_packed(**flat).view(rows, row, -1)

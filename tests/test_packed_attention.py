@@ -18,24 +18,57 @@ from nakta_model.kernels.packed_attention import (
 )
 
 
+def row_spans(at: int, ctx: int, branches: list[int]) -> list[int]:
+    """``span_end`` of one row at stream index ``at``: a context, then branches of the given
+    lengths, each a chain below the context (the two-level trees of a HellaSwag row)."""
+    end = at + ctx + sum(branches)
+    spans = [end] * ctx
+    b0 = at + ctx
+    for b in branches:
+        spans += [b0 + b] * b
+        b0 += b
+    return spans
+
+
 def layout(rows: list[tuple[int, list[int]]], pad: int = 0, device="cpu"):
-    """seq_start / branch of rows (context length, branch lengths), then ``pad`` pad tokens."""
-    start, branch = [], []
+    """seq_start / span_end of rows (context length, branch lengths), then ``pad`` pad tokens."""
+    start, span = [], []
     for ctx, branches in rows:
         s = len(start)
-        n = ctx + sum(branches)
-        start += [s] * n
-        branch += [0] * ctx
-        for k, b in enumerate(branches, start=1):
-            branch += [k] * b
+        start += [s] * (ctx + sum(branches))
+        span += row_spans(s, ctx, branches)
     n = len(start)
     start += range(n, n + pad)
-    branch += [0] * pad
+    span += range(n + 1, n + pad + 1)
     i32 = dict(dtype=torch.int32, device=device)
-    return torch.tensor(start, **i32), torch.tensor(branch, **i32)
+    return torch.tensor(start, **i32), torch.tensor(span, **i32)
 
 
-def naive(qkv, seq_start, branch, hq, hkv, hd):
+def random_trees(rng: random.Random, sizes: list[int], pad: int = 0):
+    """seq_start / span_end of random token trees in depth-first order (each node's parent a
+    random node on the path to the one before), one per size, then pad tokens."""
+    start, span = [], []
+    for n in sizes:
+        s = len(start)
+        end: list[int] = [0] * n
+        path: list[int] = []
+        for t in range(n):
+            keep = rng.randint(1, len(path)) if path else 0  # the new node's depth
+            while len(path) > keep:
+                end[path.pop()] = s + t
+            path.append(t)
+        while path:
+            end[path.pop()] = s + n
+        start += [s] * n
+        span += end
+    n = len(start)
+    start += range(n, n + pad)
+    span += range(n + 1, n + pad + 1)
+    i32 = dict(dtype=torch.int32)
+    return torch.tensor(start, **i32), torch.tensor(span, **i32)
+
+
+def naive(qkv, seq_start, span_end, hq, hkv, hd):
     """fp64 softmax attention with the packed mask, GQA by repeating KV heads."""
     t = qkv.shape[0]
     heads = qkv.double().view(t, hq + 2 * hkv, hd)
@@ -43,7 +76,7 @@ def naive(qkv, seq_start, branch, hq, hkv, hd):
     k = heads[:, hq : hq + hkv].repeat_interleave(hq // hkv, 1).transpose(0, 1)
     v = heads[:, hq + hkv :].repeat_interleave(hq // hkv, 1).transpose(0, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(hd)
-    s = s.masked_fill(~packed_attention_mask(seq_start, branch)[None], float("-inf"))
+    s = s.masked_fill(~packed_attention_mask(seq_start, span_end)[None], float("-inf"))
     return (s.softmax(-1) @ v).transpose(0, 1).reshape(t, hq * hd)
 
 
@@ -65,52 +98,76 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 )
 def test_matches_fp64_attention_on_random_trees(dtype, hq, hkv, hd):
     rng = random.Random(hq * 100 + hd)
-    seq_start, branch = layout(random_rows(rng, 4), pad=3)
+    seq_start, span_end = layout(random_rows(rng, 4), pad=3)
     t = seq_start.shape[0]
     qkv = torch.randn(t, (hq + 2 * hkv) * hd).to(dtype)
     out = torch.full((t, hq * hd), float("nan"), dtype=dtype)  # poisoned: every element written
-    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, out=out)
+    got = packed_attention(qkv, seq_start, span_end, hq, hkv, hd, out=out)
     assert got is out and torch.isfinite(got).all()
-    want = naive(qkv, seq_start, branch, hq, hkv, hd)
+    want = naive(qkv, seq_start, span_end, hq, hkv, hd)
     err = (got.double() - want).norm() / want.norm()
     assert err < TOL[dtype], err
-    ref = packed_attention_reference(qkv, seq_start, branch, hq, hkv, hd)
+    ref = packed_attention_reference(qkv, seq_start, span_end, hq, hkv, hd)
     assert (ref.double() - want).norm() / want.norm() < TOL[dtype]
 
 
 def test_strided_qkv_rows_and_custom_scale():
-    seq_start, branch = layout([(5, [3, 4]), (7, [])])
+    seq_start, span_end = layout([(5, [3, 4]), (7, [])])
     t, hq, hkv, hd = seq_start.shape[0], 2, 1, 16
     big = torch.randn(t, (hq + 2 * hkv) * hd + 9)  # row stride > width: a column slice
     qkv = big[:, 3 : 3 + (hq + 2 * hkv) * hd]
     assert not qkv.is_contiguous()
-    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, scale=0.3)
-    want = packed_attention(qkv.contiguous(), seq_start, branch, hq, hkv, hd, scale=0.3)
+    got = packed_attention(qkv, seq_start, span_end, hq, hkv, hd, scale=0.3)
+    want = packed_attention(qkv.contiguous(), seq_start, span_end, hq, hkv, hd, scale=0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    ref = packed_attention_reference(qkv, seq_start, branch, hq, hkv, hd, scale=0.3)
+    ref = packed_attention_reference(qkv, seq_start, span_end, hq, hkv, hd, scale=0.3)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_rows_and_branches_do_not_see_each_other():
-    """Changing one row's (or branch's) keys leaves every other row's output untouched."""
-    seq_start, branch = layout([(4, [3, 5]), (6, [2])])
+    """Changing one row's (or span_end's) keys leaves every other row's output untouched."""
+    seq_start, span_end = layout([(4, [3, 5]), (6, [2])])
     t, hq, hkv, hd = seq_start.shape[0], 2, 2, 16
     qkv = torch.randn(t, (hq + 2 * hkv) * hd)
-    base = packed_attention(qkv, seq_start, branch, hq, hkv, hd)
+    base = packed_attention(qkv, seq_start, span_end, hq, hkv, hd)
     changed = qkv.clone()
-    changed[4:7, hq * hd :] += 5.0  # K/V of row 0's first branch (tokens 4..6)
-    out = packed_attention(changed, seq_start, branch, hq, hkv, hd)
+    changed[4:7, hq * hd :] += 5.0  # K/V of row 0's first span_end (tokens 4..6)
+    out = packed_attention(changed, seq_start, span_end, hq, hkv, hd)
     same = [i for i in range(t) if not 4 <= i < 7]
     torch.testing.assert_close(out[same], base[same], rtol=0, atol=0)
     assert not torch.equal(out[4:7], base[4:7])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deep_random_trees_match_fp64_attention(dtype):
+    """Tries deeper than context + branches (continuations sharing their first tokens): a token
+    sees exactly itself and its ancestors."""
+    rng = random.Random(11)
+    seq_start, span_end = random_trees(rng, [1, 9, 23, 40, 6], pad=5)
+    hq, hkv, hd = 4, 2, 16
+    t = seq_start.shape[0]
+    qkv = torch.randn(t, (hq + 2 * hkv) * hd).to(dtype)
+    got = packed_attention(qkv, seq_start, span_end, hq, hkv, hd)
+    want = naive(qkv, seq_start, span_end, hq, hkv, hd)
+    assert (got.double() - want).norm() / want.norm() < TOL[dtype]
+    ref = packed_attention_reference(qkv, seq_start, span_end, hq, hkv, hd)
+    assert (ref.double() - want).norm() / want.norm() < TOL[dtype]
+    # the mask is the ancestor relation of the trees
+    mask = packed_attention_mask(seq_start, span_end)
+    for i in range(t):
+        for j in range(t):
+            inside = seq_start[i] == seq_start[j] and j <= i < span_end[j]
+            assert bool(mask[i, j]) == bool(inside)
+
+
 def test_one_branch_per_row_is_causal_varlen_attention():
     lengths = [5, 1, 17, 9]
-    seq_start, branch = layout([(n, []) for n in lengths])
+    seq_start, span_end = layout([(n, []) for n in lengths])
     hq, hd = 2, 16
     qkv = torch.randn(seq_start.shape[0], 3 * hq * hd)
-    got = packed_attention(qkv, seq_start, branch, hq, hq, hd)
+    got = packed_attention(qkv, seq_start, span_end, hq, hq, hd)
+    causal = packed_attention(qkv, seq_start, None, hq, hq, hd)  # None: a chain per sequence
+    torch.testing.assert_close(causal, got, rtol=0, atol=0)
     at = 0
     for n in lengths:
         h = qkv[at : at + n].view(n, 3, hq, hd).permute(1, 2, 0, 3)
@@ -122,26 +179,29 @@ def test_one_branch_per_row_is_causal_varlen_attention():
 
 
 def test_bad_inputs_raise_naming_the_argument():
-    seq_start, branch = layout([(3, [2])])
+    seq_start, span_end = layout([(3, [2])])
     t = seq_start.shape[0]
     qkv = torch.randn(t, 4 * 16)
     with pytest.raises(ValueError, match="qkv must have"):
-        packed_attention(qkv, seq_start, branch, 2, 2, 16)
+        packed_attention(qkv, seq_start, span_end, 2, 2, 16)
     with pytest.raises(ValueError, match="multiple of n_kv_heads"):
-        packed_attention(torch.randn(t, 7 * 16), seq_start, branch, 3, 2, 16)
+        packed_attention(torch.randn(t, 7 * 16), seq_start, span_end, 3, 2, 16)
     with pytest.raises(TypeError, match="seq_start must have dtype"):
-        packed_attention(qkv, seq_start.float(), branch, 2, 1, 16)
-    with pytest.raises(ValueError, match="branch must have 5 entries"):
-        packed_attention(qkv, seq_start, branch[:-1], 2, 1, 16)
+        packed_attention(qkv, seq_start.float(), span_end, 2, 1, 16)
+    with pytest.raises(ValueError, match="span_end must have 5 entries"):
+        packed_attention(qkv, seq_start, span_end[:-1], 2, 1, 16)
     with pytest.raises(ValueError, match="n_q_heads must be a positive int"):
-        packed_attention(qkv, seq_start, branch, 0, 1, 16)
+        packed_attention(qkv, seq_start, span_end, 0, 1, 16)
     with pytest.raises(TypeError, match="qkv must have dtype"):
-        packed_attention(qkv.double(), seq_start, branch, 2, 1, 16)
+        packed_attention(qkv.double(), seq_start, span_end, 2, 1, 16)
     with pytest.raises(ValueError, match="seq_start must point at the first token"):
-        packed_attention(qkv, torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32), branch, 2, 1, 16)
+        packed_attention(qkv, torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32), span_end, 2, 1, 16)
+    for bad in ([1, 2, 5, 3, 5], [5, 2, 3, 4, 6], [0, 2, 3, 4, 5]):  # own token / sequence
+        with pytest.raises(ValueError, match="span_end.t. must lie in"):
+            packed_attention(qkv, seq_start, torch.tensor(bad, dtype=torch.int32), 2, 1, 16)
     with pytest.raises(ValueError, match="out must be"):
-        packed_attention(qkv, seq_start, branch, 2, 1, 16, out=torch.empty(t, 16))
-    empty = packed_attention(torch.randn(0, 64), seq_start[:0], branch[:0], 2, 1, 16)
+        packed_attention(qkv, seq_start, span_end, 2, 1, 16, out=torch.empty(t, 16))
+    empty = packed_attention(torch.randn(0, 64), seq_start[:0], span_end[:0], 2, 1, 16)
     assert empty.shape == (0, 32)
 
 
@@ -156,11 +216,11 @@ def test_gpu_hellaswag_shaped_stream(dtype, hq, hkv):
         ctx, ends = rng.randint(20, 120), [rng.randint(5, 40) for _ in range(4)]
         rows.append((ctx, ends))
         n += ctx + sum(ends)
-    seq_start, branch = layout(rows, pad=-n % 128, device="cuda")
+    seq_start, span_end = layout(rows, pad=-n % 128, device="cuda")
     t, hd = seq_start.shape[0], 128
     qkv = torch.randn(t, (hq + 2 * hkv) * hd, device="cuda", dtype=dtype)
-    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd)
-    want = packed_attention_reference(qkv.float(), seq_start, branch, hq, hkv, hd)
+    got = packed_attention(qkv, seq_start, span_end, hq, hkv, hd)
+    want = packed_attention_reference(qkv.float(), seq_start, span_end, hq, hkv, hd)
     err = (got.float() - want).norm() / want.norm()
     assert torch.isfinite(got).all() and err < 1e-2, err
 
@@ -171,7 +231,7 @@ def prefix_case(hq=2, hkv=1, hd=16, dtype=torch.float32, page=32, seed=0):
     from nakta_model.kernels.packed_attention import PREFIX_ALIGN, PrefixKV
 
     rng = random.Random(seed)
-    starts, branches, entries = [], [], []
+    starts, spans, entries = [], [], []
 
     def segment(entry, rows):
         s0 = len(starts)
@@ -179,13 +239,11 @@ def prefix_case(hq=2, hkv=1, hd=16, dtype=torch.float32, page=32, seed=0):
             st = len(starts)
             n = ctx + sum(brs)
             starts.extend([st] * n)
-            branches.extend([0] * ctx)
-            for k, b in enumerate(brs, start=1):
-                branches.extend([k] * b)
+            spans.extend(row_spans(st, ctx, brs))
             entries.extend([entry] * n)
         pad = -(len(starts) - s0) % PREFIX_ALIGN
         starts.extend(range(len(starts), len(starts) + pad))
-        branches.extend([0] * pad)
+        spans.extend(range(len(spans) + 1, len(spans) + pad + 1))
         entries.extend([entry] * pad)
 
     segment(0, [(rng.randint(2, 9), [rng.randint(1, 4) for _ in range(3)]) for _ in range(6)])
@@ -201,15 +259,15 @@ def prefix_case(hq=2, hkv=1, hd=16, dtype=torch.float32, page=32, seed=0):
         k_pool, v_pool, table, torch.tensor([40, 70], **i32), torch.tensor(entries, **i32), page
     )
     qkv = torch.randn(t, (hq + 2 * hkv) * hd).to(dtype)
-    return qkv, torch.tensor(starts, **i32), torch.tensor(branches, **i32), prefix
+    return qkv, torch.tensor(starts, **i32), torch.tensor(spans, **i32), prefix
 
 
-def naive_with_prefix(qkv, seq_start, branch, prefix, hq, hkv, hd):
+def naive_with_prefix(qkv, seq_start, span_end, prefix, hq, hkv, hd):
     from nakta_model.kernels.packed_attention import _gather_prefix
 
     t = qkv.shape[0]
     heads = qkv.double().view(t, hq + 2 * hkv, hd)
-    mask = packed_attention_mask(seq_start, branch)
+    mask = packed_attention_mask(seq_start, span_end)
     out = torch.empty(t, hq, hd, dtype=torch.float64)
     for i in range(t):
         e = int(prefix.token_entry[i])
@@ -228,14 +286,14 @@ def naive_with_prefix(qkv, seq_start, branch, prefix, hq, hkv, hd):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_prefixes_are_attended_before_each_sequence(dtype):
     hq, hkv, hd = 2, 1, 16
-    qkv, seq_start, branch, prefix = prefix_case(hq, hkv, hd, dtype)
-    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, prefix=prefix)
-    want = naive_with_prefix(qkv, seq_start, branch, prefix, hq, hkv, hd)
+    qkv, seq_start, span_end, prefix = prefix_case(hq, hkv, hd, dtype)
+    got = packed_attention(qkv, seq_start, span_end, hq, hkv, hd, prefix=prefix)
+    want = naive_with_prefix(qkv, seq_start, span_end, prefix, hq, hkv, hd)
     assert (got.double() - want).norm() / want.norm() < TOL[dtype]
-    ref = packed_attention_reference(qkv, seq_start, branch, hq, hkv, hd, prefix=prefix)
+    ref = packed_attention_reference(qkv, seq_start, span_end, hq, hkv, hd, prefix=prefix)
     assert (ref.double() - want).norm() / want.norm() < TOL[dtype]
     # the segment without a prefix is exactly the plain kernel's
-    plain = packed_attention(qkv, seq_start, branch, hq, hkv, hd)
+    plain = packed_attention(qkv, seq_start, span_end, hq, hkv, hd)
     none = prefix.token_entry == -1
     torch.testing.assert_close(got[none], plain[none], rtol=0, atol=0)
     assert not torch.allclose(got[~none], plain[~none])
@@ -251,14 +309,16 @@ def test_gpu_cached_prefixes_at_llama_heads(dtype, hq, hkv):
     from nakta_model.kernels.packed_attention import PrefixKV
 
     hd = 128
-    qkv, seq_start, branch, p = prefix_case(hq, hkv, hd, dtype, page=64, seed=3)
-    qkv, seq_start, branch = qkv.cuda(), seq_start.cuda(), branch.cuda()
+    qkv, seq_start, span_end, p = prefix_case(hq, hkv, hd, dtype, page=64, seed=3)
+    qkv, seq_start, span_end = qkv.cuda(), seq_start.cuda(), span_end.cuda()
     pools = [p.k_pool.cuda(), p.v_pool.cuda()]
     index = [p.page_table.cuda(), p.lengths.cuda(), p.token_entry.cuda()]
-    got = packed_attention(qkv, seq_start, branch, hq, hkv, hd, prefix=PrefixKV(*pools, *index, 64))
+    got = packed_attention(
+        qkv, seq_start, span_end, hq, hkv, hd, prefix=PrefixKV(*pools, *index, 64)
+    )
     ref_prefix = PrefixKV(*[t.float() for t in pools], *index, 64)
     want = packed_attention_reference(
-        qkv.float(), seq_start, branch, hq, hkv, hd, prefix=ref_prefix
+        qkv.float(), seq_start, span_end, hq, hkv, hd, prefix=ref_prefix
     )
     err = (got.float() - want).norm() / want.norm()
     assert torch.isfinite(got).all() and err < {torch.float32: 1e-5}.get(dtype, 1e-2), err
@@ -268,20 +328,20 @@ def test_prefix_layout_and_argument_errors():
     from nakta_model.kernels.packed_attention import PrefixKV
 
     hq, hkv, hd = 2, 1, 16
-    qkv, seq_start, branch, p = prefix_case(hq, hkv, hd)
+    qkv, seq_start, span_end, p = prefix_case(hq, hkv, hd)
     mixed = p.token_entry.clone()
     mixed[5] = 1  # a block holding tokens of two prefixes
     with pytest.raises(ValueError, match="changes inside a block"):
-        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+        packed_attention(qkv, seq_start, span_end, hq, hkv, hd,
                          prefix=PrefixKV(p.k_pool, p.v_pool, p.page_table, p.lengths, mixed, 32))  # fmt: skip
     with pytest.raises(ValueError, match="page_size must be a positive multiple"):
-        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+        packed_attention(qkv, seq_start, span_end, hq, hkv, hd,
                          prefix=PrefixKV(p.k_pool, p.v_pool, p.page_table, p.lengths, p.token_entry, 20))  # fmt: skip
     with pytest.raises(ValueError, match="fit in the page table"):
-        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+        packed_attention(qkv, seq_start, span_end, hq, hkv, hd,
                          prefix=PrefixKV(p.k_pool, p.v_pool, p.page_table, p.lengths * 3, p.token_entry, 32))  # fmt: skip
     with pytest.raises(TypeError, match="prefix.k_pool must have qkv's dtype"):
-        packed_attention(qkv, seq_start, branch, hq, hkv, hd,
+        packed_attention(qkv, seq_start, span_end, hq, hkv, hd,
                          prefix=PrefixKV(p.k_pool.double(), p.v_pool, p.page_table, p.lengths, p.token_entry, 32))  # fmt: skip
     with pytest.raises(TypeError, match="prefix must be a PrefixKV"):
-        packed_attention(qkv, seq_start, branch, hq, hkv, hd, prefix=(p.k_pool,))
+        packed_attention(qkv, seq_start, span_end, hq, hkv, hd, prefix=(p.k_pool,))

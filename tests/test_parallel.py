@@ -249,7 +249,9 @@ def shared_data_or_none(request):
 
 @pytest.mark.slow
 def test_tp2_and_dp2_under_torchrun_equal_one_process(tmp_path, shared_data_or_none):
-    _check_grids(tmp_path, shared_data_or_none, "cpu", tol=1e-5)
+    # fp32 sums in another order (the all-reduce): 1 of 40,960 stories260K logits was 1.45e-5
+    # off in one checkout on an AVX512 machine (and within 1e-5 in another)
+    _check_grids(tmp_path, shared_data_or_none, "cpu", tol=3e-5)
 
 
 @pytest.mark.gpu

@@ -58,13 +58,13 @@ class TinyLM(torch.nn.Module):
         pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
         return self.hidden(tokens, pos, None) @ self.head
 
-    def forward_packed(self, tokens, positions, seq_start, branch, logits_index, upcast=True):
+    def forward_packed(self, tokens, positions, seq_start, span_end, logits_index, upcast=True):
         real = seq_start[logits_index].unique()  # sequences with a scored token (not padding)
         lengths = [int((seq_start == s).sum()) for s in real.tolist()]
         self.calls.append(
             {"seqs": len(real), "scored": int(logits_index.numel()), "longest": max(lengths)}
         )
-        mask = packed_attention_mask(seq_start, branch)[None]
+        mask = packed_attention_mask(seq_start, span_end)[None]
         h = self.hidden(tokens[None], positions[None], mask).reshape(-1, self.dim)
         return (h[logits_index] @ self.head).float()
 
@@ -119,9 +119,11 @@ def test_cache_packs_contexts_once_and_scores_fewer_positions():
     rows_off, scored_off = model.calls[0]["seqs"], model.calls[0]["scored"]
     assert_close(on, off)
     assert (rows_on, rows_off) == (10, 40)  # one row per context vs one per request
-    # the shared last-context position is scored once per context, not once per request
+    # the shared last-context position is scored once per context, not once per request, and
+    # a continuation token once per distinct beginning (cont[:k]) among its context's
     assert scored_off == sum(len(x) for _, x in reqs)
-    assert scored_on == scored_off - 30
+    beginnings = {(tuple(c), tuple(x[:k])) for c, x in reqs for k in range(1, len(x))}
+    assert scored_on == 10 + len(beginnings) < scored_off - 30
 
 
 def test_greedy_flag_true_for_argmax_continuation():
@@ -184,8 +186,8 @@ def test_score_with_forward_matches_and_batches():
 
 
 def test_packed_layout_and_its_mask():
-    """One batch of two rows: positions restart per branch, the scored positions and targets
-    line up, padding is a sequence of its own, and the mask keeps rows and branches apart."""
+    """One batch of two rows: positions count depth, the scored positions and targets line
+    up, padding is a sequence of its own, and the mask keeps rows and branches apart."""
     rows = [
         score_batches.Row([5, 6], [(0, [7, 8]), (1, [9])]),
         score_batches.Row([4], [(2, [3, 2])]),
@@ -195,7 +197,7 @@ def test_packed_layout_and_its_mask():
     assert b.tokens[:n].tolist() == [5, 6, 7, 4, 3]  # ctx, cont0[:-1], cont1[:-1] (empty)
     assert b.positions[:n].tolist() == [0, 1, 2, 0, 1]
     assert b.seq_start[:n].tolist() == [0, 0, 0, 3, 3]
-    assert b.branch[:n].tolist() == [0, 0, 1, 0, 1]
+    assert b.span_end[:n].tolist() == [3, 3, 3, 5, 5]
     assert b.tokens.shape[0] == score_batches.PAD_MULTIPLE
     assert b.seq_start[n:].tolist() == list(range(n, score_batches.PAD_MULTIPLE))  # pads: alone
     assert b.flat_index.tolist() == [1, 2, 3, 4]
@@ -203,8 +205,9 @@ def test_packed_layout_and_its_mask():
     assert b.target.tolist() == [7, 8, 9, 3, 2]
     assert b.src.tolist() == [0, 1, 0, 2, 3]
     assert b.req.tolist() == [0, 0, 1, 2, 2]
+    assert b.span_end[n:].tolist() == list(range(n + 1, score_batches.PAD_MULTIPLE + 1))
     m = packed_attention_mask(
-        torch.tensor([0, 0, 0, 0, 4, 4, 6]), torch.tensor([0, 0, 1, 2, 0, 1, 0])
+        torch.tensor([0, 0, 0, 0, 4, 4, 6]), torch.tensor([4, 4, 3, 4, 6, 6, 7])
     )
     assert m.dtype == torch.bool and m.shape == (7, 7)
     assert m[2].tolist() == [True, True, True, False, False, False, False]  # ctx + own branch
@@ -212,6 +215,78 @@ def test_packed_layout_and_its_mask():
     assert m[5].tolist() == [False] * 4 + [True, True, False]  # its own row only
     assert m[6].tolist() == [False] * 6 + [True]  # a pad sees itself only
     assert not m[0, 1]  # causal within the context
+
+
+def test_continuations_that_begin_alike_share_their_tokens():
+    """A row's sequences form a trie: the shared first tokens are one node each, every
+    continuation's targets are predicted from its own path, in request order."""
+    row = score_batches.Row([5], [(0, [7, 8, 1]), (1, [4]), (2, [7, 9]), (3, [7, 8, 2])])
+    assert len(row) == 3 and row.trie.paths == [[0, 1, 2], [0], [0, 1], [0, 1, 2]]
+    b = score_batches.pack([row])
+    n = b.n_real
+    assert b.tokens[:n].tolist() == [5, 7, 8] and b.positions[:n].tolist() == [0, 1, 2]
+    assert b.span_end[:n].tolist() == [3, 3, 3] and b.flat_index.tolist() == [0, 1, 2]
+    assert b.target.tolist() == [7, 8, 1, 4, 7, 9, 7, 8, 2]
+    assert b.src.tolist() == [0, 1, 2, 0, 0, 1, 0, 1, 2]
+    assert b.req.tolist() == [0, 0, 0, 1, 2, 2, 3, 3, 3]
+    # two subtrees: [7, 8, x] and [6, 3]: 7's span ends before 6's
+    t = score_batches.sequence_trie([[7, 8, 1], [6, 3, 0], [7, 2]])
+    assert t.tokens == [6, 3, 0, 7, 2, 8, 1] and t.depth == [0, 1, 2, 0, 1, 1, 2]
+    assert t.end == [3, 3, 3, 7, 5, 7, 7] and t.paths == [[3, 5, 6], [0, 1, 2], [3, 4]]
+
+
+def test_rows_whose_contexts_begin_alike_are_merged_into_one_tree():
+    """HellaSwag tasks of one video share their first sentence: one tree computes it once;
+    a context that is a prefix of another is scored from its own last node; rows with a
+    cached prefix, rows sharing too little and trees over the caps stay apart."""
+    a = score_batches.Row([1, 2, 3, 4, 5, 6], [(0, [7, 8])])
+    b = score_batches.Row([1, 2, 3, 4, 9], [(1, [5, 6, 7])])
+    c = score_batches.Row([1, 2, 3, 4], [(2, [5])])  # a prefix of both
+    d = score_batches.Row([1, 2, 8, 8], [(3, [1])])  # shares 2 tokens only
+    e = score_batches.Row([1, 2, 3, 4, 5, 7], [(4, [2])], prefix=4)  # cached prefix
+    merged = score_batches.merge_rows([a, b, c, d, e], max_tokens=64, min_shared=4)
+    trees = sorted(merged, key=lambda r: -len(r.merged))
+    assert [len(r.merged) for r in trees] == [2, 0, 0]
+    tree = trees[0]
+    assert {tuple(r.ctx) for r in (tree, *tree.merged)} == {(1, 2, 3, 4), (1, 2, 3, 4, 5, 6),
+                                                           (1, 2, 3, 4, 9)}  # fmt: skip
+    assert len(tree) == 4 + 3 + 3  # 1 2 3 4 | 5 6 7 | 9 5 6
+    p = score_batches.pack([tree])
+    want = {0: [7, 8], 1: [5, 6, 7], 2: [5]}
+    for i, cont in want.items():
+        sel = p.req == i
+        assert p.target[sel].tolist() == cont
+        # each target is predicted from the node holding the token before it
+        before = ([1, 2, 3, 4, 5, 6] + cont, [1, 2, 3, 4, 9] + cont, [1, 2, 3, 4] + cont)[i]
+        rows = p.flat_index[p.src[sel]]
+        assert p.tokens[rows].tolist() == before[-len(cont) - 1 : -1]
+    capped = score_batches.merge_rows([a, b, c], max_tokens=8, min_shared=4)  # 10 > 8 tokens
+    assert sorted(len(r) for r in capped) == [7, 7] and max(len(r) for r in capped) <= 8
+    assert all(not r.merged for r in score_batches.merge_rows([a, b, c], 6, 4))
+    assert all(not r.merged for r in score_batches.merge_rows([a, b], 64, 5))
+    assert max(len(r.merged) for r in score_batches.merge_rows([a, b, c], 64, 4, 2)) == 1
+
+
+def test_the_engine_computes_each_token_of_the_requests_trie_once():
+    """Endings that begin alike (HellaSwag's "the man ..." / "the woman ...") cost their
+    shared tokens once: computed tokens equal the unique ones, scores equal the plain path."""
+    model = TinyLM()
+    rng = random.Random(3)
+    reqs = []
+    video = [rng.randrange(3, model.vocab_size) for _ in range(6)]  # contexts begin alike
+    for k in range(6):
+        ctx = [3 + k] + [rng.randrange(3, model.vocab_size) for _ in range(rng.randint(3, 9))]
+        ctx = video + ctx if k % 2 else ctx  # the others share nothing (3 + k first)
+        stem = [rng.randrange(3, model.vocab_size) for _ in range(rng.randint(1, 4))]
+        for _ in range(4):
+            tail = [rng.randrange(3, model.vocab_size) for _ in range(rng.randint(1, 5))]
+            reqs.append((ctx, stem + tail))
+    stats = scoring.ScoreStats()
+    on = scoring.score(model, reqs, use_cache=True, stats=stats)
+    assert_close(on, scoring.score(model, reqs, use_cache=False), tol=1e-4)
+    assert_close(on, brute_force(model, reqs, model.max_seq_len), tol=1e-4)
+    assert stats.computed_tokens == stats.unique_tokens < stats.request_tokens
+    assert model.calls[0]["seqs"] < 6  # the contexts of one video in one tree
 
 
 def test_packed_batches_fill_the_budget_best_fit():

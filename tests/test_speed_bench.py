@@ -247,7 +247,7 @@ def test_mmlu_shaped_workload_has_mmlus_structure():
         w.requests[4 * t][0] == w.requests[4 * t + k][0] for t in range(120) for k in (1, 2, 3)
     )
     # 12 subjects: tasks t and t + 12 are one subject, sharing the 5-shot prefix
-    from nakta_model.prefix_cache import _lcp
+    from nakta_model.score_batches import common_prefix_len as _lcp
 
     assert 5 * 65 < _lcp(ctxs[0], ctxs[12]) < len(ctxs[0]) and _lcp(ctxs[0], ctxs[1]) < 64
     assert 400 < sum(map(len, ctxs)) / len(ctxs) < 1100

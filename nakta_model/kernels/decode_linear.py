@@ -520,6 +520,10 @@ def decode_linear_reference(
         x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, for_kernel=False
     )
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps)
+    if h.device.type == "cpu" and h.dtype == torch.bfloat16 and not h.is_contiguous():
+        # torch 2.13's CPU bf16 matmul (oneDNN, AVX512-BF16/AMX machines) reads a strided
+        # input's row padding and multiplies it by zero: NaN or inf there turns the row to NaN
+        h = h.contiguous()
     if out_dtype != x.dtype:
         y = F.linear(h.to(out_dtype), weight.to(out_dtype))
     else:

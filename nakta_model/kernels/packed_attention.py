@@ -1,15 +1,20 @@
-"""Attention over packed sequences with shared-context trees, read straight from the fused QKV.
+"""Attention over packed sequences with token trees, read straight from the fused QKV.
 
 The scoring engine lays a whole batch out as ONE flat stream of tokens: sequences back to back,
-no padding between them. A sequence is a context followed by one or more branches (HellaSwag:
-the four endings of one task behind one copy of its context). Each token carries two ints:
+no padding between them. A sequence is a tree of tokens laid out depth first: a context, then
+the continuations that follow it (HellaSwag: the four endings of one task behind one copy of its
+context), themselves a trie where endings share their first tokens ("the man", "the woman").
+Each token carries two ints:
 
 * ``seq_start[t]``: index of the first token of t's sequence (sequences are contiguous);
-* ``branch[t]``: 0 for the shared context, k > 0 for branch k.
+* ``span_end[t]``: one past the last token of t's subtree (depth-first order keeps a subtree
+  contiguous): the tokens that descend from t, and t itself, are ``[t, span_end[t])``.
 
-Query i may attend to key j iff they are in the same sequence, ``j <= i``, and j is context or
-in i's own branch. With one branch per sequence this is plain causal attention per sequence
-(varlen attention); ``seq_start`` of a pad token is its own index, so it attends to itself.
+Query i may attend to key j iff they are in the same sequence and ``j <= i < span_end[j]``: j is
+i itself or one of its ancestors. A context token's span is the rest of its sequence; a chain
+of tokens (``span_end`` = the sequence's end everywhere) is plain causal attention, and
+``span_end=None`` means exactly that (varlen attention, prefill); ``seq_start`` of a pad token
+is its own index, so it attends to itself.
 
 Why a kernel of our own: the alternative is a dense ``[B, L, L]`` additive bias through SDPA,
 which picks cuDNN with a per-shape execution plan (milliseconds of host time per call, and a
@@ -62,16 +67,17 @@ __all__ = [
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _packed_attention_kernel(
-    QKV, OUT, START, BRANCH, ENTRY, TABLE, PLEN, PK, PV,
+    QKV, OUT, START, END, ENTRY, TABLE, PLEN, PK, PV,
     n_tokens, stride_qt, stride_ot, stride_table, stride_pks, stride_pkh, stride_pvs, stride_pvh,
     qk_scale,
     N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    TREE: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
-    ``HAS_PREFIX``: first, the cached prefix of the block's first query (``ENTRY``: an
+    ``TREE``: keys also masked by their subtree (``END``: ``span_end``); else causal per
+    sequence. ``HAS_PREFIX``: first, the cached prefix of the block's first query (``ENTRY``: an
     index into the page table, -1 for none): its ``plen`` keys, read page by page from the K/V
     pool, visible to every query of the block with the same entry. ``IEEE``: fp32 operands and
     IEEE fp32 dots (fp32 inputs; also half inputs under the interpreter, whose half-precision
@@ -85,7 +91,6 @@ def _packed_attention_kernel(
     mask_m = offs_m < n_tokens
     mask_d = offs_d < HEAD_DIM
     q_start = tl.load(START + offs_m, mask=mask_m, other=-1)
-    q_branch = tl.load(BRANCH + offs_m, mask=mask_m, other=-1)
     rows_m = offs_m.to(tl.int64)[:, None] * stride_qt
     q = tl.load(
         QKV + rows_m + head * HEAD_DIM + offs_d[None, :],
@@ -138,36 +143,41 @@ def _packed_attention_kernel(
                 pv = tl.dot(p_in, v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+    q_first = pid_m * BLOCK_M
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_tokens
-        rows_n = offs_n.to(tl.int64)[:, None] * stride_qt
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(QKV + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
         k_start = tl.load(START + offs_n, mask=mask_n, other=-2)
-        k_branch = tl.load(BRANCH + offs_n, mask=mask_n, other=-2)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        allowed = (
-            (offs_n[None, :] <= offs_m[:, None])
-            & (k_start[None, :] == q_start[:, None])
-            & ((k_branch[None, :] == 0) | (k_branch[None, :] == q_branch[:, None]))
-        )
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(QKV + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
-        p_in = round_to(p, v.dtype, EMULATE_RNE)  # P enters the P.V product in V's dtype
-        if IEEE:
-            pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p_in, v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        allowed = (offs_n[None, :] <= offs_m[:, None]) & (k_start[None, :] == q_start[:, None])
+        visit = True
+        if TREE:  # j is i or an ancestor: i inside j's subtree
+            k_end = tl.load(END + offs_n, mask=mask_n, other=0)
+            allowed = allowed & (offs_m[:, None] < k_end[None, :])
+            # a block of other branches' keys (all subtrees end before this query block) is
+            # skipped: trees of several contexts put whole subtrees between a query and its
+            # ancestors
+            visit = tl.max(k_end, 0) > q_first
+        if visit:
+            rows_n = offs_n.to(tl.int64)[:, None] * stride_qt
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(QKV + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(allowed, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(QKV + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
+            p_in = round_to(p, v.dtype, EMULATE_RNE)  # P enters the P.V product in V's dtype
+            if IEEE:
+                pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p_in, v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         OUT + offs_m.to(tl.int64)[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :],
@@ -288,7 +298,7 @@ def _check_index(name: str, t: object, n: int) -> torch.Tensor:
 def _check_args(
     qkv: object,
     seq_start: object,
-    branch: object,
+    span_end: object,
     n_q: int,
     n_kv: int,
     head_dim: int,
@@ -311,15 +321,17 @@ def _check_args(
         raise ValueError(f"qkv must be unit-stride along its columns, got strides {qkv.stride()}")
     n = qkv.shape[0]
     _check_index("seq_start", seq_start, n)
-    _check_index("branch", branch, n)
-    check_same_device(qkv=qkv, seq_start=seq_start, branch=branch)
+    check_same_device(qkv=qkv, seq_start=seq_start)
+    if span_end is not None:
+        _check_index("span_end", span_end, n)
+        check_same_device(qkv=qkv, span_end=span_end)
     return qkv
 
 
 def packed_attention(
     qkv: torch.Tensor,
     seq_start: torch.Tensor,
-    branch: torch.Tensor,
+    span_end: torch.Tensor | None,
     n_q_heads: int,
     n_kv_heads: int,
     head_dim: int,
@@ -331,12 +343,14 @@ def packed_attention(
     """Tree/varlen attention over a packed token stream (module docstring): ``[T, n_q * hd]``.
 
     ``qkv`` is ``[T, (n_q + 2 n_kv) * head_dim]`` (Q heads, then K heads, then V heads, as the
-    fused ``wqkv`` projection writes them, already rotated); ``seq_start`` / ``branch`` are int
-    ``[T]``; ``prefix`` adds cached prefixes each token also attends to (:class:`PrefixKV`).
-    ``scale`` defaults to ``1 / sqrt(head_dim)``. Sequences must be contiguous with
-    ``seq_start[t] <= t`` (not checked on the GPU: it would need a host sync).
+    fused ``wqkv`` projection writes them, already rotated); ``seq_start`` / ``span_end`` are
+    int ``[T]`` (``span_end`` None: causal within each sequence); ``prefix`` adds cached
+    prefixes each token also attends to (:class:`PrefixKV`). ``scale`` defaults to
+    ``1 / sqrt(head_dim)``. Sequences must be contiguous with ``seq_start[t] <= t`` and
+    ``t < span_end[t] <=`` the end of t's sequence (not checked on the GPU: it would need a host
+    sync).
     """
-    qkv = _check_args(qkv, seq_start, branch, n_q_heads, n_kv_heads, head_dim)
+    qkv = _check_args(qkv, seq_start, span_end, n_q_heads, n_kv_heads, head_dim)
     check_triton_device("qkv", qkv)
     n_tokens = qkv.shape[0]
     if out is None:
@@ -355,7 +369,7 @@ def packed_attention(
     if prefix is not None:
         _check_prefix(prefix, qkv, n_kv_heads, head_dim, block_n)
     if interp or debug_checks():
-        _check_layout(seq_start)
+        _check_layout(seq_start, span_end)
         if prefix is not None:
             _check_prefix_layout(prefix, block_m)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -368,20 +382,22 @@ def packed_attention(
         pk, pv, page = prefix.k_pool, prefix.v_pool, prefix.page_size
         pk_strides, pv_strides = pk.stride()[:2], pv.stride()[:2]
     _packed_attention_kernel[grid](
-        qkv, out, seq_start, branch, entry, table, lengths, pk, pv,
+        qkv, out, seq_start, seq_start if span_end is None else span_end, entry, table, lengths,
+        pk, pv,
         n_tokens, qkv.stride(0), out.stride(0), table.stride(0), *pk_strides, *pv_strides,
         scale * math.log2(math.e),
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
-        IEEE=qkv.dtype == torch.float32 or interp,
+        TREE=span_end is not None, IEEE=qkv.dtype == torch.float32 or interp,
         EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 
 
-def _check_layout(seq_start: torch.Tensor) -> None:
+def _check_layout(seq_start: torch.Tensor, span_end: torch.Tensor | None = None) -> None:
     """Contiguous sequences: ``seq_start`` non-decreasing, ``seq_start[t] <= t``, and each start
-    is the index of a token that starts its own sequence (CPU/debug only: needs the values)."""
+    is the index of a token that starts its own sequence; every span inside its sequence and
+    holding its own token (CPU/debug only: needs the values)."""
     s = seq_start.to("cpu", torch.int64)
     t = torch.arange(s.shape[0])
     if bool((s < 0).any()) or bool((s > t).any()):
@@ -390,6 +406,18 @@ def _check_layout(seq_start: torch.Tensor) -> None:
         raise ValueError("seq_start must be non-decreasing (sequences are contiguous)")
     if bool((s[s] != s).any()):
         raise ValueError("seq_start must point at the first token of each sequence")
+    if span_end is not None:
+        e = span_end.to("cpu", torch.int64)
+        if bool((e <= t).any()) or bool((e > _sequence_ends(s)).any()):
+            raise ValueError("span_end[t] must lie in (t, end of t's sequence]")
+
+
+def _sequence_ends(seq_start: torch.Tensor) -> torch.Tensor:
+    """One past the last token of each token's sequence (``seq_start`` on the CPU)."""
+    n = seq_start.shape[0]
+    starts = torch.unique_consecutive(seq_start)
+    ends = torch.cat([starts[1:], torch.tensor([n])])
+    return ends[torch.searchsorted(starts, seq_start)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -399,7 +427,7 @@ def _check_layout(seq_start: torch.Tensor) -> None:
 
 def packed_attention_mask(
     seq_start: torch.Tensor,
-    branch: torch.Tensor,
+    span_end: torch.Tensor | None,
     rows: slice | None = None,
     keys: slice | None = None,
 ) -> torch.Tensor:
@@ -410,19 +438,16 @@ def packed_attention_mask(
     keys = keys or slice(0, n)
     qi = torch.arange(n, device=seq_start.device)[rows]
     kj = torch.arange(n, device=seq_start.device)[keys]
-    qs, qb = seq_start[rows], branch[rows]
-    ks, kb = seq_start[keys], branch[keys]
-    return (
-        (kj[None, :] <= qi[:, None])
-        & (ks[None, :] == qs[:, None])
-        & ((kb[None, :] == 0) | (kb[None, :] == qb[:, None]))
-    )
+    mask = (kj[None, :] <= qi[:, None]) & (seq_start[keys][None, :] == seq_start[rows][:, None])
+    if span_end is not None:
+        mask &= qi[:, None] < span_end[keys][None, :]
+    return mask
 
 
 def packed_attention_reference(
     qkv: torch.Tensor,
     seq_start: torch.Tensor,
-    branch: torch.Tensor,
+    span_end: torch.Tensor | None,
     n_q_heads: int,
     n_kv_heads: int,
     head_dim: int,
@@ -437,8 +462,8 @@ def packed_attention_reference(
     import torch.nn.functional as F
 
     dtypes = (*FLOAT_DTYPES, torch.float64)
-    qkv = _check_args(qkv, seq_start, branch, n_q_heads, n_kv_heads, head_dim, dtypes)
-    _check_layout(seq_start)
+    qkv = _check_args(qkv, seq_start, span_end, n_q_heads, n_kv_heads, head_dim, dtypes)
+    _check_layout(seq_start, span_end)
     if prefix is not None:
         _check_prefix(prefix, qkv, n_kv_heads, head_dim, 1)
         _check_prefix_layout(prefix, PREFIX_ALIGN)
@@ -454,7 +479,7 @@ def packed_attention_reference(
     for q0 in range(0, n, block):
         q1 = min(q0 + block, n)
         lo = int(seq_start[q0])
-        mask = packed_attention_mask(seq_start, branch, slice(q0, q1), slice(lo, q1))
+        mask = packed_attention_mask(seq_start, span_end, slice(q0, q1), slice(lo, q1))
         keys, values = k[:, lo:q1], v[:, lo:q1]
         if prefix is not None and int(prefix.token_entry[q0]) >= 0:
             pk, pv = _gather_prefix(prefix, int(prefix.token_entry[q0]))
