@@ -156,11 +156,10 @@ class PrefixCache:
                     e.pages[i // self.page_size] * self.page_size + i % self.page_size
                     for i in range(len(q))
                 ]
-            i64 = dict(dtype=torch.int64, device=dev)
             m.forward_prefill(
-                torch.tensor(toks, **i64), torch.tensor(pos, **i64), torch.tensor(start, **i64),
-                torch.tensor(slots, **i64), torch.tensor([len(toks) - 1], **i64),
-            )  # fmt: skip
+                *(_on_device(x, torch.int64, dev) for x in (toks, pos, start, slots)),
+                _on_device([len(toks) - 1], torch.int64, dev),
+            )
             self.computed_tokens += len(toks)
             batch = [p] if p is not None else []
 
@@ -170,6 +169,16 @@ class PrefixCache:
         table = [e.pages + [0] * (width - len(e.pages)) for e in entries] or [[0]]
         dev = self.model.device
         return (
-            torch.tensor(table, dtype=torch.int32, device=dev),
-            torch.tensor([e.length for e in entries] or [0], dtype=torch.int32, device=dev),
+            _on_device(table, torch.int32, dev),
+            _on_device([e.length for e in entries] or [0], torch.int32, dev),
         )
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without a host sync: a copy from pageable memory waits for
+    every kernel already queued, so the host could not build the next batch while the GPU runs
+    this one; from page-locked memory it is queued like a kernel."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
