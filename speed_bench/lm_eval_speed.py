@@ -45,11 +45,19 @@ REPO = Path(__file__).resolve().parents[1]
 if not __package__:  # run by path: import from this checkout, not from this script's folder
     sys.path[0] = str(REPO)
 
+from accuracy_test.lm_eval_cli import (  # noqa: E402
+    ENV_PREFETCH_ENV,
+    LOCAL_TASKS_ENV,
+    TEMPLATE_CACHE_ENV,
+)
 from speed_bench.lm_eval_report import DEFAULT, TASK, markdown, ratios, write_outputs  # noqa: E402
 
 TASKS = REPO / "accuracy_test" / "tasks"
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
 MODELS = ("hf", "nakta")
+HF_HARNESS = ("fixed", "plain", "both")
+# the entry's harness fixes (accuracy_test/lm_eval_cli.py), all off for a "plain" run
+PLAIN_ENV = {name: "0" for name in (LOCAL_TASKS_ENV, TEMPLATE_CACHE_ENV, ENV_PREFETCH_ENV)}
 REUSED = ("hf", "hf_tokenizer", "nakta")  # --reuse-work: what an earlier run left in --work
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> torch/HF names
 
@@ -93,6 +101,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "row per forward takes minutes for a 3,000-task run)",
     )
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: hf, nakta")
+    p.add_argument(
+        "--hf-harness",
+        choices=HF_HARNESS,
+        default="fixed",
+        help="hf through the entry with its harness fixes (fixed: lm-eval's own waste gone for "
+        "both models, so only the model differs), as lm-eval ships (plain: the fixes off, what "
+        "a user of lm_eval meets), or both",
+    )
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on cuda")
     p.add_argument("--max-seq-len", type=int, default=2048, help="random model's context")
@@ -313,11 +329,12 @@ class RunSpec:
     limit: int | None
     task: str = TASK
     warmup: bool = False  # an untimed first run (--warmup), reported apart
+    harness: str = "fixed"  # "plain": lm-eval as shipped (the entry's fixes off)
 
     @property
     def slug(self) -> str:
         bs = self.batch_size.replace(":", "-")
-        tail = "_warmup" if self.warmup else ""
+        tail = ("_plain" if self.harness == "plain" else "") + ("_warmup" if self.warmup else "")
         return f"{self.task}_{self.model}_{self.num_fewshot}shot_bs-{bs}{tail}"
 
 
@@ -394,7 +411,9 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
     env = _child_env({"NAKTA_HELLASWAG_JSONL": str(Path(a.data).resolve())})
     env["NAKTA_LM_EVAL_TIMING"] = str(timing)
     if a.local_tasks_only:
-        env["NAKTA_LM_EVAL_LOCAL_TASKS"] = "1"
+        env[LOCAL_TASKS_ENV] = "1"
+    if spec.harness == "plain":
+        env.update(PLAIN_ENV)
     log = out / "logs" / f"{spec.slug}.log"
     task = spec.task
     cmd = child_command(spec, w, a.dtype, a.device, work / "lm_eval", task)
@@ -404,6 +423,7 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
         "model": spec.model,
         "num_fewshot": spec.num_fewshot,
         "batch_size": spec.batch_size,
+        "harness": spec.harness,
         "task": task,
         "tasks": task,
         "limit": spec.limit,
@@ -504,13 +524,16 @@ def plan(a: argparse.Namespace) -> list[RunSpec]:
     sizes = parse_batch_sizes(a.batch_sizes)
     hf_text = getattr(a, "hf_batch_sizes", None)
     hf_sizes = parse_batch_sizes(hf_text) if hf_text else sizes
+    choice = getattr(a, "hf_harness", "fixed")
+    hf_harnesses = ("fixed", "plain") if choice == "both" else (choice,)
     specs = [
-        RunSpec(model, shot, bs, t.limit if shot == 0 else t.fewshot_limit, t.name)
+        RunSpec(model, shot, bs, t.limit if shot == 0 else t.fewshot_limit, t.name, harness=h)
         for t in parse_tasks(a.task, a.fewshot, a.limit, a.fewshot_limit)
         for shot in t.shots
         for bs in dict.fromkeys(sizes + hf_sizes)
         for model in parse_models(a.models)
         if bs in (hf_sizes if model == "hf" else sizes)
+        for h in (hf_harnesses if model == "hf" else ("fixed",))
     ]
     if not getattr(a, "warmup", False):
         return specs
@@ -596,7 +619,8 @@ def _main(a: argparse.Namespace) -> int:
 
 
 def _describe(r: dict) -> str:
-    head = f"{r['model']} {r['num_fewshot']}-shot batch {r['batch_size']}"
+    plain = " (lm-eval as shipped)" if r.get("harness") == "plain" else ""
+    head = f"{r['model']}{plain} {r['num_fewshot']}-shot batch {r['batch_size']}"
     head += f"{' (warm-up)' if r.get('warmup') else ''}: wall {r['wall_s']:.1f} s"
     if r["error"]:
         return f"{head}, FAILED {r['error']}"

@@ -322,3 +322,39 @@ def test_read_results_of_a_group_and_a_generation_task(tmp_path):
     w = bench.Weights(Path("H"), Path("T"), Path("N"), Path("S"))
     cmd = bench.child_command(spec, w, "bf16", "cuda", Path("o"), a.task)
     assert cmd[cmd.index("--tasks") + 1] == "mmlu_shaped_local"
+
+
+def test_hf_runs_on_lm_eval_as_shipped_next_to_the_fixed_entry():
+    """--hf-harness both: each hf run twice, through the entry's harness fixes and with them
+    off (what a user of lm_eval meets); nakta once; ratios against each, apart."""
+    a = bench.parse_args(
+        ["--preset", "tiny", "--tokenizer", "t", "--fewshot", "0", "--batch-sizes", "default"]
+        + ["--hf-harness", "both"]
+    )
+    specs = bench.plan(a)
+    assert [(s.model, s.harness) for s in specs] == [
+        ("hf", "fixed"),
+        ("hf", "plain"),
+        ("nakta", "fixed"),
+    ]
+    assert specs[1].slug.endswith("_plain") and not specs[0].slug.endswith("_plain")
+    from speed_bench.lm_eval_report import markdown, ratios
+
+    def run(model, wall, harness="fixed"):
+        return dict(model=model, num_fewshot=0, batch_size="default", task="hellaswag_local",
+                    wall_s=wall, load_s=1.0, scoring_s=wall / 2, n=10, error=None,
+                    harness=harness)  # fmt: skip
+
+    runs = [run("hf", 30.0), run("hf", 40.0, "plain"), run("nakta", 10.0)]
+    (row,) = ratios(runs)
+    assert row["best_nakta_over_best_hf"] == pytest.approx(1 / 3)
+    assert row["best_nakta_over_best_hf_plain"] == pytest.approx(1 / 4)
+    summary = dict(runs=runs, ratios=[row], weights="w", dtype="bf16", device="d", data="x")
+    summary |= dict(limit=10, fewshot_limit=10, lm_eval="0", transformers="0", torch="0")
+    text = markdown(summary | dict(make_hf_s=None))
+    assert "| hf (plain lm-eval) | 0 | default |" in text
+    assert "best nakta / best hf on lm-eval as shipped: 0.25" in text
+    from accuracy_test import lm_eval_cli
+
+    fixes = [v for k, v in vars(lm_eval_cli).items() if k.endswith("_ENV") and k != "TIMING_ENV"]
+    assert dict.fromkeys(fixes, "0") == bench.PLAIN_ENV and len(fixes) == 3  # every fix off
