@@ -21,6 +21,12 @@
 # mmlu          lm-eval mmlu_shaped_local 5-shot (57 subjects), nakta vs hf at 64
 # hellaswag     lm-eval hellaswag_local 0-shot (3,000 tasks) and 10-shot (300), nakta at
 #               default/64/auto vs hf at 64
+# plain_hf      hf at 64 on lm-eval as shipped (--hf-harness plain): hellaswag 0/10-shot and
+#               MMLU-shaped, next to the hellaswag/mmlu jobs' hf through the fixed entry
+# tree_tests    the GPU tests of the token-tree scoring path: packed attention (span ends,
+#               block skip, prefix pages), model, scoring, prefix cache, lm-eval adapter
+# engine        speed_bench run_all, 7B bf16, 1,000 real tasks: nakta_cache vs hf (MFU on
+#               unique tokens, tokens computed), and bench_attention's packed kernel
 # Run from the repo root with `.whl/` (lm-eval 0.4.13 + deps, fairscale, liger-kernel) and
 # `.data/` (hellaswag_val_full.jsonl, llama_tokenizer.model) carried. Each job writes
 # $OUT/<job>.tar.gz (its results folder, logs included) and its summary files beside it; the
@@ -132,6 +138,23 @@ for job in "$@"; do
     hellaswag)
       lm_eval_job hellaswag 540 --task hellaswag_local --fewshot 0,10 --warmup \
         --batch-sizes default,64,auto --hf-batch-sizes 64 --limit 3000 --fewshot-limit 300
+      ;;
+    plain_hf)
+      lm_eval_job plain_hf 420 --task hellaswag_local,mmlu_shaped_local:5:20 --fewshot 0,10 \
+        --models hf --hf-harness plain --batch-sizes 64 --limit 3000 --fewshot-limit 300
+      ;;
+    tree_tests)
+      step tree_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/test_packed_attention.py tests/test_model.py tests/test_scoring.py \
+        tests/test_prefix_cache.py tests/test_lm_eval_adapter.py
+      ;;
+    engine)
+      step engine 240 python3 -m speed_bench.run_all --preset 7B --data "$HS" \
+        --tokenizer "$TOK" --limit 1000 --select spread --engines nakta_cache,hf \
+        --no-progress --out "$OUT/engine"
+      step attention 120 python3 -m kernel_benchmark.bench_attention --out "$OUT/engine/attn"
+      cp "$OUT/engine/speed.md" "$OUT/engine.md" 2>/dev/null
+      pack engine
       ;;
     *)
       echo "unknown job $job" | tee -a "$LOG"
