@@ -248,6 +248,20 @@ def _scenario(k: dict, mark: Callable[[str], None]) -> dict[str, Callable[[], No
                     da.decode_attention(q, cache, cache.clone(), lens, n_splits=1)
                     mark(f"decode_attention rows {label}")
                     da.decode_attention(q, cache, cache.clone(), lens, rows=torch.arange(batch))
+        if not hasattr(da, "cascade_splits"):
+            return  # an older tree: no cascade to compare
+        for dtype in (bf16, f32):
+            for nq, nkv in ((32, 32), (32, 8)):
+                batch, s_max = 64, 1280
+                q = t(batch, nq, 128, dtype=dtype)
+                cache = torch.empty(batch + 3, s_max, nkv, 128, dtype=dtype)
+                lens = torch.full((batch,), 900, dtype=torch.int32)
+                pre = torch.full((batch,), 768, dtype=torch.int32)
+                slots = (torch.tensor([batch + 1, batch + 2], dtype=torch.int32), pre[:2])
+                mark(f"decode_attention cascade {dtype} {nq}/{nkv} batch {batch}")
+                da.decode_attention(q, cache, cache.clone(), lens, rows=torch.arange(batch),
+                                    prefix_rows=torch.full((batch,), batch + 1), prefix_lens=pre,
+                                    prefix_slots=slots)  # fmt: skip
 
     def packed():
         import inspect

@@ -4,7 +4,8 @@
 # tests         every `-m gpu` test (-v), tests.txt
 # failing       the GPU tests that failed in a full run, with tracebacks
 # prefix_decode nakta at batch 32 and 64, 896-token prompts, 128 new: prompts sharing a
-#               768-token prefix (read in place) vs nothing shared (GSM8K-shaped decoding)
+#               768-token prefix (the cascade; nakta_rowwise: read row by row through L2) vs
+#               nothing shared (GSM8K-shaped decoding)
 # attn_bench    decode_attention alone (MHA and GQA, batch 1/32/64, contexts 128-2048): the
 #               CUDA-core path, the tensor-core path and SDPA flash
 # decode_tests  the GPU tests of the decode kernels and the generation engine
@@ -105,8 +106,8 @@ for job in "$@"; do
       pack compile
       ;;
     prefix_decode)
-      step prefix_decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
-        --lengths 896:128 --engines nakta --no-budget --shared-prefix 768 \
+      step prefix_decode 240 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
+        --lengths 896:128 --engines nakta,nakta_rowwise --no-budget --shared-prefix 768 \
         --out "$OUT/prefix_decode/shared"
       step plain_decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
         --lengths 896:128 --engines nakta --no-budget --out "$OUT/prefix_decode/plain"

@@ -11,6 +11,8 @@ over the device's copy bandwidth measured in this run: ``floor_tok_s = batch / (
 * ``nakta_compile`` (on request only: ``--engines nakta,nakta_compile``): the same engine and
   step math, the step run through ``torch.compile(mode="reduce-overhead")`` (inductor + CUDA
   graph trees, graph breaks at the kernel launchers' host checks) instead of the manual capture;
+* ``nakta_rowwise`` (on request only): the same engine with a shared prompt prefix
+  (``--shared-prefix``) read row by row through L2 instead of by the attention's cascade;
 * ``llama_org``: Meta's LLaMA-1 loop (one Python iteration per token, eager kernels);
 * ``hf``: ``transformers``' ``generate`` with its static KV cache (``cache_implementation=
   "static"``), greedy.
@@ -49,7 +51,7 @@ from bench_common.report import results_dir, save_figure, write_json, write_tabl
 from speed_bench.decode_budget import layer_budget
 
 ENGINES = ("nakta", "llama_org", "hf")  # the default --engines
-OPT_IN = ("nakta_compile",)  # run only when named
+OPT_IN = ("nakta_compile", "nakta_rowwise")  # run only when named
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -63,7 +65,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--lengths", default=None, help="prompt:gen pairs (default 64:128,512:128; CPU 8:5)"
     )
     p.add_argument(
-        "--engines", default=",".join(ENGINES), help="nakta,llama_org,hf (also: nakta_compile)"
+        "--engines",
+        default=",".join(ENGINES),
+        help="nakta,llama_org,hf (also: nakta_compile, nakta_rowwise)",
     )
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", help="default cuda when present")
@@ -134,6 +138,7 @@ class _Engine:
 class NaktaDecode(_Engine):
     name = "nakta"
     graph_mode: str | None = None  # the Generator's default: CUDA graphs on a GPU
+    cascade = True
 
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from nakta_model.generation import Generator
@@ -141,8 +146,9 @@ class NaktaDecode(_Engine):
 
         self.model = load(weights.source(device, dtype), device, dtype)
         self.gen = Generator(
-            self.model, max_batch=max_batch, max_seq_len=max_seq, graph_mode=self.graph_mode
-        )
+            self.model, max_batch=max_batch, max_seq_len=max_seq, graph_mode=self.graph_mode,
+            cascade=self.cascade,
+        )  # fmt: skip
 
     def run(self, prompts, gen):
         from nakta_model.generation import greedy_requests
@@ -152,6 +158,14 @@ class NaktaDecode(_Engine):
     def close(self):
         self.model.clear_cache()
         self.gen = self.model = None
+
+
+class NaktaRowwiseDecode(NaktaDecode):
+    """The Nakta engine with a shared prefix read row by row (through L2) instead of by the
+    attention's cascade: the two compared with ``--shared-prefix``."""
+
+    name = "nakta_rowwise"
+    cascade = False
 
 
 class NaktaCompileDecode(NaktaDecode):
@@ -231,6 +245,7 @@ class HFDecode(_Engine):
 BUILDERS: dict[str, Callable] = {
     "nakta": NaktaDecode,
     "nakta_compile": NaktaCompileDecode,
+    "nakta_rowwise": NaktaRowwiseDecode,
     "llama_org": LlamaOrgDecode,
     "hf": HFDecode,
 }
@@ -409,7 +424,7 @@ def _ratios(runs: list[dict]) -> dict:
     for (e, b, p, g), v in by.items():
         if e != "nakta":
             continue
-        for peer in ("nakta_compile", "llama_org", "hf"):
+        for peer in ("nakta_compile", "nakta_rowwise", "llama_org", "hf"):
             if (peer, b, p, g) in by:
                 out[f"nakta_vs_{peer}_b{b}_p{p}_g{g}"] = v / by[(peer, b, p, g)]
     return out

@@ -361,3 +361,76 @@ def test_prefix_arguments_are_checked():
         decode_attention(q, k_cache, v_cache, lens, prefix_rows=pr, prefix_lens=pl[:1])
     with pytest.raises(TypeError, match="prefix_rows"):
         decode_attention(q, k_cache, v_cache, lens, prefix_rows=pr.float(), prefix_lens=pl)
+
+
+def _cascade_case(batch, n_q, n_kv, dtype, s_max=37):
+    """Rows over cache rows 0..batch-1; slots in rows batch (holds 30 keys) and batch + 1 (21
+    keys); rows read slot A, slot B (a prefix shorter than the slot's, one longer than the
+    row's keys) or nothing."""
+    q, k_cache, v_cache, lens = make_inputs(batch, n_q, n_kv, dtype, "cpu", batch + 2, s_max)
+    a, b = batch, batch + 1
+    slots = (torch.tensor([a, b], dtype=torch.int32), torch.tensor([30, 21], dtype=torch.int32))
+    pick = [(a, 30), (b, 21), (a, 0), (b, 12), (a, 30)]
+    pre_rows = torch.tensor([pick[i % 5][0] for i in range(batch)], dtype=torch.int32)
+    pre_lens = torch.tensor([pick[i % 5][1] for i in range(batch)], dtype=torch.int32)
+    lens = torch.randint(1, s_max + 1, (batch,))
+    lens[0], lens[batch - 1] = 5, s_max  # a row shorter than its prefix, a full one
+    rows = torch.randperm(batch).to(torch.int32)
+    kw = dict(rows=rows, prefix_rows=pre_rows, prefix_lens=pre_lens)
+    return q, k_cache, v_cache, lens, slots, kw
+
+
+@pytest.mark.parametrize("n_q, n_kv, batch", [(4, 4, 5), (8, 2, 7), (8, 2, 21)],
+                         ids=["mha", "gqa", "gqa-two-query-tiles"])  # fmt: skip
+@pytest.mark.parametrize("n_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_computes_each_slots_prefix_once_for_all_its_rows(n_q, n_kv, batch, n_splits,
+                                                                  dtype):  # fmt: skip
+    """``prefix_slots``: the prefix part of every row that reads a slot is one tile against
+    the slot's keys, the rest of each row its own splits; the output is the plain path's (up
+    to summation order) and the reference's, whatever the rows' prefix and key counts."""
+    q, k_cache, v_cache, lens, slots, kw = _cascade_case(batch, n_q, n_kv, dtype)
+    out, pad = poisoned_out(q)
+    got = decode_attention(
+        q, k_cache, v_cache, lens, n_splits=n_splits, prefix_slots=slots, out=out, **kw
+    )
+    assert got is out and torch.isnan(pad).all()  # every head written, the padding not
+    plain = decode_attention(q, k_cache, v_cache, lens, n_splits=n_splits, **kw)
+    ref = decode_attention_reference(q, k_cache, v_cache, lens, prefix_slots=slots, **kw)
+    assert_matches_reference(got, ref, v_cache)
+    assert_matches_reference(plain, ref, v_cache)
+    copied_k, copied_v = k_cache[kw["rows"].long()].clone(), v_cache[kw["rows"].long()].clone()
+    for i in range(batch):
+        n = int(kw["prefix_lens"][i])
+        copied_k[i, :n] = k_cache[int(kw["prefix_rows"][i]), :n]
+        copied_v[i, :n] = v_cache[int(kw["prefix_rows"][i]), :n]
+    assert_near_fp64(got, expected_fp64(q, copied_k, copied_v, lens), dtype)
+
+
+def test_cascade_workspace_and_arguments_are_checked():
+    q, k_cache, v_cache, lens, slots, kw = _cascade_case(5, 4, 4, torch.float32)
+    ps = da.cascade_splits(5, 4, 4, 2, 37, "cpu")
+    ws = attention_workspace(5, 4, 24, 3 + 2 * ps, "cpu")
+    got = decode_attention(q, k_cache, v_cache, lens, n_splits=3, workspace=ws,
+                           prefix_slots=slots, **kw)  # fmt: skip
+    torch.testing.assert_close(
+        got, decode_attention_reference(q, k_cache, v_cache, lens, **kw), rtol=2e-6, atol=2e-6
+    )
+    with pytest.raises(ValueError, match="workspace must be a contiguous fp32 tensor"):
+        decode_attention(q, k_cache, v_cache, lens, n_splits=3, prefix_slots=slots,
+                         workspace=attention_workspace(5, 4, 24, 3, "cpu"), **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="every prefix must be read from a slot"):
+        decode_attention(
+            q, k_cache, v_cache, lens, prefix_slots=(slots[0][:1], slots[1][:1]), **kw
+        )  # fmt: skip  (rows reading the second slot's row)
+    with pytest.raises(ValueError, match="every prefix must be read from a slot"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_slots=(slots[0], slots[1] - 20), **kw)
+    with pytest.raises(ValueError, match="prefix_slots needs prefix_rows"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_slots=slots, rows=kw["rows"])
+    with pytest.raises(TypeError, match="prefix_slots must be a pair"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_slots=slots[0], **kw)
+    with pytest.raises(ValueError, match=r"prefix_slots\[0\] must lie in \[0, B_max=7\)"):
+        decode_attention(q, k_cache, v_cache, lens, prefix_slots=(slots[0] + 9, slots[1]), **kw)
+    assert da.cascade_splits(64, 32, 32, 2, 1280, "cpu") >= 1
+    with pytest.raises(ValueError, match="n_slots must be a positive int"):
+        da.cascade_splits(64, 32, 32, 0, 1280, "cpu")

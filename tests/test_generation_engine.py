@@ -319,13 +319,23 @@ def test_shared_prompt_prefixes_prefill_once_and_decode_the_same(kernels, monkey
 
         def spy(*a, _fn=fn, **kw):
             seen.append(int(kw["prefix_lens"].max()))
+            slots.append(kw.get("prefix_slots"))
             return _fn(*a, **kw)
 
         monkeypatch.setattr(da, name, spy)
+    slots = []  # the cascade's slots: the prefix rows and what they hold
     gen = Generator(model, max_batch=2, max_seq_len=96, prefix_rows=2)
     shared = gen.generate(greedy_requests(ps, n_new, None))
     assert [r.tokens for r in shared] == [r.tokens for r in plain]
     assert max(seen) == 70  # decoding read the prefix in place, from its prefix row
+    assert all(s is not None and s[0].tolist() == [3, 4] for s in slots)  # rows 2 + 1, 2 + 2
+    assert max(max(s[1].tolist()) for s in slots) == 70  # ... computed once a step (cascade)
+    slots.clear()
+    row_by_row = Generator(model, max_batch=2, max_seq_len=96, prefix_rows=2, cascade=False)
+    assert [r.tokens for r in row_by_row.generate(greedy_requests(ps, n_new, None))] == [
+        r.tokens for r in plain
+    ]
+    assert slots and all(s is None for s in slots)
     # each 70-token prefix ran once, whatever the admission wave; the rest ran per prompt
     suffixes = sum(len(p) - 70 for p in ps)
     assert gen.stats.prefilled_tokens == 2 * 70 + suffixes

@@ -14,9 +14,10 @@ Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefi
 it once: its K/V is computed into one of ``prefix_rows`` spare cache rows (kept, least recently
 used first out, for later admissions) and copied into each prompt's row; only the rest of each
 prompt runs through the model, attending to the copied prefix. Decoding then reads the prefix
-from the prefix row itself while it is held there (``decode_attention``'s ``prefix_rows``):
-the rows of a batch share one copy, which L2 serves, instead of each streaming its own from
-HBM at every step; a row whose prefix was evicted reads its own copy.
+from the prefix row itself while it is held there (``decode_attention``'s ``prefix_rows``),
+and with ``cascade`` the attention computes each held prefix once per step for all its rows
+(one tensor-core tile of their queries against the prefix keys) before each row's own keys; a
+row whose prefix was evicted reads its own copy.
 
 Greedy decoding gives, per prompt, the tokens Meta's loop gives (``meta_loop``): the same model
 math on each row, just not padded to the batch's shortest prompt.
@@ -93,6 +94,8 @@ class Generator:
     captures the decode step per batch bucket in CUDA graphs (default: on CUDA). ``graph_mode``
     (instead of ``graphs``) names how the step runs: ``"cuda_graph"`` (captured), ``"compile"``
     (``torch.compile(mode="reduce-overhead")``, to compare with the capture) or ``"eager"``.
+    ``cascade`` (default on): each decode step computes every held prefix once for all the rows
+    that read it (``decode_attention``'s ``prefix_slots``) instead of row by row through L2.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Generator:
         graphs: bool | None = None,
         prefix_rows: int = 2,
         graph_mode: str | None = None,
+        cascade: bool = True,
     ):
         if not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
             raise ValueError(f"max_batch must be an int in [1, {BUCKETS[-1]}], got {max_batch!r}")
@@ -130,6 +134,7 @@ class Generator:
                 f"give graphs or graph_mode, not both (got {graphs!r}, {graph_mode!r})"
             )
         self.graph_mode = check_graph_mode(graph_mode)
+        self.cascade = bool(cascade)
         # cache rows: max_batch for requests, one scratch row for idle batch entries, then the
         # shared-prefix rows; each row's length a multiple of 64 (the prefix pages' size rule)
         self.scratch = max_batch
@@ -165,9 +170,11 @@ class Generator:
     def _step(self, bucket: int, sampling: bool) -> DecodeStep:
         key = (bucket, sampling)
         if key not in self._steps:
+            slots = len(self.prefix_rows) if self.cascade else 0
             step = DecodeStep(
-                self.model, bucket, self.chunk, sampling=sampling, graph_mode=self.graph_mode
-            )
+                self.model, bucket, self.chunk, sampling=sampling, graph_mode=self.graph_mode,
+                prefix_slots=slots,
+            )  # fmt: skip
             self._idle(step, range(bucket))
             if self.graph_mode == "cuda_graph":
                 step.capture()
@@ -398,6 +405,12 @@ class Generator:
         ):
             t.copy_(torch.tensor(v, dtype=t.dtype), non_blocking=False)
         buf.step.zero_()
+        if buf.slot_rows.numel():  # the prefix rows and what each holds now (0: nothing)
+            held = {row: len(key) for key, row in self._prefixes.items()}
+            buf.slot_rows.copy_(torch.tensor(self.prefix_rows, dtype=torch.int32))
+            buf.slot_lens.copy_(
+                torch.tensor([held.get(r, 0) for r in self.prefix_rows], dtype=torch.int32)
+            )
 
     def _accept(self, r: _Row, new: list[int]) -> None:
         """Append decoded tokens to a row until it finishes (stop token, budget, stop string)."""

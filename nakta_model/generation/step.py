@@ -44,7 +44,9 @@ class DecodeBuffers:
     Row b of the batch holds its last token ``tokens[b]`` at position ``positions[b]`` of cache
     row ``rows[b]``, its first ``prefix_lens[b]`` keys in cache row ``prefix_rows[b]`` (a
     shared prompt prefix, read in place; 0: none); ``temperature``/``top_k``/``top_p`` are its
-    sampling settings. Each step
+    sampling settings. ``slot_rows``/``slot_lens``: the cache rows that hold shared prefixes
+    and their lengths (the attention's cascade computes each once for all its rows; empty:
+    no cascade). Each step
     writes the chosen token into ``history[:, step]`` and advances ``tokens``, ``positions``
     and ``step`` in place, so replaying the step N times decodes N tokens per row.
     """
@@ -59,9 +61,13 @@ class DecodeBuffers:
     top_p: torch.Tensor  # fp32 [B]
     history: torch.Tensor  # int64 [B, chunk]
     step: torch.Tensor  # int64 [1]
+    slot_rows: torch.Tensor  # int32 [P]
+    slot_lens: torch.Tensor  # int32 [P]
 
     @classmethod
-    def allocate(cls, batch: int, chunk: int, device: torch.device) -> DecodeBuffers:
+    def allocate(
+        cls, batch: int, chunk: int, device: torch.device, slots: int = 0
+    ) -> DecodeBuffers:
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         f32 = dict(dtype=torch.float32, device=device)
@@ -76,6 +82,8 @@ class DecodeBuffers:
             top_p=torch.ones(batch, **f32),
             history=torch.zeros(batch, chunk, **i64),
             step=torch.zeros(1, **i64),
+            slot_rows=torch.zeros(slots, **i32),
+            slot_lens=torch.zeros(slots, **i32),
         )
 
 
@@ -90,18 +98,30 @@ class DecodeStep:
     """The decode step of ``model`` for ``batch`` rows; call it, or :meth:`capture` it once
     and :meth:`run` replays it (CUDA). ``sampling=False`` keeps the step greedy (no sort, no
     draw). ``graph_mode="compile"``: :meth:`run` calls the step compiled by ``torch.compile``
-    (reduce-overhead: inductor + CUDA graph trees) and :meth:`capture` is refused."""
+    (reduce-overhead: inductor + CUDA graph trees) and :meth:`capture` is refused.
+    ``prefix_slots``: how many cache rows may hold shared prefixes (``buffers.slot_rows`` /
+    ``slot_lens``), each computed once per step for all the rows that read it (the attention's
+    cascade); 0 reads prefixes row by row."""
 
     def __init__(
-        self, model, batch: int, chunk: int, *, sampling: bool, graph_mode: str = "cuda_graph"
+        self,
+        model,
+        batch: int,
+        chunk: int,
+        *,
+        sampling: bool,
+        graph_mode: str = "cuda_graph",
+        prefix_slots: int = 0,
     ):
         self.graph_mode = check_graph_mode(graph_mode)
         if batch > _dl.MAX_BATCH:
             raise ValueError(f"decode batch {batch} exceeds decode_linear's {_dl.MAX_BATCH}")
         if not model.max_seq_len:
             raise ValueError("the model needs a KV cache: call model.setup_cache() first")
+        if isinstance(prefix_slots, bool) or not isinstance(prefix_slots, int) or prefix_slots < 0:
+            raise ValueError(f"prefix_slots must be an int >= 0, got {prefix_slots!r}")
         self.model, self.batch, self.sampling = model, batch, sampling
-        self.buffers = DecodeBuffers.allocate(batch, chunk, model.device)
+        self.buffers = DecodeBuffers.allocate(batch, chunk, model.device, prefix_slots)
         args = model.args
         tp = model.parallel.tp_size
         self.n_q, self.n_kv = args.n_heads // tp, args.n_kv_heads // tp
@@ -110,9 +130,17 @@ class DecodeStep:
         self.cos, self.sin = model._rope_tables(model.max_seq_len)
         self.kernels = model.ops.triton(model.output.weight)
         self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
+        self.slot_splits = (
+            _da.cascade_splits(
+                batch, self.n_q, self.n_kv, prefix_slots, self.cache_len, model.device
+            )  # fmt: skip
+            if prefix_slots
+            else 0
+        )
+        partials = self.splits + prefix_slots * self.slot_splits
         self.workspace = (
-            _da.attention_workspace(batch, self.n_q, self.head_dim, self.splits, model.device)
-            if self.splits > 1
+            _da.attention_workspace(batch, self.n_q, self.head_dim, partials, model.device)
+            if partials > 1
             else None
         )
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -126,6 +154,8 @@ class DecodeStep:
     def _attention(self, q, k_cache, v_cache, lens) -> torch.Tensor:
         buf = self.buffers
         kw = dict(rows=buf.rows, prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
+        if buf.slot_rows.numel():
+            kw["prefix_slots"] = (buf.slot_rows, buf.slot_lens)
         if self.kernels:
             return _da.decode_attention(
                 q, k_cache, v_cache, lens, n_splits=self.splits, workspace=self.workspace, **kw
