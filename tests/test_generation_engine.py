@@ -380,3 +380,29 @@ def test_gpu_fitting_batch_follows_free_memory():
     per_row = 2 * sum(a.n_kv_heads * a.head_dim for a in (x.attention for x in model.layers))
     huge = int(free // (per_row * model.dtype.itemsize)) // 64 * 64  # one row ~ all free memory
     assert fitting_batch(model, huge) == 1
+
+
+def test_the_cascade_step_runs_only_while_a_held_prefix_is_read(monkeypatch):
+    """A batch with no shared prefix decodes with the plain step (no cascade launches), even
+    in an engine with prefix rows; the cascade's step is a graph of its own."""
+    from nakta_model.kernels import decode_attention as da
+
+    model = tiny_model()
+    seen = []
+    ref = da.decode_attention_reference
+
+    def spy(*a, **kw):
+        seen.append(kw.get("prefix_slots") is not None)
+        return ref(*a, **kw)
+
+    monkeypatch.setattr(da, "decode_attention_reference", spy)
+    rng = random.Random(4)
+    prompts = [[1] + [rng.randrange(3, 300) for _ in range(9)] for _ in range(3)]
+    gen = Generator(model, max_batch=3, max_seq_len=96, prefix_rows=2)
+    gen.generate(greedy_requests(prompts, 3, None))
+    assert seen and not any(seen)
+    assert all(not cascade for _, _, cascade in gen._steps)
+    seen.clear()
+    gen.generate(greedy_requests(shared_prompts(n_prefixes=1, per=2), 3, None))
+    assert seen and all(seen)
+    assert {cascade for _, _, cascade in gen._steps} == {False, True}

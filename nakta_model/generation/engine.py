@@ -167,10 +167,13 @@ class Generator:
         self._steps.clear()
         self._prefixes.clear()
 
-    def _step(self, bucket: int, sampling: bool) -> DecodeStep:
-        key = (bucket, sampling)
+    def _step(self, bucket: int, sampling: bool, cascade: bool = False) -> DecodeStep:
+        """The step of a bucket, captured on first use; ``cascade``: the variant whose
+        attention computes held prefixes once for all their rows (its own graph: a batch with
+        no shared prefix runs the step without the cascade's two extra launches per layer)."""
+        key = (bucket, sampling, cascade)
         if key not in self._steps:
-            slots = len(self.prefix_rows) if self.cascade else 0
+            slots = len(self.prefix_rows) if cascade else 0
             step = DecodeStep(
                 self.model, bucket, self.chunk, sampling=sampling, graph_mode=self.graph_mode,
                 prefix_slots=slots,
@@ -360,7 +363,8 @@ class Generator:
         need = max(active) + 1
         bucket = next(b for b in self.buckets if b >= need)
         sampling = any(not slots[s].request.sampling.greedy for s in active)
-        step = self._step(bucket, sampling)
+        shared = any(slots[s].prefix and slots[s].prefix in self._prefixes for s in active)
+        step = self._step(bucket, sampling, self.cascade and shared)
         steps = self.chunk
         for s in active:
             r = slots[s]
