@@ -104,6 +104,27 @@ def _weighted_values(
 
 
 @triton.jit
+def _online_step(
+    m, l, acc, s, v, SAFE: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One tile of online softmax: fold scores ``s`` (masked keys -inf) and values ``v`` into
+    the running ``(max, sum, acc)``. ``SAFE``: a query may have no valid key in the tile yet
+    (its max stays -inf; -inf - -inf would be NaN), else every query sees one."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    if SAFE:
+        m_new_or_0 = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_or_0 = m_new
+    alpha = tl.exp2(m - m_new_or_0)
+    p = tl.exp2(s - m_new_or_0[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, PREC, UPCAST, EMULATE_RNE,
+                                                  BLOCK_S)  # fmt: skip
+    return m_new, l, acc
+
+
+@triton.jit
 def _chunk(lens_ptr, b, s_max, n_splits, split, base, BLOCK_S: tl.constexpr):
     """This split's key range ``[start, end)`` of row b's keys ``[base, length)`` (spread
     evenly over the splits, in whole ``BLOCK_S`` tiles) and whether the length is out of
@@ -185,14 +206,9 @@ def _attn_split_kernel(
             v = tl.load(v_base + rows * stride_vs, mask=kv_mask, other=0.0)
         s = _scores(q, k, USE_DOT, PREC, UPCAST) * qk_scale
         s = tl.where(k_ok[None, :], s, float("-inf"))
-        # the first tile of a non-empty chunk holds a valid key, so m_new is finite
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, PREC, UPCAST, EMULATE_RNE,
-                                                      BLOCK_S)  # fmt: skip
-        m = m_new
+        # the first tile of a non-empty chunk holds a valid key, so the max is finite
+        m, l, acc = _online_step(m, l, acc, s, v, False, USE_DOT, PREC, UPCAST, EMULATE_RNE,
+                                 BLOCK_S)  # fmt: skip
 
     if SINGLE:
         out = tl.where(l[:, None] > 0, acc / l[:, None], 0.0)
@@ -260,15 +276,8 @@ def _attn_prefix_kernel(
         v = tl.load(v_base + rows * stride_vs, mask=kv_mask, other=0.0)
         s = _scores(q, k, True, PREC, UPCAST) * qk_scale
         s = tl.where(keys[None, :] < plen[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # a pair with no key in this tile (yet) keeps max -inf: exp2 of (-inf) - (-inf) is NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        pr = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + _weighted_values(pr, v, True, PREC, UPCAST, EMULATE_RNE,
-                                                      BLOCK_S)  # fmt: skip
-        m = m_new
+        # a pair may have no key here (another row's, or past its prefix): SAFE
+        m, l, acc = _online_step(m, l, acc, s, v, True, True, PREC, UPCAST, EMULATE_RNE, BLOCK_S)
     w_base = (
         WS + b * stride_wb + heads * stride_wh + (n_splits + p * n_psplits + psplit) * stride_ws
     )

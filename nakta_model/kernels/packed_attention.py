@@ -65,6 +65,30 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` in fp32: IEEE fp32 operands, or the inputs' dtype on the tensor cores."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_tile(m_i, l_i, s):
+    """One key tile of online softmax (scores ``s`` scaled, masked keys -inf): the new running
+    max and sum, the tile's probabilities and the old output's rescale factor."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _pv(p, v, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``P @ V`` with P rounded to V's dtype first (it enters the product in that dtype)."""
+    return _dot(round_to(p, v.dtype, EMULATE_RNE), v, IEEE)
+
+
 @triton.jit(do_not_specialize=["n_tokens"])
 def _packed_attention_kernel(
     QKV, OUT, START, END, ENTRY, TABLE, PLEN, PK, PV,
@@ -124,25 +148,13 @@ def _packed_attention_kernel(
             pmask = valid[:, None] & mask_d[None, :]
             k = tl.load(PK + slot * stride_pks + kv_head * stride_pkh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = _dot(q, tl.trans(k), IEEE)
             seen = (q_entry == entry)[:, None] & valid[None, :]
             s = tl.where(seen, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i, l_i, p, alpha = _softmax_tile(m_i, l_i, s)
             v = tl.load(PV + slot * stride_pvs + kv_head * stride_pvh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
-            p_in = round_to(p, v.dtype, EMULATE_RNE)
-            if IEEE:
-                pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p_in, v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc = acc * alpha[:, None] + _pv(p, v, IEEE, EMULATE_RNE)
     q_first = pid_m * BLOCK_M
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -161,23 +173,11 @@ def _packed_attention_kernel(
             rows_n = offs_n.to(tl.int64)[:, None] * stride_qt
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(QKV + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = _dot(q, tl.trans(k), IEEE)
             s = tl.where(allowed, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i, l_i, p, alpha = _softmax_tile(m_i, l_i, s)
             v = tl.load(QKV + rows_n + v_col + offs_d[None, :], mask=kv_mask, other=0.0)
-            p_in = round_to(p, v.dtype, EMULATE_RNE)  # P enters the P.V product in V's dtype
-            if IEEE:
-                pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p_in, v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc = acc * alpha[:, None] + _pv(p, v, IEEE, EMULATE_RNE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         OUT + offs_m.to(tl.int64)[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :],
