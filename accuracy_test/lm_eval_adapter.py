@@ -564,14 +564,19 @@ class NaktaLM(_ScoringLM):
 
 def _start_in_background(fn, device):
     """``fn()`` on a worker thread, as a ``Future``. The thread takes the caller's CUDA device
-    (the current device is per thread) and is joined at exit, never killed mid-copy."""
+    (the current device is per thread; ``cuda`` with no index means the caller's current one)
+    and is joined at exit, never killed mid-copy."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
+    index = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+
     def run():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if index is not None:
+            torch.cuda.set_device(index)
         return fn()
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nakta-load")

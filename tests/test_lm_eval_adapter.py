@@ -408,3 +408,36 @@ def test_a_failed_background_load_raises_its_error_at_the_first_request(tiny, tm
     for _ in range(2):
         with pytest.raises(CheckpointError):
             lm.loglikelihood(inst, disable_tqdm=True)
+
+
+def test_the_background_load_runs_on_the_callers_cuda_device(monkeypatch):
+    """The current CUDA device is per thread: the worker sets the caller's, also for a plain
+    ``cuda`` (lm-eval's ``--device cuda``), which ``torch.cuda.set_device`` refuses as is."""
+    import threading
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda i: chosen.append((i, threading.current_thread().name))
+    )
+    for device, index in ((torch.device("cuda"), 3), (torch.device("cuda", 1), 1)):
+        assert adapter._start_in_background(lambda: "done", device).result() == "done"
+        assert chosen[-1][0] == index and chosen[-1][1].startswith("nakta-load")
+    assert adapter._start_in_background(lambda: 7, torch.device("cpu")).result() == 7
+    assert len(chosen) == 2  # the CPU sets no device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_gpu_background_load_scores_like_a_blocking_one(tiny, device):
+    """On the GPU: the worker thread reads the weights onto the caller's device and compiles
+    the Triton kernels there (plain ``cuda`` too); the scores equal a blocking load's."""
+    ckpt, tok = tiny
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device=device, dtype="bf16")
+    insts = [Instance("loglikelihood", {}, ("the cat", " sat on a mat"), 0)]
+    insts.append(Instance("loglikelihood", {}, ("the cat", " ran"), 1))
+    want = adapter.NaktaLM(**kw, background_load=False).loglikelihood(insts, disable_tqdm=True)
+    lm = adapter.NaktaLM(**kw)
+    assert lm.loglikelihood(insts, disable_tqdm=True) == want
+    assert lm.model.device == torch.device("cuda", 0)
+    assert set(lm.load_timings) == {"read_s", "warm_up_s", "wait_s"}
