@@ -417,7 +417,7 @@ class NaktaLM(_ScoringLM):
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
         background = _as_bool(background_load, "background_load")
-        self._prefixes = self._gen = self._model = self._pending = None
+        self._prefixes = self._gen = self._model = self._pending = self._failed = None
         self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
         self.parallel = ParallelContext()
@@ -456,7 +456,7 @@ class NaktaLM(_ScoringLM):
                 self.load_timings["wait_s"] = time.perf_counter() - t0
                 self._failed = self._pending.exception()
                 self._pending = None
-        if self._model is None and getattr(self, "_failed", None) is not None:
+        if self._model is None and self._failed is not None:
             raise self._failed
         return self._model
 

@@ -36,38 +36,50 @@ class Trie:
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
+    """How many leading tokens ``a`` and ``b`` share (slice comparisons, which run in C: the
+    contexts compared here share hundreds of tokens)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def sequence_trie(seqs: Sequence[Sequence[int]]) -> Trie:
     """The trie of ``seqs``; ``paths`` in the order of ``seqs``. The sequences are walked in
     sorted order, which makes insertion a depth-first walk: each one's new nodes follow the
-    nodes it shares with the one before (sorted neighbours share the most)."""
-    tokens: list[int] = []
-    depth: list[int] = []
-    end: list[int] = []
+    nodes it shares with the one before (sorted neighbours share the most). The beginning all
+    of them share (a row's context: the first and last in sorted order share exactly that) is
+    laid down in one piece."""
+    order = sorted(range(len(seqs)), key=lambda k: seqs[k])
+    chain = common_prefix_len(seqs[order[0]], seqs[order[-1]]) if seqs else 0
+    tokens: list[int] = list(seqs[order[0]][:chain]) if seqs else []
+    depth: list[int] = list(range(chain))
+    end: list[int] = [-1] * chain  # the chain's ends: the whole trie's, set last
+    root = list(range(chain))
     paths: list[list[int]] = [[] for _ in seqs]
-    path: list[int] = []  # the nodes of the previous sequence
+    path: list[int] = []  # the nodes of the previous sequence below the chain
     prev: Sequence[int] = ()
-    for k in sorted(range(len(seqs)), key=lambda k: seqs[k]):
-        u = seqs[k]
+    for k in order:
+        u = seqs[k][chain:]
         shared = common_prefix_len(prev, u)
         while len(path) > shared:  # the previous sequence's deeper nodes are complete
             end[path.pop()] = len(tokens)
-        for d in range(shared, len(u)):
-            path.append(len(tokens))
-            tokens.append(u[d])
-            depth.append(d)
-            end.append(-1)
-        paths[k] = list(path)
+        first = len(tokens)
+        tokens += u[shared:]
+        depth += range(chain + shared, chain + len(u))
+        end += [-1] * (len(u) - shared)
+        path += range(first, len(tokens))
+        paths[k] = root + path
         prev = u
-    while path:
-        end[path.pop()] = len(tokens)
+    for n in path + root:
+        end[n] = len(tokens)
     return Trie(tokens, depth, end, paths)
 
 
@@ -97,7 +109,14 @@ class Row:
         return self._trie
 
     def __len__(self) -> int:
-        return len(self.trie.tokens)
+        if self.merged:
+            return len(self.trie.tokens)
+        # one context: it, then the trie of the continuations; counted without building the
+        # trie (batching sorts every row by length before the first forward; pack builds it)
+        conts = sorted(cont[:-1] for _, cont in self.branches)
+        return len(self.ctx) + sum(
+            len(u) - common_prefix_len(prev, u) for prev, u in zip([[], *conts], conts)
+        )
 
     @property
     def stream_len(self) -> int:
@@ -169,7 +188,7 @@ def build_rows(
     if not use_cache:
         return [Row(ctx, [(i, cont)]) for i, (ctx, cont) in enumerate(reqs)], {}
     groups: dict[tuple[int, ...], list[Row]] = {}
-    sizes: dict[int, int] = {}  # row id -> its tokens with every branch in full (an upper bound)
+    last_size: dict[tuple[int, ...], int] = {}  # a context's last row, every branch in full
     seen: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     dup: dict[int, int] = {}
     for i, (ctx, cont) in enumerate(reqs):
@@ -180,11 +199,11 @@ def build_rows(
             continue
         seen[pair] = i
         rows = groups.setdefault(key, [])
-        if not rows or sizes[id(rows[-1])] + len(cont) - 1 > max_length:
+        if not rows or last_size[key] + len(cont) - 1 > max_length:
             rows.append(Row(ctx))  # a packed row stays within the model's length
-            sizes[id(rows[-1])] = len(ctx)
+            last_size[key] = len(ctx)
         rows[-1].branches.append((i, cont))
-        sizes[id(rows[-1])] += len(cont) - 1
+        last_size[key] += len(cont) - 1
     for rows in groups.values():
         for r in rows:
             r.branches.sort(key=lambda b: b[1])

@@ -11,12 +11,13 @@ With ``use_cache=True`` the requests sharing a context become one row
     [ctx..., trie of cont1[:-1], cont2[:-1], ... in depth-first order]
 
 a token tree under a tree mask (each continuation sees the whole context and its own causal
-prefix; continuations that begin alike share those tokens, positions count depth). The context
-is computed once, with no K/V copies, and the first token of every continuation is predicted
-from the one shared last-context position. That halves the tokens of a HellaSwag run, and the
-trie takes another 12.5% (every token of the trie of all requests is computed once). Only the scored positions go
-through the LM head and the log-softmax (``forward_packed``'s ``logits_index``), never
-``[rows, len, vocab]``.
+prefix; continuations that begin alike share those tokens, positions count depth), and rows
+whose contexts begin alike merge into one tree (``score_batches.merge_rows``). The context is
+computed once, with no K/V copies, and the first token of every continuation is predicted from
+the one shared last-context position. That halves the tokens of a HellaSwag run, and the
+shared beginnings take another 11.8% (3,000 tasks: 242,101 tokens, 240,241 unique). Only the
+scored positions go through the LM head and the log-softmax (``forward_packed``'s
+``logits_index``), never ``[rows, len, vocab]``.
 
 Batches are packed, not padded: rows go back to back into one token stream of at most
 ``token_budget`` tokens (best fit decreasing, so batches come out nearly full), and the model's

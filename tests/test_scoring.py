@@ -229,6 +229,11 @@ def test_continuations_that_begin_alike_share_their_tokens():
     assert b.target.tolist() == [7, 8, 1, 4, 7, 9, 7, 8, 2]
     assert b.src.tolist() == [0, 1, 2, 0, 0, 1, 0, 1, 2]
     assert b.req.tolist() == [0, 0, 0, 1, 2, 2, 3, 3, 3]
+    rng = random.Random(8)  # a row's length, counted without its trie, is the trie's
+    for _ in range(50):
+        conts = [[rng.randrange(3, 6) for _ in range(rng.randint(1, 5))] for _ in range(4)]
+        r = score_batches.Row([1, 2], [(i, c) for i, c in enumerate(conts)])
+        assert len(r) == len(r.trie.tokens)
     # two subtrees: [7, 8, x] and [6, 3]: 7's span ends before 6's
     t = score_batches.sequence_trie([[7, 8, 1], [6, 3, 0], [7, 2]])
     assert t.tokens == [6, 3, 0, 7, 2, 8, 1] and t.depth == [0, 1, 2, 0, 1, 1, 2]

@@ -179,6 +179,8 @@ class Generator:
                 prefix_slots=slots,
             )  # fmt: skip
             self._idle(step, range(bucket))
+            if slots:  # the prefix rows never move; what they hold is written per chunk
+                step.buffers.slot_rows.copy_(torch.tensor(self.prefix_rows, dtype=torch.int32))
             if self.graph_mode == "cuda_graph":
                 step.capture()
             self._steps[key] = step
@@ -409,9 +411,8 @@ class Generator:
         ):
             t.copy_(torch.tensor(v, dtype=t.dtype), non_blocking=False)
         buf.step.zero_()
-        if buf.slot_rows.numel():  # the prefix rows and what each holds now (0: nothing)
+        if buf.slot_rows.numel():  # what each prefix row holds now (0: nothing)
             held = {row: len(key) for key, row in self._prefixes.items()}
-            buf.slot_rows.copy_(torch.tensor(self.prefix_rows, dtype=torch.int32))
             buf.slot_lens.copy_(
                 torch.tensor([held.get(r, 0) for r in self.prefix_rows], dtype=torch.int32)
             )
