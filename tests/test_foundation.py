@@ -53,3 +53,13 @@ def test_atomic_dir_refuses_existing_without_force(tmp_path):
     with atomic_output_dir(out, force=True) as tmp:
         (tmp / "new").write_text("x")
     assert (out / "new").exists()
+
+
+def test_compile_constants_are_marked_in_place_when_asked():
+    """The compile path marks ``device_family`` / ``sm_count`` as constants just before
+    ``torch.compile`` (importing the compiler at module import cost every lm-eval run seconds
+    on the H200 host): the functions callers hold are the ones marked."""
+    held = (_checks.device_family, _checks.sm_count)
+    _checks.mark_compile_constants()
+    assert (_checks.device_family, _checks.sm_count) == held
+    assert all(getattr(f, "_dynamo_marked_constant", False) for f in held)  # dynamo's mark

@@ -30,6 +30,7 @@ import torch
 from nakta_model.generation.sampling import sample_next
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
+from nakta_model.kernels._checks import mark_compile_constants
 from nakta_model.parallel import all_reduce
 
 __all__ = ["GRAPH_MODES", "DecodeBuffers", "DecodeStep", "check_graph_mode"]
@@ -248,6 +249,7 @@ class DecodeStep:
         step mutates or reads by address (buffers, KV cache, tables) are marked static: CUDA
         graph trees then neither copy them in on each replay nor skip graphs that mutate them
         in place. Host checks in the kernel launchers break the graph (``fullgraph=False``)."""
+        mark_compile_constants()
         tensors = [*vars(self.buffers).values(), self.cos, self.sin, self.workspace]
         for layer in self.model.layers:
             tensors += [layer.attention.k_cache, layer.attention.v_cache]

@@ -41,7 +41,6 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-@torch.compiler.assume_constant_result  # torch.compile: a constant, not a graph break
 def device_family(device: torch.device) -> str:
     """A word of the CUDA device's name that launch-config tables are keyed by (``"h200"``,
     ``"h100"``, ...; ``""`` off the GPU or for other devices): tuned tile sizes differ."""
@@ -54,13 +53,22 @@ def device_family(device: torch.device) -> str:
     return ""
 
 
-@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=16)
 def sm_count(device: torch.device, off_gpu: int) -> int:
     """Streaming multiprocessors of a CUDA ``device``; ``off_gpu`` for any other device."""
     if device.type != "cuda":
         return off_gpu
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def mark_compile_constants() -> None:
+    """Tell torch.compile that ``device_family`` and ``sm_count`` are constants (no graph break
+    at every launch). Called by the compile path just before ``torch.compile``, not at import:
+    the marking imports ``torch._dynamo`` (0.8 s on a fast CPU, seconds on a slow file system),
+    which every lm-eval run would otherwise pay. The decorator marks and returns the function
+    itself, so callers holding it see the mark."""
+    for fn in (device_family, sm_count):
+        torch.compiler.assume_constant_result(fn)
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
