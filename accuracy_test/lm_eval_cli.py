@@ -40,11 +40,14 @@ This entry compiles each template string once (same environment, same rendered t
 Environment report: after the evaluation, lm-eval records ``torch.utils.collect_env``'s report
 in its results (it runs ``pip list``, ``nvidia-smi`` and more: 0.5-2 s on the critical path).
 This entry starts that collection when ``evaluate`` starts, on a thread that mostly waits on
-those subprocesses while the model scores, and lm-eval receives the same report from it;
-``NAKTA_LM_EVAL_ENV_PREFETCH=0`` turns that off.
+those subprocesses while the model scores, and lm-eval receives the same report from it; the
+modules lm-eval imports after the evaluation (transformers for its version, pytablewriter for
+the table) are imported there too. ``NAKTA_LM_EVAL_ENV_PREFETCH=0`` turns that off.
 
 These fixes serve every model alike, ``hf`` included, so a comparison through this entry
-credits Nakta with none of them.
+credits Nakta with none of them. One is Nakta's own: a ``nakta`` model starts loading when the
+run's configuration is parsed, before lm-eval's task set-up (``lm_eval_preload``;
+``NAKTA_LM_EVAL_PRELOAD=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from accuracy_test.lm_eval_preload import PRELOAD_ENV, model_preloaded
 
 ENTRY_UNIX = time.time()  # this module is the entry's first import: process start + Python's
 
@@ -169,6 +174,7 @@ def env_report_prefetched() -> Iterator[None]:
         original = collect_env.get_pretty_env_info
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nakta-env")
         future = pool.submit(original)
+        pool.submit(_import_quietly, AFTER_EVALUATE_IMPORTS)
         pool.shutdown(wait=False)
 
         def get_pretty_env_info() -> str:
@@ -187,6 +193,21 @@ def env_report_prefetched() -> Iterator[None]:
         yield
     finally:
         evaluator.evaluate = evaluate
+
+
+# imported by lm-eval after ``evaluate`` returns (add_env_info reads transformers' version, the
+# results table is written with pytablewriter): imported on the report's thread while the model
+# scores instead (1-3 s of a run's tail on the H200 host's file system)
+AFTER_EVALUATE_IMPORTS = ("transformers", "pytablewriter")
+
+
+def _import_quietly(names: Sequence[str]) -> None:
+    """Import what is installed of ``names``; lm-eval reports a missing one itself later."""
+    import importlib
+
+    for name in names:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -244,7 +265,7 @@ class _TimedModelFactory:
         _sync_cuda()
         _event(self._timings, "model_end")
         self._timings["load_s"] = time.perf_counter() - t0
-        self._timings["model_class"] = f"{self._cls.__module__}.{self._cls.__qualname__}"
+        self._timings["model_class"] = f"{type(lm).__module__}.{type(lm).__qualname__}"
         self._timings["_lm"] = lm  # read for its token counts at exit (not written)
         _time_requests(lm, self._timings)
         return lm
@@ -356,8 +377,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             fixes.enter_context(cached_prompt_templates())
         if _env_flag(ENV_PREFETCH_ENV, True):
             fixes.enter_context(env_report_prefetched())
+        timed: dict = {}
+        if _env_flag(PRELOAD_ENV, True):  # before the timing hook: it times the hand-out
+            fixes.enter_context(
+                model_preloaded(
+                    on_start=lambda: "events" in timed and _event(timed, "preload_start")
+                )
+            )
         if timing_path:
-            fixes.enter_context(timing(timing_path))
+            timed = fixes.enter_context(timing(timing_path))
         try:
             parser.execute(args)
         except ValueError as e:
