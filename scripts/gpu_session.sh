@@ -4,8 +4,8 @@
 # tests         every `-m gpu` test (-v), tests.txt
 # failing       the GPU tests that failed in a full run, with tracebacks
 # prefix_decode nakta at batch 32 and 64, 896-token prompts, 128 new: prompts sharing a
-#               768-token prefix (the cascade; nakta_rowwise: read row by row through L2) vs
-#               nothing shared (GSM8K-shaped decoding)
+#               768-token prefix (the cascade; nakta_rowwise: read row by row through L2)
+# plain_decode  the same with nothing shared (GSM8K-shaped decoding without the cascade)
 # attn_bench    decode_attention alone (MHA and GQA, batch 1/32/64, contexts 128-2048): the
 #               CUDA-core path, the tensor-core path and SDPA flash
 # decode_tests  the GPU tests of the decode kernels and the generation engine
@@ -24,6 +24,13 @@
 #               default/64/auto vs hf at 64
 # plain_hf      hf at 64 on lm-eval as shipped (--hf-harness plain): hellaswag 0/10-shot and
 #               MMLU-shaped, next to the hellaswag/mmlu jobs' hf through the fixed entry
+# preload_ab    nakta hellaswag_local 0-shot 3,000 tasks through the CLI, the model's early start
+#               (NAKTA_LM_EVAL_PRELOAD) on, off, on: wall + timing JSON each (needs $WORK from
+#               an lm-eval job first)
+# hellaswag10   10-shot, 300 tasks: nakta at the default batch size vs hf at 64
+# load_ab       like preload_ab: the adapter's load as shipped vs the blocking load (preload
+#               and background_load off), alternating, twice each
+# hellaswag0    the hellaswag job at 0-shot only, nakta at the default batch size vs hf at 64
 # tree_tests    the GPU tests of the token-tree scoring path: packed attention (span ends,
 #               block skip, prefix pages), model, scoring, prefix cache, lm-eval adapter
 # engine        speed_bench run_all, 7B bf16, 1,000 real tasks: nakta_cache vs hf (MFU on
@@ -109,9 +116,12 @@ for job in "$@"; do
       step prefix_decode 240 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
         --lengths 896:128 --engines nakta,nakta_rowwise --no-budget --shared-prefix 768 \
         --out "$OUT/prefix_decode/shared"
-      step plain_decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
-        --lengths 896:128 --engines nakta --no-budget --out "$OUT/prefix_decode/plain"
       pack prefix_decode
+      ;;
+    plain_decode)
+      step plain_decode 200 python3 speed_bench/decode_speed.py --preset 7B --batches 32,64 \
+        --lengths 896:128 --engines nakta --no-budget --out "$OUT/plain_decode"
+      pack plain_decode
       ;;
     attn_bench)
       step attn_bench 200 python3 -m kernel_benchmark.bench_decode --attention-only \
@@ -143,6 +153,51 @@ for job in "$@"; do
     plain_hf)
       lm_eval_job plain_hf 420 --task hellaswag_local,mmlu_shaped_local:5:20 --fewshot 0,10 \
         --models hf --hf-harness plain --batch-sizes 64 --limit 3000 --fewshot-limit 300
+      ;;
+    hellaswag0)
+      lm_eval_job hellaswag0 300 --task hellaswag_local --fewshot 0 --warmup \
+        --batch-sizes default --hf-batch-sizes 64 --limit 3000
+      ;;
+    hellaswag10)
+      lm_eval_job hellaswag10 200 --task hellaswag_local --fewshot 10 \
+        --batch-sizes default --hf-batch-sizes 64 --fewshot-limit 300
+      ;;
+    load_ab)
+      # the adapter's loading as shipped (early start + background load) vs the blocking load in
+      # the constructor (both off), alternating; the checkpoints made first if this is a fresh
+      # machine (a 10-task run, which also fills Triton's cache)
+      [ -f "$WORK/ready" ] || lm_eval_job load_prep 150 --task hellaswag_local --fewshot 0 \
+        --models nakta --batch-sizes default --limit 10
+      mkdir -p "$OUT/load_ab"
+      for cfg in shipped blocking shipped blocking; do
+        pre=1 bg=true
+        [ "$cfg" = blocking ] && pre=0 bg=false
+        name=$cfg-$SECONDS
+        t0=$(date +%s.%N)
+        NAKTA_LM_EVAL_PRELOAD=$pre NAKTA_LM_EVAL_TIMING=$OUT/load_ab/$name.json \
+          NAKTA_HELLASWAG_JSONL=$PWD/$HS NAKTA_LM_EVAL_LOCAL_TASKS=1 timeout 60 \
+          python3 -m accuracy_test.lm_eval_cli --model nakta \
+          --model_args "checkpoint=$WORK/nakta,tokenizer=$TOK,dtype=bf16,background_load=$bg" \
+          --include_path accuracy_test/tasks --tasks hellaswag_local --limit 3000 \
+          --device cuda >"$OUT/load_ab/$name.log" 2>&1
+        echo "$name rc=$? wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$LOG"
+      done
+      pack load_ab
+      ;;
+    preload_ab)
+      mkdir -p "$OUT/preload_ab"
+      for pre in 1 0 1; do
+        name=preload$pre-$SECONDS
+        t0=$(date +%s.%N)  # the child's wall, process start to end (bc may be absent)
+        NAKTA_LM_EVAL_PRELOAD=$pre NAKTA_LM_EVAL_TIMING=$OUT/preload_ab/$name.json \
+          NAKTA_HELLASWAG_JSONL=$PWD/$HS NAKTA_LM_EVAL_LOCAL_TASKS=1 timeout 120 \
+          python3 -m accuracy_test.lm_eval_cli --model nakta \
+          --model_args "checkpoint=$WORK/nakta,tokenizer=$TOK,dtype=bf16" \
+          --include_path accuracy_test/tasks --tasks hellaswag_local --limit 3000 \
+          --device cuda >"$OUT/preload_ab/$name.log" 2>&1
+        echo "$name rc=$? wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$LOG"
+      done
+      pack preload_ab
       ;;
     tree_tests)
       step tree_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
