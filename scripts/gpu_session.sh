@@ -31,6 +31,9 @@
 # load_ab       like preload_ab: the adapter's load as shipped vs the blocking load (preload
 #               and background_load off), alternating, twice each
 # hellaswag0    the hellaswag job at 0-shot only, nakta at the default batch size vs hf at 64
+# first_pass    run_all, 3,000 real tasks, nakta_cache with no warm-up and two timed passes in one
+#               process: the first pass (every kernel compiled or loaded from Triton's cache)
+#               against the second (issue 13: first <= 1.15x the second)
 # tree_tests    the GPU tests of the token-tree scoring path: packed attention (span ends,
 #               block skip, prefix pages), model, scoring, prefix cache, lm-eval adapter
 # engine        speed_bench run_all, 7B bf16, 1,000 real tasks: nakta_cache vs hf (MFU on
@@ -203,6 +206,13 @@ for job in "$@"; do
       step tree_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
         tests/test_packed_attention.py tests/test_model.py tests/test_scoring.py \
         tests/test_prefix_cache.py tests/test_lm_eval_adapter.py
+      ;;
+    first_pass)
+      step first_pass 240 python3 -m speed_bench.run_all --preset 7B --data "$HS" \
+        --tokenizer "$TOK" --limit 3000 --engines nakta_cache --warmup 0 --passes 2 \
+        --no-progress --out "$OUT/first_pass"
+      cp "$OUT/first_pass/speed.md" "$OUT/first_pass.md" 2>/dev/null
+      pack first_pass
       ;;
     engine)
       step engine 240 python3 -m speed_bench.run_all --preset 7B --data "$HS" \

@@ -271,7 +271,7 @@ def test_run_all_mmlu_shaped_prefix_cache_computes_unique_tokens(tmp_path):
     summary = main(
         ["--preset", "tiny", "--workload", "mmlu", "--limit", "20", "--warmup", "0",
          "--device", "cpu", "--engines", ",".join(engines), "--out", str(tmp_path),
-         "--no-progress"]
+         "--no-progress", "--passes", "2"]
     )  # fmt: skip
     wl, rows = summary["workload"], summary["engines"]
     assert wl["name"] == "synthetic-mmlu-20" and rows.keys() == set(engines)
@@ -280,3 +280,26 @@ def test_run_all_mmlu_shaped_prefix_cache_computes_unique_tokens(tmp_path):
     assert rows["nakta_cache"]["computed_tokens"] < 0.8 * rows["nakta_ctx"]["computed_tokens"]
     for r in rows.values():
         assert r["pred_agree_vs_ref"] == 1.0 and r["max_abs_ll_diff_vs_ref"] < 1e-3
+        # --passes 2: the tables keep the last pass; the first is reported beside it
+        assert r["first_pass_s"] > 0 and r["first_over_last"] == r["first_pass_s"] / r["wall_s"]
+
+
+def test_run_engine_times_each_pass_after_the_warm_up():
+    from types import SimpleNamespace
+
+    from speed_bench.run_measure import run_engine
+
+    calls = []
+
+    class Engine:
+        def score(self, requests):
+            calls.append(requests)
+            return [(float(len(calls)), True)]
+
+    cfg = SimpleNamespace(device=torch.device("cpu"))
+    work, warm = SimpleNamespace(requests="work"), SimpleNamespace(requests="warm")
+    results, seconds, peak = run_engine(Engine(), work, warm, cfg, passes=3)
+    assert calls == ["warm", "work", "work", "work"] and len(seconds) == 3
+    assert results == [(4.0, True)] and all(t >= 0 for t in seconds) and math.isnan(peak)
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        run_engine(Engine(), work, None, cfg, passes=0)
