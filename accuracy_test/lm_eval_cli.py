@@ -381,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if _env_flag(PRELOAD_ENV, True):  # before the timing hook: it times the hand-out
             fixes.enter_context(
                 model_preloaded(
-                    on_start=lambda: "events" in timed and _event(timed, "preload_start")
+                    on_start=lambda: "events" in timed and _event(timed, "preload_start"),
+                    on_used=lambda: "events" in timed and _event(timed, "preload_used"),
                 )
             )
         if timing_path:

@@ -79,8 +79,8 @@ class EarlyModel:
 class _PreloadingFactory:
     """Stands in for the model class ``get_model`` returns: hands out the early instance."""
 
-    def __init__(self, cls: type, early: EarlyModel):
-        self._cls, self._early = cls, early
+    def __init__(self, cls: type, early: EarlyModel, on_used: Callable[[], None] | None):
+        self._cls, self._early, self._on_used = cls, early, on_used
 
     def __getattr__(self, name: str):
         return getattr(self._cls, name)
@@ -101,7 +101,10 @@ class _PreloadingFactory:
         early, self._early = self._early, None  # one hand-out
         if early is None:
             return None
-        return early.take(constructor_kwargs(model_args, additional))
+        lm = early.take(constructor_kwargs(model_args, additional))
+        if lm is not None and self._on_used is not None:
+            self._on_used()
+        return lm
 
 
 def _single_process() -> bool:
@@ -110,12 +113,15 @@ def _single_process() -> bool:
 
 @contextlib.contextmanager
 def model_preloaded(
-    on_start: Callable[[], None] | None = None, models: frozenset[str] = PRELOADABLE
+    on_start: Callable[[], None] | None = None,
+    on_used: Callable[[], None] | None = None,
+    models: frozenset[str] = PRELOADABLE,
 ) -> Iterator[dict]:
     """Inside the block, a run of one of ``models`` starts constructing its model when lm-eval's
     configuration is built; ``get_model`` hands that instance to lm-eval's constructor call.
     Yields a dict that holds the ``EarlyModel`` (key ``early``) once one started; ``on_start``
-    is called then (the timing hook records the moment)."""
+    is called then, ``on_used`` when lm-eval receives the early instance (the timing hook
+    records both moments)."""
     from lm_eval.api import registry
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
@@ -144,7 +150,7 @@ def model_preloaded(
         early = state.get("early")
         if early is not None and early.name == name and not state.get("handed_out"):
             state["handed_out"] = True
-            return _PreloadingFactory(cls, early)
+            return _PreloadingFactory(cls, early, on_used)
         return cls
 
     EvaluatorConfig.from_cli = classmethod(from_cli)

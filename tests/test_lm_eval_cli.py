@@ -123,6 +123,7 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     order = ["model_start", "model_end", "evaluate_start", "first_request", "evaluate_end", "exit"]
     assert [ev[k] for k in order] == sorted(ev[k] for k in order) and ev["model_start"] > 0
     assert 0 < ev["preload_start"] < ev["model_start"]  # nakta started loading before lm-eval asked
+    assert ev["model_start"] <= ev["preload_used"] <= ev["model_end"]  # ... and got that instance
     assert 0 < got["requests_s"] < got["scoring_s"]  # the model's share of evaluate()
     assert set(got["nakta_load"]) == {"read_s", "warm_up_s", "wait_s"}
 

@@ -71,25 +71,28 @@ def test_constructor_kwargs_are_what_lm_eval_passes():
 
 
 def test_early_instance_is_handed_to_lm_eval(fake):
-    with model_preloaded(models=frozenset({FAKE})) as state:
+    used = []
+    with model_preloaded(on_used=lambda: used.append(1), models=frozenset({FAKE})) as state:
         cfg = EvaluatorConfig.from_cli(_cli("a=1"))
         assert "early" in state
         lm = registry.get_model(FAKE).create_from_arg_obj(
             cfg.model_args, {"batch_size": cfg.batch_size, "max_batch_size": None, "device": "cpu"}
         )
     assert fake.built == [lm] and lm.thread == "nakta-preload"  # built once, off the main thread
+    assert used == [1]
     assert lm.kwargs == {"a": 1, "batch_size": 1, "device": "cpu"} and not lm.closed
     assert EvaluatorConfig.from_cli.__func__.__module__ == "lm_eval.config.evaluate_config"
     assert registry.get_model(FAKE) is fake  # the stand-in factory is gone with the block
 
 
 def test_other_arguments_build_afresh_and_release_the_early_one(fake):
-    with model_preloaded(models=frozenset({FAKE})):
+    used = []
+    with model_preloaded(on_used=lambda: used.append(1), models=frozenset({FAKE})):
         EvaluatorConfig.from_cli(_cli("a=1"))
         lm = registry.get_model(FAKE).create_from_arg_string("a=2", {"device": "cpu"})
     early, fresh = fake.built
     assert fresh is lm and lm.kwargs == {"a": 2, "device": "cpu"} and lm.thread != "nakta-preload"
-    assert early.closed and not lm.closed
+    assert early.closed and not lm.closed and used == []
 
 
 def test_a_failed_early_build_fails_again_where_lm_eval_builds(fake):
