@@ -38,8 +38,9 @@
 #               block skip, prefix pages), model, scoring, prefix cache, lm-eval adapter
 # engine        speed_bench run_all, 7B bf16, 1,000 real tasks: nakta_cache vs hf (MFU on
 #               unique tokens, tokens computed), and bench_attention's packed kernel
-# Run from the repo root with `.whl/` (lm-eval 0.4.13 + deps, fairscale, liger-kernel) and
-# `.data/` (hellaswag_val_full.jsonl, llama_tokenizer.model) carried. Each job writes
+# Run from the repo root with `.whl/` (lm-eval 0.4.13 + deps, fairscale, liger-kernel: made by
+# `bash scripts/fetch_device_wheels.sh`, 21 wheels, 14 MB) and `.data/` (hellaswag_val_full.jsonl,
+# llama_tokenizer.model, stories260K/: copies from ../shared/data) carried. Each job writes
 # $OUT/<job>.tar.gz (its results folder, logs included) and its summary files beside it; the
 # device tool returns only a few files per call, so each job's results travel as one archive.
 set -uo pipefail
