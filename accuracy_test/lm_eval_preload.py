@@ -50,7 +50,7 @@ class EarlyModel:
     (resolving ``nakta`` imports torch, Triton and Nakta: seconds, off the main thread)."""
 
     def __init__(self, name: str, resolve: Callable[[], type], kwargs: dict):
-        self.name, self.kwargs = name, kwargs
+        self.name, self.kwargs, self.taken = name, kwargs, False
         self._lm = self._error = None
         self._thread = threading.Thread(
             target=self._build, args=(resolve,), name="nakta-preload", daemon=False
@@ -67,6 +67,7 @@ class EarlyModel:
         """The instance, when it was built with ``kwargs``; else None, and the early one (if
         any) is closed so that its memory is free for lm-eval's own construction."""
         self._thread.join()
+        self.taken = True
         lm, self._lm = self._lm, None
         if lm is not None and kwargs == self.kwargs:
             return lm
@@ -161,5 +162,5 @@ def model_preloaded(
         EvaluatorConfig.from_cli = original_from_cli
         registry.get_model = get_model
         early = state.get("early")
-        if early is not None and not state.get("handed_out"):
+        if early is not None and not early.taken:
             early.take(None)  # never asked for (the run failed first): release it

@@ -108,6 +108,10 @@ def test_never_asked_for_is_released_at_exit(fake):
         EvaluatorConfig.from_cli(_cli("a=1"))
     (early,) = fake.built
     assert early.closed
+    with model_preloaded(models=frozenset({FAKE})):  # the class was looked up, never called
+        EvaluatorConfig.from_cli(_cli("a=1"))
+        registry.get_model(FAKE)
+    assert fake.built[1].closed
 
 
 def test_other_models_and_torchrun_grids_do_not_preload(fake, monkeypatch):
