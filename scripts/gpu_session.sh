@@ -73,6 +73,24 @@ lm_eval_job() {  # lm_eval_job NAME LIMIT_S ARGS...: lm_eval_speed into $OUT/NAM
   pack "$name"
 }
 
+nakta_cli_run() {  # nakta_cli_run DIR NAME PRELOAD TIMEOUT [MODEL_ARGS_SUFFIX]: one nakta
+  # hellaswag_local 0-shot run of 3,000 tasks through the CLI into $OUT/DIR/NAME.{json,log}
+  # (needs $WORK from an lm-eval job); its wall, process start to end, goes to the log
+  local dir=$OUT/$1 name=$2 pre=$3 limit=$4 extra=${5:-}
+  mkdir -p "$dir"
+  local t0
+  t0=$(date +%s.%N)  # bc may be absent: python does the arithmetic
+  NAKTA_LM_EVAL_PRELOAD=$pre NAKTA_LM_EVAL_TIMING=$dir/$name.json \
+    NAKTA_HELLASWAG_JSONL=$PWD/$HS NAKTA_LM_EVAL_LOCAL_TASKS=1 timeout "$limit" \
+    python3 -m accuracy_test.lm_eval_cli --model nakta \
+    --model_args "checkpoint=$WORK/nakta,tokenizer=$TOK,dtype=bf16$extra" \
+    --include_path accuracy_test/tasks --tasks hellaswag_local --limit 3000 \
+    --device cuda >"$dir/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" |
+    tee -a "$LOG"
+}
+
 for job in "$@"; do
   case $job in
     tests)
@@ -172,34 +190,18 @@ for job in "$@"; do
       # machine (a 10-task run, which also fills Triton's cache)
       [ -f "$WORK/ready" ] || lm_eval_job load_prep 150 --task hellaswag_local --fewshot 0 \
         --models nakta --batch-sizes default --limit 10
-      mkdir -p "$OUT/load_ab"
       for cfg in shipped blocking shipped blocking; do
-        pre=1 bg=true
-        [ "$cfg" = blocking ] && pre=0 bg=false
-        name=$cfg-$SECONDS
-        t0=$(date +%s.%N)
-        NAKTA_LM_EVAL_PRELOAD=$pre NAKTA_LM_EVAL_TIMING=$OUT/load_ab/$name.json \
-          NAKTA_HELLASWAG_JSONL=$PWD/$HS NAKTA_LM_EVAL_LOCAL_TASKS=1 timeout 60 \
-          python3 -m accuracy_test.lm_eval_cli --model nakta \
-          --model_args "checkpoint=$WORK/nakta,tokenizer=$TOK,dtype=bf16,background_load=$bg" \
-          --include_path accuracy_test/tasks --tasks hellaswag_local --limit 3000 \
-          --device cuda >"$OUT/load_ab/$name.log" 2>&1
-        echo "$name rc=$? wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$LOG"
+        if [ "$cfg" = blocking ]; then
+          nakta_cli_run load_ab "$cfg-$SECONDS" 0 60 ,background_load=false
+        else
+          nakta_cli_run load_ab "$cfg-$SECONDS" 1 60 ,background_load=true
+        fi
       done
       pack load_ab
       ;;
     preload_ab)
-      mkdir -p "$OUT/preload_ab"
       for pre in 1 0 1; do
-        name=preload$pre-$SECONDS
-        t0=$(date +%s.%N)  # the child's wall, process start to end (bc may be absent)
-        NAKTA_LM_EVAL_PRELOAD=$pre NAKTA_LM_EVAL_TIMING=$OUT/preload_ab/$name.json \
-          NAKTA_HELLASWAG_JSONL=$PWD/$HS NAKTA_LM_EVAL_LOCAL_TASKS=1 timeout 120 \
-          python3 -m accuracy_test.lm_eval_cli --model nakta \
-          --model_args "checkpoint=$WORK/nakta,tokenizer=$TOK,dtype=bf16" \
-          --include_path accuracy_test/tasks --tasks hellaswag_local --limit 3000 \
-          --device cuda >"$OUT/preload_ab/$name.log" 2>&1
-        echo "$name rc=$? wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$LOG"
+        nakta_cli_run preload_ab "preload$pre-$SECONDS" "$pre" 120
       done
       pack preload_ab
       ;;
