@@ -30,8 +30,12 @@ compiled (``scoring.warm_up``), on a worker thread while lm-eval loads its tasks
 requests (seconds of host work in every run; 7-10 s for MMLU's 5-shot contexts). The first
 request waits for whatever is left, and a failed load (a damaged shard) raises there, with the
 original error. ``background_load=false``, and any ``torchrun`` grid (its loads go through
-collectives), load in the constructor instead. ``load_timings`` holds ``read_s``, ``warm_up_s``
-and ``wait_s`` (what the first request still waited).
+collectives), load in the constructor instead. On a GPU the kernels compile on a one-layer model
+of the checkpoint's shape while the weights are read (nothing in the scorer keys on the layer
+count), then a last warm-up on the real model finds them compiled. ``load_timings`` holds
+``read_s``, ``warm_up_s``, ``settle_s`` (that last warm-up, GPU only), ``wait_s`` (what the first
+request still waited) and wall-clock moments ``build_start_unix``, ``read_end_unix``,
+``ready_unix`` (the timing hook of ``lm_eval_cli`` turns them into events).
 
 Batch size. Nakta packs rows (a row = one context with its continuations) until
 ``token_budget`` padded tokens, so memory is bounded by the token budget, never by a row count:
@@ -437,14 +441,39 @@ class NaktaLM(_ScoringLM):
             self._model = build()
 
     def _build(self, checkpoint: str, kernels: str | None):
-        """Read the weights, then compile the scorer's kernels (part of loading, not of the
-        first batch); under ``background_load`` this runs while lm-eval builds its requests."""
-        from nakta_model.loading import load
+        """Read the weights and compile the scorer's kernels (part of loading, not of the first
+        batch); under ``background_load`` this runs while lm-eval builds its requests.
 
+        On a GPU the kernels compile WHILE the weights stream in: ``scoring.warm_up`` runs on a
+        one-layer model of the checkpoint's shape (``_shape_warm_up``), whose kernels are the
+        real model's (none keys on the layer count); a last warm-up on the real model then only
+        finds them compiled (``settle_s``). The ``*_unix`` timings are wall-clock moments."""
+        from nakta_model.loading import checkpoint_args, load
+
+        t = self.load_timings
+        t["build_start_unix"] = time.time()
         t0 = time.perf_counter()
-        model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
-        self.load_timings["read_s"] = time.perf_counter() - t0
-        self.load_timings["warm_up_s"] = scoring.warm_up(model, use_cache=self.use_cache)
+        shape_warm = None
+        if self.device.type == "cuda" and self.parallel.world_size == 1:
+            args = checkpoint_args(checkpoint)
+            if _fits_beside(args, self.dtype, self.device):
+                shape_warm = _start_in_background(
+                    functools.partial(
+                        _shape_warm_up, args, self.device, self.dtype, kernels, self.use_cache
+                    ),
+                    self.device,
+                )
+        try:
+            model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
+        finally:
+            t["read_s"] = time.perf_counter() - t0
+            t["read_end_unix"] = time.time()
+            warm_s = _seconds_or_none(shape_warm)  # joined: no compile outlives the load
+        settle = scoring.warm_up(model, use_cache=self.use_cache)
+        t["warm_up_s"] = settle if warm_s is None else warm_s
+        if warm_s is not None:
+            t["settle_s"] = settle
+        t["ready_unix"] = time.time()
         return model
 
     @property
@@ -610,6 +639,43 @@ def _start_in_background(fn, device):
     future = pool.submit(run)
     pool.shutdown(wait=False)  # the thread ends with its one job
     return future
+
+
+SHAPE_WARM_UP_LAYERS = 1
+SHAPE_WARM_UP_HEADROOM = 1.25  # free memory needed: the model, the small one, 25% to spare
+
+
+def _shape_warm_up(args, device, dtype, kernels: str | None, use_cache: bool) -> float:
+    """``scoring.warm_up`` on a ``SHAPE_WARM_UP_LAYERS``-layer random model of ``args``' shape:
+    the Triton kernels the real model will launch compile (or load from Triton's cache) before
+    its weights have arrived; seconds."""
+    from dataclasses import replace
+
+    from nakta_model.loading import random_model
+
+    small = random_model(
+        replace(args, n_layers=SHAPE_WARM_UP_LAYERS), device, dtype, kernels=kernels
+    )
+    return scoring.warm_up(small, use_cache=use_cache)
+
+
+def _seconds_or_none(job) -> float | None:
+    """A shape warm-up's seconds once it ends; None when there was none or it failed (the real
+    model's warm-up then compiles everything itself)."""
+    if job is None or job.exception() is not None:
+        return None
+    return job.result()
+
+
+def _fits_beside(args, dtype, device) -> bool:
+    """Whether the small warm-up model fits beside the real one in free GPU memory."""
+    from dataclasses import replace
+
+    import torch
+
+    small = replace(args, n_layers=SHAPE_WARM_UP_LAYERS).n_params()
+    free, _ = torch.cuda.mem_get_info(device)
+    return free >= SHAPE_WARM_UP_HEADROOM * (args.n_params() + small) * dtype.itemsize
 
 
 def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) -> None:

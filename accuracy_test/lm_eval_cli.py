@@ -22,8 +22,9 @@ is one ``error:`` line and exit code 2, not a traceback after a long model load.
 ``NAKTA_LM_EVAL_TIMING=path.json``: the seconds spent constructing the model (``load_s``), in
 ``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) and inside the
 model's request methods (``requests_s``: the model's share of it) are written there at exit,
-for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: model
-start/end, evaluate start/end, first request, exit) and Nakta's own ``nakta_load`` timings
+for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: the
+process start (negative), model start/end, evaluate start/end, first request, exit; for nakta
+also ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own ``nakta_load`` timings
 (``speed_bench/lm_eval_speed.py`` reads them).
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
@@ -44,6 +45,11 @@ those subprocesses while the model scores, and lm-eval receives the same report 
 modules lm-eval imports after the evaluation (transformers for its version, pytablewriter for
 the table) are imported there too. ``NAKTA_LM_EVAL_ENV_PREFETCH=0`` turns that off.
 
+Exit: once lm-eval has returned (results written), the process ends without the interpreter's
+teardown (module collection, torch's destructors freeing GPU blocks one by one): threads are
+joined, ``atexit`` handlers run and output flushed first (``exit_without_teardown``);
+``NAKTA_LM_EVAL_FAST_EXIT=0`` turns that off.
+
 These fixes serve every model alike, ``hf`` included, so a comparison through this entry
 credits Nakta with none of them. One is Nakta's own: a ``nakta`` model starts loading when the
 run's configuration is parsed, before lm-eval's task set-up (``lm_eval_preload``;
@@ -60,6 +66,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from accuracy_test.lm_eval_preload import PRELOAD_ENV, model_preloaded
 
@@ -73,6 +80,7 @@ OUR_MODELS = {
 LOCAL_TASKS_ENV = "NAKTA_LM_EVAL_LOCAL_TASKS"
 TEMPLATE_CACHE_ENV = "NAKTA_LM_EVAL_TEMPLATE_CACHE"
 ENV_PREFETCH_ENV = "NAKTA_LM_EVAL_ENV_PREFETCH"
+FAST_EXIT_ENV = "NAKTA_LM_EVAL_FAST_EXIT"
 TEMPLATE_CACHE_SIZE = 4096  # distinct template strings kept compiled (a task has a handful)
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -305,6 +313,18 @@ def _time_requests(lm: object, timings: dict) -> None:
         setattr(lm, name, timed)
 
 
+def process_start_unix() -> float | None:
+    """When this process started (Linux ``/proc``, 10 ms resolution); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _sync_cuda() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -319,6 +339,9 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
 
     timings: dict = {"load_s": None, "scoring_s": None, "requests_s": 0.0, "argv": sys.argv[1:]}
     timings.update(entry_unix=ENTRY_UNIX, events={})
+    started = process_start_unix()
+    if started is not None:  # Python's own start-up, before this module: negative
+        timings["events"]["process_start"] = started - ENTRY_UNIX
     get_model, evaluate = registry.get_model, evaluator.evaluate
 
     def timed_get_model(name: str):
@@ -343,7 +366,10 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
         _event(timings, "exit")
         lm = timings.pop("_lm", None)
         if getattr(lm, "load_timings", None):
-            timings["nakta_load"] = dict(lm.load_timings)
+            load = dict(lm.load_timings)
+            for key in [k for k in load if k.endswith("_unix")]:  # moments -> events
+                timings["events"]["load_" + key[: -len("_unix")]] = load.pop(key) - ENTRY_UNIX
+            timings["nakta_load"] = load
         stats = getattr(lm, "score_stats", None)
         if stats is not None:  # nakta: tokens requested / unique / computed
             import dataclasses
@@ -402,5 +428,38 @@ def _is_model_args_error(e: BaseException) -> bool:
     return adapter is not None and isinstance(e, adapter.ModelArgsError)
 
 
-if __name__ == "__main__":
+def exit_without_teardown(code: int = 0) -> NoReturn:
+    """End the process once the run's work is done, skipping only the interpreter's teardown.
+
+    After lm-eval returns, its results are written; a normal exit then still collects every
+    module and runs torch's destructors (the CUDA caching allocator frees each block, the
+    context is destroyed from Python's side): measured in ``lm_eval_exit_ab``. Here the
+    remaining non-daemon threads are joined, the ``atexit`` handlers run, logging and stdio are
+    flushed, and the process ends with ``os._exit``; the operating system releases the GPU
+    context as it does for any exiting process."""
+    import atexit
+    import logging
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def cli() -> None:
+    """The command-line entry (console script ``nakta-lm-eval``, ``python -m``): ``main``, then
+    a quick exit on success (``NAKTA_LM_EVAL_FAST_EXIT=0``: Python's normal exit). In-process
+    callers use ``main``, which returns."""
     main()
+    if _env_flag(FAST_EXIT_ENV, True):
+        exit_without_teardown(0)
+
+
+if __name__ == "__main__":
+    cli()

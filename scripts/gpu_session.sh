@@ -18,7 +18,7 @@
 # decode        decode_speed: nakta + llama_org at batch 1/8/32, prompts 64/512, 128 new; hf
 #               (static cache) at batch 1 and 32, prompt 64 (its rows are slow)
 # gen           lm-eval generate_until: gsm8k_shaped_local (8-shot) and bbh_shaped_local
-#               (3-shot), nakta (default batch) vs hf --batch_size 64
+#               (3-shot), nakta (default batch, after a --warmup run) vs hf --batch_size 64
 # mmlu          lm-eval mmlu_shaped_local 5-shot (57 subjects), nakta vs hf at 64
 # hellaswag     lm-eval hellaswag_local 0-shot (3,000 tasks) and 10-shot (300), nakta at
 #               default/64/auto vs hf at 64
@@ -30,6 +30,9 @@
 # hellaswag10   10-shot, 300 tasks: nakta at the default batch size vs hf at 64
 # load_ab       like preload_ab: the adapter's load as shipped vs the blocking load (preload
 #               and background_load off), alternating, twice each
+# exit_ab       nakta hellaswag_local 0-shot 3,000 tasks through the CLI: its exit without
+#               Python's teardown (NAKTA_LM_EVAL_FAST_EXIT, as shipped) vs the normal exit
+# importtime    one such run under PYTHONPROFILEIMPORTTIME=1 (the log has each import's cost)
 # hellaswag0    the hellaswag job at 0-shot only, nakta at the default batch size vs hf at 64
 # first_pass    run_all, 3,000 real tasks, nakta_cache with no warm-up and two timed passes in one
 #               process: the first pass (every kernel compiled or loaded from Triton's cache)
@@ -71,6 +74,12 @@ lm_eval_job() {  # lm_eval_job NAME LIMIT_S ARGS...: lm_eval_speed into $OUT/NAM
   [ -f "$WORK/nakta/params.json" ] && touch "$WORK/ready"
   cp "$OUT/$name/lm_eval_summary.md" "$OUT/${name}_summary.md" 2>/dev/null
   pack "$name"
+}
+
+ensure_work() {  # the random 7B checkpoints in $WORK, made on a fresh machine by a 10-task
+  # nakta run (which also fills Triton's cache)
+  [ -f "$WORK/ready" ] || lm_eval_job load_prep 150 --task hellaswag_local --fewshot 0 \
+    --models nakta --batch-sizes default --limit 10
 }
 
 nakta_cli_run() {  # nakta_cli_run DIR NAME PRELOAD TIMEOUT [MODEL_ARGS_SUFFIX]: one nakta
@@ -161,8 +170,8 @@ for job in "$@"; do
         tests/test_lm_eval_speed.py
       ;;
     gen)
-      lm_eval_job gen 300 --task gsm8k_shaped_local:8:128,bbh_shaped_local:3:128 \
-        --batch-sizes default --hf-batch-sizes 64
+      lm_eval_job gen 420 --task gsm8k_shaped_local:8:128,bbh_shaped_local:3:128 \
+        --batch-sizes default --warmup --hf-batch-sizes 64
       ;;
     mmlu)
       lm_eval_job mmlu 280 --task mmlu_shaped_local:5:20 --batch-sizes default --warmup \
@@ -188,8 +197,7 @@ for job in "$@"; do
       # the adapter's loading as shipped (early start + background load) vs the blocking load in
       # the constructor (both off), alternating; the checkpoints made first if this is a fresh
       # machine (a 10-task run, which also fills Triton's cache)
-      [ -f "$WORK/ready" ] || lm_eval_job load_prep 150 --task hellaswag_local --fewshot 0 \
-        --models nakta --batch-sizes default --limit 10
+      ensure_work
       for cfg in shipped blocking shipped blocking; do
         if [ "$cfg" = blocking ]; then
           nakta_cli_run load_ab "$cfg-$SECONDS" 0 60 ,background_load=false
@@ -198,6 +206,21 @@ for job in "$@"; do
         fi
       done
       pack load_ab
+      ;;
+    exit_ab)
+      # the CLI's exit without Python's teardown (as shipped) vs the normal exit, alternating
+      ensure_work
+      for fast in 1 0 1 0; do
+        NAKTA_LM_EVAL_FAST_EXIT=$fast nakta_cli_run exit_ab "fast_exit$fast-$SECONDS" 1 60
+      done
+      pack exit_ab
+      ;;
+    importtime)
+      # one nakta 0-shot run (3,000 tasks) under python -X importtime: what each module costs
+      # on this host, next to the run's own timing events
+      ensure_work
+      PYTHONPROFILEIMPORTTIME=1 nakta_cli_run importtime run 1 90
+      pack importtime
       ;;
     preload_ab)
       for pre in 1 0 1; do

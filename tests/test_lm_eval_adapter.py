@@ -28,6 +28,8 @@ from nakta_model.tasks import hellaswag  # noqa: E402
 
 TASKS = Path(__file__).resolve().parents[1] / "accuracy_test" / "tasks"
 
+MOMENTS = {"build_start_unix", "read_end_unix", "ready_unix"}  # load_timings' wall-clock moments
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -370,7 +372,8 @@ def test_background_load_overlaps_the_caller_and_scores_like_a_blocking_one(tiny
     insts = [Instance("loglikelihood", {}, ("the cat", " sat on a mat"), 0)]
     insts.append(Instance("loglikelihood", {}, ("the cat", " ran"), 1))
     blocking = adapter.NaktaLM(**kw, background_load="false")
-    assert blocking._pending is None and set(blocking.load_timings) == {"read_s", "warm_up_s"}
+    assert blocking._pending is None
+    assert set(blocking.load_timings) == {"read_s", "warm_up_s"} | MOMENTS
     want = blocking.loglikelihood(insts, disable_tqdm=True)
     release, threads = threading.Event(), []
     real_load = nakta_model.loading.load
@@ -383,11 +386,14 @@ def test_background_load_overlaps_the_caller_and_scores_like_a_blocking_one(tiny
     monkeypatch.setattr(nakta_model.loading, "load", held_load)
     lm = adapter.NaktaLM(**kw)  # returns with the load still held
     assert lm._pending is not None and not lm._pending.done()
-    assert lm.max_length == 256 and lm.load_timings == {}  # known from params alone
+    assert lm.max_length == 256  # known from params alone
+    assert set(lm.load_timings) <= {"build_start_unix"}  # the read has not ended
     release.set()
     assert lm.loglikelihood(insts, disable_tqdm=True) == want
     assert threads and threads[0].startswith("nakta-load")
-    assert set(lm.load_timings) == {"read_s", "warm_up_s", "wait_s"}
+    assert set(lm.load_timings) == {"read_s", "warm_up_s", "wait_s"} | MOMENTS
+    t = lm.load_timings
+    assert t["build_start_unix"] <= t["read_end_unix"] <= t["ready_unix"]
 
 
 def test_a_failed_background_load_raises_its_error_at_the_first_request(tiny, tmp_path):
@@ -447,6 +453,41 @@ def test_the_background_load_hands_the_gil_over_quickly_while_it_runs():
 
 
 @pytest.mark.gpu
+def test_gpu_shape_warm_up_leaves_the_real_model_nothing_to_compile(tmp_path, monkeypatch):
+    """The one-layer model of the checkpoint's shape compiles every Triton kernel the real
+    model's scoring launches: after it, the real model's warm-up and a real batch (other row
+    and token counts) compile nothing. The shape is this test's own (dims, heads, vocab), so no
+    other test in the process compiled its kernels first."""
+    import triton
+
+    params = {**TINY_PARAMS, "dim": 96, "n_heads": 3, "n_kv_heads": 1, "n_layers": 3}
+    params.update(vocab_size=304, max_seq_len=128)
+    ckpt = write_meta_checkpoint(tmp_path / "meta", params, seed=5)
+    tok = train_tiny_tokenizer(tmp_path / "tok", vocab_size=304)
+    compiled: list[str] = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_post_compile_hook", lambda *a, **kw: compiled.append(kw)
+    )
+    after_shape: list[int] = []
+    real_shape_warm_up = adapter._shape_warm_up
+
+    def counted(*a, **kw):
+        seconds = real_shape_warm_up(*a, **kw)
+        after_shape.append(len(compiled))
+        return seconds
+
+    monkeypatch.setattr(adapter, "_shape_warm_up", counted)
+    lm = adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cuda", dtype="bf16")
+    insts = [Instance("loglikelihood", {}, ("the cat sat", " on a mat today"), 0)]
+    insts += [Instance("loglikelihood", {}, ("a dog", f" ran {i}"), i + 1) for i in range(5)]
+    lm.model  # noqa: B018  (waits for the load: shape warm-up beside the read, then settle)
+    assert "settle_s" in lm.load_timings and after_shape and after_shape[0] > 0
+    assert len(compiled) == after_shape[0]  # the real model's warm-up compiled nothing
+    lm.loglikelihood(insts, disable_tqdm=True)
+    assert len(compiled) == after_shape[0]  # nor did a real batch
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_gpu_background_load_scores_like_a_blocking_one(tiny, device):
     """On the GPU: the worker thread reads the weights onto the caller's device and compiles
@@ -459,4 +500,5 @@ def test_gpu_background_load_scores_like_a_blocking_one(tiny, device):
     lm = adapter.NaktaLM(**kw)
     assert lm.loglikelihood(insts, disable_tqdm=True) == want
     assert lm.model.device == torch.device("cuda", 0)
-    assert set(lm.load_timings) == {"read_s", "warm_up_s", "wait_s"}
+    # the kernels compiled on the one-layer model while the weights were read
+    assert set(lm.load_timings) == {"read_s", "warm_up_s", "settle_s", "wait_s"} | MOMENTS

@@ -126,6 +126,9 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     assert ev["model_start"] <= ev["preload_used"] <= ev["model_end"]  # ... and got that instance
     assert 0 < got["requests_s"] < got["scoring_s"]  # the model's share of evaluate()
     assert set(got["nakta_load"]) == {"read_s", "warm_up_s", "wait_s"}
+    load = [ev[k] for k in ("preload_start", "load_build_start", "load_read_end", "load_ready")]
+    assert load == sorted(load) and ev["load_ready"] < ev["exit"]  # the load's moments
+    assert -60 < ev["process_start"] < 0  # Python started before this entry was imported
 
 
 def test_lm_eval_check_help_describes_its_own_arguments(capsys):
@@ -256,3 +259,42 @@ def test_env_report_is_collected_while_evaluate_runs_and_is_the_same(monkeypatch
         assert collect_env.get_pretty_env_info is slow_report  # put back after one use
     assert lm_eval.evaluator.evaluate is fake_evaluate
     monkeypatch.setattr(lm_eval.evaluator, "evaluate", original_evaluate)
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_the_command_exits_fast_after_writing_everything(tmp_path, shared_data, fast):
+    """``cli()`` (the console script and ``python -m``) ends the process without Python's
+    teardown, but only after the results file is written, the table printed, a still-running
+    non-daemon thread finished and the ``atexit`` handlers ran; exit code 0 either way."""
+    stories = shared_data / "stories260K"
+    argv = ["--model", "nakta", "--include_path", str(TASKS), "--tasks", "hellaswag_local"]
+    argv += ["--model_args", f"checkpoint={stories},tokenizer={stories / 'tokenizer.model'}"]
+    argv += ["--limit", "2", "--device", "cpu", "--output_path", str(tmp_path / "res")]
+    code = (
+        "import atexit, sys, threading, time\n"
+        "from pathlib import Path\n"
+        f"out = Path({str(tmp_path)!r})\n"
+        "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
+        "def late(): time.sleep(1.0); (out / 'thread').write_text('done')\n"
+        "from accuracy_test import lm_eval_cli\n"
+        "real_main = lm_eval_cli.main\n"
+        "def main():\n"
+        "    real_main()\n"
+        "    threading.Thread(target=late).start()  # still running when main returns\n"
+        "lm_eval_cli.main = main\n"
+        f"sys.argv = ['nakta-lm-eval', *{argv!r}]\n"
+        "lm_eval_cli.cli()\n"
+        "print('not reached with a fast exit')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), lm_eval_cli.FAST_EXIT_ENV: fast}
+    env[lm_eval_cli.LOCAL_TASKS_ENV] = "1"
+    env["NAKTA_HELLASWAG_JSONL"] = str(shared_data / "hellaswag_val_full.jsonl")
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "hellaswag_local" in run.stdout and "acc_norm" in run.stdout  # the table, flushed
+    assert list((tmp_path / "res").rglob("results_*.json"))  # lm-eval's results file
+    assert (tmp_path / "thread").read_text() == "done"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert ("not reached with a fast exit" in run.stdout) == (fast == "0")
