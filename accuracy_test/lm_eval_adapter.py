@@ -22,7 +22,8 @@ checkpoint's max_seq_len), ``use_cache`` (nakta: shared-context packing, default
 ``prefix_cache`` (nakta: a prefix shared by different contexts -- a few-shot prompt -- computed
 once and kept for the whole run, default true) and ``prefix_budget`` (its K/V pool in tokens,
 default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
-``kernels``/``tp``/``dp`` (nakta), ``background_load`` (nakta, default true).
+``kernels``/``tp``/``dp`` (nakta), ``background_load`` and ``early_warm_up`` (nakta, default
+true; see Loading).
 
 Loading (``nakta``). The constructor reads the checkpoint's params and checks the tokenizer and
 ``max_length`` against them at once; the weights are then read, and the scorer's kernels
@@ -32,7 +33,8 @@ request waits for whatever is left, and a failed load (a damaged shard) raises t
 original error. ``background_load=false``, and any ``torchrun`` grid (its loads go through
 collectives), load in the constructor instead. On a GPU the kernels compile on a one-layer model
 of the checkpoint's shape while the weights are read (nothing in the scorer keys on the layer
-count), then a last warm-up on the real model finds them compiled. ``load_timings`` holds
+count), then a last warm-up on the real model finds them compiled (``early_warm_up=false``:
+the whole warm-up after the read). ``load_timings`` holds
 ``read_s``, ``warm_up_s``, ``settle_s`` (that last warm-up, GPU only), ``wait_s`` (what the first
 request still waited) and wall-clock moments ``build_start_unix``, ``read_end_unix``,
 ``ready_unix`` (the timing hook of ``lm_eval_cli`` turns them into events).
@@ -408,6 +410,7 @@ class NaktaLM(_ScoringLM):
         tp: int | str = 1,
         dp: int | str = 1,
         background_load: bool | str = True,
+        early_warm_up: bool | str = True,
         **unknown,
     ):
         from nakta_model.loading import checkpoint_args
@@ -423,6 +426,7 @@ class NaktaLM(_ScoringLM):
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
         background = _as_bool(background_load, "background_load")
+        self.early_warm_up = _as_bool(early_warm_up, "early_warm_up")
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
         self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
@@ -454,7 +458,7 @@ class NaktaLM(_ScoringLM):
         t["build_start_unix"] = time.time()
         t0 = time.perf_counter()
         shape_warm = None
-        if self.device.type == "cuda" and self.parallel.world_size == 1:
+        if self.early_warm_up and self.device.type == "cuda" and self.parallel.world_size == 1:
             args = checkpoint_args(checkpoint)
             if _fits_beside(args, self.dtype, self.device):
                 shape_warm = _start_in_background(

@@ -149,7 +149,12 @@ def random_model(
     dtype = dtype or torch.bfloat16
     with torch.device("meta"):
         model = Transformer(args, parallel, kernels).to(dtype)  # dtype first: no fp32 copy
-    model = model.to_empty(device=device)
+    # Storage by assignment, not ``to_empty``: that goes through torch._refs.empty_like, which
+    # imports sympy (seconds of one thread's start-up, more beside a busy one).
+    empty = {
+        k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in model.state_dict().items()
+    }
+    model.load_state_dict(empty, strict=True, assign=True)
     gen = torch.Generator(device=device).manual_seed(seed * 1000003 + parallel.tp_rank)
     # Replicated tensors must be equal on every rank: drawn from a rank-independent stream.
     shared_gen = torch.Generator(device=device).manual_seed(seed * 1000003 + 999983)

@@ -94,15 +94,64 @@ def _fill(fd: int, buf: torch.Tensor, start: int, path: Path, chunk: int, thread
         raise errors[0]
 
 
+def _fill_mapped(fd: int, buf: torch.Tensor, start: int, threads: int, populate: bool) -> None:
+    """``buf[:]`` <- file bytes ``[start, start + len(buf))`` through a read-only memory map:
+    each of ``threads`` threads copies one contiguous part in ONE ``copy_`` call, which holds
+    no GIL for its whole length (the driver stages pageable memory itself), so a busy Python
+    thread beside it costs the read nothing. ``populate`` maps every page at ``mmap`` time
+    (``MAP_POPULATE``) instead of faulting them in during the copies."""
+    import mmap
+    import warnings
+
+    size = buf.numel()
+    flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    with mmap.mmap(fd, start + size, flags=flags, prot=mmap.PROT_READ) as mm:
+        with warnings.catch_warnings():  # read-only buffer: torch warns; it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=size)
+        step = -(-size // threads)
+        step += -step % (2 << 20)  # 2 MiB-aligned parts
+        errors: list[BaseException] = []
+
+        def work(dst: torch.Tensor, part: torch.Tensor) -> None:
+            try:
+                dst.copy_(part)
+            except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+                errors.append(e.with_traceback(None))  # its frame would keep the map open
+
+        workers = [
+            threading.Thread(target=work, args=(buf[a : a + step], src[a : a + step]), daemon=True)
+            for a in range(0, size, step)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        del workers  # (a finished thread drops its arguments: the views of the map go)
+        del src  # the map closes only once no tensor views it
+    if errors:
+        raise errors[0]
+
+
+METHODS = ("pinned", "mapped", "mapped_populate")
+
+
 def read_safetensors(
     path: str | Path,
     device: torch.device | str,
     *,
     chunk_bytes: int = CHUNK_BYTES,
     threads: int = THREADS,
+    method: str = "pinned",
 ) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (F32 / F16 / BF16), as views of one buffer on
-    ``device``. Raises ``ValueError`` naming the file for a malformed or truncated file."""
+    ``device``. Raises ``ValueError`` naming the file for a malformed or truncated file.
+
+    ``method``: ``pinned`` (chunks read into page-locked buffers, copied asynchronously) or
+    ``mapped`` / ``mapped_populate`` (a memory map copied by ``threads`` long GIL-free calls:
+    ``speed_bench/read_bench.py`` measures them, alone and beside a busy Python thread)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     path, device = Path(path), torch.device(device)
     with open(path, "rb", buffering=0) as f:
         header, start = _header(f, path)
@@ -124,8 +173,10 @@ def read_safetensors(
                 raise ValueError(f"{path}: tensor {name!r} is not aligned to its element size")
             spans[name] = (lo, hi, dtype, info["shape"])
         buf = torch.empty(size, dtype=torch.uint8, device=device)
-        if size:
+        if size and method == "pinned":
             _fill(f.fileno(), buf, start, path, chunk_bytes, max(1, threads))
+        elif size:
+            _fill_mapped(f.fileno(), buf, start, max(1, threads), method == "mapped_populate")
     return {
         name: buf[lo:hi].view(dtype).view(shape) for name, (lo, hi, dtype, shape) in spans.items()
     }

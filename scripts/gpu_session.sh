@@ -30,6 +30,11 @@
 # hellaswag10   10-shot, 300 tasks: nakta at the default batch size vs hf at 64
 # load_ab       like preload_ab: the adapter's load as shipped vs the blocking load (preload
 #               and background_load off), alternating, twice each
+# load_tests    the GPU tests of the reader and the lm-eval adapter (its load and warm-up)
+# read_bench    speed_bench.read_bench on the 7B shard: each reader alone and beside a busy
+#               Python thread
+# load_matrix   nakta hellaswag_local 0-shot 3,000 tasks through the CLI: preload,
+#               background_load and early_warm_up on/off (4 configurations x 2, alternating)
 # exit_ab       nakta hellaswag_local 0-shot 3,000 tasks through the CLI: its exit without
 #               Python's teardown (NAKTA_LM_EVAL_FAST_EXIT, as shipped) vs the normal exit
 # importtime    one such run under PYTHONPROFILEIMPORTTIME=1 (the log has each import's cost)
@@ -206,6 +211,29 @@ for job in "$@"; do
         fi
       done
       pack load_ab
+      ;;
+    load_tests)
+      step load_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+        tests/test_safetensors_read.py tests/test_lm_eval_adapter.py
+      ;;
+    read_bench)
+      ensure_work
+      step read_bench 200 python3 -m speed_bench.read_bench --repeats 1 \
+        --file "$WORK/nakta/model.tp00-of-01.safetensors" --out "$OUT/read_bench"
+      cp "$OUT/read_bench/read_bench.md" "$OUT/read_bench.md" 2>/dev/null
+      pack read_bench
+      ;;
+    load_matrix)
+      # the load's parts on and off, alternating, twice each: early start (preload), load on a
+      # worker thread (background_load), kernels compiled beside the read (early_warm_up)
+      ensure_work
+      for rep in 1 2; do
+        nakta_cli_run load_matrix "shipped-$rep" 1 60
+        nakta_cli_run load_matrix "no_preload-$rep" 0 60
+        nakta_cli_run load_matrix "late_warm_up-$rep" 1 60 ,early_warm_up=false
+        nakta_cli_run load_matrix "blocking-$rep" 0 60 ,background_load=false,early_warm_up=false
+      done
+      pack load_matrix
       ;;
     exit_ab)
       # the CLI's exit without Python's teardown (as shipped) vs the normal exit, alternating

@@ -483,8 +483,13 @@ def test_gpu_shape_warm_up_leaves_the_real_model_nothing_to_compile(tmp_path, mo
     lm.model  # noqa: B018  (waits for the load: shape warm-up beside the read, then settle)
     assert "settle_s" in lm.load_timings and after_shape and after_shape[0] > 0
     assert len(compiled) == after_shape[0]  # the real model's warm-up compiled nothing
-    lm.loglikelihood(insts, disable_tqdm=True)
+    got = lm.loglikelihood(insts, disable_tqdm=True)
     assert len(compiled) == after_shape[0]  # nor did a real batch
+    late = adapter.NaktaLM(
+        checkpoint=str(ckpt), tokenizer=str(tok), device="cuda", dtype="bf16", early_warm_up="0"
+    )
+    assert late.loglikelihood(insts, disable_tqdm=True) == got
+    assert "settle_s" not in late.load_timings and len(after_shape) == 1  # no one-layer model
 
 
 @pytest.mark.gpu

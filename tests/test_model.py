@@ -276,6 +276,29 @@ def test_random_model_is_seeded_and_stays_finite_over_80_layers():
     assert 0.1 < logits.std().item() < 10.0
 
 
+def test_random_model_and_a_warm_up_import_no_sympy():
+    """``Module.to_empty`` imports sympy through torch._refs (seconds of start-up; it made the
+    lm-eval adapter's load-time warm-up model cost 7 s beside lm-eval's own imports)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch\n"
+        "from nakta_model.config import ModelArgs\n"
+        "from nakta_model.loading import random_model\n"
+        "from nakta_model import scoring\n"
+        "args = ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=16)\n"
+        "scoring.warm_up(random_model(args, 'cpu', torch.float32, kernels='reference'))\n"
+        "print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
 def test_random_model_under_tp_holds_only_its_shard():
     args = ModelArgs.from_meta_params(TINY_PARAMS)
     r0 = random_model(args, "cpu", torch.float32, parallel=ParallelContext(0, 2))
