@@ -22,21 +22,20 @@ checkpoint's max_seq_len), ``use_cache`` (nakta: shared-context packing, default
 ``prefix_cache`` (nakta: a prefix shared by different contexts -- a few-shot prompt -- computed
 once and kept for the whole run, default true) and ``prefix_budget`` (its K/V pool in tokens,
 default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
-``kernels``/``tp``/``dp`` (nakta), ``background_load`` and ``early_warm_up`` (nakta, default
-true; see Loading).
+``kernels``/``tp``/``dp`` (nakta), ``background_load`` (nakta, default false; see Loading).
 
 Loading (``nakta``). The constructor reads the checkpoint's params and checks the tokenizer and
-``max_length`` against them at once; the weights are then read, and the scorer's kernels
-compiled (``scoring.warm_up``), on a worker thread while lm-eval loads its tasks and builds its
-requests (seconds of host work in every run; 7-10 s for MMLU's 5-shot contexts). The first
-request waits for whatever is left, and a failed load (a damaged shard) raises there, with the
-original error. ``background_load=false``, and any ``torchrun`` grid (its loads go through
-collectives), load in the constructor instead. On a GPU the kernels compile on a one-layer model
-of the checkpoint's shape while the weights are read (nothing in the scorer keys on the layer
-count), then a last warm-up on the real model finds them compiled (``early_warm_up=false``:
-the whole warm-up after the read). ``load_timings`` holds
-``read_s``, ``warm_up_s``, ``settle_s`` (that last warm-up, GPU only), ``wait_s`` (what the first
-request still waited) and wall-clock moments ``build_start_unix``, ``read_end_unix``,
+``max_length`` against them at once, then loads the weights and compiles the scorer's kernels
+(``scoring.warm_up``), so the first batch pays no compilation. Through ``lm_eval_cli`` the
+weights of a single-GPU Nakta checkpoint are already on their way: their read started when
+lm-eval's command line was parsed (``lm_eval_preload``) and overlapped lm-eval's start-up, and
+the load takes them. ``background_load=true`` does the load on a worker thread instead, the
+first request waiting for what is left (and raising a failed load's error); it is off by
+default because under the GIL that thread only takes turns with lm-eval's own Python work: on
+the H200 host it made no run faster (``speed_bench/results/nvidia-h200/lm_eval_load_matrix``).
+Any ``torchrun`` grid loads in the constructor (its loads go through collectives).
+``load_timings`` holds ``read_s``, ``warm_up_s``, ``prefetched`` (whether the load took a
+prefetched shard), ``wait_s`` (background only: what the first request still waited) and wall-clock moments ``build_start_unix``, ``read_end_unix``,
 ``ready_unix`` (the timing hook of ``lm_eval_cli`` turns them into events).
 
 Batch size. Nakta packs rows (a row = one context with its continuations) until
@@ -81,14 +80,12 @@ implemented and are refused, unless they hold their no-op value (``num_beams=1``
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import json
 import os
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -409,8 +406,7 @@ class NaktaLM(_ScoringLM):
         kernels: str | None = None,
         tp: int | str = 1,
         dp: int | str = 1,
-        background_load: bool | str = True,
-        early_warm_up: bool | str = True,
+        background_load: bool | str = False,
         **unknown,
     ):
         from nakta_model.loading import checkpoint_args
@@ -426,7 +422,6 @@ class NaktaLM(_ScoringLM):
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
         background = _as_bool(background_load, "background_load")
-        self.early_warm_up = _as_bool(early_warm_up, "early_warm_up")
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
         self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
@@ -445,38 +440,20 @@ class NaktaLM(_ScoringLM):
             self._model = build()
 
     def _build(self, checkpoint: str, kernels: str | None):
-        """Read the weights and compile the scorer's kernels (part of loading, not of the first
-        batch); under ``background_load`` this runs while lm-eval builds its requests.
-
-        On a GPU the kernels compile WHILE the weights stream in: ``scoring.warm_up`` runs on a
-        one-layer model of the checkpoint's shape (``_shape_warm_up``), whose kernels are the
-        real model's (none keys on the layer count); a last warm-up on the real model then only
-        finds them compiled (``settle_s``). The ``*_unix`` timings are wall-clock moments."""
-        from nakta_model.loading import checkpoint_args, load
+        """Read the weights (or take the ones ``lm_eval_preload`` prefetched), then compile the
+        scorer's kernels: part of loading, not of the first batch. The ``*_unix`` timings are
+        wall-clock moments (the CLI's timing hook turns them into events)."""
+        from nakta_model import prefetch
+        from nakta_model.loading import load
 
         t = self.load_timings
         t["build_start_unix"] = time.time()
-        t0 = time.perf_counter()
-        shape_warm = None
-        if self.early_warm_up and self.device.type == "cuda" and self.parallel.world_size == 1:
-            args = checkpoint_args(checkpoint)
-            if _fits_beside(args, self.dtype, self.device):
-                shape_warm = _start_in_background(
-                    functools.partial(
-                        _shape_warm_up, args, self.device, self.dtype, kernels, self.use_cache
-                    ),
-                    self.device,
-                )
-        try:
-            model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
-        finally:
-            t["read_s"] = time.perf_counter() - t0
-            t["read_end_unix"] = time.time()
-            warm_s = _seconds_or_none(shape_warm)  # joined: no compile outlives the load
-        settle = scoring.warm_up(model, use_cache=self.use_cache)
-        t["warm_up_s"] = settle if warm_s is None else warm_s
-        if warm_s is not None:
-            t["settle_s"] = settle
+        t0, taken = time.perf_counter(), prefetch.handed_out
+        model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
+        t["read_s"] = time.perf_counter() - t0
+        t["prefetched"] = prefetch.handed_out > taken
+        t["read_end_unix"] = time.time()
+        t["warm_up_s"] = scoring.warm_up(model, use_cache=self.use_cache)
         t["ready_unix"] = time.time()
         return model
 
@@ -597,34 +574,10 @@ class NaktaLM(_ScoringLM):
         return self._gen
 
 
-# The interpreter's switch interval while a background load runs. The load's reader threads
-# drop the GIL for every file read and device copy and must win it back from lm-eval's main
-# thread, which builds requests in pure Python: at Python's default 5 ms each win-back waits up
-# to 5 ms, and a 13.5 GB 7B shard read 1.36 s alone but 3.2-3.4 s beside lm-eval on the H200
-# host (speed_bench/results/nvidia-h200/lm_eval_load_ab). At 0.5 ms the same contention costs
-# a 512 MB read 1.39x instead of 2.75x on this repo's CPU machine.
-LOAD_SWITCH_INTERVAL_S = 0.0005
-
-
-@contextlib.contextmanager
-def _quick_gil_handoff() -> Iterator[None]:
-    """A short switch interval inside the block; the previous one restored after (unless
-    somebody else changed it meanwhile)."""
-    previous = sys.getswitchinterval()
-    mine = min(previous, LOAD_SWITCH_INTERVAL_S)
-    sys.setswitchinterval(mine)
-    try:
-        yield
-    finally:
-        if sys.getswitchinterval() == mine:
-            sys.setswitchinterval(previous)
-
-
 def _start_in_background(fn, device):
     """``fn()`` on a worker thread, as a ``Future``. The thread takes the caller's CUDA device
     (the current device is per thread; ``cuda`` with no index means the caller's current one)
-    and is joined at exit, never killed mid-copy. While it runs the GIL changes hands every
-    0.5 ms (``LOAD_SWITCH_INTERVAL_S``), so that its reads keep pace beside lm-eval's work."""
+    and is joined at exit, never killed mid-copy."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -636,50 +589,12 @@ def _start_in_background(fn, device):
     def run():
         if index is not None:
             torch.cuda.set_device(index)
-        with _quick_gil_handoff():
-            return fn()
+        return fn()
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nakta-load")
     future = pool.submit(run)
     pool.shutdown(wait=False)  # the thread ends with its one job
     return future
-
-
-SHAPE_WARM_UP_LAYERS = 1
-SHAPE_WARM_UP_HEADROOM = 1.25  # free memory needed: the model, the small one, 25% to spare
-
-
-def _shape_warm_up(args, device, dtype, kernels: str | None, use_cache: bool) -> float:
-    """``scoring.warm_up`` on a ``SHAPE_WARM_UP_LAYERS``-layer random model of ``args``' shape:
-    the Triton kernels the real model will launch compile (or load from Triton's cache) before
-    its weights have arrived; seconds."""
-    from dataclasses import replace
-
-    from nakta_model.loading import random_model
-
-    small = random_model(
-        replace(args, n_layers=SHAPE_WARM_UP_LAYERS), device, dtype, kernels=kernels
-    )
-    return scoring.warm_up(small, use_cache=use_cache)
-
-
-def _seconds_or_none(job) -> float | None:
-    """A shape warm-up's seconds once it ends; None when there was none or it failed (the real
-    model's warm-up then compiles everything itself)."""
-    if job is None or job.exception() is not None:
-        return None
-    return job.result()
-
-
-def _fits_beside(args, dtype, device) -> bool:
-    """Whether the small warm-up model fits beside the real one in free GPU memory."""
-    from dataclasses import replace
-
-    import torch
-
-    small = replace(args, n_layers=SHAPE_WARM_UP_LAYERS).n_params()
-    free, _ = torch.cuda.mem_get_info(device)
-    return free >= SHAPE_WARM_UP_HEADROOM * (args.n_params() + small) * dtype.itemsize
 
 
 def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) -> None:

@@ -51,9 +51,10 @@ joined, ``atexit`` handlers run and output flushed first (``exit_without_teardow
 ``NAKTA_LM_EVAL_FAST_EXIT=0`` turns that off.
 
 These fixes serve every model alike, ``hf`` included, so a comparison through this entry
-credits Nakta with none of them. One is Nakta's own: a ``nakta`` model starts loading when the
-run's configuration is parsed, before lm-eval's task set-up (``lm_eval_preload``;
-``NAKTA_LM_EVAL_PRELOAD=0`` turns it off).
+credits Nakta with none of them. One is Nakta's own: a single-GPU ``nakta`` checkpoint's weights
+start streaming onto the GPU when the run's configuration is parsed, during lm-eval's task
+set-up, and the model's load takes them (``lm_eval_preload``; ``NAKTA_LM_EVAL_PRELOAD=0`` turns
+it off).
 """
 
 from __future__ import annotations
@@ -407,8 +408,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if _env_flag(PRELOAD_ENV, True):  # before the timing hook: it times the hand-out
             fixes.enter_context(
                 model_preloaded(
-                    on_start=lambda: "events" in timed and _event(timed, "preload_start"),
-                    on_used=lambda: "events" in timed and _event(timed, "preload_used"),
+                    on_start=lambda: "events" in timed and _event(timed, "preload_start")
                 )
             )
         if timing_path:

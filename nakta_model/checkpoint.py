@@ -501,6 +501,7 @@ def load_rank_state_dict(
     (default, also ``True``), ``"full"`` or ``"size"`` (also ``False``), see
     :func:`verify_checkpoint`.
     """
+    from nakta_model import prefetch
     from nakta_model.safetensors_read import read_safetensors
 
     path = Path(path)
@@ -522,8 +523,8 @@ def load_rank_state_dict(
         raise CheckpointError(f"{path / MANIFEST}: entry {fname} has no tensor list")
     expected = nakta_shapes(args, tp_size)
     out: dict[str, torch.Tensor] = {}
-    try:
-        tensors = read_safetensors(path / fname, device)
+    try:  # a prefetch of this very file (nakta_model.prefetch) already read it, or read now
+        tensors = prefetch.take(path / fname, device) or read_safetensors(path / fname, device)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     names = set(tensors)

@@ -33,8 +33,8 @@
 # load_tests    the GPU tests of the reader and the lm-eval adapter (its load and warm-up)
 # read_bench    speed_bench.read_bench on the 7B shard: each reader alone and beside a busy
 #               Python thread
-# load_matrix   nakta hellaswag_local 0-shot 3,000 tasks through the CLI: preload,
-#               background_load and early_warm_up on/off (4 configurations x 2, alternating)
+# load_matrix   nakta hellaswag_local 0-shot 3,000 tasks through the CLI: as shipped (early
+#               weight prefetch), without the prefetch, with background_load (3 x 2, alternating)
 # exit_ab       nakta hellaswag_local 0-shot 3,000 tasks through the CLI: its exit without
 #               Python's teardown (NAKTA_LM_EVAL_FAST_EXIT, as shipped) vs the normal exit
 # importtime    one such run under PYTHONPROFILEIMPORTTIME=1 (the log has each import's cost)
@@ -214,7 +214,7 @@ for job in "$@"; do
       ;;
     load_tests)
       step load_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-        tests/test_safetensors_read.py tests/test_lm_eval_adapter.py
+        tests/test_safetensors_read.py tests/test_lm_eval_adapter.py tests/test_prefetch.py
       ;;
     read_bench)
       ensure_work
@@ -224,14 +224,14 @@ for job in "$@"; do
       pack read_bench
       ;;
     load_matrix)
-      # the load's parts on and off, alternating, twice each: early start (preload), load on a
-      # worker thread (background_load), kernels compiled beside the read (early_warm_up)
+      # the load as shipped (weights prefetched from the moment lm-eval's command line is
+      # parsed, model built in the constructor) vs no prefetch vs the load on a worker thread,
+      # alternating, twice each
       ensure_work
       for rep in 1 2; do
         nakta_cli_run load_matrix "shipped-$rep" 1 60
-        nakta_cli_run load_matrix "no_preload-$rep" 0 60
-        nakta_cli_run load_matrix "late_warm_up-$rep" 1 60 ,early_warm_up=false
-        nakta_cli_run load_matrix "blocking-$rep" 0 60 ,background_load=false,early_warm_up=false
+        nakta_cli_run load_matrix "no_prefetch-$rep" 0 60
+        nakta_cli_run load_matrix "background-$rep" 1 60 ,background_load=true
       done
       pack load_matrix
       ;;

@@ -1,61 +1,40 @@
-"""The early model construction of the lm-eval entry (``accuracy_test.lm_eval_preload``): the
-instance built while lm-eval starts up is the one lm-eval gets, only for equal constructor
-arguments; a mismatch or a failure falls back to lm-eval's own construction."""
+"""The lm-eval entry's early weight read (``accuracy_test.lm_eval_preload``): which runs
+prefetch, what starts when lm-eval's configuration is built, what is dropped at exit."""
 
 from __future__ import annotations
 
 import argparse
-import threading
+import json
 
 import pytest
+import torch
 
 pytest.importorskip("lm_eval")
 
-from lm_eval.api import registry  # noqa: E402
 from lm_eval.config.evaluate_config import EvaluatorConfig  # noqa: E402
 
-from accuracy_test.lm_eval_preload import constructor_kwargs, model_preloaded  # noqa: E402
-
-FAKE = "nakta_preload_test_fake"
-
-
-class _Fake:
-    """Records where and with what it was built, and whether it was closed."""
-
-    built: list = []
-
-    def __init__(self, **kwargs):
-        if kwargs.get("fail"):
-            raise ValueError("bad fail argument")
-        self.kwargs, self.thread, self.closed = kwargs, threading.current_thread().name, False
-        _Fake.built.append(self)
-
-    @classmethod
-    def create_from_arg_string(cls, arg_string, additional_config=None):
-        return cls(**constructor_kwargs(arg_string, additional_config))
-
-    @classmethod
-    def create_from_arg_obj(cls, arg_dict, additional_config=None):
-        return cls(**constructor_kwargs(arg_dict, additional_config))
-
-    def close(self):
-        self.closed = True
+import nakta_model.prefetch  # noqa: E402
+from accuracy_test import lm_eval_preload  # noqa: E402
+from accuracy_test.lm_eval_preload import (  # noqa: E402
+    constructor_kwargs,
+    model_preloaded,
+    prefetchable_checkpoint,
+)
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setattr(_Fake, "built", [])
-    original = registry.get_model
-    monkeypatch.setattr(
-        registry, "get_model", lambda name: _Fake if name == FAKE else original(name)
-    )
-    return _Fake
+def _nakta_dir(root, tp_size: int = 1, manifest: bool = True):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.json").write_text(json.dumps({"dim": 8, "tp_size": tp_size}))
+    if manifest:
+        (root / "manifest.json").write_text("{}")
+    (root / "model.tp00-of-01.safetensors").write_bytes(b"")
+    return root
 
 
-def _cli(model_args: str) -> argparse.Namespace:
+def _cli(model: str, model_args: str, device: str = "cuda:0") -> argparse.Namespace:
     """What lm-eval's parser gives ``run`` (the fields the configuration reads)."""
     return argparse.Namespace(
-        model=FAKE, model_args=model_args, tasks="x", batch_size=1, device="cpu", command="run"
+        model=model, model_args=model_args, tasks="x", batch_size=1, device=device, command="run"
     )
 
 
@@ -70,55 +49,68 @@ def test_constructor_kwargs_are_what_lm_eval_passes():
     assert constructor_kwargs(42, {}) is None
 
 
-def test_early_instance_is_handed_to_lm_eval(fake):
-    used = []
-    with model_preloaded(on_used=lambda: used.append(1), models=frozenset({FAKE})) as state:
-        cfg = EvaluatorConfig.from_cli(_cli("a=1"))
-        assert "early" in state
-        lm = registry.get_model(FAKE).create_from_arg_obj(
-            cfg.model_args, {"batch_size": cfg.batch_size, "max_batch_size": None, "device": "cpu"}
-        )
-    assert fake.built == [lm] and lm.thread == "nakta-preload"  # built once, off the main thread
-    assert used == [1]
-    assert lm.kwargs == {"a": 1, "batch_size": 1, "device": "cpu"} and not lm.closed
+def test_only_a_single_gpu_nakta_checkpoint_is_prefetchable(tmp_path):
+    one = str(_nakta_dir(tmp_path / "one"))
+    assert prefetchable_checkpoint({"checkpoint": one}) == tmp_path / "one"  # cuda by default
+    assert prefetchable_checkpoint({"checkpoint": one, "device": "cuda:1"}) is not None
+    assert prefetchable_checkpoint({"checkpoint": one, "device": "cpu"}) is None
+    assert prefetchable_checkpoint({"checkpoint": one, "tp": "2"}) is None
+    assert prefetchable_checkpoint({"checkpoint": one, "dp": 2}) is None
+    two = str(_nakta_dir(tmp_path / "two", tp_size=2))
+    assert prefetchable_checkpoint({"checkpoint": two}) is None
+    meta = str(_nakta_dir(tmp_path / "meta", manifest=False))  # Meta / HF: no manifest
+    assert prefetchable_checkpoint({"checkpoint": meta}) is None
+    assert prefetchable_checkpoint({"checkpoint": str(tmp_path / "none")}) is None
+    assert prefetchable_checkpoint({}) is None
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Prefetches started (path, device), with CUDA made to look present."""
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nakta_model.prefetch, "prefetch", lambda p, d: calls.append((p, d)))
+    return calls
+
+
+def test_the_read_starts_when_lm_eval_builds_its_configuration(tmp_path, started, monkeypatch):
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    dropped = []
+    monkeypatch.setattr(nakta_model.prefetch, "discard", lambda: dropped.append(1))
+    seen = []
+    with model_preloaded(on_start=lambda: seen.append(1)) as state:
+        assert started == []
+        EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={ckpt},tokenizer=t"))
+        assert started == [(ckpt / "model.tp00-of-01.safetensors", "cuda:0")]
+        assert state["checkpoint"] == ckpt and seen == [1]
+        EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={ckpt}"))  # once per run
+        assert len(started) == 1
+    assert dropped == [1]  # whatever nobody took is dropped at exit
     assert EvaluatorConfig.from_cli.__func__.__module__ == "lm_eval.config.evaluate_config"
-    assert registry.get_model(FAKE) is fake  # the stand-in factory is gone with the block
 
 
-def test_other_arguments_build_afresh_and_release_the_early_one(fake):
-    used = []
-    with model_preloaded(on_used=lambda: used.append(1), models=frozenset({FAKE})):
-        EvaluatorConfig.from_cli(_cli("a=1"))
-        lm = registry.get_model(FAKE).create_from_arg_string("a=2", {"device": "cpu"})
-    early, fresh = fake.built
-    assert fresh is lm and lm.kwargs == {"a": 2, "device": "cpu"} and lm.thread != "nakta-preload"
-    assert early.closed and not lm.closed and used == []
-
-
-def test_a_failed_early_build_fails_again_where_lm_eval_builds(fake):
-    with model_preloaded(models=frozenset({FAKE})):
-        EvaluatorConfig.from_cli(_cli("fail=1"))
-        with pytest.raises(ValueError, match="bad fail argument"):
-            registry.get_model(FAKE).create_from_arg_string("fail=1", {"device": "cpu"})
-    assert fake.built == []
-
-
-def test_never_asked_for_is_released_at_exit(fake):
-    with model_preloaded(models=frozenset({FAKE})):
-        EvaluatorConfig.from_cli(_cli("a=1"))
-    (early,) = fake.built
-    assert early.closed
-    with model_preloaded(models=frozenset({FAKE})):  # the class was looked up, never called
-        EvaluatorConfig.from_cli(_cli("a=1"))
-        registry.get_model(FAKE)
-    assert fake.built[1].closed
-
-
-def test_other_models_and_torchrun_grids_do_not_preload(fake, monkeypatch):
-    with model_preloaded(models=frozenset({"something_else"})) as state:
-        EvaluatorConfig.from_cli(_cli("a=1"))
-    assert "early" not in state and fake.built == []
+def test_no_read_for_other_models_grids_cpus_or_a_missing_gpu(tmp_path, started, monkeypatch):
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    for cli in (
+        _cli("hf", f"pretrained={ckpt}"),
+        _cli("llama_org", f"checkpoint={ckpt}"),
+        _cli("nakta", f"checkpoint={ckpt}", device="cpu"),
+    ):
+        with model_preloaded() as state:
+            EvaluatorConfig.from_cli(cli)
+        assert "checkpoint" not in state
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with model_preloaded(models=frozenset({FAKE})) as state:
-        EvaluatorConfig.from_cli(_cli("a=1"))
-    assert "early" not in state
+    with model_preloaded() as state:
+        EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={ckpt}"))
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with model_preloaded() as state2:
+        EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={ckpt}"))
+    assert "checkpoint" not in state and "checkpoint" not in state2 and started == []
+
+
+def test_a_missing_shard_starts_nothing(tmp_path, monkeypatch):
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    (ckpt / "model.tp00-of-01.safetensors").unlink()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not lm_eval_preload._start_prefetch(ckpt, "cuda")
