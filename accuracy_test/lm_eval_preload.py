@@ -73,16 +73,13 @@ def _single_process() -> bool:
 
 
 def _start_prefetch(path: Path, device: str) -> bool:
-    """Register the read and start its thread; whether it started (CUDA and the read run there; torch is imported
-    here, a moment before lm-eval's evaluator would). Nothing on a machine without CUDA (the
-    constructor falls back to the CPU there); a failed read is the constructor's to report."""
-    import torch
-
-    from nakta_model.checkpoint import shard_file_name
+    """Register the read and start its thread; whether it started. Nothing here imports torch:
+    torch, CUDA and the read all happen on the prefetch's thread while lm-eval's start-up goes
+    on (a machine without CUDA fails there, unseen; the constructor then falls back to the CPU
+    as always, and a failed read is the constructor's to report)."""
+    from nakta_model.checkpoint_names import shard_file_name
     from nakta_model.prefetch import prefetch
 
-    if not torch.cuda.is_available():
-        return False
     try:
         prefetch(path / shard_file_name(0, 1), device)
     except OSError:  # no shard file: the constructor says so

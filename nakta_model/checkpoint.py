@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from nakta_model.checkpoint_names import MANIFEST, shard_file_name
 from nakta_model.config import ModelArgs
 from nakta_model.io_utils import atomic_output_dir, atomic_write_text
 from nakta_model.layout import (
@@ -66,7 +67,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 PARAMS = "params.json"
 TOKENIZER = "tokenizer.model"
 
@@ -84,10 +84,6 @@ VERIFY_MODES = ("fast", "full", "size")
 
 
 # --------------------------------------------------------------------------- file names
-
-
-def shard_file_name(tp_rank: int, tp_size: int) -> str:
-    return f"model.tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -7,7 +7,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("lm_eval")
 
@@ -66,14 +65,15 @@ def test_only_a_single_gpu_nakta_checkpoint_is_prefetchable(tmp_path):
 
 @pytest.fixture
 def started(monkeypatch):
-    """Prefetches started (path, device), with CUDA made to look present."""
+    """Prefetches started (path, device)."""
     calls: list = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(nakta_model.prefetch, "prefetch", lambda p, d: calls.append((p, d)))
     return calls
 
 
 def test_the_read_starts_when_lm_eval_builds_its_configuration(tmp_path, started, monkeypatch):
+    """Registered on lm-eval's main thread without importing torch (checked in a subprocess by
+    ``test_registering_a_prefetch_imports_no_torch``)."""
     ckpt = _nakta_dir(tmp_path / "ckpt")
     dropped = []
     monkeypatch.setattr(nakta_model.prefetch, "discard", lambda: dropped.append(1))
@@ -89,7 +89,7 @@ def test_the_read_starts_when_lm_eval_builds_its_configuration(tmp_path, started
     assert EvaluatorConfig.from_cli.__func__.__module__ == "lm_eval.config.evaluate_config"
 
 
-def test_no_read_for_other_models_grids_cpus_or_a_missing_gpu(tmp_path, started, monkeypatch):
+def test_no_read_for_other_models_grids_or_cpus(tmp_path, started, monkeypatch):
     ckpt = _nakta_dir(tmp_path / "ckpt")
     for cli in (
         _cli("hf", f"pretrained={ckpt}"),
@@ -102,15 +102,37 @@ def test_no_read_for_other_models_grids_cpus_or_a_missing_gpu(tmp_path, started,
     monkeypatch.setenv("WORLD_SIZE", "2")
     with model_preloaded() as state:
         EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={ckpt}"))
-    monkeypatch.delenv("WORLD_SIZE")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with model_preloaded() as state2:
-        EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={ckpt}"))
-    assert "checkpoint" not in state and "checkpoint" not in state2 and started == []
+    assert "checkpoint" not in state and started == []
 
 
-def test_a_missing_shard_starts_nothing(tmp_path, monkeypatch):
+def test_a_missing_shard_starts_nothing(tmp_path):
     ckpt = _nakta_dir(tmp_path / "ckpt")
     (ckpt / "model.tp00-of-01.safetensors").unlink()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not lm_eval_preload._start_prefetch(ckpt, "cuda")
+
+
+def test_registering_a_prefetch_imports_no_torch(tmp_path):
+    """torch is imported on the prefetch's thread, not on lm-eval's main thread."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    code = (
+        "import sys, threading\n"
+        "from pathlib import Path\n"
+        "from accuracy_test.lm_eval_preload import _start_prefetch\n"
+        "seen = []\n"
+        "real = threading.Thread.start\n"
+        "def start(self):\n"
+        "    seen.append('torch' in sys.modules)\n"
+        "    real(self)\n"
+        "threading.Thread.start = start\n"
+        f"assert _start_prefetch(Path({str(ckpt)!r}), 'cuda:0')\n"
+        "print(seen)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[False]"

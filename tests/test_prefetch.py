@@ -60,6 +60,12 @@ def test_a_failed_prefetch_hands_out_nothing(tmp_path):
         prefetch.prefetch(tmp_path / "none.safetensors", "cpu")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_prefetch_onto_a_missing_gpu_hands_out_nothing(st_file):
+    prefetch.prefetch(st_file, "cuda:0")  # lm-eval's default device, on a CPU-only machine
+    assert prefetch.take(st_file, "cuda:0") is None
+
+
 def test_plain_cuda_means_device_zero():
     assert prefetch._device_name("cuda") == "cuda:0"
     assert prefetch._device_name(torch.device("cuda", 1)) == "cuda:1"
