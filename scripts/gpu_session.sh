@@ -10,6 +10,8 @@
 #               CUDA-core path, the tensor-core path and SDPA flash
 # decode_tests  the GPU tests of the decode kernels and the generation engine
 # decode_nakta  the decode job without hf
+# pdl_ab        decode_speed (nakta, batch 1 and 32, prompt 64) with the decode matmuls launched
+#               as programmatic dependents vs serially (NAKTA_PDL), alternating, twice each
 # budget        decode_speed at batch 1 only, with the per-launch time budget of one layer
 # tune          decode_linear launch configs for the 7B shapes at batch 1 (bench_decode --tune)
 # compile       decode_speed's nakta_compile engine (torch.compile reduce-overhead) at batch
@@ -130,6 +132,18 @@ for job in "$@"; do
         --lengths 64:128,512:128 --engines nakta,llama_org --out "$OUT/decode"
       cp "$OUT/decode/decode.md" "$OUT/decode.md" 2>/dev/null
       pack decode
+      ;;
+    pdl_ab)
+      # decode with the decode matmuls launched as programmatic dependents (as shipped on
+      # Hopper) vs serially (NAKTA_PDL=0), alternating, twice each: nakta at batch 1 and 32
+      for run in 1 2; do
+        for pdl in 1 0; do
+          NAKTA_PDL=$pdl step "pdl$pdl-$run" 150 python3 speed_bench/decode_speed.py --preset 7B \
+            --batches 1,32 --lengths 64:128 --engines nakta --no-budget \
+            --out "$OUT/pdl_ab/pdl$pdl-$run"
+        done
+      done
+      pack pdl_ab
       ;;
     budget)
       step budget 120 python3 speed_bench/decode_speed.py --preset 7B --batches 1 \

@@ -61,13 +61,37 @@ def sm_count(device: torch.device, off_gpu: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+PDL_ENV = "NAKTA_PDL"
+
+
+@functools.lru_cache(maxsize=16)
+def dependent_launch(device: torch.device) -> bool:
+    """Whether decode kernels launch as programmatic dependents (Hopper's PDL: a kernel's blocks
+    are scheduled while its predecessor drains and wait in ``gdc_wait`` for its results, instead
+    of the launch starting only after the predecessor ends). CUDA devices of compute capability
+    9.0 or later with a Triton that has ``launch_pdl``; never in the interpreter;
+    ``NAKTA_PDL=0`` turns it off."""
+    if device.type != "cuda" or interpreter_enabled():
+        return False
+    if os.environ.get(PDL_ENV, "1") in ("", "0"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def mark_compile_constants() -> None:
     """Tell torch.compile that ``device_family`` and ``sm_count`` are constants (no graph break
     at every launch). Called by the compile path just before ``torch.compile``, not at import:
     the marking imports ``torch._dynamo`` (0.8 s on a fast CPU, seconds on a slow file system),
     which every lm-eval run would otherwise pay. The decorator marks and returns the function
     itself, so callers holding it see the mark."""
-    for fn in (device_family, sm_count):
+    for fn in (device_family, sm_count, dependent_launch):
         torch.compiler.assume_constant_result(fn)
 
 

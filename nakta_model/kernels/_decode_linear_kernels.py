@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nakta_model.kernels._triton_math import rotate, round_to, rsqrt, silu
 
@@ -196,15 +197,20 @@ def _decode_linear_kernel(
     ROPE: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
     Switches (constexpr): ``NORM`` RMSNorm prologue; at most one of ``RESIDUAL`` / ``SWIGLU``
     (the tile holds ``TILE_N = 2 * BLOCK_N`` rows: gate rows, then the matching up rows) /
-    ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask.
+    ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask;
+    ``PDL`` (launched as a programmatic dependent): let the next kernel's blocks launch now,
+    and wait for the previous kernel's results before the first load or store.
     The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
     """
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # x, residual, positions and slots are the previous kernels' outputs
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows

@@ -60,6 +60,7 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     debug_checks,
+    dependent_launch,
     device_family,
     interpreter_enabled,
     sm_count,
@@ -284,6 +285,8 @@ def _launch(
         head_dim = 2
     pos, cos, sin, kc, vc, slots = rope_ptrs
     grid = (triton.cdiv(n_cols, cfg["BLOCK_N"]),)
+    pdl = dependent_launch(x.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _decode_linear_kernel[grid](
         x, weight, norm_weight if norm_weight is not None else dummy,
         residual if residual is not None else dummy, out, pos, cos, sin, kc, vc, slots,
@@ -297,7 +300,7 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
 
