@@ -10,7 +10,7 @@
 #               CUDA-core path, the tensor-core path and SDPA flash
 # decode_tests  the GPU tests of the decode kernels and the generation engine
 # decode_nakta  the decode job without hf
-# pdl_ab        decode_speed (nakta, batch 1 and 32, prompt 64) with the decode matmuls launched
+# pdl_ab        decode_speed (nakta, batch 1, 8 and 32, prompt 64) with the decode matmuls launched
 #               as programmatic dependents vs serially (NAKTA_PDL), alternating, twice each
 # budget        decode_speed at batch 1 only, with the per-launch time budget of one layer
 # tune          decode_linear launch configs for the 7B shapes at batch 1 (bench_decode --tune)
@@ -139,7 +139,7 @@ for job in "$@"; do
       for run in 1 2; do
         for pdl in 1 0; do
           NAKTA_PDL=$pdl step "pdl$pdl-$run" 150 python3 speed_bench/decode_speed.py --preset 7B \
-            --batches 1,32 --lengths 64:128 --engines nakta --no-budget \
+            --batches 1,8,32 --lengths 64:128 --engines nakta --no-budget \
             --out "$OUT/pdl_ab/pdl$pdl-$run"
         done
       done

@@ -542,7 +542,7 @@ def test_gpu_dependent_launch_chain_equals_serial_launches(monkeypatch, captured
 
     device = torch.device("cuda")
     g = torch.Generator(device=device).manual_seed(7)
-    x = torch.randn(3, 4096, device=device, generator=g).to(torch.bfloat16)
+    x = torch.randn(dl.PDL_MAX_BATCH, 4096, device=device, generator=g).to(torch.bfloat16)
     w_up = (torch.randn(1024, 4096, device=device, generator=g) / 64).to(torch.bfloat16)
     w_down = (torch.randn(4096, 1024, device=device, generator=g) / 32).to(torch.bfloat16)
     norm_w = torch.rand(4096, device=device, generator=g).to(torch.bfloat16) + 0.5

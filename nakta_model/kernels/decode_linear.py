@@ -255,6 +255,13 @@ def _variant(residual, swiglu: bool, rope) -> str:
     return "residual" if residual is not None else "plain"
 
 
+# Programmatic dependent launch pays at batch 1 and costs at 32 (H200, 7B step, speed_bench/
+# results/nvidia-h200/decode_pdl: 3.74 vs 3.81 ms a token at batch 1, 6.07 vs 5.65 ms at 32: the
+# blocks a dependent launches early land on whichever SMs had room, unevenly, and the tiles of
+# the larger batches feel it).
+PDL_MAX_BATCH = 1
+
+
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float | None,
     residual: torch.Tensor | None, swiglu: bool, rope: RopeArgs | None, out: torch.Tensor,
@@ -285,7 +292,7 @@ def _launch(
         head_dim = 2
     pos, cos, sin, kc, vc, slots = rope_ptrs
     grid = (triton.cdiv(n_cols, cfg["BLOCK_N"]),)
-    pdl = dependent_launch(x.device)
+    pdl = batch <= PDL_MAX_BATCH and dependent_launch(x.device)
     launch = {"launch_pdl": True} if pdl else {}
     _decode_linear_kernel[grid](
         x, weight, norm_weight if norm_weight is not None else dummy,
