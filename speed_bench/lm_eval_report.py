@@ -77,9 +77,10 @@ def markdown(summary: dict) -> str:
         f"`{m.get('task', TASK)}` (data `{m['data']}`; limit {m['limit']}, few-shot limit "
         f"{m['fewshot_limit']}, unless the task names its own), "
         f"lm-eval {m['lm_eval']}, transformers {m['transformers']}, torch {m['torch']}. "
-        "wall = child process start to end; load = model construction (nakta: the weights "
-        "then load in the background while lm-eval builds its requests; wait = what the "
-        "first request still waited for them); 1st request = process start to the first "
+        "wall = child process start to end; load = model construction (nakta: weights "
+        "prefetched onto the GPU since lm-eval parsed its arguments, then the kernels' "
+        "warm-up; wait = what the first request still waited, with background_load=true); "
+        "1st request = process start to the first "
         "model call; scoring = lm-eval's evaluate(), of which model = inside the model's "
         "request methods. `default` = no --batch_size flag.",
         "",

@@ -47,6 +47,7 @@ if not __package__:  # run by path: import from this checkout, not from this scr
 
 from accuracy_test.lm_eval_cli import (  # noqa: E402
     ENV_PREFETCH_ENV,
+    FAST_EXIT_ENV,
     LOCAL_TASKS_ENV,
     TEMPLATE_CACHE_ENV,
 )
@@ -57,7 +58,9 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
 MODELS = ("hf", "nakta")
 HF_HARNESS = ("fixed", "plain", "both")
 # the entry's harness fixes (accuracy_test/lm_eval_cli.py), all off for a "plain" run
-PLAIN_ENV = {name: "0" for name in (LOCAL_TASKS_ENV, TEMPLATE_CACHE_ENV, ENV_PREFETCH_ENV)}
+PLAIN_ENV = {
+    name: "0" for name in (LOCAL_TASKS_ENV, TEMPLATE_CACHE_ENV, ENV_PREFETCH_ENV, FAST_EXIT_ENV)
+}
 REUSED = ("hf", "hf_tokenizer", "nakta")  # --reuse-work: what an earlier run left in --work
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> torch/HF names
 
