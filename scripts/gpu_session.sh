@@ -26,12 +26,12 @@
 #               default/64/auto vs hf at 64
 # plain_hf      hf at 64 on lm-eval as shipped (--hf-harness plain): hellaswag 0/10-shot and
 #               MMLU-shaped, next to the hellaswag/mmlu jobs' hf through the fixed entry
-# preload_ab    nakta hellaswag_local 0-shot 3,000 tasks through the CLI, the model's early start
-#               (NAKTA_LM_EVAL_PRELOAD) on, off, on: wall + timing JSON each (needs $WORK from
-#               an lm-eval job first)
+# preload_ab    nakta hellaswag_local 0-shot 3,000 tasks through the CLI, the early weight
+#               prefetch (NAKTA_LM_EVAL_PRELOAD) on, off, on: wall + timing JSON each (needs $WORK
+#               from an lm-eval job first)
 # hellaswag10   10-shot, 300 tasks: nakta at the default batch size vs hf at 64
-# load_ab       like preload_ab: the adapter's load as shipped vs the blocking load (preload
-#               and background_load off), alternating, twice each
+# load_ab       like preload_ab: prefetch + the load on a worker thread (background_load=true)
+#               vs neither, alternating, twice each
 # load_tests    the GPU tests of the reader and the lm-eval adapter (its load and warm-up)
 # read_bench    speed_bench.read_bench on the 7B shard: each reader alone and beside a busy
 #               Python thread
@@ -213,11 +213,11 @@ for job in "$@"; do
         --batch-sizes default --hf-batch-sizes 64 --fewshot-limit 300
       ;;
     load_ab)
-      # the adapter's loading as shipped (early start + background load) vs the blocking load in
-      # the constructor (both off), alternating; the checkpoints made first if this is a fresh
-      # machine (a 10-task run, which also fills Triton's cache)
+      # prefetch + the load on a worker thread vs the plain load in the constructor (both off),
+      # alternating; the checkpoints made first if this is a fresh machine (a 10-task run,
+      # which also fills Triton's cache)
       ensure_work
-      for cfg in shipped blocking shipped blocking; do
+      for cfg in background blocking background blocking; do
         if [ "$cfg" = blocking ]; then
           nakta_cli_run load_ab "$cfg-$SECONDS" 0 60 ,background_load=false
         else
