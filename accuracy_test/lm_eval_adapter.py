@@ -35,8 +35,9 @@ default because under the GIL that thread only takes turns with lm-eval's own Py
 the H200 host it made no run faster (``speed_bench/results/nvidia-h200/lm_eval_load_matrix``).
 Any ``torchrun`` grid loads in the constructor (its loads go through collectives).
 ``load_timings`` holds ``read_s``, ``warm_up_s``, ``prefetched`` (whether the load took a
-prefetched shard), ``wait_s`` (background only: what the first request still waited) and wall-clock moments ``build_start_unix``, ``read_end_unix``,
-``ready_unix`` (the timing hook of ``lm_eval_cli`` turns them into events).
+prefetched shard), ``wait_s`` (background only: what the first request still waited) and the
+wall-clock moments ``build_start_unix``, ``read_end_unix``, ``ready_unix`` (the timing hook of
+``lm_eval_cli`` turns them into events).
 
 Batch size. Nakta packs rows (a row = one context with its continuations) until
 ``token_budget`` padded tokens, so memory is bounded by the token budget, never by a row count:

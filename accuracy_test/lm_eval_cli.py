@@ -24,8 +24,8 @@ is one ``error:`` line and exit code 2, not a traceback after a long model load.
 model's request methods (``requests_s``: the model's share of it) are written there at exit,
 for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: the
 process start (negative), model start/end, evaluate start/end, first request, exit; for nakta
-also ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own ``nakta_load`` timings
-(``speed_bench/lm_eval_speed.py`` reads them).
+also ``preload_start``, ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own
+``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them).
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if _env_flag(ENV_PREFETCH_ENV, True):
             fixes.enter_context(env_report_prefetched())
         timed: dict = {}
-        if _env_flag(PRELOAD_ENV, True):  # before the timing hook: it times the hand-out
+        if _env_flag(PRELOAD_ENV, True):  # its start is recorded in the timing hook's events
             fixes.enter_context(
                 model_preloaded(
                     on_start=lambda: "events" in timed and _event(timed, "preload_start")

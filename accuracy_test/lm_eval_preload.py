@@ -58,12 +58,14 @@ def prefetchable_checkpoint(kwargs: dict) -> Path | None:
         return None
     if str(kwargs.get("tp", 1)) != "1" or str(kwargs.get("dp", 1)) != "1":
         return None
+    from nakta_model.checkpoint_names import MANIFEST, PARAMS
+
     path = Path(ckpt)
     try:
-        params = json.loads((path / "params.json").read_text())
+        params = json.loads((path / PARAMS).read_text())
     except (OSError, ValueError):
         return None
-    if not (path / "manifest.json").is_file() or not isinstance(params, dict):
+    if not (path / MANIFEST).is_file() or not isinstance(params, dict):
         return None
     return path if params.get("tp_size") == 1 else None
 
@@ -115,9 +117,7 @@ def model_preloaded(
         yield state
     finally:
         EvaluatorConfig.from_cli = original_from_cli
-        if "checkpoint" in state:
-            import sys
+        if "checkpoint" in state:  # a prefetch started: one nobody took is dropped
+            from nakta_model import prefetch
 
-            prefetch = sys.modules.get("nakta_model.prefetch")
-            if prefetch is not None:
-                prefetch.discard()  # one nobody took: its memory goes
+            prefetch.discard()

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from nakta_model.checkpoint_names import MANIFEST, shard_file_name
+from nakta_model.checkpoint_names import MANIFEST, PARAMS, shard_file_name
 from nakta_model.config import ModelArgs
 from nakta_model.io_utils import atomic_output_dir, atomic_write_text
 from nakta_model.layout import (
@@ -67,7 +67,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-PARAMS = "params.json"
 TOKENIZER = "tokenizer.model"
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}

@@ -3,9 +3,10 @@ to prefetch before torch is imported)."""
 
 from __future__ import annotations
 
-__all__ = ["MANIFEST", "shard_file_name"]
+__all__ = ["MANIFEST", "PARAMS", "shard_file_name"]
 
 MANIFEST = "manifest.json"
+PARAMS = "params.json"
 
 
 def shard_file_name(tp_rank: int, tp_size: int) -> str:

@@ -9,9 +9,10 @@ quickly: at Python's default 5 ms switch interval a reader beside a busy Python 
 1.6 GB/s, at 0.5 ms 10.8 GB/s, 89% of its 12.2 GB/s alone (``speed_bench/read_bench.py``,
 H200). So the switch interval is 0.5 ms while a prefetch runs.
 
-``prefetch(file, device)`` starts the read (registered at once; read on a non-daemon thread: an exit waits for it); ``take(file, device)`` (``load_rank_state_dict``
-calls it) returns those tensors if the same file (path, inode, size, mtime) was prefetched onto
-the same device, else None, and the caller reads it itself. A failed prefetch returns None too:
+``prefetch(file, device)`` starts the read (registered at once, read on a non-daemon thread: an
+exit waits for it); ``take(file, device)`` (``load_rank_state_dict`` calls it) returns those
+tensors if the same file (path, inode, size, mtime) was prefetched onto the same device, else
+None, and the caller reads it itself. A failed prefetch returns None too:
 the caller's own read then raises the error where it always did.
 """
 
@@ -33,8 +34,8 @@ __all__ = ["SWITCH_INTERVAL_S", "discard", "prefetch", "quick_gil_handoff", "tak
 
 SWITCH_INTERVAL_S = 0.0005
 _lock = threading.Lock()
-_pending: dict[tuple[str, str], tuple[tuple, Future]] = {}
-handed_out = 0  # prefetches taken so far (callers compare before and after a load)  # (path, device) -> (stamp, read)
+_pending: dict[tuple[str, str], tuple[tuple, Future]] = {}  # (path, device) -> (stamp, read)
+handed_out = 0  # prefetches taken so far (callers compare before and after a load)
 
 
 def _stamp(path: Path) -> tuple:
