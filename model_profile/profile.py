@@ -12,6 +12,9 @@ whose 5-shot prefix is shared by every question of a subject (where the prefix c
 * ``kernels_<engine>.csv/.md`` -- top kernels (GPU) or ops (CPU): calls, total time, share;
 * ``categories.csv/.md`` + ``profile.png`` -- time per engine split into GEMM, attention,
   elementwise (norms, RoPE, activations, casts, log-softmax...), memcpy and gaps;
+* ``gemms_<engine>.csv/.md`` (GPU) -- each matmul shape's calls, time, TFLOP/s and fraction of
+  the ``n x n x n`` bf16 matmul rate measured in the same run: what the GEMMs leave on the table
+  apart from the other categories;
 * ``summary.json``.
 
 GPU: the device timeline (kernels, copies) over the profiled span; ``gaps`` is the time the
@@ -21,7 +24,7 @@ by the aten op that launched it (``aten::mm`` -> GEMM, ``aten::bmm``/``softmax``
 attention), else by its name (``gemm``/``nvjet``/``cutlass`` -> GEMM, ``flash``/``fmha`` ->
 attention).
 
-    python -m model_profile.profile [--preset 7B] [--tasks 64] [--workload mmlu]
+    python -m model_profile.profile [--preset 7B] [--tasks 64] [--workload mmlu] [--shots 10]
     python model_profile/profile.py ...        # by path works too (also from model_profile/)
 """
 
@@ -88,6 +91,56 @@ def _busy_union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _mm_shape(op: str, dims) -> tuple[int, int, int] | None:
+    """``(M, K, N)`` of an ``aten::mm`` / ``aten::addmm`` from its recorded input dims."""
+    if not isinstance(dims, list):
+        return None
+    mats = [d for d in dims if isinstance(d, list) and len(d) == 2]
+    if op not in ("aten::mm", "aten::addmm") or len(mats) < 2:
+        return None
+    (m, k), (k2, n) = mats[-2], mats[-1]
+    return (m, k, n) if k == k2 else None
+
+
+def summarize_gemms(trace: dict, peak_tflops: float | None) -> pd.DataFrame:
+    """Per matmul shape: calls, device time, TFLOP/s (2 M K N per call) and share of ``peak``.
+
+    Needs a trace recorded with ``record_shapes=True``; kernels of one op call are summed."""
+    events = trace["traceEvents"]
+    shape_of: dict[int, tuple[int, int, int]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            args = e.get("args", {})
+            mnk = _mm_shape(e["name"], args.get("Input Dims"))
+            if mnk is not None and args.get("External id") is not None:
+                shape_of[args["External id"]] = mnk
+    rows: dict[tuple[int, int, int], dict] = {}
+    calls: dict[tuple[int, int, int], set] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "kernel":
+            continue
+        ext = e.get("args", {}).get("External id")
+        mnk = shape_of.get(ext)
+        if mnk is None:
+            continue
+        m, k, n = mnk
+        r = rows.setdefault(mnk, {"M": m, "K": k, "N": n, "calls": 0, "total_us": 0.0})
+        calls.setdefault(mnk, set()).add(ext)
+        r["total_us"] += float(e.get("dur", 0.0))
+    cols = ["M", "K", "N", "calls", "total_ms", "avg_us", "tflops", "of_peak", "share"]
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    for mnk, r in rows.items():
+        r["calls"] = len(calls[mnk])
+    df = pd.DataFrame(list(rows.values()))
+    df["total_ms"] = df["total_us"] / 1e3
+    df["avg_us"] = df["total_us"] / df["calls"]
+    df["tflops"] = 2 * df["M"] * df["K"] * df["N"] * df["calls"] / (df["total_us"] * 1e-6) / 1e12
+    df["of_peak"] = df["tflops"] / peak_tflops if peak_tflops else float("nan")
+    df["share"] = df["total_us"] / df["total_us"].sum()
+    return df.sort_values("total_us", ascending=False)[cols]
+
+
 def summarize_gpu_trace(trace: dict) -> tuple[pd.DataFrame, dict[str, float]]:
     """Per-kernel table and per-category microseconds from a Chrome trace's device events."""
     events = trace["traceEvents"]
@@ -148,7 +201,8 @@ def top_table(df: pd.DataFrame, cats: dict[str, float], top: int) -> pd.DataFram
 
 # ----------------------------------------------------------------------------- profiling
 def profile_engine(engine, requests, device: torch.device, trace_path: Path):
-    """Warm up, then profile one scoring pass; returns (per-kernel df, categories, wall ms)."""
+    """Warm up, then profile one scoring pass; returns (per-kernel df, categories, wall ms,
+    the trace as a dict on GPU else None)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -158,7 +212,7 @@ def profile_engine(engine, requests, device: torch.device, trace_path: Path):
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=device.type == "cuda") as prof:
         t0 = time.perf_counter()
         engine.score(requests)
         if device.type == "cuda":
@@ -166,12 +220,13 @@ def profile_engine(engine, requests, device: torch.device, trace_path: Path):
         wall_us = (time.perf_counter() - t0) * 1e6
     with atomic_output_file(trace_path) as tmp:
         prof.export_chrome_trace(str(tmp))
+    trace = None
     if device.type == "cuda":
         trace = json.loads(trace_path.read_text())
         df, cats = summarize_gpu_trace(trace)
     else:
         df, cats = summarize_cpu_profile(prof, wall_us)
-    return df, cats, wall_us / 1e3
+    return df, cats, wall_us / 1e3, trace
 
 
 def plot(cat_df: pd.DataFrame, title: str):
@@ -205,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
         default="hellaswag",
         help="HellaSwag-shaped tasks, or MMLU-shaped ones (5-shot prefixes shared per subject)",
     )
+    p.add_argument(
+        "--shots", type=int, default=0, help="hellaswag workload: few-shot examples per task"
+    )
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES))
     p.add_argument("--token-budget", type=int, help="default 16384 GPU / 2048 CPU")
     p.add_argument("--top", type=int, default=25, help="rows of the per-kernel tables")
@@ -215,10 +273,14 @@ def main(argv: list[str] | None = None) -> dict:
     on_gpu = device.type == "cuda"
     weights = weight_source(args.preset or ("7B" if on_gpu else "tiny"), None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    make_workload = mmlu_shaped_workload if args.workload == "mmlu" else synthetic_workload
-    workload = make_workload(
-        args.tasks or (64 if on_gpu else 4), weights.args.vocab_size, 0, weights.args.max_seq_len
-    )
+    if args.shots and args.workload != "hellaswag":
+        p.error("--shots goes with --workload hellaswag (MMLU-shaped tasks are 5-shot)")
+    n_tasks = args.tasks or (64 if on_gpu else 4)
+    vocab, max_len = weights.args.vocab_size, weights.args.max_seq_len
+    if args.workload == "mmlu":
+        workload = mmlu_shaped_workload(n_tasks, vocab, 0, max_len)
+    else:
+        workload = synthetic_workload(n_tasks, vocab, 0, max_len, shots=args.shots)
     cfg = EngineConfig(
         device=device,
         dtype=dtype,
@@ -230,13 +292,31 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or results_dir(__file__, slug)
     out.mkdir(parents=True, exist_ok=True)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    peak = None
+    if on_gpu:
+        from bench_common.ceilings import matmul_tflops
+
+        peak = matmul_tflops(device=str(device))
+        print(f"measured bf16 matmul peak {peak:.0f} TFLOP/s")
     shared: dict = {}
     cat_rows, summary = [], {}
     for name in engines:
         engine = make_engine(name, weights, cfg, shared)
-        df, cats, wall_ms = profile_engine(
+        df, cats, wall_ms, trace = profile_engine(
             engine, workload.requests, device, out / f"{name}.pt.trace.json"
         )
+        gemms = summarize_gemms(trace, peak) if trace is not None else None
+        del trace
+        if gemms is not None and len(gemms):
+            write_table(
+                gemms,
+                out,
+                f"gemms_{name}",
+                f"Matmul shapes: {name}",
+                f"{weights.name}, {workload.n_tasks} tasks, {slug}. tflops = 2 M K N x calls / "
+                f"device time; of_peak against the {peak:.0f} TFLOP/s of an 8192^3 bf16 matmul "
+                "measured in this run; share = of all matmul time.",
+            )
         engine.close()
         del engine
         if not any(e.startswith("nakta") for e in engines[engines.index(name) + 1 :]):
@@ -263,6 +343,11 @@ def main(argv: list[str] | None = None) -> dict:
             "categories_ms": {c: cats[c] / 1e3 for c in CATEGORIES},
             "top": top.head(10).to_dict("records"),
         }
+        if gemms is not None and len(gemms):
+            t = gemms["total_ms"].sum()
+            flop = float((2 * gemms["M"] * gemms["K"] * gemms["N"] * gemms["calls"]).sum())
+            summary[name]["gemm_tflops"] = flop / (t * 1e-3) / 1e12
+            summary[name]["gemm_of_peak"] = summary[name]["gemm_tflops"] / peak
         print(f"[{name}] {wall_ms:.1f} ms wall; " + ", ".join(
             f"{c} {100 * cats[c] / total:.0f}%" for c in CATEGORIES))  # fmt: skip
     cat_df = pd.DataFrame(cat_rows)
@@ -280,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     save_figure(fig, out / "profile.png")
     plt.close(fig)
     result = {"device": slug, "model": weights.name, "workload": args.workload,
+              "peak_matmul_tflops": peak,
               "tasks": workload.n_tasks, "unique_tokens": workload.unique_tokens(),
               "engines": summary}  # fmt: skip
     write_json(result, out / "summary.json")

@@ -16,6 +16,12 @@
 # tune          decode_linear launch configs for the 7B shapes at batch 1 (bench_decode --tune)
 # compile       decode_speed's nakta_compile engine (torch.compile reduce-overhead) at batch
 #               1 and 32 next to the CUDA-graph capture (nakta), prompt 64, 128 new
+# profile       model_profile, HellaSwag-shaped, 1,000 tasks, nakta_cache: time by category and
+#               each matmul shape's TFLOP/s against the measured peak (issue 13 item 3)
+# profile10     the profile job on HellaSwag 10-shot-shaped tasks (300; ~1,000-token rows)
+# gemm          kernel_benchmark.bench_gemm: the 7B block GEMMs at 4,096 and 16,384 tokens vs the
+#               8192^3 rate, in bursts and sustained (the MFU an engine of cuBLAS GEMMs can reach)
+# budget_sweep  run_all, 1,000 real tasks, nakta_cache at token budgets 8,192 / 16,384 / 32,768
 # profile_mmlu  model_profile --workload mmlu (prefix cache vs per-task cache), 230 tasks
 # decode        decode_speed: nakta + llama_org at batch 1/8/32, prompts 64/512, 128 new; hf
 #               (static cache) at batch 1 and 32, prompt 64 (its rows are slow)
@@ -112,6 +118,36 @@ for job in "$@"; do
     tests)
       step tests 380 python3 -m pytest -v -m gpu -p no:cacheprovider tests
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$LOG" >"$OUT/tests.txt"
+      ;;
+    profile)
+      step profile 200 python3 -m model_profile.profile --workload hellaswag --tasks 1000 \
+        --engines nakta_cache --out "$OUT/profile"
+      rm -f "$OUT"/profile/*.pt.trace.json
+      cp "$OUT/profile/gemms_nakta_cache.md" "$OUT/profile_gemms.md" 2>/dev/null
+      cp "$OUT/profile/categories.md" "$OUT/profile_categories.md" 2>/dev/null
+      pack profile
+      ;;
+    profile10)
+      step profile10 200 python3 -m model_profile.profile --workload hellaswag --shots 10 \
+        --tasks 300 --engines nakta_cache --out "$OUT/profile10"
+      rm -f "$OUT"/profile10/*.pt.trace.json
+      cp "$OUT/profile10/gemms_nakta_cache.md" "$OUT/profile10_gemms.md" 2>/dev/null
+      cp "$OUT/profile10/kernels_nakta_cache.md" "$OUT/profile10_kernels.md" 2>/dev/null
+      pack profile10
+      ;;
+    gemm)
+      step gemm 200 python3 -m kernel_benchmark.bench_gemm --tokens 4096,16384 --seconds 3 \
+        --out "$OUT/gemm"
+      cp "$OUT/gemm/gemm.md" "$OUT/gemm.md" 2>/dev/null
+      pack gemm
+      ;;
+    budget_sweep)
+      for b in 8192 16384 32768; do
+        step "budget_$b" 150 python3 -m speed_bench.run_all --preset 7B --data "$HS" \
+          --tokenizer "$TOK" --limit 1000 --select spread --engines nakta_cache \
+          --token-budget "$b" --no-progress --out "$OUT/budget_sweep/b$b"
+      done
+      pack budget_sweep
       ;;
     profile_mmlu)
       step profile_mmlu 150 python3 -m model_profile.profile --workload mmlu --tasks 230 \

@@ -125,6 +125,9 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     p.add_argument("--workload", choices=("hellaswag", "mmlu"), default="hellaswag",
                    help="embedded workload: HellaSwag lengths, or MMLU-shaped (57 subjects, a "
                         "5-shot prefix shared by each subject's questions)")  # fmt: skip
+    p.add_argument("--shots", type=int, default=0,
+                   help="embedded HellaSwag workload: few-shot examples before each task's "
+                        "context, drawn per task as lm-eval does (10: ~1,000-token rows)")  # fmt: skip
     p.add_argument("--tokenizer", type=Path, help="LLaMA sentencepiece model (with --data)")
     p.add_argument("--limit", type=int, help="tasks (default 1000 on GPU, 16 on CPU)")
     p.add_argument("--select", choices=("first", "spread"), default="first",
@@ -155,6 +158,10 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
         p.error("--data needs --tokenizer (the LLaMA sentencepiece model)")
     if args.data is not None and args.workload != "hellaswag":
         p.error("--data is HellaSwag; --workload mmlu is embedded (no --data)")
+    if args.shots < 0:
+        p.error("--shots must be >= 0")
+    if args.shots and (args.data is not None or args.workload != "hellaswag"):
+        p.error("--shots goes with the embedded HellaSwag workload (no --data, no --workload mmlu)")
     if args.tokenizer is not None and args.data is None:
         p.error("--tokenizer goes with --data (the embedded workload needs no tokenizer)")
     if args.limit is not None and args.limit < 1:
@@ -274,8 +281,12 @@ def load_inputs(
     weights = load_weights(args, preset_name)
     margs = weights.args
     if workload is None:
-        make = mmlu_shaped_workload if args.workload == "mmlu" else synthetic_workload
-        workload = make(limit, margs.vocab_size, args.seed, margs.max_seq_len)
+        if args.workload == "mmlu":
+            workload = mmlu_shaped_workload(limit, margs.vocab_size, args.seed, margs.max_seq_len)
+        else:
+            workload = synthetic_workload(
+                limit, margs.vocab_size, args.seed, margs.max_seq_len, shots=args.shots
+            )
     if workload.max_token_id() >= margs.vocab_size:
         raise InputError(
             f"the workload uses token ids up to {workload.max_token_id()} but the model's "

@@ -115,14 +115,27 @@ def _sampler(counts: dict[str, int], rng: random.Random):
     return draw
 
 
+FEWSHOT_SEPARATOR = 13  # one token between few-shot examples (lm-eval joins them with "\n\n")
+
+
 def synthetic_workload(
-    n_tasks: int, vocab_size: int, seed: int = 0, max_length: int | None = None
+    n_tasks: int,
+    vocab_size: int,
+    seed: int = 0,
+    max_length: int | None = None,
+    shots: int = 0,
 ) -> Workload:
     """``n_tasks`` random tasks with HellaSwag's token lengths (random labels and token ids).
 
+    ``shots`` puts that many examples (a context and an ending from the same histograms, then
+    a separator) before each task's context, drawn anew for every task as lm-eval's few-shot
+    sampler does: HellaSwag 10-shot's ~1,000-token rows, which share nothing across tasks.
     ``max_length`` caps ``context + continuation`` (for tiny models with a short context window)
-    by drawing from the histogram restricted to the lengths that fit.
+    by drawing from the histogram restricted to the lengths that fit (and dropping the shots
+    that would not).
     """
+    if not isinstance(shots, int) or shots < 0:
+        raise ValueError(f"shots must be an int >= 0, got {shots!r}")
     if n_tasks < 1:
         raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
     if vocab_size < 4:
@@ -137,16 +150,25 @@ def synthetic_workload(
     if min(int(k) for k in hist["context_tokens_with_bos"]) + shortest > limit:
         raise ValueError(f"max_length {max_length} is shorter than the shortest HellaSwag task")
     docs, requests = [], []
+    longest = max(int(k) for k in hist["continuation_tokens"])
     for t in range(n_tasks):
         n_ctx = ctx_len(limit - shortest)
         ctx = [1] + [rng.randrange(3, vocab_size) for _ in range(n_ctx - 1)]  # BOS = 1
+        for _ in range(shots):  # examples between BOS and the task's own context
+            n = ctx_len(limit) - 1 + cont_len(limit)
+            if len(ctx) + n + 1 + longest > limit:
+                break
+            sep = min(FEWSHOT_SEPARATOR, vocab_size - 1)
+            shot = [rng.randrange(3, vocab_size) for _ in range(n)] + [sep]
+            ctx[1:1] = shot
         choices = []
         for _ in range(4):
-            n = cont_len(limit - n_ctx)
+            n = cont_len(limit - len(ctx))
             requests.append((ctx, [rng.randrange(3, vocab_size) for _ in range(n)]))
             choices.append("x" * max(1, round(n * chars_per_token)))
         docs.append(Doc(query="", choices=tuple(choices), label=rng.randrange(4), ind=t))
-    return Workload(f"synthetic-hellaswag-{n_tasks}", docs, requests)
+    tag = f"-{shots}shot" if shots else ""
+    return Workload(f"synthetic-hellaswag{tag}-{n_tasks}", docs, requests)
 
 
 def real_workload(

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from model_profile.profile import CATEGORIES, categorize, summarize_gpu_trace, top_table
+from model_profile.profile import (
+    CATEGORIES,
+    categorize,
+    summarize_gemms,
+    summarize_gpu_trace,
+    top_table,
+)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +57,43 @@ def test_summarize_gpu_trace_counts_busy_time_and_gaps():
     top = top_table(df, cats, top=2)
     assert list(top["name"])[0] == "some_gemm_kernel" and len(top) == 2
     assert abs(top["share"].iloc[0] - 40 / 75) < 1e-9
+
+
+def test_summarize_gemms_rates_each_shape_against_the_peak():
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5,
+             "args": {"External id": 1, "Input Dims": [[1000, 4096], [4096, 12288]]}},
+            {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 10, "dur": 200,
+             "args": {"External id": 1}},
+            # a second call of the same shape, split over two kernels (split-K + reduction)
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 300, "dur": 5,
+             "args": {"External id": 2, "Input Dims": [[1000, 4096], [4096, 12288]]}},
+            {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 310, "dur": 150,
+             "args": {"External id": 2}},
+            {"ph": "X", "cat": "kernel", "name": "reduce", "ts": 460, "dur": 50,
+             "args": {"External id": 2}},
+            # addmm: bias first; an op that is no matmul and a kernel with no op are ignored
+            {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "ts": 600, "dur": 5,
+             "args": {"External id": 3, "Input Dims": [[64], [7, 32], [32, 64]]}},
+            {"ph": "X", "cat": "kernel", "name": "gemm_b", "ts": 610, "dur": 1,
+             "args": {"External id": 3}},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 700, "dur": 5,
+             "args": {"External id": 4, "Input Dims": [[7, 32], [7, 32]]}},
+            {"ph": "X", "cat": "kernel", "name": "add", "ts": 710, "dur": 9,
+             "args": {"External id": 4}},
+            {"ph": "X", "cat": "kernel", "name": "orphan", "ts": 720, "dur": 9, "args": {}},
+        ]
+    }  # fmt: skip
+    df = summarize_gemms(trace, peak_tflops=500.0)
+    assert list(zip(df["M"], df["K"], df["N"])) == [(1000, 4096, 12288), (7, 32, 64)]
+    big = df.iloc[0]
+    assert big["calls"] == 2 and big["total_ms"] == pytest.approx(0.4)
+    flop = 2 * 1000 * 4096 * 12288 * 2
+    assert big["tflops"] == pytest.approx(flop / 400e-6 / 1e12)
+    assert big["of_peak"] == pytest.approx(big["tflops"] / 500.0)
+    assert df["share"].sum() == pytest.approx(1.0)
+    assert summarize_gemms({"traceEvents": []}, 500.0).empty
 
 
 def test_profile_tiny_cpu_end_to_end(tmp_path):

@@ -236,6 +236,28 @@ def test_run_all_tiny_end_to_end(tmp_path, capsys):
     }
 
 
+def test_synthetic_fewshot_workload_prepends_shots_per_task():
+    from speed_bench.workload import FEWSHOT_SEPARATOR
+
+    plain = synthetic_workload(40, 32000, seed=5)
+    assert synthetic_workload(40, 32000, seed=5, shots=0).requests == plain.requests
+    w = synthetic_workload(40, 32000, seed=5, shots=10)
+    assert w.name == "synthetic-hellaswag-10shot-40" and w.n_tasks == 40
+    contexts = [ctx for ctx, _ in w.requests[::4]]
+    for t, ctx in enumerate(contexts):
+        assert ctx[0] == 1 and ctx.count(FEWSHOT_SEPARATOR) >= 10  # random ids may hit 13 too
+        assert all(c == ctx for c, _ in w.requests[4 * t : 4 * t + 4])  # 4 endings, one context
+    # drawn anew per task: no two contexts share their first shot
+    assert len({tuple(c[:8]) for c in contexts}) == len(contexts)
+    per_task = w.unique_tokens() / w.n_tasks
+    assert 700 < per_task < 1500  # HellaSwag 10-shot: ~1,010 unique tokens a task
+    assert synthetic_workload(40, 32000, seed=5, shots=10).requests == w.requests  # seeded
+    short = synthetic_workload(30, 512, seed=1, max_length=120, shots=10)
+    assert max(len(c) + len(x) for c, x in short.requests) <= 120
+    with pytest.raises(ValueError, match="shots"):
+        synthetic_workload(4, 256, shots=-1)
+
+
 # ----------------------------------------------------------------------------- MMLU-shaped
 def test_mmlu_shaped_workload_has_mmlus_structure():
     w = mmlu_shaped_workload(120, 32000, seed=3)
@@ -282,6 +304,24 @@ def test_run_all_mmlu_shaped_prefix_cache_computes_unique_tokens(tmp_path):
         assert r["pred_agree_vs_ref"] == 1.0 and r["max_abs_ll_diff_vs_ref"] < 1e-3
         # --passes 2: the tables keep the last pass; the first is reported beside it
         assert r["first_pass_s"] > 0 and r["first_over_last"] == r["first_pass_s"] / r["wall_s"]
+
+
+def test_run_all_fewshot_workload_and_its_argument_errors(tmp_path, capsys):
+    from speed_bench.run_all import main
+
+    summary = main(
+        ["--preset", "tiny", "--shots", "3", "--limit", "4", "--warmup", "0", "--device",
+         "cpu", "--engines", "nakta_cache", "--out", str(tmp_path), "--no-progress"]
+    )  # fmt: skip
+    assert summary["workload"]["name"] == "synthetic-hellaswag-3shot-4"
+    assert summary["engines"]["nakta_cache"]["pred_agree_vs_ref"] == 1.0
+    for bad, why in (
+        (["--shots", "-1"], "--shots must be >= 0"),
+        (["--shots", "2", "--workload", "mmlu"], "--shots goes with"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["--preset", "tiny", *bad])
+        assert why in capsys.readouterr().err
 
 
 def test_run_engine_times_each_pass_after_the_warm_up():
