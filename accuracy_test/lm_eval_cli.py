@@ -25,7 +25,8 @@ model's request methods (``requests_s``: the model's share of it) are written th
 for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: the
 process start (negative), model start/end, evaluate start/end, first request, exit; for nakta
 also ``preload_start``, ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own
-``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them).
+``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them), and the project's adapters'
+``loglikelihood`` split into tokenizing and scoring (``loglikelihood``).
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
@@ -371,6 +372,8 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
             for key in [k for k in load if k.endswith("_unix")]:  # moments -> events
                 timings["events"]["load_" + key[: -len("_unix")]] = load.pop(key) - ENTRY_UNIX
             timings["nakta_load"] = load
+        if getattr(lm, "request_timings", None):  # loglikelihood: tokenizing vs scoring
+            timings["loglikelihood"] = dict(lm.request_timings)
         stats = getattr(lm, "score_stats", None)
         if stats is not None:  # nakta: tokens requested / unique / computed
             import dataclasses

@@ -327,6 +327,66 @@ def tune_packed(shapes: list[Shape], heads: int, head_dim: int, dtype, device) -
     return pd.DataFrame(rows)
 
 
+SCORING_GRID = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --tune-scoring
+    *((bm, bn, w, st) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for st in (2, 3)),
+    (64, 128, 8, 2),
+    (128, 128, 8, 2),
+]
+
+
+def scoring_layouts(shots: tuple[int, ...], budget: int, vocab: int = 32000) -> list[tuple]:
+    """``(label, seq_start, span_end, allowed pairs)`` of the scoring engine's first full batch
+    on HellaSwag-shaped tasks with each number of ``shots``: the very rows, merges and packing
+    ``scoring.score`` makes (0-shot: merged trees of ~170-token rows; 10-shot: ~1,100)."""
+    from nakta_model.score_batches import build_rows, merge_rows, pack, packed_batches
+    from nakta_model.scoring import _check_requests
+    from speed_bench.workload import synthetic_workload
+
+    out = []
+    for n_shots in shots:
+        work = synthetic_workload(2000 if n_shots == 0 else 400, vocab, 0, 2048, shots=n_shots)
+        reqs = _check_requests(work.requests, vocab, 2048)
+        rows, _ = build_rows(reqs, True, 2048)
+        batch = packed_batches(merge_rows(rows, 1024), budget, None)[0]
+        b = pack(batch)
+        pairs = int((b.positions[: b.n_real] + 1).sum()) + (b.tokens.shape[0] - b.n_real)
+        label = f"{n_shots}-shot {len(batch)} trees {b.tokens.shape[0]} tokens"
+        out.append((label, b.seq_start, b.span_end, pairs))
+    return out
+
+
+def tune_scoring(heads: int, head_dim: int, budget: int, device) -> pd.DataFrame:
+    """The packed kernel on the scorer's own batches (``scoring_layouts``): every launch
+    config of SCORING_GRID with each way of skipping other branches' key blocks (``SKIP`` 0
+    none, 1 a branch around the block's loads, 2 the loads' mask), checked against the
+    shipped config's output."""
+    from tqdm import tqdm
+
+    rows = []
+    g = torch.Generator(device=device).manual_seed(11)
+    for label, start, span, pairs in scoring_layouts((0, 10), budget):
+        n = start.shape[0]
+        qkv = torch.randn(n, 3 * heads * head_dim, generator=g, device=device, dtype=torch.bfloat16)
+        start, span = start.to(device), span.to(device)
+        fn = functools.partial(packed.packed_attention, qkv, start, span, heads, heads, head_dim)
+        ref = fn().float()
+        flops = 4 * head_dim * pairs * heads
+        for skip in (0, 1, 2):
+            for bm, bn, w, st in tqdm(SCORING_GRID, desc=f"{label} skip {skip}"):
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, SKIP=skip)
+                row = {"layout": label, "skip": skip, "config": f"{bm}x{bn} w{w} s{st}"}
+                try:
+                    with tuned(packed, **cfg):
+                        err = float((fn().float() - ref).norm() / ref.norm())
+                        ms = eager_ms(fn, device, warmup=25, rep=100)
+                except Exception as e:  # noqa: BLE001 -- out of resources for this config
+                    rows.append({**row, "status": str(e)[:60]})
+                    continue
+                rows.append({**row, "status": "ok", "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+                             "rel_err_vs_shipped": err})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def plot(df: pd.DataFrame, title: str):
     import matplotlib
 
@@ -361,6 +421,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     p.add_argument(
         "--tune", action="store_true", help="GPU: sweep the packed kernel's launch configs first"
     )
+    p.add_argument(
+        "--tune-scoring",
+        action="store_true",
+        help="GPU: only sweep the packed kernel's configs and block skipping on the scorer's "
+        "own 0- and 10-shot batches (attention_scoring_tune.*)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
@@ -374,6 +440,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     slug = device_slug(device)
     out = Path(args.out) if args.out else results_dir(__file__, slug)
+    if args.tune_scoring:
+        if not on_gpu:
+            p.error("--tune-scoring times the Triton kernel: it needs a GPU")
+        df = tune_scoring(heads, head_dim, budget, device)
+        notes = f"{slug}; {heads} heads x {head_dim}, bf16; the scorer's first batch of each layout"
+        write_table(df, out, "attention_scoring_tune", "Packed attention on scoring batches", notes)
+        ok = df[df["status"] == "ok"].sort_values("ms")
+        for layout, grp in ok.groupby("layout"):
+            print(layout)
+            print(grp.head(8).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+        return df
     if args.tune and on_gpu:
         long_rows = [  # 10-shot HellaSwag rows (~1,100 tokens) and long prompts
             Shape("tree", max(1, budget // (960 + 4 * 33)), 960, 33),

@@ -21,6 +21,10 @@
 # profile10     the profile job on HellaSwag 10-shot-shaped tasks (300; ~1,000-token rows)
 # gemm          kernel_benchmark.bench_gemm: the 7B block GEMMs at 4,096 and 16,384 tokens vs the
 #               8192^3 rate, in bursts and sustained (the MFU an engine of cuBLAS GEMMs can reach)
+# attn_scoring  bench_attention --tune-scoring: the packed kernel's launch configs and block
+#               skipping (none / branch / masked loads) on the scorer's own 0- and 10-shot batches
+# engine10      run_all, 300 HellaSwag 10-shot-shaped tasks (--shots 10, embedded lengths),
+#               nakta_cache: MFU on unique tokens at ~1,100-token rows
 # budget_sweep  run_all, 1,000 real tasks, nakta_cache at token budgets 8,192 / 16,384 / 32,768
 # profile_mmlu  model_profile --workload mmlu (prefix cache vs per-task cache), 230 tasks
 # decode        decode_speed: nakta + llama_org at batch 1/8/32, prompts 64/512, 128 new; hf
@@ -141,6 +145,17 @@ for job in "$@"; do
       cp "$OUT/gemm/gemm.md" "$OUT/gemm.md" 2>/dev/null
       pack gemm
       ;;
+    attn_scoring)
+      step attn_scoring 300 python3 -m kernel_benchmark.bench_attention --tune-scoring \
+        --out "$OUT/attn_scoring"
+      pack attn_scoring
+      ;;
+    engine10)
+      step engine10 200 python3 -m speed_bench.run_all --preset 7B --shots 10 --limit 300 \
+        --engines nakta_cache --no-progress --out "$OUT/engine10"
+      cp "$OUT/engine10/speed.md" "$OUT/engine10.md" 2>/dev/null
+      pack engine10
+      ;;
     budget_sweep)
       for b in 8192 16384 32768; do
         step "budget_$b" 150 python3 -m speed_bench.run_all --preset 7B --data "$HS" \
@@ -245,6 +260,7 @@ for job in "$@"; do
         --batch-sizes default --hf-batch-sizes 64 --limit 3000
       ;;
     hellaswag10)
+      ensure_work  # a fresh machine: checkpoints made, Triton's cache filled by a 10-task run
       lm_eval_job hellaswag10 200 --task hellaswag_local --fewshot 10 \
         --batch-sizes default --hf-batch-sizes 64 --fewshot-limit 300
       ;;

@@ -463,12 +463,15 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
 
 
 def phases(timing: dict, spawn_unix: float) -> dict:
-    """From the child's timing file: seconds inside the model's request methods, from process
-    start to the first request, and what that request still waited for a background load."""
+    """From the child's timing file: seconds inside the model's request methods (and of them
+    tokenizing), from process start to the first request, and what that request still waited
+    for a background load."""
     first = (timing.get("events") or {}).get("first_request")
     entry = timing.get("entry_unix")
     return {
         "requests_s": timing.get("requests_s"),
+        # of which lm-eval's strings -> token pairs (the project's adapters, loglikelihood only)
+        "tokenize_s": (timing.get("loglikelihood") or {}).get("tokenize_s"),
         "first_request_s": None if first is None or entry is None else entry + first - spawn_unix,
         "load_wait_s": (timing.get("nakta_load") or {}).get("wait_s"),
     }

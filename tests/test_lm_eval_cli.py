@@ -124,6 +124,9 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     assert [ev[k] for k in order] == sorted(ev[k] for k in order) and ev["model_start"] > 0
     assert "preload_start" not in ev  # no GPU here: no early read
     assert 0 < got["requests_s"] < got["scoring_s"]  # the model's share of evaluate()
+    ll = got["loglikelihood"]  # of which: lm-eval's strings -> tokens, tokens -> results
+    assert ll.keys() == {"tokenize_s", "score_s"} and min(ll.values()) > 0
+    assert ll["tokenize_s"] + ll["score_s"] <= got["requests_s"]
     assert got["nakta_load"].keys() == {"read_s", "warm_up_s", "prefetched"}
     assert got["nakta_load"]["prefetched"] is False  # (no GPU here: nothing was prefetched)
     load = [ev[k] for k in ("model_start", "load_build_start", "load_read_end", "load_ready")]

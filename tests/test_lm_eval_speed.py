@@ -360,3 +360,17 @@ def test_hf_runs_on_lm_eval_as_shipped_next_to_the_fixed_entry():
     not_fixes = ("TIMING_ENV", "PRELOAD_ENV")
     fixes = [v for k, v in vars(lm_eval_cli).items() if k.endswith("_ENV") and k not in not_fixes]
     assert dict.fromkeys(fixes, "0") == bench.PLAIN_ENV and len(fixes) == 4  # every fix off
+
+
+def test_phases_reads_the_childs_timing_file():
+    timing = {
+        "requests_s": 9.0,
+        "entry_unix": 100.0,
+        "events": {"first_request": 10.5},
+        "loglikelihood": {"tokenize_s": 0.4, "score_s": 8.5},
+        "nakta_load": {"read_s": 0.7},
+    }
+    got = bench.phases(timing, spawn_unix=99.5)
+    assert got == {"requests_s": 9.0, "tokenize_s": 0.4, "first_request_s": 11.0,
+                   "load_wait_s": None}  # fmt: skip
+    assert bench.phases({}, 0.0) == dict.fromkeys(got)  # hf: none of them written

@@ -160,6 +160,24 @@ def test_deep_random_trees_match_fp64_attention(dtype):
             assert bool(mask[i, j]) == bool(inside)
 
 
+@pytest.mark.parametrize("skip", [0, 1, 2], ids=["no-skip", "branch", "masked-loads"])
+def test_every_block_skip_mode_computes_the_same_attention(skip):
+    """Merged trees (several contexts in one row: whole subtrees between a query and its
+    ancestors, whose key blocks the kernel may skip) give the fp64 result with the skip off,
+    by a branch and by the loads' mask."""
+    from kernel_benchmark.common import tuned
+    from nakta_model.kernels import packed_attention as packed
+
+    rng = random.Random(23 + skip)
+    seq_start, span_end = random_trees(rng, [70, 3, 55], pad=4)
+    hq, hkv, hd = 2, 1, 16
+    qkv = torch.randn(seq_start.shape[0], (hq + 2 * hkv) * hd)
+    with tuned(packed, SKIP=skip):
+        got = packed_attention(qkv, seq_start, span_end, hq, hkv, hd)
+    want = naive(qkv, seq_start, span_end, hq, hkv, hd)
+    assert (got.double() - want).norm() / want.norm() < TOL[torch.float32]
+
+
 def test_one_branch_per_row_is_causal_varlen_attention():
     lengths = [5, 1, 17, 9]
     seq_start, span_end = layout([(n, []) for n in lengths])

@@ -96,7 +96,7 @@ def _packed_attention_kernel(
     qk_scale,
     N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    TREE: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    TREE: tl.constexpr, SKIP: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
@@ -162,16 +162,22 @@ def _packed_attention_kernel(
         k_start = tl.load(START + offs_n, mask=mask_n, other=-2)
         allowed = (offs_n[None, :] <= offs_m[:, None]) & (k_start[None, :] == q_start[:, None])
         visit = True
+        kv_mask = mask_n[:, None] & mask_d[None, :]
         if TREE:  # j is i or an ancestor: i inside j's subtree
             k_end = tl.load(END + offs_n, mask=mask_n, other=0)
             allowed = allowed & (offs_m[:, None] < k_end[None, :])
-            # a block of other branches' keys (all subtrees end before this query block) is
-            # skipped: trees of several contexts put whole subtrees between a query and its
-            # ancestors
-            visit = tl.max(k_end, 0) > q_first
+            # SKIP: a block of other branches' keys (every subtree ends before this query
+            # block; merged trees put whole subtrees between a query and its ancestors) is
+            # skipped by a branch (1) or by the loads' mask (2). Off by default (0): a load
+            # under a branch is not software-pipelined, and on the scorer's own batches that
+            # cost more than the skipped blocks (H200: 0-shot 0.331 ms with 0, 0.447 with 1,
+            # 0.393 with 2; 10-shot 0.766 / 1.158 / 0.906; bench_attention --tune-scoring)
+            if SKIP == 1:
+                visit = tl.max(k_end, 0) > q_first
+            elif SKIP == 2:
+                kv_mask = kv_mask & (tl.max(k_end, 0) > q_first)
         if visit:
             rows_n = offs_n.to(tl.int64)[:, None] * stride_qt
-            kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(QKV + rows_n + k_col + offs_d[None, :], mask=kv_mask, other=0.0)
             s = _dot(q, tl.trans(k), IEEE)
             s = tl.where(allowed, s * qk_scale, float("-inf"))
@@ -193,15 +199,16 @@ def _packed_attention_kernel(
 # Launch configurations by padded head dim; ``_TUNE`` overrides any key (set by
 # ``kernel_benchmark/bench_attention.py --tune`` and the tests only).
 _CONFIGS: dict[int, dict[str, int]] = {
-    16: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-    32: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-    64: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
-    # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8
-    128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
-    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    16: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, SKIP=0),
+    32: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, SKIP=0),
+    64: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3, SKIP=0),
+    # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8; H200 on the scorer's
+    # batches (--tune-scoring, 36 configs x 3 SKIP modes): also the best, with SKIP 0
+    128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3, SKIP=0),
+    256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, SKIP=0),
 }
 _TUNE: dict[str, int] = {}
-_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # CPU tests
+_INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, SKIP=0)  # CPU
 
 
 def _config(block_d: int, interpret: bool) -> dict[str, int]:
@@ -388,7 +395,7 @@ def packed_attention(
         scale * math.log2(math.e),
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
-        TREE=span_end is not None, IEEE=qkv.dtype == torch.float32 or interp,
+        TREE=span_end is not None, SKIP=cfg["SKIP"], IEEE=qkv.dtype == torch.float32 or interp,
         EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
