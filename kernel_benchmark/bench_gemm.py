@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if not __package__:  # run by path: import from the repo root, not from this script's folder
@@ -34,7 +33,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from bench_common.ceilings import device_slug
+from bench_common.ceilings import device_slug, sustained_ms
 from bench_common.report import results_dir, save_figure, write_json, write_table
 from nakta_model.config import ModelArgs, preset
 
@@ -56,29 +55,6 @@ def burst_ms(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def sustained_ms(fn, seconds: float) -> float:
-    """ms per call over the second half of ``seconds`` of back-to-back calls (events every
-    ~50 ms of work: the host never lets the queue run dry)."""
-    per = burst_ms(fn)
-    chunk = max(1, int(50 / per))
-    marks: list[tuple[float, torch.cuda.Event]] = []
-    t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        for _ in range(chunk):
-            fn()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        marks.append((time.perf_counter(), ev))
-        if len(marks) > 4:  # keep at most ~4 chunks queued ahead of the GPU
-            marks[-5][1].synchronize()
-    torch.cuda.synchronize()
-    half = len(marks) // 2
-    if len(marks) - half < 2:
-        return per
-    (_, a), (_, b) = marks[half], marks[-1]
-    return a.elapsed_time(b) / (chunk * (len(marks) - 1 - half))
 
 
 def _square_call(device: torch.device, g: torch.Generator):

@@ -206,6 +206,8 @@ def test_run_all_tiny_end_to_end(tmp_path, capsys):
     assert wl["tasks"] == 6 and wl["unique_tokens"] < wl["request_tokens"]
     assert on_disk["reference_engine"] == "llama_org"
     assert on_disk["peak_matmul_tflops"] > 0
+    sustained = on_disk["sustained_matmul_tflops"]  # measured on a GPU only
+    assert (sustained is None) == (not torch.cuda.is_available())
     for name, r in on_disk["engines"].items():
         for key in ("tasks_per_s", "tokens_per_s", "mfu", "mfu_unique", "acc", "acc_norm",
                     "wall_s", "computed_tokens"):  # fmt: skip
@@ -343,3 +345,15 @@ def test_run_engine_times_each_pass_after_the_warm_up():
     assert results == [(4.0, True)] and all(t >= 0 for t in seconds) and math.isnan(peak)
     with pytest.raises(ValueError, match="passes must be >= 1"):
         run_engine(Engine(), work, None, cfg, passes=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sustained_matmul_rate_is_the_burst_rate_or_below():
+    from bench_common.ceilings import matmul_tflops, matmul_tflops_sustained, sustained_ms
+
+    burst = matmul_tflops(4096)
+    kept = matmul_tflops_sustained(4096, seconds=1.0)
+    assert 0.5 * burst < kept < 1.1 * burst
+    a = torch.randn(1024, 1024, device="cuda")
+    assert sustained_ms(lambda: a @ a, seconds=0.3) > 0
