@@ -12,7 +12,10 @@ gone, is the highest MFU the engine could reach. Each block GEMM (``wqkv``, ``wo
   rate over the last half, where clocks have settled under the power limit;
 
 and the 8192^3 matmul the same two ways. ``bound_*`` rows: one layer's four GEMMs together
-(FLOP-weighted), the MFU a forward made of nothing else would reach.
+(FLOP-weighted), the MFU a forward made of nothing else would reach. Peers, in bursts: Nakta's
+persistent TMA GEMM (``nakta:*``, ``nakta_model/kernels/gemm.py``) at every ``M``, with its fused
+SwiGLU epilogue against cuBLAS + the SwiGLU kernel on w13, and a plain tiled Triton GEMM
+(``triton:*``, ``triton_gemm.py``, its best config) at the largest ``M``.
 
     python -m kernel_benchmark.bench_gemm [--preset 7B] [--tokens 4096,16384] [--seconds 3]
 
@@ -97,10 +100,64 @@ def measure(args: ModelArgs, tokens: list[int], seconds: float, device: torch.de
             rows.append({"shape": "bound", "M": m, "K": 0, "N": 0, "regime": regime,
                          "ms": total_ms, "tflops": total_flop / (total_ms * 1e-3) / 1e12})  # fmt: skip
         del xs
+    rows += peer_rows(weights, tokens, device, g)
     df = pd.DataFrame(rows)
     df["of_burst_peak"] = df["tflops"] / peak["burst"]
     df["of_sustained_peak"] = df["tflops"] / peak["sustained"]
     return df.to_dict("records")
+
+
+def peer_rows(weights: dict[str, torch.Tensor], tokens: list[int], device, g) -> list[dict]:
+    """In bursts, at every ``M``: Nakta's TMA GEMM on each block shape (``nakta:*``), its w13
+    with SwiGLU in the epilogue (``nakta_swiglu:w13``) against cuBLAS's w13 followed by the
+    SwiGLU kernel (``cublas+swiglu:w13``: the unfused pair); at the largest ``M`` the plain
+    Triton GEMM's best config (``triton:*``). ``rel_err`` against cuBLAS (fused: the unfused)."""
+    from kernel_benchmark.triton_gemm import CONFIGS, triton_linear
+    from nakta_model.kernels.gemm import linear
+    from nakta_model.kernels.swiglu import swiglu
+
+    def row(tag, name, m, k, n, ms, err, config="", flop=None):
+        flop = flop or 2 * m * k * n
+        return {"shape": f"{tag}:{name}", "M": m, "K": k, "N": n, "regime": "burst", "ms": ms,
+                "tflops": flop / (ms * 1e-3) / 1e12, "config": config, "rel_err": err}  # fmt: skip
+
+    def err(got, ref):
+        return float((got.float() - ref).norm() / ref.norm())
+
+    rows = []
+    for m in tokens:
+        xs = {}
+        for name, w in weights.items():
+            n, k = w.shape
+            x = xs.setdefault(k, torch.randn(m, k, generator=g, device=device, dtype=w.dtype))
+            ref = F.linear(x, w).float()
+            ms = burst_ms(lambda x=x, w=w: linear(x, w))
+            rows.append(row("nakta", name, m, k, n, ms, err(linear(x, w), ref)))
+            if name == "w13":
+                unfused = swiglu(F.linear(x, w)).float()
+                ms = burst_ms(lambda x=x, w=w: linear(x, w, swiglu=True))
+                fused_err = err(linear(x, w, swiglu=True), unfused)
+                rows.append(row("nakta_swiglu", name, m, k, n, ms, fused_err))
+                ms = burst_ms(lambda x=x, w=w: swiglu(F.linear(x, w)))
+                rows.append(row("cublas+swiglu", name, m, k, n, ms, 0.0))
+            if m != max(tokens):
+                continue
+            best = None
+            for cfg in CONFIGS:
+                try:
+                    ms = burst_ms(lambda x=x, w=w, cfg=cfg: triton_linear(x, w, cfg))
+                except Exception as e:  # noqa: BLE001 -- a config out of resources here
+                    print(f"triton {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            if best is not None:
+                ms, cfg = best
+                label = "x".join(map(str, cfg[:3])) + f" w{cfg[3]} s{cfg[4]}"
+                rows.append(row("triton", name, m, k, n, ms,
+                                err(triton_linear(x, w, cfg), ref), label))  # fmt: skip
+        del xs
+    return rows
 
 
 def plot(df: pd.DataFrame, title: str):
@@ -127,7 +184,7 @@ def plot(df: pd.DataFrame, title: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="7B")
-    p.add_argument("--tokens", default="4096,16384", help="M values: tokens per forward")
+    p.add_argument("--tokens", default="1024,4096,16384", help="M values: tokens per forward")
     p.add_argument("--seconds", type=float, default=3.0, help="length of a sustained timing")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

@@ -19,8 +19,10 @@
 # profile       model_profile, HellaSwag-shaped, 1,000 tasks, nakta_cache: time by category and
 #               each matmul shape's TFLOP/s against the measured peak (issue 13 item 3)
 # profile10     the profile job on HellaSwag 10-shot-shaped tasks (300; ~1,000-token rows)
-# gemm          kernel_benchmark.bench_gemm: the 7B block GEMMs at 4,096 and 16,384 tokens vs the
-#               8192^3 rate, in bursts and sustained (the MFU an engine of cuBLAS GEMMs can reach)
+# gemm          kernel_benchmark.bench_gemm: the 7B block GEMMs at 1,024-16,384 tokens vs the
+#               8192^3 rate, in bursts and sustained; Nakta's TMA GEMM (fused SwiGLU) and a plain
+#               Triton GEMM beside cuBLAS
+# gemm_tests    the GPU tests of the TMA GEMM, the model and the scoring path
 # attn_scoring  bench_attention --tune-scoring: the packed kernel's launch configs and block
 #               skipping (none / branch / masked loads) on the scorer's own 0- and 10-shot batches
 # engine10      run_all, 300 HellaSwag 10-shot-shaped tasks (--shots 10, embedded lengths),
@@ -140,7 +142,7 @@ for job in "$@"; do
       pack profile10
       ;;
     gemm)
-      step gemm 200 python3 -m kernel_benchmark.bench_gemm --tokens 4096,16384 --seconds 3 \
+      step gemm 200 python3 -m kernel_benchmark.bench_gemm --tokens 1024,4096,16384 --seconds 3 \
         --out "$OUT/gemm"
       cp "$OUT/gemm/gemm.md" "$OUT/gemm.md" 2>/dev/null
       pack gemm
@@ -321,6 +323,11 @@ for job in "$@"; do
         nakta_cli_run preload_ab "preload$pre-$SECONDS" "$pre" 120
       done
       pack preload_ab
+      ;;
+    gemm_tests)
+      step gemm_tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gemm.py \
+        tests/test_bench_gemm.py tests/test_model.py tests/test_scoring.py \
+        tests/test_packed_attention.py tests/test_prefix_cache.py tests/test_generation*.py
       ;;
     tree_tests)
       step tree_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \

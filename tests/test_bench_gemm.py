@@ -43,3 +43,34 @@ def test_bad_arguments_are_refused(argv, why, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gemm_matches_torch_on_odd_and_strided_inputs(dtype):
+    """The benchmark's Triton peer computes ``x @ w.T`` (interpreter on the CPU: small
+    blocks; odd sizes exercise every mask, a column slice of x a row stride > K)."""
+    if not torch.cuda.is_available():
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+        if dtype != torch.float32:
+            pytest.skip("the interpreter's half-precision dot is wrong: bf16 on a GPU only")
+    from kernel_benchmark.triton_gemm import triton_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(3)
+    wide = torch.randn(37, 61, generator=g, device=device).to(dtype)
+    x = wide[:, 5:58]  # [37, 53], row stride 61
+    w = torch.randn(29, 53, generator=g, device=device).to(dtype)
+    cfg = (16, 16, 16, 1, 1) if device == "cpu" else (64, 64, 32, 4, 2)
+    got = triton_linear(x, w, cfg)
+    want = x.double() @ w.double().T
+    # fp32 dots are tf32 on the GPU's tensor cores (Triton's default), IEEE in the interpreter
+    tol = (1e-5 if device == "cpu" else 2e-3) if dtype == torch.float32 else 1e-2
+    assert (got.double() - want).norm() / want.norm() < tol
+    with pytest.raises(ValueError, match="x \\[M, K\\]"):
+        triton_linear(x, w[:, :7], cfg)
+    with pytest.raises(TypeError, match="dtype"):
+        triton_linear(x.float() if dtype != torch.float32 else x.double(), w, cfg)
+
