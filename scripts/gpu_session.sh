@@ -325,9 +325,11 @@ for job in "$@"; do
       pack preload_ab
       ;;
     gemm_tests)
-      step gemm_tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gemm.py \
+      step gemm_tests 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gemm.py
+      step gemm_gpu_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
         tests/test_bench_gemm.py tests/test_model.py tests/test_scoring.py \
-        tests/test_packed_attention.py tests/test_prefix_cache.py tests/test_generation*.py
+        tests/test_packed_attention.py tests/test_prefix_cache.py tests/test_generation.py \
+        tests/test_generation_engine.py tests/test_lm_eval_adapter.py
       ;;
     tree_tests)
       step tree_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
