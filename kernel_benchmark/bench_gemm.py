@@ -12,10 +12,10 @@ gone, is the highest MFU the engine could reach. Each block GEMM (``wqkv``, ``wo
   rate over the last half, where clocks have settled under the power limit;
 
 and the 8192^3 matmul the same two ways. ``bound_*`` rows: one layer's four GEMMs together
-(FLOP-weighted), the MFU a forward made of nothing else would reach. Peers, in bursts: Nakta's
-persistent TMA GEMM (``nakta:*``, ``nakta_model/kernels/gemm.py``) at every ``M``, with its fused
-SwiGLU epilogue against cuBLAS + the SwiGLU kernel on w13, and a plain tiled Triton GEMM
-(``triton:*``, ``triton_gemm.py``, its best config) at the largest ``M``.
+(FLOP-weighted), the MFU a forward made of nothing else would reach. Peers (``triton_gemm.py``),
+in bursts: a persistent TMA GEMM (``tma:*``) at every ``M``, with its fused SwiGLU epilogue
+against cuBLAS + the SwiGLU kernel on w13, and a plain tiled Triton GEMM (``triton:*``, its best
+config) at the largest ``M``.
 
     python -m kernel_benchmark.bench_gemm [--preset 7B] [--tokens 4096,16384] [--seconds 3]
 
@@ -108,12 +108,11 @@ def measure(args: ModelArgs, tokens: list[int], seconds: float, device: torch.de
 
 
 def peer_rows(weights: dict[str, torch.Tensor], tokens: list[int], device, g) -> list[dict]:
-    """In bursts, at every ``M``: Nakta's TMA GEMM on each block shape (``nakta:*``), its w13
-    with SwiGLU in the epilogue (``nakta_swiglu:w13``) against cuBLAS's w13 followed by the
+    """In bursts, at every ``M``: the persistent TMA GEMM on each block shape (``tma:*``), its
+    w13 with SwiGLU in the epilogue (``tma_swiglu:w13``) against cuBLAS's w13 followed by the
     SwiGLU kernel (``cublas+swiglu:w13``: the unfused pair); at the largest ``M`` the plain
     Triton GEMM's best config (``triton:*``). ``rel_err`` against cuBLAS (fused: the unfused)."""
-    from kernel_benchmark.triton_gemm import CONFIGS, triton_linear
-    from nakta_model.kernels.gemm import linear
+    from kernel_benchmark.triton_gemm import CONFIGS, tma_linear, triton_linear
     from nakta_model.kernels.swiglu import swiglu
 
     def row(tag, name, m, k, n, ms, err, config="", flop=None):
@@ -131,13 +130,13 @@ def peer_rows(weights: dict[str, torch.Tensor], tokens: list[int], device, g) ->
             n, k = w.shape
             x = xs.setdefault(k, torch.randn(m, k, generator=g, device=device, dtype=w.dtype))
             ref = F.linear(x, w).float()
-            ms = burst_ms(lambda x=x, w=w: linear(x, w))
-            rows.append(row("nakta", name, m, k, n, ms, err(linear(x, w), ref)))
+            ms = burst_ms(lambda x=x, w=w: tma_linear(x, w))
+            rows.append(row("tma", name, m, k, n, ms, err(tma_linear(x, w), ref)))
             if name == "w13":
                 unfused = swiglu(F.linear(x, w)).float()
-                ms = burst_ms(lambda x=x, w=w: linear(x, w, swiglu=True))
-                fused_err = err(linear(x, w, swiglu=True), unfused)
-                rows.append(row("nakta_swiglu", name, m, k, n, ms, fused_err))
+                ms = burst_ms(lambda x=x, w=w: tma_linear(x, w, swiglu=True))
+                fused_err = err(tma_linear(x, w, swiglu=True), unfused)
+                rows.append(row("tma_swiglu", name, m, k, n, ms, fused_err))
                 ms = burst_ms(lambda x=x, w=w: swiglu(F.linear(x, w)))
                 rows.append(row("cublas+swiglu", name, m, k, n, ms, 0.0))
             if m != max(tokens):
@@ -161,23 +160,27 @@ def peer_rows(weights: dict[str, torch.Tensor], tokens: list[int], device, g) ->
 
 
 def plot(df: pd.DataFrame, title: str):
+    """Each case's rate as a fraction of the burst 8192^3 rate, bursts and sustained side by
+    side (horizontal bars: the case names are long)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4))
     sub = df[df["shape"] != f"{SQUARE}^3"].copy()
     sub["case"] = sub["shape"] + " M=" + sub["M"].astype(str)
     table = sub.pivot_table(index="case", columns="regime", values="of_burst_peak", sort=False)
-    table.plot.bar(ax=ax, width=0.7)
-    ax.axhline(0.85, color="k", ls="--", lw=1, label="85%")
-    ax.set_ylabel(f"of the burst {SQUARE}^3 rate")
-    ax.set_ylim(0.5, 1.05)
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(table) + 1.5))
+    table.plot.barh(ax=ax, width=0.75)
+    ax.axvline(0.85, color="k", ls="--", lw=1, label="85%")
+    ax.set_xlabel(f"of the burst {SQUARE}^3 rate")
+    ax.set_xlim(0.3, 1.05)
+    ax.invert_yaxis()
+    ax.set_ylabel("")
     ax.set_title(title)
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.autofmt_xdate(rotation=30)
+    ax.legend(loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
     return fig
 
 

@@ -4,8 +4,6 @@ Per block: RMSNorm (fused with the residual add) -> ONE ``wqkv`` GEMM -> in-plac
 also writes K/V into the cache -> attention (SDPA flash with a cache / causal rows; the packed
 Triton kernel for scoring and prefill) -> ``wo`` -> RMSNorm + residual ->
 ONE ``w13`` GEMM -> SwiGLU -> ``w2``. Same math as Meta's LLaMA-1 (``llama_org``), fewer launches.
-From ``GEMM_MIN_TOKENS`` tokens on (scoring, prefill) the GEMMs are Nakta's TMA kernel, which
-applies SwiGLU in the ``w13`` GEMM's epilogue; below, cuBLAS.
 
 Tensor parallel (``ParallelContext``): each rank holds its Q/K/V heads and FFN columns; ``wo``
 and ``w2`` are row-split and end in one all-reduce each; the embedding is replicated; the LM
@@ -24,11 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nakta_model.attention import causal_attention
 from nakta_model.config import ModelArgs
-from nakta_model.kernels import gemm as _gemm
 from nakta_model.kernels import packed_attention as _packed
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
@@ -39,9 +35,6 @@ from nakta_model.parallel import ParallelContext, all_reduce, gather_last_dim
 __all__ = ["Transformer"]
 
 KERNEL_MODES = ("auto", "triton", "reference")
-# Token counts from which the block matmuls run on Nakta's TMA GEMM (kernels/gemm.py) instead of
-# cuBLAS: scoring and prefill batches. Below, cuBLAS (and decoding's own kernels) stay.
-GEMM_MIN_TOKENS = 1024
 
 
 def _default_kernels() -> str:
@@ -79,22 +72,6 @@ class _Ops:
     def swiglu(self, gate_up):
         fn = _swiglu.swiglu if self.triton(gate_up) else _swiglu.swiglu_reference
         return fn(gate_up)
-
-    def linear(self, x, weight, swiglu=False):
-        """``x @ weight.T`` (with ``swiglu``, then SwiGLU over its halves, fused into the GEMM's
-        epilogue): Nakta's GEMM for ``GEMM_MIN_TOKENS`` rows or more, else ``F.linear``. Never
-        under autograd (the GEMM has no backward)."""
-        use_gemm = (
-            x.dim() == 2
-            and x.shape[0] >= GEMM_MIN_TOKENS
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and self.triton(x)
-            and _gemm.gemm_supported(x, weight)
-        )
-        if use_gemm:
-            return _gemm.linear(x, weight, swiglu=swiglu)
-        y = F.linear(x, weight)
-        return self.swiglu(y) if swiglu else y
 
     def rope_qkv_(self, qkv, *args, **kw):
         fn = _rope.apply_rope_qkv_ if self.triton(qkv) else _rope.apply_rope_qkv_reference
@@ -158,7 +135,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         hq, hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         b, s = step.batch, step.seqlen
-        qkv = self.ops.linear(x, self.wqkv.weight)  # [b*s, (hq + 2 hkv) * hd]
+        qkv = self.wqkv(x)  # [b*s, (hq + 2 hkv) * hd]
         if step.packed is not None:  # one flat stream of sequences
             # RoPE once, in place (prefill also writes K/V into the cache), then attention
             # within each sequence's token tree. (Rotating K as it is read cost more than this
@@ -180,7 +157,7 @@ class Attention(nn.Module):
                     pp.page_size,
                 )  # fmt: skip
             out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, prefix=prefix)
-            return all_reduce(self.ops.linear(out, self.wo.weight), self.ctx)
+            return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:
             cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, cache_slots=step.cache_slots)
@@ -206,7 +183,7 @@ class Attention(nn.Module):
             v = heads[:, :, hq + hkv :].transpose(1, 2)
         out = causal_attention(q, k, v)
         out = out.transpose(1, 2).reshape(b * s, hq * hd)
-        return all_reduce(self.ops.linear(out, self.wo.weight), self.ctx)
+        return all_reduce(self.wo(out), self.ctx)
 
 
 class FeedForward(nn.Module):
@@ -218,8 +195,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ops.linear(x, self.w13.weight, swiglu=True)  # silu(gate) * up
-        return all_reduce(self.ops.linear(h, self.w2.weight), self.ctx)
+        return all_reduce(self.w2(self.ops.swiglu(self.w13(x))), self.ctx)
 
 
 class TransformerBlock(nn.Module):

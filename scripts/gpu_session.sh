@@ -22,7 +22,7 @@
 # gemm          kernel_benchmark.bench_gemm: the 7B block GEMMs at 1,024-16,384 tokens vs the
 #               8192^3 rate, in bursts and sustained; Nakta's TMA GEMM (fused SwiGLU) and a plain
 #               Triton GEMM beside cuBLAS
-# gemm_tests    the GPU tests of the TMA GEMM, the model and the scoring path
+# gemm_tests    the GPU tests of the benchmark TMA GEMM, the model and the scoring path
 # attn_scoring  bench_attention --tune-scoring: the packed kernel's launch configs and block
 #               skipping (none / branch / masked loads) on the scorer's own 0- and 10-shot batches
 # engine10      run_all, 300 HellaSwag 10-shot-shaped tasks (--shots 10, embedded lengths),
@@ -325,7 +325,7 @@ for job in "$@"; do
       pack preload_ab
       ;;
     gemm_tests)
-      step gemm_tests 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_gemm.py
+      step gemm_tests 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_tma_gemm.py
       step gemm_gpu_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
         tests/test_bench_gemm.py tests/test_model.py tests/test_scoring.py \
         tests/test_packed_attention.py tests/test_prefix_cache.py tests/test_generation.py \

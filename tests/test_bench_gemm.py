@@ -73,4 +73,3 @@ def test_triton_gemm_matches_torch_on_odd_and_strided_inputs(dtype):
         triton_linear(x, w[:, :7], cfg)
     with pytest.raises(TypeError, match="dtype"):
         triton_linear(x.float() if dtype != torch.float32 else x.double(), w, cfg)
-

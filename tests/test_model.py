@@ -246,36 +246,6 @@ def test_triton_kernels_match_reference_path():
     torch.testing.assert_close(b[1], b[0], **tol)
 
 
-def test_many_token_forwards_run_the_tma_gemm_with_fused_swiglu(monkeypatch):
-    """From GEMM_MIN_TOKENS tokens on (here: 1) the block GEMMs are kernels/gemm.py's, SwiGLU
-    in w13's epilogue; the logits stay the reference path's. Under autograd: F.linear."""
-    from nakta_model import model as model_mod
-    from nakta_model.kernels import gemm
-
-    calls = []
-    real = gemm.linear
-
-    def counted(x, w, **kw):
-        calls.append(kw.get("swiglu", False))
-        return real(x, w, **kw)
-
-    monkeypatch.setattr(model_mod, "GEMM_MIN_TOKENS", 1)
-    monkeypatch.setattr(gemm, "linear", counted)
-    ref, tri = make(kernels="reference"), make(kernels="triton")
-    tokens, positions, seq_start, span_end, (_, _, _, _, n) = tree_stream()
-    idx = torch.arange(n)
-    with torch.inference_mode():
-        got = tri.forward_packed(tokens, positions, seq_start, span_end, idx)
-        want = ref.forward_packed(tokens, positions, seq_start, span_end, idx)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-    layers = len(tri.layers)
-    assert len(calls) == 4 * layers and calls.count(True) == layers  # wqkv, wo, w13+SwiGLU, w2
-    calls.clear()
-    x = torch.randn(4, tri.args.dim, requires_grad=True)
-    tri.layers[0].feed_forward(x).sum().backward()  # grad enabled: F.linear, gradients flow
-    assert not calls and x.grad is not None
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_forward_tracks_fp32(dtype):
     tokens, positions, seq_start, span_end, (_, _, _, _, n) = tree_stream()

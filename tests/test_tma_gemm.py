@@ -1,17 +1,23 @@
-"""The persistent TMA GEMM (``kernels/gemm.py``) against fp64 matmuls, and its SwiGLU epilogue
-against the unfused path. CPU: the interpreter on small odd shapes; GPU: 7B-like shapes."""
+"""The benchmark's persistent TMA GEMM (``kernel_benchmark/triton_gemm.py``) against fp64
+matmuls, and its SwiGLU epilogue against the unfused path. CPU: the interpreter on small odd
+shapes (fp32 too); GPU: bf16/fp16, 7B-like shapes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nakta_model.kernels import gemm
+from kernel_benchmark import triton_gemm as gemm
+from kernel_benchmark.triton_gemm import linear_reference
+from kernel_benchmark.triton_gemm import tma_linear as linear
+from kernel_benchmark.triton_gemm import tma_supported as gemm_supported
 from nakta_model.kernels import swiglu as swiglu_kernels
-from nakta_model.kernels.gemm import gemm_supported, linear, linear_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# fp32 runs in the interpreter only (on a GPU its tiles overflow shared memory: refused)
+DTYPES = [torch.bfloat16, torch.float16] + ([torch.float32] if DEVICE == "cpu" else [])
+FLOAT = torch.float32 if DEVICE == "cpu" else torch.bfloat16
 needs_tma = pytest.mark.skipif(
     DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs sm_90+"
 )
@@ -22,7 +28,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @needs_tma
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, k, n", [(37, 40, 24), (5, 64, 48), (70, 24, 40)])
 def test_matches_fp64_matmul_on_odd_shapes(dtype, m, k, n):
     g = torch.Generator(device=DEVICE).manual_seed(m * k + n)
@@ -35,7 +41,7 @@ def test_matches_fp64_matmul_on_odd_shapes(dtype, m, k, n):
 
 
 @needs_tma
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_epilogue_equals_the_unfused_kernels(dtype):
     """Fused: silu(gate) * up from the accumulators, rounded as swiglu.py rounds; equal bit
     for bit to this kernel's plain projection followed by the SwiGLU kernel (same K order)."""
@@ -57,29 +63,34 @@ def test_swiglu_epilogue_equals_the_unfused_kernels(dtype):
 @needs_tma
 def test_strided_rows_and_empty_inputs():
     g = torch.Generator(device=DEVICE).manual_seed(3)
-    big = torch.randn(33, 56, generator=g, device=DEVICE)
-    x = big[:, 8:40]  # row stride 56 floats (224 bytes: 16-byte aligned), base 32 bytes in
-    w = torch.randn(20, 32, generator=g, device=DEVICE)
+    big = torch.randn(33, 64, generator=g, device=DEVICE).to(FLOAT)
+    x = big[:, 8:40]  # row stride 64 elements (16-byte aligned rows), base 8 elements in
+    w = torch.randn(24, 32, generator=g, device=DEVICE).to(FLOAT)
     assert not x.is_contiguous() and gemm_supported(x, w)
     torch.testing.assert_close(linear(x, w), linear(x.contiguous(), w), rtol=0, atol=0)
-    assert linear(x[:0], w).shape == (0, 20)
+    assert linear(x[:0], w).shape == (0, 24)
 
 
 @needs_tma
 def test_bad_inputs_raise_naming_the_argument():
-    x = torch.randn(8, 32, device=DEVICE)
-    w = torch.randn(16, 32, device=DEVICE)
+    x = torch.randn(8, 32, device=DEVICE).to(FLOAT)
+    w = torch.randn(16, 32, device=DEVICE).to(FLOAT)
     with pytest.raises(TypeError, match="w must have x's dtype"):
         linear(x, w.double())
     with pytest.raises(ValueError, match="same K"):
         linear(x, w[:, :16].contiguous())
     with pytest.raises(ValueError, match="even row count"):
         linear(x, w[:15], swiglu=True)
-    misaligned = torch.randn(8, 33, device=DEVICE)[:, :32]  # row stride 132 bytes
+    misaligned = torch.randn(8, 33, device=DEVICE).to(FLOAT)[:, :32]  # rows not 16-byte aligned
     assert not gemm_supported(misaligned, w)
     with pytest.raises(ValueError, match="x must have unit last stride and 16-byte aligned"):
         linear(misaligned, w)
-    assert not gemm_supported(x, w.half())  # mixed dtypes: the model keeps F.linear
+    assert not gemm_supported(x, w.double())  # mixed dtypes
+    if DEVICE == "cuda":
+        xf, wf = x.float(), w.float()
+        assert not gemm_supported(xf, wf)
+        with pytest.raises(TypeError, match="bf16/fp16 on a GPU"):
+            linear(xf, wf)
     with pytest.raises(TypeError):
         linear(x.int(), w)
 
@@ -106,5 +117,5 @@ def test_gpu_7b_shapes_against_cublas(dtype):
     fused = linear(x, w13, swiglu=True)
     ref = swiglu_kernels.swiglu(torch.nn.functional.linear(x, w13))
     assert torch.isfinite(fused).all() and rel(fused, ref.double()) < TOL[dtype]
-    for kind in ("plain", "swiglu"):  # every config of the table compiles on this GPU
+    for kind in ("plain", "swiglu"):  # the GPU table, not the interpreter's
         assert gemm._config(kind)["BLOCK_M"] >= 64
