@@ -98,7 +98,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, config: tuple = CONFIGS[0]) 
 # ``n`` and ``F + n`` of ``w13``) and writes ``silu(gate) * up`` only, rounded as swiglu.py
 # rounds (gate and up first), so it equals the unfused path of this same kernel bit for bit.
 # Measured on an H200 (results/nvidia-h200/gemm.md): the plain kernel at cuBLAS's rate (645-689
-# vs 653-675 TFLOP/s over three runs), the fused one slower than cuBLAS + the SwiGLU kernel
+# vs 653-675 TFLOP/s over two runs), the fused one slower than cuBLAS + the SwiGLU kernel
 # (16K tokens: 5.40 vs 4.65 ms), and the scorer built on them slower than on cuBLAS (221.6 vs
 # 248 tasks/s, commit ffc02ad): it stays a benchmark peer.
 

@@ -203,7 +203,7 @@ _CONFIGS: dict[int, dict[str, int]] = {
     32: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, SKIP=0),
     64: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3, SKIP=0),
     # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8; H200 on the scorer's
-    # batches (--tune-scoring, 36 configs x 3 SKIP modes): also the best, with SKIP 0
+    # batches (--tune-scoring, 18 configs x 3 SKIP modes): also the best, with SKIP 0
     128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3, SKIP=0),
     256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, SKIP=0),
 }
