@@ -339,13 +339,12 @@ def scoring_layouts(shots: tuple[int, ...], budget: int, vocab: int = 32000) -> 
     on HellaSwag-shaped tasks with each number of ``shots``: the very rows, merges and packing
     ``scoring.score`` makes (0-shot: merged trees of ~170-token rows; 10-shot: ~1,100)."""
     from nakta_model.score_batches import build_rows, merge_rows, pack, packed_batches
-    from nakta_model.scoring import _check_requests
     from speed_bench.workload import synthetic_workload
 
     out = []
     for n_shots in shots:
         work = synthetic_workload(2000 if n_shots == 0 else 400, vocab, 0, 2048, shots=n_shots)
-        reqs = _check_requests(work.requests, vocab, 2048)
+        reqs = [(list(ctx), list(cont)) for ctx, cont in work.requests]  # all fit: no truncation
         rows, _ = build_rows(reqs, True, 2048)
         batch = packed_batches(merge_rows(rows, 1024), budget, None)[0]
         b = pack(batch)

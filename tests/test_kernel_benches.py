@@ -174,3 +174,22 @@ def test_before_after_loads_two_trees_side_by_side(tmp_path):
     assert df["identical_outputs"].all()
     with pytest.raises(SystemExit):
         before_after.main(["--before", str(tmp_path / "nowhere")])
+
+
+def test_attention_scoring_layouts_are_the_scorers_own_batches(capsys):
+    """--tune-scoring times the packed kernel on the engine's first full batch of 0- and
+    few-shot tasks: valid packed layouts (contiguous trees, spans inside their rows), padded to
+    the scorer's multiple, every real token seeing at least itself; a CPU run is refused."""
+    from kernel_benchmark.bench_attention import main, scoring_layouts
+    from nakta_model.kernels.packed_attention import _check_layout
+    from nakta_model.score_batches import PAD_MULTIPLE
+
+    layouts = scoring_layouts((0, 3), 2048)
+    assert [label.split()[0] for label, *_ in layouts] == ["0-shot", "3-shot"]
+    for _, start, span, pairs in layouts:
+        _check_layout(start, span)
+        assert start.shape[0] % PAD_MULTIPLE == 0 and pairs >= start.shape[0]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["--tune-scoring", "--device", "cpu"])
+        assert "needs a GPU" in capsys.readouterr().err
