@@ -26,6 +26,7 @@ run says so and exits 1): cuBLAS rates are what it measures.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from bench_common.ceilings import device_slug, sustained_ms
 from bench_common.report import results_dir, save_figure, write_json, write_table
+from bench_common.timing import eager_ms
 from nakta_model.config import ModelArgs, preset
 
 SQUARE = 8192  # the MFU denominator's matmul (bench_common.ceilings.matmul_tflops)
@@ -54,10 +56,9 @@ def block_gemms(args: ModelArgs) -> dict[str, tuple[int, int]]:
     }
 
 
-def burst_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+def burst_timer(device: torch.device):
+    """``fn -> ms``: the median of short timings (do_bench), the way the ceiling is measured."""
+    return functools.partial(eager_ms, device=device, warmup=25, rep=100)
 
 
 def _square_call(device: torch.device, g: torch.Generator):
@@ -70,7 +71,7 @@ def measure(args: ModelArgs, tokens: list[int], seconds: float, device: torch.de
     """One row per (shape, regime): ms per call, TFLOP/s, fraction of both 8192^3 rates."""
     dtype = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
-    timers = {"burst": burst_ms, "sustained": lambda fn: sustained_ms(fn, seconds)}
+    timers = {"burst": burst_timer(device), "sustained": lambda fn: sustained_ms(fn, seconds)}
     rows, peak = [], {}
     square = _square_call(device, g)
     for regime, timer in timers.items():
@@ -123,6 +124,7 @@ def peer_rows(weights: dict[str, torch.Tensor], tokens: list[int], device, g) ->
     def err(got, ref):
         return float((got.float() - ref).norm() / ref.norm())
 
+    burst_ms = burst_timer(device)
     rows = []
     for m in tokens:
         xs = {}

@@ -23,6 +23,7 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     interpreter_enabled,
+    sm_count,
 )
 from nakta_model.kernels._triton_math import round_to, silu
 
@@ -239,7 +240,7 @@ def tma_linear(
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     interp = interpreter_enabled()
-    sms = _INTERPRETER_SMS if interp else _sm_count(x.device)
+    sms = sm_count(x.device, _INTERPRETER_SMS)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     _gemm_kernel[(min(sms, tiles),)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
@@ -249,16 +250,6 @@ def tma_linear(
         EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, *, swiglu: bool = False) -> torch.Tensor:
