@@ -151,6 +151,7 @@ def synthetic_workload(
         raise ValueError(f"max_length {max_length} is shorter than the shortest HellaSwag task")
     docs, requests = [], []
     longest = max(int(k) for k in hist["continuation_tokens"])
+    sep = min(FEWSHOT_SEPARATOR, vocab_size - 1)
     for t in range(n_tasks):
         n_ctx = ctx_len(limit - shortest)
         ctx = [1] + [rng.randrange(3, vocab_size) for _ in range(n_ctx - 1)]  # BOS = 1
@@ -158,7 +159,6 @@ def synthetic_workload(
             n = ctx_len(limit) - 1 + cont_len(limit)
             if len(ctx) + n + 1 + longest > limit:
                 break
-            sep = min(FEWSHOT_SEPARATOR, vocab_size - 1)
             shot = [rng.randrange(3, vocab_size) for _ in range(n)] + [sep]
             ctx[1:1] = shot
         choices = []

@@ -33,20 +33,26 @@ def test_categorize(name, op, expected):
     assert categorize(name, op) == expected
 
 
+def _event(cat: str, name: str, ts: float, dur: float, ext=None, dims=None) -> dict:
+    """A complete ("X") Chrome-trace event as torch.profiler writes it; ``ext`` links a kernel
+    to the op that launched it, ``dims`` is the op's recorded input shapes."""
+    args = {} if ext is None else {"External id": ext}
+    if dims is not None:
+        args["Input Dims"] = dims
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
 def test_summarize_gpu_trace_counts_busy_time_and_gaps():
     trace = {
         "traceEvents": [
-            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5,
-             "args": {"External id": 7}},
-            {"ph": "X", "cat": "kernel", "name": "some_gemm_kernel", "ts": 10, "dur": 20,
-             "args": {"External id": 7}},
+            _event("cpu_op", "aten::mm", 0, 5, ext=7),
+            _event("kernel", "some_gemm_kernel", 10, 20, ext=7),
             # overlapping second stream: counted in its category, once in the busy timeline
-            {"ph": "X", "cat": "kernel", "name": "_rope_kernel", "ts": 25, "dur": 10, "args": {}},
-            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 50, "dur": 5, "args": {}},
-            {"ph": "X", "cat": "kernel", "name": "some_gemm_kernel", "ts": 60, "dur": 20,
-             "args": {"External id": 7}},
+            _event("kernel", "_rope_kernel", 25, 10),
+            _event("gpu_memcpy", "Memcpy HtoD", 50, 5),
+            _event("kernel", "some_gemm_kernel", 60, 20, ext=7),
         ]
-    }  # fmt: skip
+    }
     df, cats = summarize_gpu_trace(trace)
     assert cats["gemm"] == 40 and cats["elementwise"] == 10 and cats["memcpy"] == 5
     # span 10..80 = 70; busy = [10,35) + [50,55) + [60,80) = 25 + 5 + 20 = 50
@@ -60,31 +66,23 @@ def test_summarize_gpu_trace_counts_busy_time_and_gaps():
 
 
 def test_summarize_gemms_rates_each_shape_against_the_peak():
+    mm_dims = [[1000, 4096], [4096, 12288]]
     trace = {
         "traceEvents": [
-            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5,
-             "args": {"External id": 1, "Input Dims": [[1000, 4096], [4096, 12288]]}},
-            {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 10, "dur": 200,
-             "args": {"External id": 1}},
+            _event("cpu_op", "aten::mm", 0, 5, ext=1, dims=mm_dims),
+            _event("kernel", "gemm_a", 10, 200, ext=1),
             # a second call of the same shape, split over two kernels (split-K + reduction)
-            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 300, "dur": 5,
-             "args": {"External id": 2, "Input Dims": [[1000, 4096], [4096, 12288]]}},
-            {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 310, "dur": 150,
-             "args": {"External id": 2}},
-            {"ph": "X", "cat": "kernel", "name": "reduce", "ts": 460, "dur": 50,
-             "args": {"External id": 2}},
+            _event("cpu_op", "aten::mm", 300, 5, ext=2, dims=mm_dims),
+            _event("kernel", "gemm_a", 310, 150, ext=2),
+            _event("kernel", "reduce", 460, 50, ext=2),
             # addmm: bias first; an op that is no matmul and a kernel with no op are ignored
-            {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "ts": 600, "dur": 5,
-             "args": {"External id": 3, "Input Dims": [[64], [7, 32], [32, 64]]}},
-            {"ph": "X", "cat": "kernel", "name": "gemm_b", "ts": 610, "dur": 1,
-             "args": {"External id": 3}},
-            {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 700, "dur": 5,
-             "args": {"External id": 4, "Input Dims": [[7, 32], [7, 32]]}},
-            {"ph": "X", "cat": "kernel", "name": "add", "ts": 710, "dur": 9,
-             "args": {"External id": 4}},
-            {"ph": "X", "cat": "kernel", "name": "orphan", "ts": 720, "dur": 9, "args": {}},
+            _event("cpu_op", "aten::addmm", 600, 5, ext=3, dims=[[64], [7, 32], [32, 64]]),
+            _event("kernel", "gemm_b", 610, 1, ext=3),
+            _event("cpu_op", "aten::add", 700, 5, ext=4, dims=[[7, 32], [7, 32]]),
+            _event("kernel", "add", 710, 9, ext=4),
+            _event("kernel", "orphan", 720, 9),
         ]
-    }  # fmt: skip
+    }
     df = summarize_gemms(trace, peak_tflops=500.0)
     assert list(zip(df["M"], df["K"], df["N"])) == [(1000, 4096, 12288), (7, 32, 64)]
     big = df.iloc[0]
