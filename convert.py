@@ -1,6 +1,6 @@
 """Convert a Meta or HF LLaMA checkpoint into a Nakta checkpoint at any tensor-parallel size.
 
-    python convert.py IN OUT [--tp N] [--dtype bf16|fp16|fp32] [--force]
+    python convert.py IN OUT [--tp N] [--dtype bf16|fp16|fp32] [--quant fp8] [--force]
 
 IN is either a Meta checkpoint directory (``consolidated.NN.pth`` shards, any count, and
 ``params.json``) or a HF LLaMA directory (``config.json`` and ``*.safetensors`` or
@@ -8,6 +8,10 @@ IN is either a Meta checkpoint directory (``consolidated.NN.pth`` shards, any co
 ``wqkv`` / ``w13`` weights split for ``--tp`` ranks, a ``params.json`` and a ``manifest.json``
 (see ``nakta_model/checkpoint.py``). Sources are memory-mapped and every output tensor is
 written as soon as it is built, so even 65B converts without holding the model in memory.
+
+``--quant fp8`` writes an FP8 checkpoint: each rank's ``wqkv``/``wo``/``w13``/``w2`` in e4m3
+with one fp32 scale per output channel of its shard (round to nearest, no calibration data),
+the rest in ``--dtype``; about half the bytes. It loads with ``quant="fp8"`` only.
 
 Everything is checked before a byte is written: shard set, tensor names, shapes against the
 params, tp divisibility. OUT is written to a temporary directory and renamed at the end.
@@ -52,6 +56,7 @@ def convert(
     dtype: torch.dtype | None = None,
     force: bool = False,
     quiet: bool = False,
+    quant: str | None = None,
 ) -> Path:
     """IN (Meta or HF, ``sources.open_source``) -> a Nakta checkpoint at OUT for ``tp`` ranks;
     every check (OUT, names, shapes, tp, dtype) before a byte is written."""
@@ -73,6 +78,7 @@ def convert(
         force=force,
         tokenizer=src.tokenizer,
         progress=not quiet,
+        quant=quant,
     )
 
 
@@ -84,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("output", type=Path, help="Nakta checkpoint dir to create")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: source)")
+    parser.add_argument(
+        "--quant", choices=["fp8"], help="fp8: e4m3 block matrices + per-channel scales"
+    )
     parser.add_argument(
         "--force", action="store_true", help="replace an existing OUT that is a Nakta checkpoint"
     )
@@ -99,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=DTYPES[ns.dtype] if ns.dtype else None,
             force=ns.force,
             quiet=ns.quiet,
+            quant=ns.quant,
         )
     except (CheckpointError, ValueError, TypeError, OSError) as e:
         print(f"convert.py: error: {e}", file=sys.stderr)
@@ -107,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("convert.py: interrupted; no partial output left behind", file=sys.stderr)
         return 130
     if not ns.quiet:
-        print(f"wrote {out} (tp={ns.tp})")
+        print(f"wrote {out} (tp={ns.tp}{', fp8' if ns.quant else ''})")
     return 0
 
 

@@ -9,6 +9,11 @@ Layout of a checkpoint directory::
     manifest.json                        size, sha256 and sampled sha256 of every file,
                                          shape + dtype of every tensor
 
+An FP8 checkpoint (``quant="fp8"`` in params.json and the manifest, ``convert.py --quant fp8``)
+stores each rank's ``wqkv``/``wo``/``w13``/``w2`` as e4m3 with an fp32 ``*.weight_scale`` per
+output channel of that rank's shard (``nakta_model/fp8.py``), everything else in ``dtype``:
+half the bytes to read. It loads only with ``quant="fp8"``.
+
 Why fused and pre-split: loading is then a straight copy (no concat/permute on the GPU), each
 rank reads only its own file, and the manifest lets a loader refuse a corrupt or mismatched
 checkpoint instead of running on garbage.
@@ -41,12 +46,12 @@ import torch
 
 from nakta_model.checkpoint_names import MANIFEST, PARAMS, shard_file_name
 from nakta_model.config import ModelArgs
+from nakta_model.fp8 import check_quant, quantizing_fetch, stored_layout
 from nakta_model.io_utils import atomic_output_dir, atomic_write_text
 from nakta_model.layout import (
     CheckpointError,
     check_meta_names,
     meta_shapes,
-    nakta_shapes,
     nakta_tensor,
     short_list,
 )
@@ -71,6 +76,9 @@ TOKENIZER = "tokenizer.model"
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FP8 = torch.float8_e4m3fn
+_STORED_ST = {**_ST_DTYPES, _FP8: "F8_E4M3"}  # what a shard may hold (FP8 weights too)
+_STORED_NAMES = {**_DTYPE_NAMES, _FP8: "float8_e4m3fn"}
 
 # Fast verification: sha256 over the header plus every k-th block and the last one, k chosen so
 # that at most SAMPLE_MAX_BLOCKS blocks (64 MiB) are read per file. 64 MiB hash in ~0.05 s, a
@@ -92,16 +100,20 @@ class _SafetensorsStream:
     """Writes one safetensors file tensor by tensor (header first: shapes are known up front),
     hashing as it goes, so converting a 65B model never holds more than one tensor in memory."""
 
-    def __init__(self, path: Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype):
-        self.path, self.shapes, self.dtype = path, dict(shapes), dtype
+    def __init__(
+        self,
+        path: Path,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtypes: Mapping[str, torch.dtype],
+    ):
+        self.path, self.shapes, self.dtypes = path, dict(shapes), dict(dtypes)
         self.order = sorted(self.shapes)
-        esize = torch.empty((), dtype=dtype).element_size()
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name in self.order:
-            nbytes = esize * _numel(self.shapes[name])
+            nbytes = self.dtypes[name].itemsize * _numel(self.shapes[name])
             header[name] = {
-                "dtype": _ST_DTYPES[dtype],
+                "dtype": _STORED_ST[self.dtypes[name]],
                 "shape": list(self.shapes[name]),
                 "data_offsets": [offset, offset + nbytes],
             }
@@ -124,7 +136,9 @@ class _SafetensorsStream:
             raise RuntimeError(f"tensors must come in order: expected {self.order[self.next]}")
         if tuple(t.shape) != self.shapes[name]:
             raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected {self.shapes[name]}")
-        t = t.detach().to("cpu", self.dtype).contiguous()
+        if t.dtype == _FP8 and self.dtypes[name] != _FP8:
+            raise CheckpointError(f"{name}: e4m3 tensor for a {self.dtypes[name]} slot")
+        t = t.detach().to("cpu", self.dtypes[name]).contiguous()
         self._write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
         self.next += 1
 
@@ -224,8 +238,11 @@ def write_checkpoint(
     force: bool = False,
     tokenizer: str | Path | None = None,
     progress: bool = False,
+    quant: str | None = None,
 ) -> Path:
     """Write a Nakta checkpoint from unsplit Meta tensors fetched one at a time by ``get_meta``.
+
+    ``quant="fp8"``: each rank's block matrices quantized on its own shard (module docstring).
 
     All ``tp_size`` rank files are written side by side, tensor by tensor, into a temporary
     directory that replaces ``out_dir`` only when everything (manifest included) is done.
@@ -234,13 +251,15 @@ def write_checkpoint(
     """
     if dtype not in _ST_DTYPES:
         raise TypeError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
-    shapes = nakta_shapes(args, tp_size)
+    quant = check_quant(quant)
+    shapes, dtypes = stored_layout(args, tp_size, dtype, quant)
     get_meta = functools.lru_cache(maxsize=4)(get_meta)  # wqkv needs wq, wk, wv for each rank
+    tensor = quantizing_fetch(get_meta, tp_size) if quant else None
     out_dir = Path(out_dir)
     notify = _print_stderr if progress else None
     with atomic_output_dir(out_dir, force, may_replace=check_replaceable, notify=notify) as tmp:
         streams = [
-            _SafetensorsStream(tmp / shard_file_name(r, tp_size), shapes, dtype)
+            _SafetensorsStream(tmp / shard_file_name(r, tp_size), shapes, dtypes)
             for r in range(tp_size)
         ]
         try:
@@ -251,7 +270,8 @@ def write_checkpoint(
                 names = tqdm(names, desc=f"writing {tp_size} shard(s)", unit="tensor")
             for name in names:
                 for r, stream in enumerate(streams):
-                    stream.add(name, nakta_tensor(name, get_meta, r, tp_size))
+                    t = tensor(name, r) if tensor else nakta_tensor(name, get_meta, r, tp_size)
+                    stream.add(name, t)
             written = [s.finish() for s in streams]
         except BaseException:
             for s in streams:
@@ -264,7 +284,8 @@ def write_checkpoint(
                 **_file_record(tmp / name, sha256=info["sha256"]),
                 "tp_rank": r,
                 "tensors": {
-                    n: {"shape": list(s), "dtype": _DTYPE_NAMES[dtype]} for n, s in shapes.items()
+                    n: {"shape": list(s), "dtype": _STORED_NAMES[dtypes[n]]}
+                    for n, s in shapes.items()
                 },
             }
         params = {
@@ -272,6 +293,7 @@ def write_checkpoint(
             "tp_size": tp_size,
             "format_version": FORMAT_VERSION,
             "dtype": _DTYPE_NAMES[dtype],
+            **({"quant": quant} if quant else {}),
         }
         atomic_write_text(tmp / PARAMS, json.dumps(params, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
@@ -283,6 +305,7 @@ def write_checkpoint(
             "format_version": FORMAT_VERSION,
             "tp_size": tp_size,
             "dtype": _DTYPE_NAMES[dtype],
+            **({"quant": quant} if quant else {}),
             "files": files,
         }
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -516,7 +539,8 @@ def load_rank_state_dict(
     listed = manifest["files"][fname].get("tensors")
     if not isinstance(listed, dict):
         raise CheckpointError(f"{path / MANIFEST}: entry {fname} has no tensor list")
-    expected = nakta_shapes(args, tp_size)
+    quant = _stored_quant(path, params, manifest)
+    expected, _ = stored_layout(args, tp_size, torch.float32, quant)
     out: dict[str, torch.Tensor] = {}
     try:  # a prefetch of this very file (nakta_model.prefetch) already read it, or read now
         tensors = prefetch.take(path / fname, device) or read_safetensors(path / fname, device)
@@ -534,12 +558,27 @@ def load_rank_state_dict(
         if (
             not isinstance(info, dict)
             or list(t.shape) != info.get("shape")
-            or _DTYPE_NAMES.get(t.dtype) != info.get("dtype")
+            or _STORED_NAMES.get(t.dtype) != info.get("dtype")
         ):
             raise CheckpointError(f"{path / fname}: {name} does not match the manifest")
         if tuple(t.shape) != expected[name]:
             raise CheckpointError(
                 f"{path / fname}: {name} has shape {tuple(t.shape)}, params say {expected[name]}"
             )
-        out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+        keep = t.dtype == _FP8 or (quant and name.endswith("_scale"))  # FP8 data as stored
+        out[name] = t if keep or dtype is None or t.dtype == dtype else t.to(dtype)
     return args, out
+
+
+def _stored_quant(path: Path, params: Mapping, manifest: Mapping) -> str | None:
+    """The checkpoint's ``quant`` (None or ``"fp8"``), params.json and manifest agreeing."""
+    try:
+        quant = check_quant(params.get("quant"))
+        listed = check_quant(manifest.get("quant"))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if quant != listed:
+        raise CheckpointError(
+            f"{path}: {PARAMS} says quant={quant!r} but {MANIFEST} says {listed!r}"
+        )
+    return quant

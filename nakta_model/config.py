@@ -17,7 +17,9 @@ __all__ = ["META_PARAMS_KEYS", "ModelArgs", "PRESETS", "meta_hidden_dim", "prese
 
 # params.json keys that are read without becoming a ModelArgs field: llama_org's runtime batch
 # size and the metadata a Nakta checkpoint's params.json carries (see checkpoint.py).
-_IGNORED_PARAMS_KEYS = frozenset({"max_batch_size", "tp_size", "format_version", "dtype"})
+_IGNORED_PARAMS_KEYS = frozenset(
+    {"max_batch_size", "tp_size", "format_version", "dtype", "quant"}  # storage, not the model
+)
 
 
 def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:

@@ -42,6 +42,14 @@ import torch
 
 from nakta_model.checkpoint import load_rank_state_dict, read_args
 from nakta_model.config import ModelArgs
+from nakta_model.fp8 import (
+    check_fp8_device,
+    check_quant,
+    is_quantized_name,
+    quantize_state,
+    scale_name,
+)
+from nakta_model.kernels.fp8_quant import FP8_DTYPE, quantize_weight
 from nakta_model.layout import CheckpointError, check_meta_names, nakta_shapes, nakta_tensor
 from nakta_model.model import Transformer
 from nakta_model.parallel import (
@@ -74,23 +82,41 @@ def load(
     *,
     kernels: str | None = None,
     verify: str | bool = "fast",
+    quant: str | None = None,
 ) -> Transformer:
     """This rank's model from ``source`` (see the module docstring for the kinds).
 
     ``device`` None: ``parallel.device``, else CUDA when present, else the CPU. ``verify``
     applies to Nakta checkpoints (Meta and HF ones have no manifest: their names and shapes are
     checked, not their bytes). ``kernels``: ``auto`` / ``triton`` / ``reference``.
+    ``quant="fp8"``: e4m3 block matrices (``nakta_model/fp8.py``), read as stored from an FP8
+    Nakta checkpoint (``convert.py --quant fp8``) or quantized here from any other (round to
+    nearest, one scale per output channel of this rank's shard); an FP8 checkpoint loaded
+    without it is refused, never reinterpreted.
     """
+    quant = check_quant(quant)
     parallel = parallel or ParallelContext()
     device, dtype = _resolve(device if device is not None else parallel.device, dtype)
+    if quant is not None:
+        check_fp8_device(device)
     if parallel.world_size == 1:
-        args, state = read_rank_state(source, parallel, device, dtype, verify)
+        args, state = read_rank_state(source, parallel, device, dtype, verify, quant)
     else:
         _check_grid(source, parallel)
-        args, state = collective_call(read_rank_state, source, parallel, device, dtype, verify)
+        args, state = collective_call(
+            read_rank_state, source, parallel, device, dtype, verify, quant
+        )
     if isinstance(source, MetaRankShard):  # every rank agreed the shards fit: now gather
         state[_EMBEDDING] = gather_last_dim(state[_EMBEDDING], parallel)
-    return _assemble(args, state, parallel, kernels)
+    stored_fp8 = any(t.dtype == FP8_DTYPE for t in state.values())
+    if stored_fp8 and quant is None:
+        raise CheckpointError(
+            f"{source} is an FP8 checkpoint (e4m3 weights + scales): load it with quant='fp8' "
+            "(lm-eval: --model_args ...,quant=fp8; the CLIs: --quant fp8)"
+        )
+    if quant is not None:
+        quantize_state(state)
+    return _assemble(args, state, parallel, kernels, quant)
 
 
 def checkpoint_args(path: str | os.PathLike) -> ModelArgs:
@@ -109,9 +135,12 @@ def read_rank_state(
     device: torch.device,
     dtype: torch.dtype | None,
     verify: str | bool = "fast",
+    quant: str | None = None,
 ) -> tuple[ModelArgs, StateDict]:
     """``(args, this rank's Nakta tensors on device)`` from any source; a ``MetaRankShard``'s
-    embedding is still this rank's slice (:func:`load` gathers it)."""
+    embedding is still this rank's slice (:func:`load` gathers it). With ``quant``, tensors
+    built one at a time from a Meta/HF source are quantized as they are built (the peak is the
+    FP8 model plus one matrix: a 30B from bf16 weights fits one 80 GB GPU)."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not (is_meta_checkpoint(path) or is_hf_checkpoint(path)):
@@ -119,7 +148,7 @@ def read_rank_state(
             return load_rank_state_dict(path, tp_rank, tp_size, device, dtype, verify=verify)
         source = open_source(path, quiet=True)
     if isinstance(source, Source):
-        return source.args, _state_from_source(source, parallel, device, dtype)
+        return source.args, _state_from_source(source, parallel, device, dtype, quant)
     if isinstance(source, MetaRankShard):
         return source.args, _state_from_rank_shard(source, parallel, device, dtype)
     raise TypeError(
@@ -136,19 +165,25 @@ def random_model(
     parallel: ParallelContext | None = None,
     *,
     kernels: str | None = None,
+    quant: str | None = None,
 ) -> Transformer:
     """Random weights initialized directly on ``device`` (this rank's shard only), for speed runs.
 
     Scale keeps activations finite over 80 layers: matrices ~ N(0, 1/fan_in) with the residual
     projections (``wo``, ``w2``) further scaled by 1/sqrt(2 n_layers), embeddings ~ N(0, 1),
     norm weights 1. Different ranks draw different shards (seeded by seed and rank); the
-    replicated embedding is the same on every rank.
+    replicated embedding is the same on every rank. ``quant="fp8"``: the same draws, each
+    block matrix quantized as it is drawn (one matrix in ``dtype`` at a time: a 30B fits one
+    80 GB GPU), so it is the quantized twin of the model drawn without it.
     """
+    quant = check_quant(quant)
     parallel = parallel or ParallelContext()
     device, dtype = _resolve(device, dtype)
     dtype = dtype or torch.bfloat16
+    if quant is not None:
+        check_fp8_device(device)
     with torch.device("meta"):
-        model = Transformer(args, parallel, kernels).to(dtype)  # dtype first: no fp32 copy
+        model = Transformer(args, parallel, kernels, quant).to(dtype)  # no fp32 copy
     # Storage by assignment, not ``to_empty``: that goes through torch._refs.empty_like, which
     # imports sympy (seconds of one thread's start-up, more beside a busy one).
     empty = {
@@ -166,8 +201,11 @@ def random_model(
         "w2": args.hidden_dim,
         "output": args.dim,
     }
+    state = model.state_dict()  # registration order, as named_parameters without quant
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in state.items():
+            if name.endswith("_scale"):
+                continue  # drawn with its weight
             kind = name.split(".")[-2]
             if p.dim() == 1:
                 p.fill_(1.0)
@@ -175,7 +213,16 @@ def random_model(
                 p.normal_(0.0, 1.0, generator=shared_gen)
             else:
                 std = fan_in[kind] ** -0.5 * (depth_scale if kind in ("wo", "w2") else 1.0)
-                p.normal_(0.0, std, generator=gen)
+                if p.dtype != FP8_DTYPE:
+                    p.normal_(0.0, std, generator=gen)
+                    continue
+                w = torch.empty(p.shape, dtype=dtype, device=device).normal_(
+                    0.0, std, generator=gen
+                )
+                q, s = quantize_weight(w)
+                p.copy_(q)
+                state[scale_name(name)].copy_(s)
+                del w
     model.requires_grad_(False)
     return model.eval()
 
@@ -214,11 +261,17 @@ def _owned(t: torch.Tensor, handed_out: set[int], device, dtype) -> torch.Tensor
     return t
 
 
-def _state_from_source(source: Source, parallel: ParallelContext, device, dtype) -> StateDict:
+def _state_from_source(
+    source: Source, parallel: ParallelContext, device, dtype, quant: str | None = None
+) -> StateDict:
     """This rank's fused tensors from unsplit Meta tensors, one at a time: a rank holds its
     shard plus one unsplit tensor, never the whole model (a 30B splits over two GPUs)."""
-    names = nakta_shapes(source.args, parallel.tp_size)
-    return {name: _rank_tensor(name, source, parallel, device, dtype) for name in names}
+    state: StateDict = {}
+    for name in nakta_shapes(source.args, parallel.tp_size):
+        state[name] = _rank_tensor(name, source, parallel, device, dtype)
+        if quant is not None and is_quantized_name(name):
+            state[name], state[scale_name(name)] = quantize_weight(state[name])
+    return state
 
 
 def _rank_tensor(name: str, source: Source, parallel: ParallelContext, device, dtype):
@@ -262,13 +315,17 @@ def _state_from_rank_shard(
 
 
 def _assemble(
-    args: ModelArgs, state: StateDict, parallel: ParallelContext, kernels: str | None
+    args: ModelArgs,
+    state: StateDict,
+    parallel: ParallelContext,
+    kernels: str | None,
+    quant: str | None = None,
 ) -> Transformer:
     """The model on the ``meta`` device, filled by assignment: every tensor present, none
     extra, every shape the model's."""
     args.check_tp(parallel.tp_size)
     with torch.device("meta"):
-        model = Transformer(args, parallel, kernels)
+        model = Transformer(args, parallel, kernels, quant)
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -25,6 +25,8 @@ import torch.nn as nn
 
 from nakta_model.attention import causal_attention
 from nakta_model.config import ModelArgs
+from nakta_model.fp8 import Fp8Linear, check_quant
+from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import packed_attention as _packed
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
@@ -47,12 +49,18 @@ def _default_kernels() -> str:
 class _Ops:
     """Kernel dispatch. ``auto``: Triton on CUDA tensors, the PyTorch reference elsewhere (the
     interpreter is far too slow to be a default); ``triton``: always the Triton kernels (on the
-    CPU only with ``TRITON_INTERPRET=1``); ``reference``: always plain PyTorch."""
+    CPU only with ``TRITON_INTERPRET=1``); ``reference``: always plain PyTorch.
 
-    def __init__(self, mode: str):
+    ``quant="fp8"``: the norms before ``wqkv``/``w13`` and the SwiGLU before ``w2`` return
+    ``QuantRows`` (e4m3 + a scale per row) for the FP8 GEMMs; ``act_dtype`` is the model's
+    dtype, in which those GEMMs write (set by the model at each forward)."""
+
+    def __init__(self, mode: str, quant: str | None = None):
         if mode not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
         self.mode = mode
+        self.quant = check_quant(quant)
+        self.act_dtype = torch.bfloat16
 
     def triton(self, x: torch.Tensor) -> bool:
         if self.mode == "reference":
@@ -69,9 +77,35 @@ class _Ops:
         fn = _rmsnorm.rms_norm if self.triton(x) else _rmsnorm.rms_norm_reference
         return fn(x, w, eps, residual=residual)
 
+    def block_norm(self, x, w, eps, residual=None):
+        """The norm before a block matrix: ``rms_norm``, or with FP8 its ``QuantRows``."""
+        if self.quant is None:
+            return self.rms_norm(x, w, eps, residual)
+        if self.triton(x):
+            return _rmsnorm.rms_norm_fp8(x, w, eps, residual=residual)
+        out = _rmsnorm.rms_norm_reference(x, w, eps, residual=residual)
+        if residual is None:
+            return _fp8.quantize_rows_reference(out)
+        return _fp8.quantize_rows_reference(out[0]), out[1]
+
     def swiglu(self, gate_up):
-        fn = _swiglu.swiglu if self.triton(gate_up) else _swiglu.swiglu_reference
-        return fn(gate_up)
+        """SwiGLU before ``w2``; with FP8 its ``QuantRows``."""
+        if self.quant is None:
+            fn = _swiglu.swiglu if self.triton(gate_up) else _swiglu.swiglu_reference
+            return fn(gate_up)
+        if self.triton(gate_up):
+            return _swiglu.swiglu_fp8(gate_up)
+        return _fp8.quantize_rows_reference(_swiglu.swiglu_reference(gate_up))
+
+    def quantize_rows(self, x):
+        fn = _fp8.quantize_rows if self.triton(x) else _fp8.quantize_rows_reference
+        return fn(x)
+
+    def linear(self, in_features: int, out_features: int) -> nn.Module:
+        """A block matrix: ``nn.Linear``, or with FP8 an ``Fp8Linear`` (e4m3 + scales)."""
+        if self.quant is None:
+            return nn.Linear(in_features, out_features, bias=False)
+        return Fp8Linear(in_features, out_features, self)
 
     def rope_qkv_(self, qkv, *args, **kw):
         fn = _rope.apply_rope_qkv_ if self.triton(qkv) else _rope.apply_rope_qkv_reference
@@ -124,10 +158,8 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads // ctx.tp_size
         self.head_dim = args.head_dim
         self.interleaved = args.rope_interleaved  # Meta pairs (Nakta checkpoints) or HF halves
-        self.wqkv = nn.Linear(
-            args.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False
-        )
-        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.wqkv = ops.linear(args.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim)
+        self.wo = ops.linear(self.n_heads * self.head_dim, args.dim)
         self.k_cache: torch.Tensor | None = None  # [max_batch * max_seq, n_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
         self.cache_seq_len = 0
@@ -191,8 +223,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.ctx, self.ops = ctx, ops
         hidden = args.hidden_dim // ctx.tp_size
-        self.w13 = nn.Linear(args.dim, 2 * hidden, bias=False)  # gate rows, then up rows
-        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w13 = ops.linear(args.dim, 2 * hidden)  # gate rows, then up rows
+        self.w2 = ops.linear(hidden, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.w2(self.ops.swiglu(self.w13(x))), self.ctx)
@@ -217,11 +249,11 @@ class TransformerBlock(nn.Module):
         """
         n = self.attention_norm
         if residual is None:
-            h, y = delta, self.ops.rms_norm(delta, n.weight, n.eps)
+            h, y = delta, self.ops.block_norm(delta, n.weight, n.eps)
         else:
-            y, h = self.ops.rms_norm(delta, n.weight, n.eps, residual=residual)
+            y, h = self.ops.block_norm(delta, n.weight, n.eps, residual=residual)
         a = self.attention(y, step)
-        y, h = self.ops.rms_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=h)
+        y, h = self.ops.block_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=h)
         return self.feed_forward(y), h
 
 
@@ -229,13 +261,17 @@ class Transformer(nn.Module):
     """LLaMA with fused ``wqkv``/``w13`` weights; see the module docstring."""
 
     def __init__(
-        self, args: ModelArgs, parallel: ParallelContext | None = None, kernels: str | None = None
+        self,
+        args: ModelArgs,
+        parallel: ParallelContext | None = None,
+        kernels: str | None = None,
+        quant: str | None = None,
     ):
         super().__init__()
         ctx = parallel or ParallelContext()
         args.check_tp(ctx.tp_size)
         self.args, self.parallel = args, ctx
-        self.ops = _Ops(kernels or _default_kernels())
+        self.ops = _Ops(kernels or _default_kernels(), quant)
         # _weight: no random init (on the meta device it would import torch._dynamo: seconds)
         self.tok_embeddings = nn.Embedding(
             args.vocab_size, args.dim, _weight=torch.zeros(args.vocab_size, args.dim)
@@ -258,6 +294,11 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.output.weight.dtype
+
+    @property
+    def quant(self) -> str | None:
+        """``None`` (the model's dtype throughout) or ``"fp8"`` (see ``nakta_model/fp8.py``)."""
+        return self.ops.quant
 
     @property
     def kernels(self) -> str:
@@ -291,6 +332,7 @@ class Transformer(nn.Module):
     def _trunk(self, tokens: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings through every block: the last FFN output and the residual before it."""
         delta = self.tok_embeddings(tokens.reshape(-1))
+        self.ops.act_dtype = delta.dtype  # the FP8 GEMMs write in the model's dtype
         residual = None
         for layer in self.layers:
             delta, residual = layer(delta, residual, step)

@@ -21,7 +21,12 @@ import torch
 
 __all__ = ["read_safetensors"]
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints (convert.py --quant fp8)
+}
 CHUNK_BYTES = 64 << 20
 THREADS = 4
 

@@ -148,9 +148,14 @@ class DecodeStep:
         self._compiled = self._compile() if graph_mode == "compile" else None
 
     # ------------------------------------------------------------------------------- math
-    def _linear(self, x, weight, **kw) -> torch.Tensor:
+    def _linear(self, x, layer, **kw) -> torch.Tensor:
+        """``layer``'s product (an ``nn.Linear``, or an ``Fp8Linear``: e4m3 weights streamed
+        with their per-channel scales, half the bytes)."""
+        scale = getattr(layer, "weight_scale", None)
+        if scale is not None:
+            kw["weight_scale"] = scale
         fn = _dl.decode_linear if self.kernels else _dl.decode_linear_reference
-        return fn(x, weight, **kw)
+        return fn(x, layer.weight, **kw)
 
     def _attention(self, q, k_cache, v_cache, lens) -> torch.Tensor:
         buf = self.buffers
@@ -181,33 +186,31 @@ class DecodeStep:
                 rope = _dl.RopeArgs(
                     positions, self.cos, self.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots
                 )
-                q = self._linear(
-                    h, a.wqkv.weight, norm_weight=norm1.weight, eps=norm1.eps, rope=rope
-                )
+                q = self._linear(h, a.wqkv, norm_weight=norm1.weight, eps=norm1.eps, rope=rope)
             else:  # HF's rotate-half pairs: the rope kernel rotates and writes the cache
-                qkv = self._linear(h, a.wqkv.weight, norm_weight=norm1.weight, eps=norm1.eps)
+                qkv = self._linear(h, a.wqkv, norm_weight=norm1.weight, eps=norm1.eps)
                 m.ops.rope_qkv_(
                     qkv, positions, self.cos, self.sin, hq, hkv, hd, interleaved=False,
                     k_cache=a.k_cache, v_cache=a.v_cache, cache_slots=slots,
                 )  # fmt: skip
                 q = qkv[:, : hq * hd]
             o = self._attention(q.view(b, hq, hd), kc, vc, lens).view(b, hq * hd)
-            h = self._residual(o, a.wo.weight, h, ctx)
-            g = self._linear(h, f.w13.weight, norm_weight=norm2.weight, eps=norm2.eps, swiglu=True)
-            h = self._residual(g, f.w2.weight, h, ctx)
-        logits = self._linear(h, m.output.weight, norm_weight=m.norm.weight, eps=m.norm.eps)
+            h = self._residual(o, a.wo, h, ctx)
+            g = self._linear(h, f.w13, norm_weight=norm2.weight, eps=norm2.eps, swiglu=True)
+            h = self._residual(g, f.w2, h, ctx)
+        logits = self._linear(h, m.output, norm_weight=m.norm.weight, eps=m.norm.eps)
         if ctx.tp_size > 1:
             from nakta_model.parallel import gather_last_dim
 
             logits = gather_last_dim(logits, ctx)
         return logits
 
-    def _residual(self, x, weight, residual, ctx) -> torch.Tensor:
+    def _residual(self, x, layer, residual, ctx) -> torch.Tensor:
         """``residual + x @ weight^T``: fused when the product is whole on this rank; under
         tensor parallelism the partial products are all-reduced first."""
         if ctx.tp_size == 1:
-            return self._linear(x, weight, residual=residual)
-        part = all_reduce(self._linear(x, weight), ctx)
+            return self._linear(x, layer, residual=residual)
+        part = all_reduce(self._linear(x, layer), ctx)
         return residual + part
 
     def __call__(self) -> None:
