@@ -60,7 +60,9 @@ def test_ci_runs_the_readme_test_command():
 @pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_names_an_existing_file(page):
     missing = [
-        t for t in relative_links(page.read_text(encoding="utf-8")) if not (page.parent / t).exists()
+        t
+        for t in relative_links(page.read_text(encoding="utf-8"))
+        if not (page.parent / t).exists()
     ]
     assert not missing, f"{page.relative_to(ROOT)} links to missing paths: {missing}"
 
@@ -68,6 +70,6 @@ def test_every_relative_link_names_an_existing_file(page):
 def test_the_link_finder_sees_links_and_skips_urls_anchors_and_code():
     text = (
         "[a](docs/x.md#part) ![img](p.png) [web](https://x.org) [here](#top)\n"
-        "`[not](code.md)`\n```\n[block](no.md)\n```\n[t](y.md \"title\")"
+        '`[not](code.md)`\n```\n[block](no.md)\n```\n[t](y.md "title")'
     )
     assert relative_links(text) == ["docs/x.md", "p.png", "y.md"]
