@@ -26,7 +26,7 @@
 #                                       1,000 tasks (flips counted, each with its margin)
 #   lm_eval_check_stories260K_bf16_cuda.json   lm-eval through both adapters == parity.py
 #   gpu_accuracy.log                    this script's output
-# Copy them to accuracy_test/results/ to keep them.
+# Copy them to accuracy_test/results/<device>/ (and its README index) to keep them.
 
 # Smoke test elsewhere: DEVICE=cpu LIMIT=5 PRESET=stories260K \
 #   RAND_TOK=.data/stories260K/tokenizer.model OUT=/tmp/x bash scripts/gpu_accuracy.sh

@@ -14,7 +14,7 @@
 # $OUT receives (6 files):
 #   multi_gpu_results.tar.gz  every run folder (summary.json, speed.csv/md/png) + scaling/
 #                             -> untar into speed_bench/results/<device>/ (parity/ ->
-#                             accuracy_test/results/)
+#                             accuracy_test/results/<device>/)
 #   scaling.md scaling.json scaling.png   the combined table
 #   multi_gpu_log.txt         full log;  pytest_gpu.txt  the NCCL test output
 # CPU smoke test of this script (tiny model, gloo, 2 processes): MULTI_SMOKE=1 OUT=/tmp/x bash gpu_multi.sh
