@@ -1,6 +1,6 @@
 """llama2.c files -> a Meta-format checkpoint directory, so every Nakta tool can read them.
 
-    python -m nakta_model.llama2c MODEL.bin TOKENIZER.bin OUT_DIR [--force]
+    python -m nakta_model.llama2c MODEL.bin TOKENIZER.bin OUT_DIR [--max-seq-len N] [--force]
 
 MODEL.bin is a llama2.c checkpoint in the legacy "version 0" layout (``export.py
 --version 0``, ``run.c``'s format: 7 int32 header, fp32 tensors, a negative vocab size when the
@@ -12,6 +12,13 @@ No weight is permuted: llama2.c rotates Meta's adjacent RoPE pairs and stores we
 ``[out, in]`` like ``nn.Linear``. The file size must match its header exactly, and the RoPE
 tables it stores must be RoPE's cos/sin: a file read with the wrong layout fails here, not as
 nonsense text later. Export versions 1/2 (``ak42`` header) are refused with their version.
+``max_seq_len`` in params.json is the header's ``seq_len`` (the positions the model was trained
+on) unless ``--max-seq-len`` says otherwise: Nakta's scoring and llama_org cap a request at
+``max_seq_len``, and a 512-piece tokenizer makes HellaSwag requests of up to ~420 tokens, so a
+numerical parity run on a seq_len-128 model needs a larger cap (RoPE is defined at every
+position; positions past the trained ones make the model's predictions worse, not the
+comparison between precisions invalid).
+
 OUT_DIR is written atomically; ``--force`` replaces only a directory holding nothing but the
 three files this tool writes.
 """
@@ -242,8 +249,13 @@ def ffn_params(dim: int, hidden_dim: int) -> dict[str, int | float]:
     )
 
 
-def meta_params(header: Llama2cHeader) -> dict[str, int | float]:
-    """Meta's ``params.json`` for ``header`` (``n_kv_heads`` and ``max_seq_len`` stated)."""
+def meta_params(header: Llama2cHeader, max_seq_len: int | None = None) -> dict[str, int | float]:
+    """Meta's ``params.json`` for ``header`` (``n_kv_heads`` stated; ``max_seq_len`` the
+    header's ``seq_len`` unless given)."""
+    if max_seq_len is not None and (
+        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
+    ):
+        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
     return {
         "dim": header.dim,
         "n_layers": header.n_layers,
@@ -252,7 +264,7 @@ def meta_params(header: Llama2cHeader) -> dict[str, int | float]:
         "vocab_size": header.vocab_size,
         **ffn_params(header.dim, header.hidden_dim),
         "norm_eps": NORM_EPS,
-        "max_seq_len": header.seq_len,
+        "max_seq_len": header.seq_len if max_seq_len is None else max_seq_len,
     }
 
 
@@ -387,6 +399,7 @@ def convert(
     tokenizer_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     force: bool = False,
+    max_seq_len: int | None = None,
 ) -> Path:
     """llama2.c ``model_path`` + ``tokenizer_path`` -> Meta checkpoint directory ``out_dir``;
     every input is read and checked before the output directory is created."""
@@ -396,7 +409,7 @@ def convert(
             raise ValueError(f"{what} {p}: no such file")
     check_output_dir(out_dir, force, may_replace=_only_our_files)
     header, state = read_checkpoint(model_path)
-    params = meta_params(header)
+    params = meta_params(header, max_seq_len)
     pieces = read_tokenizer(tokenizer_path, header.vocab_size)
     proto = tokenizer_model_proto(pieces, source=f"llama2.c tokenizer {tokenizer_path}")
     with atomic_output_dir(out_dir, force, may_replace=_only_our_files) as tmp:
@@ -417,11 +430,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("tokenizer", type=Path, help="its llama2.c tokenizer .bin")
     parser.add_argument("out_dir", type=Path, help="Meta checkpoint directory to create")
     parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="params.json max_seq_len (default: the header's seq_len, the trained length)",
+    )
+    parser.add_argument(
         "--force", action="store_true", help="replace an earlier output of this tool"
     )
     ns = parser.parse_args(argv)
     try:
-        out = convert(ns.model, ns.tokenizer, ns.out_dir, force=ns.force)
+        out = convert(
+            ns.model, ns.tokenizer, ns.out_dir, force=ns.force, max_seq_len=ns.max_seq_len
+        )
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

@@ -132,6 +132,21 @@ def test_shared_classifier_copies_the_embedding(tmp_path):
     assert sd["output.weight"].data_ptr() != sd["tok_embeddings.weight"].data_ptr()
 
 
+def test_max_seq_len_override(synthetic, tmp_path, capsys):
+    """The trained length by default; --max-seq-len for tools that cap requests at it."""
+    model, tok, _ = synthetic
+    assert main([str(model), str(tok), str(tmp_path / "a"), "--max-seq-len", "512"]) == 0
+    params = json.loads((tmp_path / "a" / "params.json").read_text())
+    assert params["max_seq_len"] == 512 and ModelArgs.from_meta_params(params).max_seq_len == 512
+    assert (
+        json.loads((convert(model, tok, tmp_path / "b") / "params.json").read_text())["max_seq_len"]
+        == 16
+    )
+    assert main([str(model), str(tok), str(tmp_path / "c"), "--max-seq-len", "0"]) == 2
+    assert "max_seq_len must be a positive int, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("dim", [8, 12, 32, 64, 100, 288])
 def test_ffn_params_give_every_hidden_width_exactly(dim):
     for hidden in range(1, 4 * dim + 1):
