@@ -180,11 +180,11 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[Llama2cHeader, dict[str, t
     """
     path = Path(path)
     header = read_header(path)
-    flat = np.fromfile(path, dtype="<f4", offset=HEADER_BYTES)
+    flat = np.fromfile(path, dtype="<f4", offset=HEADER_BYTES).astype(np.float32, copy=False)
     arrays, start = {}, 0
     for name, shape in header.tensor_shapes():
         n = int(np.prod(shape))
-        arrays[name] = torch.from_numpy(flat[start : start + n].astype(np.float32).reshape(shape))
+        arrays[name] = torch.from_numpy(flat[start : start + n].reshape(shape))
         start += n
     _check_rope_tables(path, header, arrays["freq_cis_real"], arrays["freq_cis_imag"])
     emb = arrays["token_embedding_table"]

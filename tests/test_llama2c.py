@@ -249,19 +249,16 @@ def test_cli_errors_are_one_line_and_force_replaces_only_its_own_output(syntheti
 # ----------------------------------------------------------------------------- real files
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """Both real llama2.c models converted once: ``{name: out_dir}`` and the data folder."""
-    from conftest import SHARED_DATA
-
-    if not (SHARED_DATA / "aidreams260K.bin").is_file():
-        pytest.skip(f"shared data not found at {SHARED_DATA}")
-    root = tmp_path_factory.mktemp("llama2c")
+@pytest.fixture
+def converted(shared_data, tmp_path):
+    """Both real llama2.c models converted (a fraction of a second): ``{name: out_dir}``."""
     out = {
-        name: convert(SHARED_DATA / f"{name}.bin", SHARED_DATA / f"{name}_tok512.bin", root / name)
+        name: convert(
+            shared_data / f"{name}.bin", shared_data / f"{name}_tok512.bin", tmp_path / name
+        )
         for name in ("stories260K", "aidreams260K")
     }
-    return out, SHARED_DATA
+    return out, shared_data
 
 
 def test_stories260k_converts_to_the_shared_meta_checkpoint(converted):
