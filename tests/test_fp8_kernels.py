@@ -17,9 +17,19 @@ import triton
 import triton.language as tl
 
 from nakta_model.kernels import fp8_quant as fq
+from nakta_model.kernels import rmsnorm
+from nakta_model.kernels import swiglu as swiglu_mod
 from nakta_model.kernels._checks import interpreter_enabled
 from nakta_model.kernels._triton_math import to_e4m3
+from nakta_model.kernels.fp8_gemm import fp8_matmul, fp8_matmul_reference, scaled_mm_supported
 from nakta_model.kernels.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_reference
+from nakta_model.kernels.rmsnorm import (
+    rms_norm,
+    rms_norm_fp8,
+    rms_norm_fp8_reference,
+    rms_norm_reference,
+)
+from nakta_model.kernels.swiglu import swiglu_fp8, swiglu_fp8_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -191,3 +201,157 @@ def test_gpu_quantize_rows_7b(dtype, cols):
     x = padded(1000, cols, dtype, "cuda", pad=64)
     x[3] = 0
     assert_same_quant(quantize_rows(x), quantize_rows_reference(x))
+
+
+# ------------------------------------------------------------------------- quantizing RMSNorm
+
+
+def assert_near_quant(got, want, max_frac: float) -> None:
+    """Codes of a value computed with a differently summed 1/rms (``rms_norm``'s own ulp
+    tolerance): equal signs, magnitudes at most one code apart, few differing; scales within
+    one ulp of the normalized rows' dtype (their amax element may be one ulp off)."""
+    a = got.q.view(torch.uint8).int()
+    b = want.q.view(torch.uint8).int()
+    nonzero = ((a & 0x7F) > 0) & ((b & 0x7F) > 0)
+    assert torch.equal((a >> 7)[nonzero], (b >> 7)[nonzero])
+    assert ((a & 0x7F) - (b & 0x7F)).abs().max() <= 1
+    assert (a != b).double().mean().item() <= max_frac
+    torch.testing.assert_close(got.scale, want.scale, rtol=2.0**-7, atol=0)
+
+
+NORM_CASES = [(dt, n) for dt in DTYPES for n in (37, 300, 5120, 6656, 20_000)]
+
+
+@pytest.mark.parametrize("dtype, n", NORM_CASES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_fp8_is_rms_norm_quantized(dtype, n, residual, device):
+    """Bit for bit the rule applied to ``rms_norm``'s own output (same kernel, same layout:
+    one chunked row, three chunks, the two-pass loop at 6656 without residual and 20,000),
+    and ``rms_norm_fp8_reference`` within ``rms_norm``'s tolerance (bit for bit where the
+    normalized rows agree)."""
+    x = padded(4, n, dtype, device)
+    x[1] = 0
+    w = (1 + 0.2 * torch.randn(n, device=device)).to(dtype)
+    r = padded(4, n, dtype, device) if residual else None
+    got = rms_norm_fp8(x, w, 1e-5, r)
+    y = rms_norm(x, w, 1e-5, r)
+    ref = rms_norm_fp8_reference(x, w, 1e-5, r)
+    if residual:
+        (got, h), (y, h_y), (ref, h_ref) = got, y, ref
+        assert torch.equal(h, h_y) and torch.equal(h, h_ref)
+    assert_same_quant(got, quantize_rows_reference(y))
+    y_ref = rms_norm_reference(x, w, 1e-5, r)
+    y_ref = y_ref[0] if residual else y_ref
+    rows_same = (y == y_ref).all(dim=1)
+    for i in torch.nonzero(rows_same).flatten().tolist():
+        assert torch.equal(got.q[i].view(torch.uint8), ref.q[i].view(torch.uint8))
+        assert got.scale[i] == ref.scale[i]
+    assert_near_quant(got, ref, 0.01)
+
+
+def test_rms_norm_fp8_row_tiles_mixed_weight_and_leading_dims(device, monkeypatch):
+    monkeypatch.setattr(rmsnorm, "_TUNE", dict(BLOCK_M=4, num_warps=2))
+    x = padded(6, 96, torch.float16, device).view(2, 3, 96)
+    w = torch.randn(96, device=device)  # fp32 weight: the normalized rows are fp32
+    got = rms_norm_fp8(x, w, 1e-6)
+    assert got.q.shape == (6, 96)
+    assert_same_quant(got, quantize_rows_reference(rms_norm(x, w, 1e-6)))
+
+
+def test_rms_norm_fp8_bad_input(device):
+    x = torch.randn(3, 8, device=device)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm_fp8(x, torch.ones(7, device=device))
+    with pytest.raises(TypeError, match="residual must have the dtype"):
+        rms_norm_fp8(x, torch.ones(8, device=device), residual=x.half())
+
+
+# ------------------------------------------------------------------------- quantizing SwiGLU
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("f", [37, 300, 5000, 20_000])
+def test_swiglu_fp8_bit_exact(dtype, f, device):
+    gu = padded(3, 2 * f, dtype, device)
+    gu[2] = 0
+    assert_same_quant(swiglu_fp8(gu), swiglu_fp8_reference(gu))
+
+
+@pytest.mark.parametrize("tune", [dict(BLOCK_N=64), dict(BLOCK_N=32, num_warps=1)])
+def test_swiglu_fp8_two_pass_layout(tune, device, monkeypatch):
+    monkeypatch.setattr(swiglu_mod, "_FP8_TUNE", tune)
+    gu = padded(5, 2 * 150, torch.bfloat16, device).view(5, 1, 300)
+    got = swiglu_fp8(gu)
+    assert got.q.shape == (5, 150)
+    assert_same_quant(got, swiglu_fp8_reference(gu))
+
+
+def test_swiglu_fp8_config_and_bad_input(device):
+    assert swiglu_mod._fp8_config(11008)["SINGLE_BLOCK"]
+    assert not swiglu_mod._fp8_config(20_000)["SINGLE_BLOCK"]
+    with pytest.raises(ValueError, match="even last dim"):
+        swiglu_fp8(torch.randn(2, 7, device=device))
+
+
+# ------------------------------------------------------------------------- GPU, 7B shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("tokens", [1000, 4096])
+def test_gpu_rms_norm_fp8_7b(residual, tokens):
+    x = padded(tokens, 4096, torch.bfloat16, "cuda", pad=64)
+    w = (1 + 0.2 * torch.randn(4096, device="cuda")).bfloat16()
+    r = padded(tokens, 4096, torch.bfloat16, "cuda", pad=64) if residual else None
+    got = rms_norm_fp8(x, w, 1e-5, r)
+    y = rms_norm(x, w, 1e-5, r)
+    ref = rms_norm_fp8_reference(x, w, 1e-5, r)
+    if residual:
+        (got, h), (y, _), (ref, h_ref) = got, y, ref
+        assert torch.equal(h, h_ref)
+    assert_same_quant(got, quantize_rows_reference(y))
+    assert_near_quant(got, ref, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tune", [{}, dict(BLOCK_N=2048)])
+def test_gpu_swiglu_fp8_7b(dtype, tune, monkeypatch):
+    monkeypatch.setattr(swiglu_mod, "_FP8_TUNE", tune)
+    gu = padded(1000, 2 * 11008, dtype, "cuda", pad=64)
+    assert_same_quant(swiglu_fp8(gu), swiglu_fp8_reference(gu))
+
+
+BLOCK_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # (K, N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, n", BLOCK_SHAPES)
+@pytest.mark.parametrize("m", [7, 1000, 4096])
+def test_gpu_fp8_matmul_scaled_mm_matches_reference(k, n, m):
+    """cuBLASLt's row-wise scaled GEMM against the exact fp32 reference, before the bf16
+    rounding (fp32 output): e4m3 products are exact, so only the fp32 summation order differs."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    xq = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    wq, ws = fq.quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64)
+    assert scaled_mm_supported(xq.q, wq, torch.bfloat16)
+    acc = torch._scaled_mm(xq.q, wq.t(), scale_a=xq.scale[:, None], scale_b=ws[None, :],
+                           out_dtype=torch.float32)  # fmt: skip
+    ref = fp8_matmul_reference(xq.q, xq.scale, wq, ws, torch.float32)
+    err = ((acc - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, f"relative error {err:.3g}"
+    got = fp8_matmul(xq.q, xq.scale, wq, ws)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=2.0**-7, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_matmul_unaligned_falls_back_to_reference():
+    """K = 172 (the tiny real checkpoints' hidden size) is refused by cuBLASLt: the exact
+    reference runs instead, on the GPU."""
+    xq = quantize_rows(torch.randn(9, 172, device="cuda"))
+    wq, ws = fq.quantize_weight(torch.randn(44, 172, device="cuda"))
+    assert not scaled_mm_supported(xq.q, wq, torch.bfloat16)
+    got = fp8_matmul(xq.q, xq.scale, wq, ws)
+    assert torch.equal(got, fp8_matmul_reference(xq.q, xq.scale, wq, ws))
