@@ -155,7 +155,7 @@ def _square_tflops(timer, g: torch.Generator, bf16: dict) -> float:
 
 
 def measure_gemm(tokens: list[int], device, progress) -> list[dict]:
-    from nakta_model.kernels.fp8_gemm import fp8_matmul
+    from nakta_model.kernels.fp8_gemm import fp8_matmul, fp8_matmul_reference
     from nakta_model.kernels.fp8_quant import quantize_rows, quantize_weight
 
     timer = functools.partial(eager_ms, device=device, warmup=25, rep=100)
@@ -183,13 +183,19 @@ def measure_gemm(tokens: list[int], device, progress) -> list[dict]:
                     q, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
                 ),
             }
+            acc = torch._scaled_mm(q, wq.t(), scale_a=s[:, None], scale_b=ws[None, :],
+                                   out_dtype=torch.float32)  # fmt: skip
+            exact = fp8_matmul_reference(q, s, wq, ws, torch.float32)
+            rel_err = float((acc - exact).norm() / exact.norm())
+            del acc, exact
             for path, call in paths.items():
                 ms = timer(call)
                 flop = 2 * m * k * n
                 t = totals.setdefault(path, [0.0, 0.0])
                 t[0], t[1] = t[0] + flop, t[1] + ms
                 rows.append({"shape": name, "M": m, "K": k, "N": n, "path": path, "ms": ms,
-                             "tflops": flop / (ms * 1e-3) / 1e12})  # fmt: skip
+                             "tflops": flop / (ms * 1e-3) / 1e12,
+                             "rel_err_fp32": rel_err if path == "fp8_rowwise" else None})  # fmt: skip
         for path, (flop, ms) in totals.items():
             rows.append({"shape": "layer", "M": m, "K": 0, "N": 0, "path": path, "ms": ms,
                          "tflops": flop / (ms * 1e-3) / 1e12})  # fmt: skip
@@ -296,7 +302,8 @@ def write_results(frames: dict[str, pd.DataFrame], out: Path, slug: str, copy_gb
         "quant": "Bytes: inputs read once + e4m3 codes and fp32 row scales written (h too "
         "with the residual). eager_quant: PyTorch ops after Nakta's bf16 kernel.",
         "gemm": "do_bench medians; fp8_rowwise = fp8_matmul (per-row x per-column scales); "
-        "fp8_tensorwise = _scaled_mm with scalar scales; layer = the four summed.",
+        "fp8_tensorwise = _scaled_mm with scalar scales; layer = the four summed. rel_err_fp32: "
+        "normwise error of _scaled_mm's fp32 output against the exact fp32 reference.",
         "decode": "CUDA-graph replays over input copies > 3x L2; bytes: weights (e4m3 + fp32 "
         "scales for fp8), x, norm weight, residual, outputs, K/V writes.",
     }

@@ -330,7 +330,10 @@ BLOCK_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # (K
 @pytest.mark.parametrize("m", [7, 1000, 4096])
 def test_gpu_fp8_matmul_scaled_mm_matches_reference(k, n, m):
     """cuBLASLt's row-wise scaled GEMM against the exact fp32 reference, before the bf16
-    rounding (fp32 output): e4m3 products are exact, so only the fp32 summation order differs."""
+    rounding (fp32 output): e4m3 products are exact, so only the summation differs: fp32 order
+    (~1e-7 normwise) and, where the tensor cores accumulate FP8 with fewer bits between fp32
+    promotions (DeepSeek-V3 reports ~14 bits on H800), up to ~1e-5; 1e-4 separates that from
+    any wrong scale or layout (errors of order 1)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
     xq = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -339,8 +342,8 @@ def test_gpu_fp8_matmul_scaled_mm_matches_reference(k, n, m):
     acc = torch._scaled_mm(xq.q, wq.t(), scale_a=xq.scale[:, None], scale_b=ws[None, :],
                            out_dtype=torch.float32)  # fmt: skip
     ref = fp8_matmul_reference(xq.q, xq.scale, wq, ws, torch.float32)
-    err = ((acc - ref).abs().max() / ref.abs().max()).item()
-    assert err < 1e-5, f"relative error {err:.3g}"
+    err = ((acc - ref).norm() / ref.norm()).item()
+    assert err < 1e-4, f"normwise relative error {err:.3g}"
     got = fp8_matmul(xq.q, xq.scale, wq, ws)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=2.0**-7, atol=1e-5 * ref.abs().max().item())
