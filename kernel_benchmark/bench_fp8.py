@@ -14,7 +14,7 @@ same fraction of copy bandwidth on half the bytes. Sections (``--sections``):
 * ``gemm``: TFLOP/s of the 7B block GEMMs (wqkv, wo, w13, w2) at ``--tokens`` rows: bf16
   ``F.linear``, ``fp8_matmul`` (row-wise scales, cuBLASLt ``_scaled_mm``) and ``_scaled_mm``
   with per-tensor scales, beside the bf16 8192^3 matmul rate of this run; ``layer`` rows sum
-  the four;
+  the four; ``rel_err_fp32``: cuBLASLt's fp32 accumulation against the exact reference;
 * ``decode``: the 7B decode GEMVs (``decode_linear`` with their fused prologue/epilogues) at
   ``--batches``, bf16 weights vs e4m3 weights + fp32 row scales, CUDA-graph replays over input
   copies larger than L2, GB/s and % of copy bandwidth.
