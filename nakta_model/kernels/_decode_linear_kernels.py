@@ -71,6 +71,7 @@ def _dot_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    W_FP8: tl.constexpr,
 ):  # fmt: skip
     """``W_tile @ x^T`` over all of K with ``tl.dot``: fp32 ``[TILE_N, BLOCK_M]``.
 
@@ -84,6 +85,8 @@ def _dot_loop(
         x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
                     EMULATE_RNE)  # fmt: skip
         w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
+        if W_FP8:  # e4m3 values are exact in every x dtype
+            w = w.to(x.dtype)
         if UPCAST:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -189,19 +192,23 @@ def _rope_epilogue(
 
 @triton.jit
 def _decode_linear_kernel(
-    X, W, NW, R, OUT, POS, COS, SIN, KC, VC, SLOT,
-    n_rows, K, n_w_rows, n_out_cols, stride_xm, stride_wn, stride_nw, stride_rm, stride_om,
+    X, W, WS, NW, R, OUT, POS, COS, SIN, KC, VC, SLOT,
+    n_rows, K, n_w_rows, n_out_cols, stride_xm, stride_wn, stride_ws, stride_nw, stride_rm,
+    stride_om,
     eps, inv_k, q_cols, qk_cols, n_pos, n_slots,
     stride_cp, stride_cc, stride_sp, stride_sc, stride_kcs, stride_kch, stride_vcs, stride_vch,
     HEAD_DIM: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    ROPE: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROPE: tl.constexpr, W_FP8: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
-    Switches (constexpr): ``NORM`` RMSNorm prologue; at most one of ``RESIDUAL`` / ``SWIGLU``
+    Switches (constexpr): ``W_FP8`` e4m3 weight with fp32 row scales ``WS`` (codes converted in
+    registers, the sums scaled before the epilogue); ``NORM`` RMSNorm prologue; at most one of
+    ``RESIDUAL`` / ``SWIGLU``
     (the tile holds ``TILE_N = 2 * BLOCK_N`` rows: gate rows, then the matching up rows) /
     ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask;
     ``PDL`` (launched as a programmatic dependent): let the next kernel's blocks launch now,
@@ -228,10 +235,14 @@ def _decode_linear_kernel(
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_DOT:
         acc = _dot_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
-                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, PREC, UPCAST, EMULATE_RNE)  # fmt: skip
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, PREC, UPCAST, EMULATE_RNE,
+                        W_FP8)  # fmt: skip
     else:
         acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
                         rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
+    if W_FP8:  # dequantize the sums: each weight row's scale, before any rounding
+        ws = tl.load(WS + w_rows.to(tl.int64) * stride_ws, mask=w_ok, other=0.0)
+        acc = acc * ws[:, None]
 
     dtype = OUT.dtype.element_ty
     cols = n0 + tl.arange(0, BLOCK_N)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nakta_model.kernels._triton_math import round_to, rsqrt
+from nakta_model.kernels._triton_math import fp8_codes, fp8_row_scales, round_to, rsqrt
 
 # ----------------------------------------------------------------------------------------------
 # Forward
@@ -72,45 +72,112 @@ def _fwd_weight(W, n_cols, stride_w, START: tl.constexpr, SIZE: tl.constexpr):
 
 
 @triton.jit
+def _fwd_offsets(rows, row_ok, n_cols, stride, START: tl.constexpr, SIZE: tl.constexpr,
+                 ONE_ROW: tl.constexpr):  # fmt: skip
+    """Offsets and mask of one column chunk of the output rows."""
+    cols = START + tl.arange(0, SIZE)
+    col_ok = cols < n_cols
+    if ONE_ROW:
+        return rows * stride + cols, col_ok
+    else:
+        return rows[:, None] * stride + cols[None, :], row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _fwd_value(
+    w, h, rstd, CAST_META: tl.constexpr, EMULATE_RNE: tl.constexpr, x_dtype: tl.constexpr,
+    y_dtype: tl.constexpr, ONE_ROW: tl.constexpr, KEEP_FP32: tl.constexpr,
+):  # fmt: skip
+    """Normalize one column chunk and multiply by the (preloaded, fp32) weight, rounded to
+    ``y_dtype``."""
+    if ONE_ROW:
+        n = h * rstd
+        wb = w
+    else:
+        n = h * rstd[:, None]
+        wb = w[None, :]
+    if CAST_META:
+        y = _weight_mul(round_to(n, x_dtype, EMULATE_RNE).to(tl.float32), wb, KEEP_FP32)
+    else:
+        y = wb * n
+    return round_to(y, y_dtype, EMULATE_RNE)
+
+
+@triton.jit
 def _fwd_store(
     w, Y, h, rstd, rows, row_ok, n_cols, stride_y,
     START: tl.constexpr, SIZE: tl.constexpr, CAST_META: tl.constexpr, EMULATE_RNE: tl.constexpr,
     x_dtype: tl.constexpr, ONE_ROW: tl.constexpr, KEEP_FP32: tl.constexpr,
 ):  # fmt: skip
     """Normalize one column chunk, multiply by the (preloaded, fp32) weight, round and store."""
-    cols = START + tl.arange(0, SIZE)
-    col_ok = cols < n_cols
-    if ONE_ROW:
-        n = h * rstd
-        wb = w
-        mask = col_ok
-        y_off = rows * stride_y + cols
-    else:
-        n = h * rstd[:, None]
-        wb = w[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        y_off = rows[:, None] * stride_y + cols[None, :]
-    if CAST_META:
-        y = _weight_mul(round_to(n, x_dtype, EMULATE_RNE).to(tl.float32), wb, KEEP_FP32)
-    else:
-        y = wb * n
-    y = round_to(y, Y.dtype.element_ty, EMULATE_RNE)
+    y = _fwd_value(w, h, rstd, CAST_META, EMULATE_RNE, x_dtype, Y.dtype.element_ty, ONE_ROW,
+                   KEEP_FP32)  # fmt: skip
+    y_off, mask = _fwd_offsets(rows, row_ok, n_cols, stride_y, START, SIZE, ONE_ROW)
     tl.store(Y + y_off, y, mask=mask)
+
+
+@triton.jit
+def _row_amax(y):
+    """Largest magnitude of each row of a chunk (of the 1-D chunk with one row)."""
+    return tl.max(tl.abs(y), axis=len(y.shape) - 1)
+
+
+@triton.jit
+def _fwd_store_codes(
+    Q, y, inv, rows, row_ok, n_cols, stride_q, START: tl.constexpr, SIZE: tl.constexpr,
+    ONE_ROW: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """Store one chunk of fp32 values ``y`` as FP8 codes at the rows' ``inv = 448 / amax``."""
+    q_off, mask = _fwd_offsets(rows, row_ok, n_cols, stride_q, START, SIZE, ONE_ROW)
+    if ONE_ROW:
+        q = fp8_codes(y, inv, EMULATE_RNE)
+    else:
+        q = fp8_codes(y, inv[:, None], EMULATE_RNE)
+    tl.store(Q + q_off, q, mask=mask)
+
+
+@triton.jit
+def _loop_value(
+    X, R, W, row, c, mask, stride_x, stride_r, stride_w, rstd,
+    HAS_RESIDUAL: tl.constexpr, CAST_META: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    x_dtype: tl.constexpr, y_dtype: tl.constexpr, EVICT: tl.constexpr,
+):  # fmt: skip
+    """The looped layout's normalized values of columns ``c`` of ``row``, recomputed from x
+    (and the residual), rounded to ``y_dtype``, in fp32."""
+    h = tl.load(X + row * stride_x + c, mask=mask, other=0.0, eviction_policy=EVICT)
+    h = h.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + c, mask=mask, other=0.0, eviction_policy=EVICT)
+        h = round_to(h + r.to(tl.float32), x_dtype, EMULATE_RNE).to(tl.float32)
+    w = tl.load(W + c * stride_w, mask=mask, other=0.0, eviction_policy="evict_last")
+    w = w.to(tl.float32)
+    n = h * rstd
+    if CAST_META:
+        y = round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
+    else:
+        y = w * n
+    return round_to(y, y_dtype, EMULATE_RNE).to(tl.float32)
 
 
 # The row/token count is not specialised on: every batch size runs one compiled kernel.
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_fwd_kernel(
-    X, R, W, Y, H, RSTD,
+    X, R, W, Y, H, RSTD, S,
     n_rows, n_cols, stride_x, stride_r, stride_w, stride_y, stride_h, eps, inv_n,
     HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, CAST_META: tl.constexpr,
     BLOCK_M: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr, ACCURATE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    QUANT: tl.constexpr, Y_DTYPE: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):  # fmt: skip
-    """One program normalizes BLOCK_M whole rows (one row when it needs a column loop of C0)."""
+    """One program normalizes BLOCK_M whole rows (one row when it needs a column loop of C0).
+
+    ``QUANT``: ``Y`` is FP8 and ``S`` the fp32 row scales: each row's normalized values are
+    rounded to ``Y_DTYPE`` (what the unquantized kernel stores), then quantized by
+    ``fp8_quant.py``'s rule over the whole row (held in registers, or one more column pass).
+    """
     pid = tl.program_id(0).to(tl.int64)
     x_dtype = X.dtype.element_ty
-    y_dtype = Y.dtype.element_ty
+    y_dtype = Y_DTYPE
     if SINGLE_BLOCK:
         # The row is held as up to three power-of-2 column chunks (C0 >= C1 >= C2, 0 = unused),
         # e.g. 5120 = 4096 + 1024: no registers spent on a padded 8192-wide block.
@@ -148,16 +215,40 @@ def _rms_norm_fwd_kernel(
             tl.store(RSTD + rows, rstd, mask=row_ok)
         if C1 > 0:
             w0 = _fwd_weight(W, n_cols, stride_w, 0, C0)
-        _fwd_store(w0, Y, h0, rstd, rows, row_ok, n_cols, stride_y, 0, C0, CAST_META, EMULATE_RNE,
-                   x_dtype, ONE_ROW, KEEP_FP32)  # fmt: skip
-        if C1 > 0:
-            _fwd_store(_fwd_weight(W, n_cols, stride_w, C0, C1), Y, h1, rstd, rows, row_ok,
-                       n_cols, stride_y, C0, C1, CAST_META, EMULATE_RNE, x_dtype, ONE_ROW,
-                       KEEP_FP32)  # fmt: skip
-        if C2 > 0:
-            _fwd_store(_fwd_weight(W, n_cols, stride_w, C0 + C1, C2), Y, h2, rstd, rows, row_ok,
-                       n_cols, stride_y, C0 + C1, C2, CAST_META, EMULATE_RNE, x_dtype, ONE_ROW,
-                       KEEP_FP32)  # fmt: skip
+        if QUANT:
+            y0 = _fwd_value(w0, h0, rstd, CAST_META, EMULATE_RNE, x_dtype, y_dtype, ONE_ROW,
+                            KEEP_FP32).to(tl.float32)  # fmt: skip
+            amax = _row_amax(y0)
+            if C1 > 0:
+                y1 = _fwd_value(_fwd_weight(W, n_cols, stride_w, C0, C1), h1, rstd, CAST_META,
+                                EMULATE_RNE, x_dtype, y_dtype, ONE_ROW, KEEP_FP32).to(tl.float32)  # fmt: skip
+                amax = tl.maximum(amax, _row_amax(y1))
+            if C2 > 0:
+                y2 = _fwd_value(_fwd_weight(W, n_cols, stride_w, C0 + C1, C2), h2, rstd,
+                                CAST_META, EMULATE_RNE, x_dtype, y_dtype, ONE_ROW,
+                                KEEP_FP32).to(tl.float32)  # fmt: skip
+                amax = tl.maximum(amax, _row_amax(y2))
+            inv, scale = fp8_row_scales(amax, MIN_AMAX)
+            _fwd_store_codes(Y, y0, inv, rows, row_ok, n_cols, stride_y, 0, C0, ONE_ROW,
+                             EMULATE_RNE)  # fmt: skip
+            if C1 > 0:
+                _fwd_store_codes(Y, y1, inv, rows, row_ok, n_cols, stride_y, C0, C1, ONE_ROW,
+                                 EMULATE_RNE)  # fmt: skip
+            if C2 > 0:
+                _fwd_store_codes(Y, y2, inv, rows, row_ok, n_cols, stride_y, C0 + C1, C2,
+                                 ONE_ROW, EMULATE_RNE)  # fmt: skip
+            tl.store(S + rows, scale, mask=row_ok)
+        else:
+            _fwd_store(w0, Y, h0, rstd, rows, row_ok, n_cols, stride_y, 0, C0, CAST_META,
+                       EMULATE_RNE, x_dtype, ONE_ROW, KEEP_FP32)  # fmt: skip
+            if C1 > 0:
+                _fwd_store(_fwd_weight(W, n_cols, stride_w, C0, C1), Y, h1, rstd, rows, row_ok,
+                           n_cols, stride_y, C0, C1, CAST_META, EMULATE_RNE, x_dtype, ONE_ROW,
+                           KEEP_FP32)  # fmt: skip
+            if C2 > 0:
+                _fwd_store(_fwd_weight(W, n_cols, stride_w, C0 + C1, C2), Y, h2, rstd, rows,
+                           row_ok, n_cols, stride_y, C0 + C1, C2, CAST_META, EMULATE_RNE, x_dtype,
+                           ONE_ROW, KEEP_FP32)  # fmt: skip
     else:
         # Row wider than one block: pass 1 sums squares (and writes h), pass 2 normalizes.
         # Pass 2 recomputes h from x and residual rather than reading back what pass 1 wrote.
@@ -184,24 +275,44 @@ def _rms_norm_fwd_kernel(
         rstd = rsqrt(tl.sum(acc, axis=0) * inv_n + eps, ACCURATE)
         if STORE_RSTD:
             tl.store(RSTD + row, rstd)
-        for start in range(0, n_cols, C0):
-            c = start + cols
-            mask = c < n_cols
-            h = tl.load(X + row * stride_x + c, mask=mask, other=0.0, eviction_policy="evict_first")
-            h = h.to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(
-                    R + row * stride_r + c, mask=mask, other=0.0, eviction_policy="evict_first"
+        if QUANT:
+            # pass 2: the row's amax (keeping it in L2); pass 3: the codes (dropping it)
+            amax_v = tl.zeros([C0], dtype=tl.float32)
+            for start in range(0, n_cols, C0):
+                c = start + cols
+                y = _loop_value(X, R, W, row, c, c < n_cols, stride_x, stride_r, stride_w, rstd,
+                                HAS_RESIDUAL, CAST_META, EMULATE_RNE, x_dtype, y_dtype,
+                                "evict_last")  # fmt: skip
+                amax_v = tl.maximum(amax_v, tl.abs(y))
+            inv, scale = fp8_row_scales(tl.max(amax_v, axis=0), MIN_AMAX)
+            for start in range(0, n_cols, C0):
+                c = start + cols
+                y = _loop_value(X, R, W, row, c, c < n_cols, stride_x, stride_r, stride_w, rstd,
+                                HAS_RESIDUAL, CAST_META, EMULATE_RNE, x_dtype, y_dtype,
+                                "evict_first")  # fmt: skip
+                tl.store(Y + row * stride_y + c, fp8_codes(y, inv, EMULATE_RNE), mask=c < n_cols)
+            tl.store(S + row, scale)
+        else:
+            for start in range(0, n_cols, C0):
+                c = start + cols
+                mask = c < n_cols
+                h = tl.load(
+                    X + row * stride_x + c, mask=mask, other=0.0, eviction_policy="evict_first"
                 )
-                h = round_to(h + r.to(tl.float32), x_dtype, EMULATE_RNE).to(tl.float32)
-            w = tl.load(W + c * stride_w, mask=mask, other=0.0, eviction_policy="evict_last")
-            w = w.to(tl.float32)
-            n = h * rstd
-            if CAST_META:
-                y = round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
-            else:
-                y = w * n
-            tl.store(Y + row * stride_y + c, round_to(y, y_dtype, EMULATE_RNE), mask=mask)
+                h = h.to(tl.float32)
+                if HAS_RESIDUAL:
+                    r = tl.load(
+                        R + row * stride_r + c, mask=mask, other=0.0, eviction_policy="evict_first"
+                    )
+                    h = round_to(h + r.to(tl.float32), x_dtype, EMULATE_RNE).to(tl.float32)
+                w = tl.load(W + c * stride_w, mask=mask, other=0.0, eviction_policy="evict_last")
+                w = w.to(tl.float32)
+                n = h * rstd
+                if CAST_META:
+                    y = round_to(n, x_dtype, EMULATE_RNE).to(tl.float32) * w
+                else:
+                    y = w * n
+                tl.store(Y + row * stride_y + c, round_to(y, y_dtype, EMULATE_RNE), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ like eager per dtype, and the RoPE pair load / rotate / store used by ``rope.py`
 and the RoPE epilogue of ``decode_linear.py``.
 
 ``ACCURATE`` is True on the GPU (libdevice) and False under the interpreter; ``EMULATE_RNE`` is
-True under the interpreter only.
+True under the interpreter only. ``to_e4m3`` is the fp32 -> FP8 e4m3 rounding (hardware cast on
+the GPU, an exact bit-level emulation under the interpreter, whose own cast rounds wrongly).
 """
 
 from __future__ import annotations
@@ -31,6 +32,59 @@ def round_to(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def to_e4m3(x, EMULATE_RNE: tl.constexpr):
+    """fp32 ``x`` with ``|x| <= 448`` (the caller clamps) -> ``tl.float8e4nv`` (e4m3fn),
+    rounding to nearest even.
+
+    On the GPU this is the hardware cast (``cvt.rn.satfinite.e4m3x2.f32``). Triton 3.9's
+    interpreter casts wrongly (125.98 -> 64, 0.001 -> 0 instead of 128 and 2^-9), so with
+    ``EMULATE_RNE`` the byte is built from the fp32 bit pattern: normal results (|x| >= 2^-6)
+    keep 3 of the 23 mantissa bits (round to nearest even by the bf16 trick: add 0x7FFFF plus
+    the lowest kept bit, carry into the exponent), rebias the exponent 127 -> 7; subnormal
+    results are ``m * 2^-9`` with ``m`` the significand shifted right with RNE (``m = 8`` is
+    2^-6, whose code is the next one up). Checked against PyTorch's cast on every fp32 value
+    of a dense sweep with all rounding midpoints (tests/test_fp8_kernels.py).
+    """
+    if EMULATE_RNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = bits & 0x7FFFFFFF
+        e = a >> 23
+        # normal: round away 20 mantissa bits, then (exponent - 120, 3 mantissa bits)
+        r = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+        normal = r - (120 << 3)
+        # subnormal: m = round(significand * 2^(e - 141)); shifts past 25 give 0 like 25 does
+        sig = (a & 0x7FFFFF) | 0x800000
+        shift = tl.minimum(141 - tl.minimum(e, 120), 25)
+        q = sig >> shift
+        rem = sig - (q << shift)
+        half = 1 << (shift - 1)
+        q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.uint32)
+        q = tl.where(e == 0, 0, q)
+        byte = tl.where(e >= 121, normal, q) | sign
+        return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def fp8_row_scales(amax, MIN_AMAX: tl.constexpr):
+    """``(inv, scale)`` of rows whose largest magnitude is ``amax`` (fp32): ``448 / amax`` and
+    ``amax / 448``, both correctly rounded (``div_rn``) as PyTorch divides; ``amax`` is first
+    raised to ``MIN_AMAX`` so an all-zero row stays finite (``fp8_quant.py``'s rule)."""
+    amax = tl.maximum(amax, MIN_AMAX)
+    return tl.math.div_rn(448.0, amax), tl.math.div_rn(amax, 448.0)
+
+
+@triton.jit
+def fp8_codes(v, inv, EMULATE_RNE: tl.constexpr):
+    """``e4m3_rne(clamp(v * inv, -448, 448))``: fp32 values to FP8 codes (``inv`` broadcast)."""
+    y = v * inv
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return to_e4m3(y, EMULATE_RNE)
 
 
 @triton.jit

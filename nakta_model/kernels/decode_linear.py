@@ -26,6 +26,13 @@ kernel that also does the small elementwise work around it:
   (LM-head logits). Eager Meta rounds logits to the dtype first; round this output to x's
   dtype to get its values up to summation order.
 
+* FP8 weights (``weight`` e4m3 ``[N, K]`` with ``weight_scale`` fp32 ``[N]``, every variant):
+  the codes are read (half the bytes of bf16), converted in registers (exactly: e4m3 values
+  are exact in fp16/bf16/fp32), accumulated in fp32, and each column's sum is multiplied by
+  its row's scale before the epilogue's first rounding; so the result is the same chain run
+  on the fp32 dequantized weight ``weight.float() * weight_scale[:, None]`` up to summation
+  order (``decode_linear_reference`` with ``weight_scale``).
+
 Kernel (in ``_decode_linear_kernels.py``): each program owns ``BLOCK_N`` output columns
 (``2 * BLOCK_N`` weight rows with SWIGLU) for every batch row and walks K in ``BLOCK_K`` tiles;
 no split-K, so no atomics and results do not depend on the launch. ``USE_DOT`` computes
@@ -66,7 +73,9 @@ from nakta_model.kernels._checks import (
     sm_count,
     tracing,
 )
+from nakta_model.kernels._decode_linear_configs import _CONFIGS, _DEVICE_CONFIGS
 from nakta_model.kernels._decode_linear_kernels import _decode_linear_kernel
+from nakta_model.kernels.fp8_quant import FP8_DTYPE
 from nakta_model.kernels.rmsnorm import rms_norm_reference
 from nakta_model.kernels.rope import apply_rope_qkv_reference
 from nakta_model.kernels.swiglu import FAST_IS_EXACT_DTYPES, swiglu_reference
@@ -94,89 +103,8 @@ class RopeArgs:
 # 1. Launch configuration and launcher
 # ------------------------------------------------------------------------------------------------
 
-# Configurations per (dtype, batch bucket = next power of two of B), and per-shape entries
-# keyed (dtype, bucket, variant, N, K) from ``bench_decode.py --tune`` (LLaMA-7B's five decode
-# GEMVs at batch 1, 8 and 32 on an H100: ``results/nvidia-h100-80gb-hbm3/decode_linear_tune*``),
-# applied over the bucket's; variant is "plain", "residual", "swiglu" or "rope" (``_variant``).
-# ``BLOCK_N`` is left to ``_block_n`` (fill the GPU) and ``BLOCK_K`` to ``_block_k`` (registers)
-# unless given. ``_TUNE`` overrides every key (set by the benchmark and the tests).
-_HALF: dict[int, dict[str, int]] = {
-    1: dict(USE_DOT=0, num_warps=4, num_stages=4),
-    2: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
-    4: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
-    8: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
-    16: dict(USE_DOT=1, BLOCK_K=256, num_warps=4, num_stages=4),
-    32: dict(USE_DOT=1, BLOCK_K=128, num_warps=4, num_stages=4),
-    64: dict(USE_DOT=1, BLOCK_K=128, num_warps=4, num_stages=3),
-}
-_CONFIGS: dict[tuple, dict[str, int]] = {
-    **{("bfloat16", b): c for b, c in _HALF.items()},
-    **{("float16", b): c for b, c in _HALF.items()},
-    **{  # fp32: half the K tile (same bytes per weight row)
-        ("float32", b): {**c, "BLOCK_K": c["BLOCK_K"] // 2} if "BLOCK_K" in c else dict(c)
-        for b, c in _HALF.items()
-    },
-    # H100 --tune winners (% of copy bandwidth, default -> tuned: e.g. b32 head 66.5 -> 84.4,
-    # b32 w13 51.4 -> 79.2, b1 w2 83.5 -> 86.1); batch 1 head and w13 keep the defaults.
-    ("bfloat16", 1, "plain", 32000, 4096): dict(
-        USE_DOT=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4
-    ),
-    ("bfloat16", 1, "residual", 4096, 11008): dict(
-        USE_DOT=0, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3
-    ),
-    ("bfloat16", 1, "residual", 4096, 4096): dict(
-        USE_DOT=0, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=4
-    ),
-    ("bfloat16", 1, "rope", 12288, 4096): dict(
-        USE_DOT=0, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=5
-    ),
-    ("bfloat16", 1, "swiglu", 11008, 4096): dict(
-        USE_DOT=0, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4
-    ),
-    ("bfloat16", 8, "plain", 32000, 4096): dict(
-        USE_DOT=1, BLOCK_N=128, BLOCK_K=256, num_warps=4, num_stages=3
-    ),
-    ("bfloat16", 8, "residual", 4096, 11008): dict(
-        USE_DOT=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5
-    ),
-    ("bfloat16", 8, "residual", 4096, 4096): dict(
-        USE_DOT=1, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=5
-    ),
-    ("bfloat16", 8, "rope", 12288, 4096): dict(
-        USE_DOT=1, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=5
-    ),
-    ("bfloat16", 8, "swiglu", 11008, 4096): dict(
-        USE_DOT=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4
-    ),
-    ("bfloat16", 32, "plain", 32000, 4096): dict(
-        USE_DOT=1, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4
-    ),
-    ("bfloat16", 32, "residual", 4096, 11008): dict(
-        USE_DOT=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=5
-    ),
-    ("bfloat16", 32, "residual", 4096, 4096): dict(
-        USE_DOT=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4
-    ),
-    ("bfloat16", 32, "rope", 12288, 4096): dict(
-        USE_DOT=1, BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=3
-    ),
-    ("bfloat16", 32, "swiglu", 11008, 4096): dict(
-        USE_DOT=1, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4
-    ),
-}
-# Per-device overrides of the entries above, by a word of the device name: the H200's batch-1
-# --tune winners (% of copy bandwidth, H100 entry -> tuned, this run: wqkv 79.2 -> 89.7, w2
-# 89.0 -> 89.7; head, w13 and wo keep theirs: speed_bench/results/nvidia-h200/decode_tune).
-_DEVICE_CONFIGS: dict[str, dict[tuple, dict[str, int]]] = {
-    "h200": {
-        ("bfloat16", 1, "rope", 12288, 4096): dict(
-            USE_DOT=0, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4
-        ),
-        ("bfloat16", 1, "residual", 4096, 11008): dict(
-            USE_DOT=0, BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=2
-        ),
-    },
-}
+# The tables (``_CONFIGS`` per (weight dtype, batch bucket) and per shape, ``_DEVICE_CONFIGS``
+# per device family) are in ``_decode_linear_configs.py``, with what measured them.
 _TUNE: dict[str, int] = {}
 
 _PROGRAMS_PER_SM = 2  # grid target: ~2 programs per SM (0.9 slack: 4096 / 16 = 256 on 132 SMs)
@@ -209,11 +137,15 @@ def _block_k(k: int, tile_n: int, block_m: int, use_dot: bool, elem: int) -> int
 
 
 def _config(
-    dtype: torch.dtype, batch: int, n_cols: int, k: int, variant: str, device: torch.device
-) -> dict[str, int]:
+    dtype: torch.dtype, batch: int, n_cols: int, k: int, variant: str, device: torch.device,
+    weight_dtype: torch.dtype | None = None,
+) -> dict[str, int]:  # fmt: skip
     """The launch config of one call: the (dtype, batch bucket) entry, then the per-shape entry,
-    then ``_TUNE``; block sizes not set there are derived from the shape."""
+    then ``_TUNE``; block sizes not set there are derived from the shape. ``dtype`` is x's;
+    an FP8 ``weight_dtype`` looks up the FP8 rows instead (``_decode_linear_configs.py``)."""
     bucket = triton.next_power_of_2(batch)
+    if weight_dtype == FP8_DTYPE:
+        dtype = weight_dtype
     name = str(dtype).removeprefix("torch.")
     cfg = dict(_CONFIGS[(name, bucket)])
     cfg.update(_CONFIGS.get((name, bucket, variant, n_cols, k), {}))
@@ -265,12 +197,13 @@ PDL_MAX_BATCH = 1
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float | None,
     residual: torch.Tensor | None, swiglu: bool, rope: RopeArgs | None, out: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     batch, k = x.shape
     n_w_rows = weight.shape[0]
     variant = _variant(residual, swiglu, rope)
     n_cols = n_w_rows // 2 if swiglu else n_w_rows
-    cfg = _config(x.dtype, batch, n_cols, k, variant, x.device)
+    cfg = _config(x.dtype, batch, n_cols, k, variant, x.device, weight.dtype)
     interp = interpreter_enabled()
     upcast = interp and x.dtype == torch.bfloat16
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else None
@@ -295,15 +228,18 @@ def _launch(
     pdl = batch <= PDL_MAX_BATCH and dependent_launch(x.device)
     launch = {"launch_pdl": True} if pdl else {}
     _decode_linear_kernel[grid](
-        x, weight, norm_weight if norm_weight is not None else dummy,
+        x, weight, weight_scale if weight_scale is not None else dummy,
+        norm_weight if norm_weight is not None else dummy,
         residual if residual is not None else dummy, out, pos, cos, sin, kc, vc, slots,
         batch, k, n_w_rows, n_cols,
-        x.stride(0), weight.stride(0), norm_weight.stride(0) if norm_weight is not None else 0,
+        x.stride(0), weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
+        norm_weight.stride(0) if norm_weight is not None else 0,
         residual.stride(0) if residual is not None else 0, out.stride(0),
         float(eps) if eps is not None else 0.0, 1.0 / k,
         *rope_ints, *rope_strides,
         HEAD_DIM=head_dim, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        SWIGLU=swiglu, ROPE=rope is not None, USE_DOT=bool(cfg["USE_DOT"]),
+        SWIGLU=swiglu, ROPE=rope is not None, W_FP8=weight_scale is not None,
+        USE_DOT=bool(cfg["USE_DOT"]),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
@@ -316,10 +252,13 @@ def _launch(
 # ------------------------------------------------------------------------------------------------
 
 
-def _check_matrix(name: str, t: object, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _check_matrix(
+    name: str, t: object, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None
+) -> torch.Tensor:
     """A 2-D float tensor with a unit-stride last dimension (rows may have any stride)."""
     t = check_tensor(name, t)
-    check_dtype(name, t, FLOAT_DTYPES if dtype is None else (dtype,))
+    allowed = FLOAT_DTYPES if dtype is None else dtype if isinstance(dtype, tuple) else (dtype,)
+    check_dtype(name, t, allowed)
     check_ndim(name, t, 2)
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(f"{name} must be unit-stride along its last dimension, got {t.stride()}")
@@ -380,12 +319,36 @@ def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs
     return r
 
 
+def _check_weight_scale(weight: torch.Tensor, weight_scale: object) -> None:
+    """``weight_scale`` is required iff ``weight`` is FP8 (e4m3): fp32 ``[N]``, one per row."""
+    if weight.dtype != FP8_DTYPE:
+        if weight_scale is not None:
+            raise ValueError(
+                f"weight_scale is only for an FP8 (float8_e4m3fn) weight, got a {weight.dtype} "
+                "weight; drop weight_scale or pass the quantized weight"
+            )
+        return
+    if weight_scale is None:
+        raise ValueError(
+            "weight is FP8 (float8_e4m3fn): pass weight_scale, its fp32 [N] per-row scales"
+        )
+    check_tensor("weight_scale", weight_scale)
+    check_dtype("weight_scale", weight_scale, (torch.float32,))
+    if weight_scale.shape != (weight.shape[0],):
+        raise ValueError(
+            f"weight_scale must have shape [{weight.shape[0]}] (one per weight row), "
+            f"got {tuple(weight_scale.shape)}"
+        )
+
+
 def _check_args(
-    x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, *, for_kernel: bool
-) -> torch.dtype:
+    x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, *, for_kernel: bool,
+    weight_scale=None,
+) -> torch.dtype:  # fmt: skip
     """Validate a ``decode_linear`` call; returns the output dtype."""
     x = _check_matrix("x", x)
-    weight = _check_matrix("weight", weight, x.dtype)
+    weight = _check_matrix("weight", weight, (x.dtype, FP8_DTYPE))
+    _check_weight_scale(weight, weight_scale)
     batch, k = x.shape
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"x must have 1..{MAX_BATCH} rows (decode batch), got {batch}")
@@ -435,12 +398,13 @@ def _check_args(
         out = _check_matrix("out", out, out_dtype)
         if out.shape != (batch, n_out):
             raise ValueError(f"out must have shape {(batch, n_out)}, got {tuple(out.shape)}")
-    tensors = dict(x=x, weight=weight, norm_weight=norm_weight, residual=residual, out=out)
+    tensors = dict(x=x, weight=weight, weight_scale=weight_scale, norm_weight=norm_weight,
+                   residual=residual, out=out)  # fmt: skip
     if rope is not None:
         tensors |= {f"rope.{f}": getattr(rope, f) for f in
                     ("positions", "cos", "sin", "k_cache", "v_cache", "cache_slots")}  # fmt: skip
     check_same_device(**tensors)
-    _check_no_aliasing(x, weight, norm_weight, residual, rope, out)
+    _check_no_aliasing(x, weight, norm_weight, residual, rope, out, weight_scale)
     if rope is not None and (not x.is_cuda or debug_checks() or not for_kernel):
         check_range("rope.positions", rope.positions, rope.cos.shape[0], "the cos/sin rows")
         n_slots = min(rope.k_cache.shape[0], rope.v_cache.shape[0])
@@ -450,10 +414,10 @@ def _check_args(
     return out_dtype
 
 
-def _check_no_aliasing(x, weight, norm_weight, residual, rope, out) -> None:
+def _check_no_aliasing(x, weight, norm_weight, residual, rope, out, weight_scale=None) -> None:
     """Every program reads all of x (and the norm weight): writes must not land there. ``out``
     may be ``residual`` itself (each element is read, then written, by one program)."""
-    reads = dict(x=x, weight=weight, norm_weight=norm_weight)
+    reads = dict(x=x, weight=weight, norm_weight=norm_weight, weight_scale=weight_scale)
     writes = {"out": out}
     if rope is not None:
         writes |= {"rope.k_cache": rope.k_cache, "rope.v_cache": rope.v_cache}
@@ -478,6 +442,7 @@ def decode_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     *,
+    weight_scale: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float | None = None,
     residual: torch.Tensor | None = None,
@@ -489,14 +454,28 @@ def decode_linear(
     """``x [B, K] @ weight [N, K]^T`` for a decode batch (B <= 64), with an optional RMSNorm
     prologue and one optional epilogue (residual add, SwiGLU on fused w13, or RoPE + KV-cache
     write on fused wqkv); see the module docstring. Returns ``out`` (allocated when None):
-    ``[B, N]``, ``[B, F]`` with swiglu, ``[B, n_q_heads * head_dim]`` with rope."""
+    ``[B, N]``, ``[B, F]`` with swiglu, ``[B, n_q_heads * head_dim]`` with rope.
+
+    ``weight`` is x's dtype, or FP8 e4m3 with ``weight_scale`` (fp32 ``[N]``, one per row):
+    the e4m3 codes are read (half the bytes of bf16) and converted in registers, and each
+    output column's fp32 sum is multiplied by its row's scale before any rounding."""
     out_dtype = _check_args(
-        x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, for_kernel=True
+        x,
+        weight,
+        norm_weight,
+        eps,
+        residual,
+        swiglu,
+        rope,
+        out,
+        out_dtype,
+        for_kernel=True,
+        weight_scale=weight_scale,
     )
     if out is None:
         n_out = _out_cols(weight, swiglu, rope)
         out = torch.empty(x.shape[0], n_out, dtype=out_dtype, device=x.device)
-    _launch(x, weight, norm_weight, eps, residual, swiglu, rope, out)
+    _launch(x, weight, norm_weight, eps, residual, swiglu, rope, out, weight_scale)
     return out
 
 
@@ -515,6 +494,7 @@ def decode_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
     *,
+    weight_scale: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float | None = None,
     residual: torch.Tensor | None = None,
@@ -525,16 +505,31 @@ def decode_linear_reference(
 ) -> torch.Tensor:
     """The eager Meta chain, op by op (any device): ``rms_norm_reference``, ``F.linear`` in the
     dtype, then the residual add, ``swiglu_reference`` or ``apply_rope_qkv_reference`` (which
-    writes the caches). ``out_dtype=torch.float32``: ``F.linear`` on fp32 copies."""
+    writes the caches). ``out_dtype=torch.float32``: ``F.linear`` on fp32 copies. An FP8
+    ``weight``: ``F.linear`` in fp32 on the dequantized weight ``weight.float() *
+    weight_scale[:, None]``, rounded once to the output dtype (where the bf16 path's fp32
+    accumulator is rounded)."""
     out_dtype = _check_args(
-        x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, for_kernel=False
+        x,
+        weight,
+        norm_weight,
+        eps,
+        residual,
+        swiglu,
+        rope,
+        out,
+        out_dtype,
+        for_kernel=False,
+        weight_scale=weight_scale,
     )
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps)
     if h.device.type == "cpu" and h.dtype == torch.bfloat16 and not h.is_contiguous():
         # torch 2.13's CPU bf16 matmul (oneDNN, AVX512-BF16/AMX machines) reads a strided
         # input's row padding and multiplies it by zero: NaN or inf there turns the row to NaN
         h = h.contiguous()
-    if out_dtype != x.dtype:
+    if weight_scale is not None:
+        y = F.linear(h.float(), weight.float() * weight_scale[:, None]).to(out_dtype)
+    elif out_dtype != x.dtype:
         y = F.linear(h.to(out_dtype), weight.to(out_dtype))
     else:
         y = F.linear(h, weight)

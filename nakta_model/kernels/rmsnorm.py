@@ -9,6 +9,12 @@ once (Gemma / Liger's ``casting_mode="gemma"``), for parity studies. Output dtyp
 With ``residual``, ``h = x + residual`` rounded to x's dtype (as PyTorch's add) is computed in
 the same pass and returned: ``(rms_norm(h), h)``.
 
+FP8 output (``rms_norm_fp8``): the same kernel and row layout, with the normalized row (rounded
+to the output dtype, as stored above) quantized by ``fp8_quant.py``'s row rule instead of stored:
+e4m3 codes + one fp32 scale per row; rows held in registers take their amax there, looped rows
+take one more pass over the row (from L2). Equal bit for bit to ``quantize_rows`` of
+``rms_norm``'s output; to ``rms_norm_fp8_reference`` within ``rms_norm``'s own tolerance.
+
 Backward: gradients for x, weight and residual; the weight gradient is summed in fp32 per
 program into a ``[programs, N]`` buffer reduced once (deterministic, no atomics). Rounding inside
 the forward is treated as identity (straight-through), as autograd on the reference does.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
@@ -37,11 +44,18 @@ from nakta_model.kernels._checks import (
     sm_count,
 )
 from nakta_model.kernels._rmsnorm_kernels import _rms_norm_bwd_kernel, _rms_norm_fwd_kernel
+from nakta_model.kernels.fp8_quant import (
+    FP8_DTYPE,
+    MIN_AMAX,
+    QuantRows,
+    quantize_rows_reference,
+)
 
 CAST_MODES = ("meta", "fp32")
 MAX_SINGLE_BLOCK = 16384  # widest row held in registers at once; wider rows loop over blocks
 MULTI_BLOCK_N = 4096  # column block used when a row does not fit in one block
 MAX_HIDDEN = 65536
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,27 +232,55 @@ def rms_norm_forward(
     cast_meta = _check_cast(cast)
     eps = _check_eps(eps)
     x2, r2 = _check_args(x, weight, residual)
-    n_rows, n_cols = x2.shape
+    n_rows = x2.shape[0]
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if r2 is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if store_rstd else None
+    _launch_fwd(x2, r2, weight, y, h, rstd, None, eps, cast_meta)
+    return y, h, rstd
+
+
+def rms_norm_fp8_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+    residual: torch.Tensor | None = None, cast: str = "meta",
+) -> tuple[QuantRows, torch.Tensor | None]:  # fmt: skip
+    """Launch the forward kernel with FP8 output: ``(QuantRows(q [M, N], scale [M]), h or
+    None)``; the row layout (so the sum order of 1/rms) is the one ``rms_norm_forward`` uses."""
+    cast_meta = _check_cast(cast)
+    eps = _check_eps(eps)
+    x2, r2 = _check_args(x, weight, residual)
+    q = torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if r2 is not None else None
+    _launch_fwd(x2, r2, weight, q, h, None, scale, eps, cast_meta)
+    return QuantRows(q, scale), h
+
+
+def _launch_fwd(
+    x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, y: torch.Tensor,
+    h: torch.Tensor | None, rstd: torch.Tensor | None, scale: torch.Tensor | None, eps: float,
+    cast_meta: bool,
+) -> None:  # fmt: skip
+    """The forward kernel into ``y`` (the normalized rows; FP8 codes when ``scale`` is given)."""
+    n_rows, n_cols = x2.shape
     if n_rows == 0:
-        return y, h, rstd
+        return
     cfg = _config("fwd", n_cols, r2 is not None)
     y2 = y.view(-1, n_cols)
     h2 = h.view(-1, n_cols) if h is not None else y2
     interp = interpreter_enabled()
+    y_dtype = _TL_DTYPES[torch.promote_types(x2.dtype, weight.dtype)]
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
         x2, r2 if r2 is not None else x2, weight, y2, h2, rstd if rstd is not None else y2,
+        scale if scale is not None else y2,
         n_rows, n_cols, x2.stride(0), r2.stride(0) if r2 is not None else 0, weight.stride(0),
         y2.stride(0), h2.stride(0), eps, 1.0 / n_cols,
         HAS_RESIDUAL=r2 is not None, STORE_RSTD=rstd is not None, CAST_META=cast_meta,
         BLOCK_M=cfg["BLOCK_M"], C0=cfg["C0"], C1=cfg["C1"], C2=cfg["C2"],
         SINGLE_BLOCK=cfg["SINGLE_BLOCK"], ACCURATE=not interp, EMULATE_RNE=interp,
-        num_warps=cfg["num_warps"],
+        QUANT=scale is not None, Y_DTYPE=y_dtype, MIN_AMAX=MIN_AMAX, num_warps=cfg["num_warps"],
     )  # fmt: skip
-    return y, h, rstd
 
 
 def rms_norm_backward(
@@ -352,6 +394,22 @@ def rms_norm(
     return y if h is None else (y, h)
 
 
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    cast: str = "meta",
+) -> QuantRows | tuple[QuantRows, torch.Tensor]:
+    """``rms_norm`` whose output leaves the kernel as FP8: ``QuantRows(q [M, N] e4m3, scale [M]
+    fp32)``, ``M`` the product of x's leading dims; with ``residual``, ``(QuantRows, h)`` with
+    ``h = x + residual`` in x's dtype as ``rms_norm`` returns it. The codes are
+    ``fp8_quant``'s rule applied to the values ``rms_norm`` would store (rounded to its output
+    dtype), so the bf16 ``[M, N]`` output is never written. Forward only (no autograd)."""
+    q, h = rms_norm_fp8_forward(x, weight, eps, residual, cast)
+    return q if h is None else (q, h)
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. Reference
 # ----------------------------------------------------------------------------------------------
@@ -379,3 +437,18 @@ def rms_norm_reference(
     else:
         y = (weight.to(compute) * n).to(torch.promote_types(h.dtype, weight.dtype))
     return y if residual is None else (y, h)
+
+
+def rms_norm_fp8_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    cast: str = "meta",
+) -> QuantRows | tuple[QuantRows, torch.Tensor]:
+    """``quantize_rows_reference(rms_norm_reference(...))``; any device."""
+    out = rms_norm_reference(x, weight, eps, residual, cast)
+    if residual is None:
+        return quantize_rows_reference(out)
+    y, h = out
+    return quantize_rows_reference(y), h

@@ -28,6 +28,11 @@ rounded division (reciprocal + Newton + residual with exact 2^-64 scaling, equal
 on all 2^32 fp32 gates) had fewer instructions but ran at 90%, because ptxas then interleaves
 the loads with the arithmetic instead of issuing them all first (results/nvidia-h200/ab/).
 
+``swiglu_fp8(gate_up)``: the forward's values quantized per row (``fp8_quant.py``'s rule) in
+the same kernel, e4m3 codes + one fp32 scale per row, bit for bit ``swiglu_fp8_reference``. A row
+of F <= 16384 (padded) is held whole by one program, so gate and up are read once; wider rows
+take two passes (the second from L2, recomputing the SiLU).
+
 ``swiglu(gate_up)`` takes the fused ``[..., 2F]`` projection (gate first, up second) and reads
 the two halves as strided views: no split copies.
 """
@@ -48,7 +53,13 @@ from nakta_model.kernels._checks import (
     interpreter_enabled,
     rows_view,
 )
-from nakta_model.kernels._triton_math import exp, round_to, silu
+from nakta_model.kernels._triton_math import exp, fp8_codes, fp8_row_scales, round_to, silu
+from nakta_model.kernels.fp8_quant import (
+    FP8_DTYPE,
+    MIN_AMAX,
+    QuantRows,
+    quantize_rows_reference,
+)
 
 # Dtypes whose silu the fast arithmetic rounds like eager on every input (module docstring).
 FAST_IS_EXACT_DTYPES = (torch.bfloat16,)
@@ -94,6 +105,56 @@ def _silu_mul_fwd_kernel(
 
 
 @triton.jit
+def _swiglu_values(G, U, row, c, mask, stride_g, stride_u, FAST_SILU: tl.constexpr,
+                   ACCURATE: tl.constexpr, EMULATE_RNE: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    """``round(round(silu(g)) * u)`` of columns ``c`` of ``row``, in fp32 (the forward's bits)."""
+    g = tl.load(G + row * stride_g + c, mask=mask, other=0.0, eviction_policy=EVICT)
+    u = tl.load(U + row * stride_u + c, mask=mask, other=0.0, eviction_policy=EVICT)
+    dtype = G.dtype.element_ty
+    s = round_to(silu(g.to(tl.float32), FAST_SILU, ACCURATE), dtype, EMULATE_RNE)
+    return round_to(s.to(tl.float32) * u.to(tl.float32), dtype, EMULATE_RNE).to(tl.float32)
+
+
+# The row/token count is not specialised on: every batch size runs one compiled kernel.
+@triton.jit(do_not_specialize=["n_rows"])
+def _swiglu_fp8_kernel(
+    G, U, Q, S, n_rows, n_cols, stride_g, stride_u, stride_q,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+):  # fmt: skip
+    """The forward's values quantized per row (``fp8_quant.py``'s rule): ``BLOCK_M`` whole
+    rows held in registers, or one row in two passes over column blocks (the second reads the
+    row back from L2 and recomputes the SiLU)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if SINGLE_BLOCK:
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = (rows < n_rows) & (cols < n_cols)
+        y = _swiglu_values(G, U, rows, cols, mask, stride_g, stride_u, FAST_SILU, ACCURATE,
+                           EMULATE_RNE, "")  # fmt: skip
+        inv, scale = fp8_row_scales(tl.max(tl.abs(y), axis=1), MIN_AMAX)
+        tl.store(Q + rows * stride_q + cols, fp8_codes(y, inv[:, None], EMULATE_RNE), mask=mask)
+        r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(S + r, scale, mask=r < n_rows)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            y = _swiglu_values(G, U, pid, c, c < n_cols, stride_g, stride_u, FAST_SILU,
+                               ACCURATE, EMULATE_RNE, "evict_last")  # fmt: skip
+            amax = tl.maximum(amax, tl.abs(y))
+        inv, scale = fp8_row_scales(tl.max(amax, axis=0), MIN_AMAX)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            y = _swiglu_values(G, U, pid, c, c < n_cols, stride_g, stride_u, FAST_SILU,
+                               ACCURATE, EMULATE_RNE, "evict_first")  # fmt: skip
+            tl.store(Q + pid * stride_q + c, fp8_codes(y, inv, EMULATE_RNE), mask=c < n_cols)
+        tl.store(S + pid, scale)
+
+
+@triton.jit
 def _silu_mul_bwd_kernel(
     DOUT, G, U, DG, DU, n_rows, n_cols, stride_dout, stride_g, stride_u, stride_dg, stride_du,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCURATE: tl.constexpr,
@@ -133,6 +194,13 @@ _CONFIGS: dict[str, dict[str, int]] = {
     "fwd_fast": dict(BLOCK_M=1, BLOCK_N=512, num_warps=1),  # FAST_SILU
     "bwd": dict(BLOCK_M=1, BLOCK_N=1024, num_warps=4),
 }
+# The FP8 forward needs each row's amax: rows up to FP8_MAX_SINGLE_BLOCK columns (padded to a
+# power of two) are held whole by one program, ~32 fp32 values a thread (11008 -> 16384, 16
+# warps); wider rows loop in two passes of FP8_LOOP_BLOCK_N. Not tuned on a GPU yet:
+# ``bench_fp8.py`` times the held row against the two-pass loop (``_FP8_TUNE["BLOCK_N"]``).
+FP8_MAX_SINGLE_BLOCK = 16384
+FP8_LOOP_BLOCK_N = 4096
+_FP8_TUNE: dict[str, int] = {}
 _TUNE: dict[str, int] = {}
 
 
@@ -200,6 +268,43 @@ def silu_mul_forward(
         EMULATE_RNE=interp, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out
+
+
+def _fp8_config(n_cols: int) -> dict[str, int]:
+    """``BLOCK_M``, ``BLOCK_N``, ``SINGLE_BLOCK``, ``num_warps`` of the FP8 forward."""
+    full = triton.next_power_of_2(max(1, n_cols))
+    if "BLOCK_N" in _FP8_TUNE:
+        bn = _FP8_TUNE["BLOCK_N"]
+        cfg = dict(BLOCK_M=1, BLOCK_N=bn, SINGLE_BLOCK=bn >= n_cols, num_warps=8)
+    elif full > FP8_MAX_SINGLE_BLOCK:
+        cfg = dict(BLOCK_M=1, BLOCK_N=FP8_LOOP_BLOCK_N, SINGLE_BLOCK=False, num_warps=8)
+    else:
+        block_m = max(1, 2048 // full)
+        warps = max(1, min(16, block_m * full // 1024))
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=full, SINGLE_BLOCK=True, num_warps=warps)
+    cfg.update({k: v for k, v in _FP8_TUNE.items() if k != "BLOCK_N"})
+    if not cfg["SINGLE_BLOCK"]:
+        cfg["BLOCK_M"] = 1
+    return cfg
+
+
+def swiglu_fp8_forward(gate: torch.Tensor, up: torch.Tensor) -> QuantRows:
+    """Launch the FP8 forward on ``gate``/``up`` ``[..., F]`` (strided row views)."""
+    g2, u2 = _check_args(gate, up)
+    n_rows, n_cols = g2.shape
+    q = torch.empty((n_rows, n_cols), dtype=FP8_DTYPE, device=gate.device)
+    scale = torch.ones(n_rows, dtype=torch.float32, device=gate.device)  # K = 0: as the reference
+    if n_rows == 0 or n_cols == 0:
+        return QuantRows(q, scale)
+    cfg = _fp8_config(n_cols)
+    interp = interpreter_enabled()
+    _swiglu_fp8_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+        g2, u2, q, scale, n_rows, n_cols, g2.stride(0), u2.stride(0), q.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE_BLOCK=cfg["SINGLE_BLOCK"],
+        FAST_SILU=gate.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
+        MIN_AMAX=MIN_AMAX, num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return QuantRows(q, scale)
 
 
 def silu_mul_backward(
@@ -299,6 +404,14 @@ def swiglu(gate_up: torch.Tensor, *, exact: bool = True) -> torch.Tensor:
     return silu_mul_forward(gate, up, exact=exact)
 
 
+def swiglu_fp8(gate_up: torch.Tensor) -> QuantRows:
+    """``swiglu(gate_up)`` leaving the kernel as FP8: ``QuantRows(q [M, F] e4m3, scale [M]
+    fp32)``, ``M`` the product of the leading dims; the codes are ``fp8_quant``'s rule applied
+    to the values ``swiglu`` would store (eager's bits), which are never written. Forward only."""
+    gate, up = _split_gate_up(gate_up)
+    return swiglu_fp8_forward(gate, up)
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. Reference
 # ----------------------------------------------------------------------------------------------
@@ -312,3 +425,8 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = _split_gate_up(gate_up)
     return silu_mul_reference(gate, up)
+
+
+def swiglu_fp8_reference(gate_up: torch.Tensor) -> QuantRows:
+    """``quantize_rows_reference(swiglu_reference(gate_up))``; any device."""
+    return quantize_rows_reference(swiglu_reference(gate_up))
