@@ -204,3 +204,37 @@ def test_convert_cli_quant(tmp_path, capsys):
     with pytest.raises(SystemExit):
         convert.main([str(meta), str(tmp_path / "o2"), "--quant", "int4"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_fp8_triton_kernels_path_matches_reference_path():
+    """The interpreter runs the quantizing norm / SwiGLU / row kernels and the packed attention:
+    the same function as the reference path, up to the attention's summation order."""
+    f8 = random_model(ARGS, "cpu", torch.float32, seed=6, kernels="triton", quant="fp8")
+    tokens = _tokens(n=1, s=7)
+    n = tokens.shape[1]
+    pos = torch.arange(n)
+    fused = f8.forward_packed(tokens[0], pos, torch.zeros(n, dtype=torch.long), None, pos)
+    f8.kernels = "reference"
+    ref = f8.forward_packed(tokens[0], pos, torch.zeros(n, dtype=torch.long), None, pos)
+    assert torch.isfinite(fused).all()
+    assert (fused - ref).norm() / ref.norm() < 1e-3
+
+
+def test_fp8_decode_step_streams_e4m3_weights():
+    """Generation on an FP8 model: the decode step passes each layer's scales (reference GEMVs
+    on the CPU) and greedy decoding equals decoding the dequantized weights in fp32."""
+    from nakta_model.generation.engine import Generator, greedy_requests
+
+    f8 = random_model(ARGS, "cpu", torch.float32, seed=7, kernels="reference", quant="fp8")
+    twin = _dequantized_twin(
+        f8, random_model(ARGS, "cpu", torch.float32, seed=7, kernels="reference")
+    )
+    ps = [[1, 5, 9, 13], [1, 40, 2, 77, 31]]
+    got = Generator(f8, max_batch=2, max_seq_len=32, chunk=3).generate(greedy_requests(ps, 6, None))
+    want = Generator(twin, max_batch=2, max_seq_len=32, chunk=3).generate(
+        greedy_requests(ps, 6, None)
+    )
+    assert [len(r.tokens) for r in got] == [6, 6]
+    # decode (W8A16) = the twin's decode; prefill (W8A8) quantizes activations: first tokens
+    # may differ only where the twin's logits are near-tied, so compare from the decode step on
+    assert sum(a == b for x, y in zip(got, want) for a, b in zip(x.tokens, y.tokens)) >= 9
