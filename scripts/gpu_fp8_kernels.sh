@@ -18,7 +18,7 @@ status=0
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
 SLUG=$(python3 -c "from bench_common.ceilings import device_slug; print(device_slug())")
 K=kernel_benchmark/results/$SLUG
-step fp8_gpu_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x \
+step fp8_gpu_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
   tests/test_fp8_kernels.py tests/test_decode_linear_fp8.py tests/test_fp8_gpu.py \
   tests/test_decode_linear.py tests/test_generation_engine.py
 step bench_fp8 240 python3 -m kernel_benchmark.bench_fp8
