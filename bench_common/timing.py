@@ -67,6 +67,9 @@ def rotated_ms(
     reps: dict[str, int] = {}
     errors: dict[str, str] = {}
     stream = torch.cuda.current_stream()
+    if stream == torch.cuda.default_stream():  # graphs are captured on a side stream
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
     for _ in range(rounds):
         for n, cs in calls.items():
             if n in errors:

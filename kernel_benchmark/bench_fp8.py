@@ -284,6 +284,10 @@ def plot(frames: dict[str, pd.DataFrame], title: str):
         else:
             t = df.pivot_table(index=["kind", "batch"], columns="weights", values="pct_copy_bw")
             ax.set_xlabel("% of copy bandwidth")
+        t = t.dropna(how="all")
+        if t.empty:  # nothing timed in this section (the table says why)
+            ax.set_title(f"{name}: not timed")
+            continue
         t.index = [" ".join(map(str, i)) for i in t.index]
         t.plot.barh(ax=ax, width=0.8)
         ax.invert_yaxis()

@@ -332,8 +332,9 @@ def test_gpu_fp8_matmul_scaled_mm_matches_reference(k, n, m):
     """cuBLASLt's row-wise scaled GEMM against the exact fp32 reference, before the bf16
     rounding (fp32 output): e4m3 products are exact, so only the summation differs: fp32 order
     (~1e-7 normwise) and, where the tensor cores accumulate FP8 with fewer bits between fp32
-    promotions (DeepSeek-V3 reports ~14 bits on H800), up to ~1e-5; 1e-4 separates that from
-    any wrong scale or layout (errors of order 1)."""
+    promotions (DeepSeek-V3 reports ~14 bits on H800): 1.28e-4 measured on an H100 at these
+    shapes, far under the bf16 output's rounding (2^-9); 5e-4 separates that from any wrong
+    scale or layout (errors of order 1)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
     xq = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -343,7 +344,7 @@ def test_gpu_fp8_matmul_scaled_mm_matches_reference(k, n, m):
                            out_dtype=torch.float32)  # fmt: skip
     ref = fp8_matmul_reference(xq.q, xq.scale, wq, ws, torch.float32)
     err = ((acc - ref).norm() / ref.norm()).item()
-    assert err < 1e-4, f"normwise relative error {err:.3g}"
+    assert err < 5e-4, f"normwise relative error {err:.3g}"  # H100: 1.28e-4 measured
     got = fp8_matmul(xq.q, xq.scale, wq, ws)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=2.0**-7, atol=1e-5 * ref.abs().max().item())
