@@ -46,6 +46,7 @@ def _padded(rows: int, cols: int, dtype, device, pad: int = 3, scale: float = 1.
 def _rope_args(batch, dtype, device, heads=HEADS, slots=40, max_pos=64, poison=True):
     """RopeArgs with NaN-poisoned caches, and a second set (same inputs, own caches)."""
     nq, nkv, hd = heads
+    slots = max(slots, batch)  # one distinct cache slot per row
     cos, sin = build_rope_cache(max_pos, hd, device=device)
     pos = torch.randint(0, max_pos // 2, (batch,), device=device)
     cache_slots = torch.randperm(slots, device=device)[:batch]
