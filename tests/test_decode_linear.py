@@ -406,7 +406,9 @@ def test_device_tables_override_the_shape_entries_on_their_device_only(monkeypat
     shared = dl._config(torch.bfloat16, 1, 12288, 4096, "rope", cpu)
     monkeypatch.setattr(dl, "device_family", lambda device: "h200")
     for (dtype, bucket, variant, n, k), entry in dl._DEVICE_CONFIGS["h200"].items():
-        cfg = dl._config(getattr(torch, dtype), bucket, n, k, variant, cpu)
+        w_dtype = getattr(torch, dtype)  # FP8 rows: bf16 x, e4m3 weight
+        x_dtype = torch.bfloat16 if w_dtype == torch.float8_e4m3fn else w_dtype
+        cfg = dl._config(x_dtype, bucket, n, k, variant, cpu, w_dtype)
         assert {key: cfg[key] for key in entry} == entry
     h200 = dl._config(torch.bfloat16, 1, 12288, 4096, "rope", cpu)
     assert (h200["BLOCK_N"], h200["num_warps"]) != (shared["BLOCK_N"], shared["num_warps"])

@@ -11,6 +11,8 @@ whose row padding holds e4m3 NaN codes (a read past K would show).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_decode_linear import (
@@ -28,6 +30,7 @@ from nakta_model.kernels.decode_linear import decode_linear, decode_linear_refer
 from nakta_model.kernels.fp8_quant import FP8_DTYPE, quantize_weight
 
 NAN_E4M3 = 0x7F
+FP8_DTYPE_NAME = "float8_e4m3fn"
 
 
 def fp8_case(variant, batch, dtype, device, **kw):
@@ -86,7 +89,8 @@ def test_fp8_scale_is_applied_before_rounding(device):
 
 def test_fp8_config_rows(monkeypatch):
     """FP8 weights look up their own table rows: twice the bf16 BLOCK_K where the accumulator
-    allows, the bf16 rows unchanged."""
+    allows (tl.dot rows of batch >= 16 keep it: their x tile sets the shared memory), the bf16
+    rows unchanged."""
     cpu = torch.device("cpu")
     bf16 = dl._config(torch.bfloat16, 1, 4096, 4096, "residual", cpu)
     fp8 = dl._config(torch.bfloat16, 1, 4096, 4096, "residual", cpu, FP8_DTYPE)
@@ -95,9 +99,108 @@ def test_fp8_config_rows(monkeypatch):
     for key in [k for k in dl._CONFIGS if k[0] == "bfloat16"]:
         assert ("float8_e4m3fn", *key[1:]) in dl._CONFIGS
     b32 = dl._config(torch.bfloat16, 32, 11008, 4096, "swiglu", cpu, FP8_DTYPE)
-    assert b32["USE_DOT"] == 1
+    b32_bf16 = dl._config(torch.bfloat16, 32, 11008, 4096, "swiglu", cpu)
+    assert b32["USE_DOT"] == 1 and b32["BLOCK_K"] == b32_bf16["BLOCK_K"]
+    b8 = dl._config(torch.bfloat16, 8, 11008, 4096, "swiglu", cpu, FP8_DTYPE)
+    b8_bf16 = dl._config(torch.bfloat16, 8, 11008, 4096, "swiglu", cpu)
+    assert b8["BLOCK_K"] == 2 * b8_bf16["BLOCK_K"]
     default = dl._config(torch.float16, 1, 777, 4096, "plain", cpu, FP8_DTYPE)
     assert default["TILE_N"] * default["BLOCK_K"] <= dl._FMA_TILE_ELEMS * 2
+
+
+DOT_F16_CASES = [("norm_rope", 3), ("residual", 16), ("norm_swiglu", 33), ("norm_logits", 5)]
+
+
+@pytest.mark.parametrize("variant, batch", DOT_F16_CASES)
+def test_fp8_dot_f16_matches_reference_and_fp64(variant, batch, device, monkeypatch):
+    """fp16 MMA operands (e4m3 and bf16 x both exact in fp16): the bf16 path's sums."""
+    monkeypatch.setattr(dl, "_TUNE", {"USE_DOT": 1, "DOT_F16": 1})
+    x, wq, kw, ref_kw, w_deq = fp8_case(variant, batch, torch.bfloat16, device)
+    n_cols = wq.shape[0] // 2 if variant == "norm_swiglu" else wq.shape[0]
+    variant_key = dl._variant(kw.get("residual"), bool(kw.get("swiglu")), kw.get("rope"))
+    cfg = dl._config(x.dtype, batch, n_cols, x.shape[1], variant_key, device, FP8_DTYPE)
+    assert cfg["DOT_F16"] == 1
+    got, ref = run_both(x, wq, kw, ref_kw)
+    assert_matches_reference(got, ref, torch.bfloat16)
+    assert_near_fp64(got, expected_fp64(x, w_deq, {**kw, "weight_scale": None}), torch.bfloat16)
+
+
+def test_fp8_dot_f16_only_where_it_is_exact(monkeypatch):
+    """DOT_F16 resolves to 1 only for FP8 weights, bf16 x, the tl.dot path and the escape
+    hatch open; a table row or _TUNE asking elsewhere gets 0."""
+    cpu = torch.device("cpu")
+
+    def resolved(x_dtype=torch.bfloat16, w_dtype=FP8_DTYPE, **tune):
+        monkeypatch.setattr(dl, "_TUNE", {"DOT_F16": 1, "USE_DOT": 1, **tune})
+        return dl._config(x_dtype, 8, 4096, 4096, "residual", cpu, w_dtype)["DOT_F16"]
+
+    assert resolved() == 1
+    assert resolved(x_dtype=torch.float16) == 0  # e4m3 -> fp16 is the plain path there
+    assert resolved(x_dtype=torch.float32) == 0
+    assert resolved(w_dtype=torch.bfloat16) == 0
+    assert resolved(USE_DOT=0) == 0
+    assert resolved(DOT_F16=0) == 0
+    monkeypatch.setattr(dl, "FP8_DOT_F16", False)
+    assert resolved() == 0
+
+
+def test_fp8_dot_f16_overflow_caveat_and_escape_hatch(device, monkeypatch):
+    """The documented cost of DOT_F16. A bf16 x beyond fp16's 65504 becomes inf (its row's
+    outputs inf/NaN). Entries below fp16's normal range (6.1e-5) become fp16 subnormals, off
+    by <= 2^-25 each: invisible in a row that also holds normal-sized entries (LLaMA's), and
+    bounded by 2^-25 * sum |w| in a row of only tiny entries (where bf16 would keep ~3
+    digits). With the escape hatch (FP8_DOT_F16 False) every row is the reference's."""
+    monkeypatch.setattr(dl, "_TUNE", {"USE_DOT": 1, "DOT_F16": 1})
+    x, wq, kw, ref_kw, w_deq = fp8_case("plain", 4, torch.bfloat16, device)
+    x[0, 5] = 1e5  # beyond fp16
+    x[1, ::2] = x[1, ::2] * 1e-6  # tiny entries beside normal ones
+    x[2] = x[2] * 1e-6  # a row of tiny entries only
+    got, ref = run_both(x, wq, kw, ref_kw)
+    assert not torch.isfinite(got[0]).all() and torch.isfinite(ref[0]).all()
+    assert_matches_reference(got[[1, 3]], ref[[1, 3]], torch.bfloat16)
+    exact = x[2].double() @ w_deq.double().T
+    bound = 2.0**-25 * w_deq.double().abs().sum(1) + 2.0**-8 * exact.abs()
+    assert ((got[2].double() - exact).abs() <= bound).all()
+    monkeypatch.setattr(dl, "FP8_DOT_F16", False)
+    got, ref = run_both(x, wq, kw, ref_kw)
+    assert_matches_reference(got, ref, torch.bfloat16)
+
+
+def test_fp8_tuned_file_loads_and_rejects_bad_rows(tmp_path):
+    """The tuner's JSON: absent -> no rows; its rows keyed as _config looks them up; a row
+    with a missing knob or a bf16 key is an error naming the file."""
+    from nakta_model.kernels import _decode_linear_configs as cfgs
+
+    assert cfgs.load_fp8_tuned(tmp_path / "absent.json") == {}
+    row = dict(USE_DOT=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3, DOT_F16=1)
+    key = cfgs.fp8_tuned_key(32, "swiglu", 11008, 4096)
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"devices": {"h100": {"entries": {key: row}}}}))
+    assert cfgs.load_fp8_tuned(path) == {"h100": {(FP8_DTYPE_NAME, 32, "swiglu", 11008, 4096): row}}
+    for bad in ({**row, "BLOCK_M": 16}, {k: v for k, v in row.items() if k != "DOT_F16"}):
+        path.write_text(json.dumps({"devices": {"h100": {"entries": {key: bad}}}}))
+        with pytest.raises(ValueError, match="tuned.json"):
+            cfgs.load_fp8_tuned(path)
+    bf16_key = key.replace(FP8_DTYPE_NAME, "bfloat16")
+    path.write_text(json.dumps({"devices": {"h100": {"entries": {bf16_key: row}}}}))
+    with pytest.raises(ValueError, match="tuned.json"):
+        cfgs.load_fp8_tuned(path)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="tuned.json"):
+        cfgs.load_fp8_tuned(path)
+
+
+def test_fp8_tuned_rows_apply_on_their_device_family(monkeypatch):
+    """A tuned-file row in _DEVICE_CONFIGS[family] is what _config returns there (every knob,
+    DOT_F16 included), and other families keep the derived row."""
+    cpu = torch.device("cpu")
+    row = dict(USE_DOT=1, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=2, DOT_F16=1)
+    key = (FP8_DTYPE_NAME, 32, "residual", 4096, 11008)
+    monkeypatch.setitem(dl._DEVICE_CONFIGS, "testgpu", {key: row})
+    derived = dl._config(torch.bfloat16, 32, 4096, 11008, "residual", cpu, FP8_DTYPE)
+    monkeypatch.setattr(dl, "device_family", lambda device: "testgpu")
+    cfg = dl._config(torch.bfloat16, 32, 4096, 11008, "residual", cpu, FP8_DTYPE)
+    assert {k: cfg[k] for k in row} == row and cfg != derived
 
 
 @pytest.mark.parametrize(
@@ -131,6 +234,15 @@ def test_gpu_fp8_llama7b_shapes(variant, n, k, batch):
     expected = expected_fp64(x, w_deq, {**ref_kw, "weight_scale": None})
     assert_near_fp64(got, expected, torch.bfloat16)
     assert_matches_reference(got, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant, n, k", LLAMA7B)
+@pytest.mark.parametrize("batch, dot_f16", [(4, 1), (32, 1), (32, 0), (64, 1)])
+def test_gpu_fp8_dot_paths_llama7b_shapes(variant, n, k, batch, dot_f16, monkeypatch):
+    """Both tl.dot operand conversions (fp16 MMA, e4m3 -> bf16) compiled for sm90."""
+    monkeypatch.setattr(dl, "_TUNE", {"USE_DOT": 1, "DOT_F16": dot_f16})
+    test_gpu_fp8_llama7b_shapes(variant, n, k, batch)
 
 
 @pytest.mark.gpu

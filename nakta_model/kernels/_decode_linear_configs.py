@@ -8,6 +8,9 @@ differs) and x's otherwise.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 # Configurations per (dtype, batch bucket = next power of two of B), and per-shape entries
 # keyed (dtype, bucket, variant, N, K) from ``bench_decode.py --tune`` (LLaMA-7B's five decode
 # GEMVs at batch 1, 8 and 32 on an H100: ``results/nvidia-h100-80gb-hbm3/decode_linear_tune*``),
@@ -97,13 +100,16 @@ _FMA_ACC_MAX = 16384  # fp32 accumulator elements per program an FP8 entry may g
 
 
 def _fp8_entry(cfg: dict[str, int], rows_per_col: int, bucket: int) -> dict[str, int]:
-    """An FP8-weight row derived from a bf16 one: the same bytes of each weight row per K step
-    (``BLOCK_K`` doubled) unless the CUDA-core accumulator (``TILE_N x BLOCK_M x BLOCK_K``)
-    would pass ``_FMA_ACC_MAX``. Not tuned on a GPU yet: ``bench_fp8.py`` measures them."""
+    """An FP8-weight row derived from a bf16 one, where no tuned row exists: the same bytes of
+    each weight row per K step (``BLOCK_K`` doubled) unless the CUDA-core accumulator
+    (``TILE_N x BLOCK_M x BLOCK_K``) would pass ``_FMA_ACC_MAX``; ``tl.dot`` rows of batch
+    >= 16 keep bf16's ``BLOCK_K``: their bf16 x tile (``BLOCK_M x BLOCK_K``) is as large as
+    before and outweighs the weight tile, and doubling it cost shared memory and occupancy
+    (H100, batch 32: 0.44-0.93x bf16 with it doubled, ``results/.../fp8_decode.md``)."""
     out = dict(cfg)
     if "BLOCK_K" in cfg:
         acc = rows_per_col * cfg.get("BLOCK_N", 16) * bucket * 2 * cfg["BLOCK_K"]
-        if cfg["USE_DOT"] or acc <= _FMA_ACC_MAX:
+        if (cfg["USE_DOT"] and bucket < 16) or (not cfg["USE_DOT"] and acc <= _FMA_ACC_MAX):
             out["BLOCK_K"] = 2 * cfg["BLOCK_K"]
     return out
 
@@ -123,3 +129,41 @@ for _table in _DEVICE_CONFIGS.values():
             if key[0] == "bfloat16"
         }
     )
+
+
+# ------------------------------------------------------------------ tuned FP8 rows (a file)
+# ``kernel_benchmark/tune_fp8_decode.py`` writes its winners, per device family, to this file
+# beside the module; when present its rows go over the derived FP8 rows above (committing the
+# file is the whole step). Format: {"devices": {family: {"entries": {"dtype/bucket/variant/N/K":
+# {knob: int}}, ...}}}; anything else raises here, naming the file.
+FP8_TUNED_JSON = Path(__file__).with_name("_decode_linear_fp8_tuned.json")
+FP8_KNOBS = ("USE_DOT", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "DOT_F16")
+
+
+def fp8_tuned_key(bucket: int, variant: str, n_cols: int, k: int) -> str:
+    """The file's key of one per-shape FP8 row (``_config``'s table key, joined by "/")."""
+    return f"{_FP8}/{bucket}/{variant}/{n_cols}/{k}"
+
+
+def load_fp8_tuned(path: Path) -> dict[str, dict[tuple, dict[str, int]]]:
+    """``{family: {table key: config}}`` of a tuned-FP8 JSON; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        devices = json.loads(path.read_text())["devices"]
+        tables: dict[str, dict[tuple, dict[str, int]]] = {}
+        for family, block in devices.items():
+            table = tables.setdefault(str(family), {})
+            for key, cfg in block["entries"].items():
+                dtype, bucket, variant, n, k = key.split("/")
+                if dtype != _FP8 or set(cfg) != set(FP8_KNOBS):
+                    raise ValueError(f"entry {key!r}: expected {_FP8} rows with {FP8_KNOBS}")
+                entry = {name: int(cfg[name]) for name in FP8_KNOBS}
+                table[(dtype, int(bucket), variant, int(n), int(k))] = entry
+    except (ValueError, KeyError, TypeError, AttributeError) as ex:
+        raise ValueError(f"{path}: not a tuned-FP8 decode config file ({ex})") from ex
+    return tables
+
+
+for _family, _rows in load_fp8_tuned(FP8_TUNED_JSON).items():
+    _DEVICE_CONFIGS.setdefault(_family, {}).update(_rows)

@@ -71,10 +71,17 @@ def _dot_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    W_FP8: tl.constexpr,
+    W_FP8: tl.constexpr, DOT_F16: tl.constexpr,
 ):  # fmt: skip
     """``W_tile @ x^T`` over all of K with ``tl.dot``: fp32 ``[TILE_N, BLOCK_M]``.
 
+    ``DOT_F16`` (FP8 weight, bf16 x): both operands go to fp16 and the MMA is fp16 x fp16 ->
+    fp32. e4m3 -> fp16 is one ``cvt.rn.f16x2.e4m3x2`` per pair on sm89+, e4m3 -> bf16 adds two
+    ``cvt.bf16.f16``; every e4m3 value is exact in fp16 and so is every bf16 x with
+    ``6.1e-5 <= |x| <= 65504`` (8 significant bits fit in 11), so the products are the bf16
+    path's. Outside: ``|x| > 65504`` becomes inf (the output inf/NaN), ``|x| < 6.1e-5`` an fp16
+    subnormal (absolute error <= 2^-25 per element, below the fp32 sum's rounding for LLaMA's
+    activations). ``_config`` sets it only where asked and ``NAKTA_FP8_DOT_F16=0`` allows none.
     ``UPCAST`` (interpreter, bf16) feeds fp32 copies of the operands: Triton 3.9's interpreter
     returns garbage for a bf16 ``tl.dot``; the copies are exact, so the sums are the same."""
     acc = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)
@@ -85,7 +92,10 @@ def _dot_loop(
         x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
                     EMULATE_RNE)  # fmt: skip
         w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
-        if W_FP8:  # e4m3 values are exact in every x dtype
+        if W_FP8 and DOT_F16:
+            w = w.to(tl.float16)
+            x = x.to(tl.float32).to(tl.float16)
+        elif W_FP8:  # e4m3 values are exact in every x dtype
             w = w.to(x.dtype)
         if UPCAST:
             x = x.to(tl.float32)
@@ -202,12 +212,13 @@ def _decode_linear_kernel(
     BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
-    EMULATE_RNE: tl.constexpr, PDL: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, PDL: tl.constexpr, DOT_F16: tl.constexpr = False,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
     Switches (constexpr): ``W_FP8`` e4m3 weight with fp32 row scales ``WS`` (codes converted in
-    registers, the sums scaled before the epilogue); ``NORM`` RMSNorm prologue; at most one of
+    registers, the sums scaled before the epilogue; ``DOT_F16``: fp16 MMA operands, see
+    ``_dot_loop``); ``NORM`` RMSNorm prologue; at most one of
     ``RESIDUAL`` / ``SWIGLU``
     (the tile holds ``TILE_N = 2 * BLOCK_N`` rows: gate rows, then the matching up rows) /
     ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask;
@@ -236,7 +247,7 @@ def _decode_linear_kernel(
     if USE_DOT:
         acc = _dot_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
                         rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, PREC, UPCAST, EMULATE_RNE,
-                        W_FP8)  # fmt: skip
+                        W_FP8, DOT_F16)  # fmt: skip
     else:
         acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
                         rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip

@@ -49,6 +49,7 @@ Launch configurations: ``_CONFIGS`` per (dtype, batch bucket), plus per-shape en
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -142,8 +143,11 @@ def _config(
 ) -> dict[str, int]:  # fmt: skip
     """The launch config of one call: the (dtype, batch bucket) entry, then the per-shape entry,
     then ``_TUNE``; block sizes not set there are derived from the shape. ``dtype`` is x's;
-    an FP8 ``weight_dtype`` looks up the FP8 rows instead (``_decode_linear_configs.py``)."""
+    an FP8 ``weight_dtype`` looks up the FP8 rows instead (``_decode_linear_configs.py``).
+    ``DOT_F16`` (fp16 MMA operands, ``_dot_loop``) holds only for FP8 weights, bf16 x and
+    ``USE_DOT``, where a table row or ``_TUNE`` asks and ``NAKTA_FP8_DOT_F16`` is not 0."""
     bucket = triton.next_power_of_2(batch)
+    x_dtype = dtype
     if weight_dtype == FP8_DTYPE:
         dtype = weight_dtype
     name = str(dtype).removeprefix("torch.")
@@ -163,8 +167,17 @@ def _config(
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = dict(BLOCK_M=block_m, BLOCK_N=block_n, TILE_N=tile_n, BLOCK_K=block_k)
     out |= dict(USE_DOT=int(use_dot), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    f16 = use_dot and x_dtype == torch.bfloat16 and dtype == FP8_DTYPE and FP8_DOT_F16
+    out["DOT_F16"] = int(bool(cfg.get("DOT_F16", 0)) and f16)
     _check_config(out, variant)
     return out
+
+
+# The escape hatch from fp16 MMA operands for FP8 weights (``_dot_loop``'s ``DOT_F16``):
+# ``NAKTA_FP8_DOT_F16=0`` at import (or this flag set False) converts the e4m3 codes to bf16
+# instead, at two more conversions per weight pair: for activations beyond fp16's 65504,
+# which would turn to inf there. Read once: ``_config`` runs at every launch.
+FP8_DOT_F16 = os.environ.get("NAKTA_FP8_DOT_F16", "1") not in ("", "0")
 
 
 def _check_config(cfg: dict[str, int], variant: str) -> None:
@@ -243,7 +256,7 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
 
