@@ -68,9 +68,9 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from accuracy_test.lm_eval_preload import PRELOAD_ENV, model_preloaded
+from nakta_model.process_exit import exit_without_teardown
 
 ENTRY_UNIX = time.time()  # this module is the entry's first import: process start + Python's
 
@@ -429,30 +429,6 @@ def _is_model_args_error(e: BaseException) -> bool:
     """Raised by our adapters for bad model_args / generation settings (a user's input)."""
     adapter = sys.modules.get("accuracy_test.lm_eval_adapter")  # never imported: not ours
     return adapter is not None and isinstance(e, adapter.ModelArgsError)
-
-
-def exit_without_teardown(code: int = 0) -> NoReturn:
-    """End the process once the run's work is done, skipping only the interpreter's teardown.
-
-    After lm-eval returns, its results are written; a normal exit then still collects every
-    module and runs torch's destructors (the CUDA caching allocator frees each block, the
-    context is destroyed from Python's side): measured in ``lm_eval_exit_ab``. Here the
-    remaining non-daemon threads are joined, the ``atexit`` handlers run, logging and stdio are
-    flushed, and the process ends with ``os._exit``; the operating system releases the GPU
-    context as it does for any exiting process."""
-    import atexit
-    import logging
-    import threading
-
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 def cli() -> None:
