@@ -19,14 +19,18 @@ Bad ``nakta`` / ``llama_org`` model_args or generation settings (``ModelArgsErro
 (``--metadata hellaswag_jsonl=...``, ``$NAKTA_HELLASWAG_JSONL`` or the defaults): a missing one
 is one ``error:`` line and exit code 2, not a traceback after a long model load.
 
-``NAKTA_LM_EVAL_TIMING=path.json``: the seconds spent constructing the model (``load_s``), in
+``NAKTA_LM_EVAL_TIMING=path.json`` (under torchrun rank N > 0 writes ``path.rankN.json``,
+every file with its ``rank`` and ``world_size``): the seconds spent constructing the model (``load_s``), in
 ``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) and inside the
 model's request methods (``requests_s``: the model's share of it) are written there at exit,
 for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: the
-process start (negative), model start/end, evaluate start/end, first request, exit; for nakta
+process start (negative), model start/end, evaluate start/end, first request, the end of the
+last request (``last_request_end``), exit; for nakta
 also ``preload_start``, ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own
 ``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them), and the project's adapters'
-``loglikelihood`` split into tokenizing and scoring (``loglikelihood``).
+``loglikelihood`` split into tokenizing and scoring (``loglikelihood``; under ``dp`` also
+choosing the shard, ``shard_s``, and gathering the answers, ``gather_s``, with ``items``: this
+replica's share).
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
@@ -311,6 +315,7 @@ def _time_requests(lm: object, timings: dict) -> None:
             finally:
                 _sync_cuda()
                 timings["requests_s"] += time.perf_counter() - t0
+                timings["events"]["last_request_end"] = time.time() - ENTRY_UNIX
 
         setattr(lm, name, timed)
 
@@ -381,7 +386,16 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
             timings["tokens"] = dataclasses.asdict(stats)
         from nakta_model.io_utils import atomic_write_text
 
-        atomic_write_text(path, json.dumps(timings, indent=2) + "\n")
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        timings.update(rank=rank, world_size=world)
+        atomic_write_text(rank_timing_path(path, rank), json.dumps(timings, indent=2) + "\n")
+
+
+def rank_timing_path(path: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` writes its timings: ``path`` itself for rank 0 (and one process),
+    ``<stem>.rank<N><suffix>`` beside it for the others."""
+    path = Path(path)
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 # ------------------------------------------------------------------ entry
@@ -421,14 +435,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ValueError as e:
             if not _is_model_args_error(e):
                 raise
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+            from nakta_model.cli import exit_with_error  # torch is imported by now
+
+            exit_with_error(str(e))  # one line, from rank 0 only under torchrun
 
 
 def _is_model_args_error(e: BaseException) -> bool:
-    """Raised by our adapters for bad model_args / generation settings (a user's input)."""
-    adapter = sys.modules.get("accuracy_test.lm_eval_adapter")  # never imported: not ours
-    return adapter is not None and isinstance(e, adapter.ModelArgsError)
+    """Raised by our adapters for bad model_args / generation settings or a checkpoint that
+    cannot be loaded (a user's input)."""
+    args = sys.modules.get("accuracy_test.lm_eval_args")  # never imported: not ours
+    return args is not None and isinstance(e, args.ModelArgsError)
 
 
 def cli() -> None:
