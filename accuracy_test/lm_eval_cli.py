@@ -175,16 +175,23 @@ def cached_prompt_templates() -> Iterator[None]:
 def env_report_prefetched() -> Iterator[None]:
     """Inside the block, every ``lm_eval.evaluator.evaluate`` starts collecting
     ``torch.utils.collect_env``'s report on a thread; the report's next request returns it (or
-    raises its error, which lm-eval records as before) and the function is put back."""
+    raises its error, which lm-eval records as before) and the function is put back.
+
+    lm-eval asks for the report AFTER ``evaluate`` has returned (``simple_evaluate`` then calls
+    ``add_env_info``), so the prefetched one stays installed until it is asked for or the block
+    ends (an earlier version put the original back when ``evaluate`` returned: the report was
+    then collected again, on the critical path, and the prefetch was wasted)."""
     import lm_eval.evaluator as evaluator
 
     evaluate = evaluator.evaluate
+    installed: list = []  # (collect_env module, original, ours) of the evaluate in flight
 
     def evaluate_with_env_prefetch(*a, **kw):
         from concurrent.futures import ThreadPoolExecutor
 
         import torch.utils.collect_env as collect_env
 
+        _restore(installed)  # a previous evaluate's report nobody asked for
         original = collect_env.get_pretty_env_info
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nakta-env")
         future = pool.submit(original)
@@ -196,17 +203,23 @@ def env_report_prefetched() -> Iterator[None]:
             return future.result()
 
         collect_env.get_pretty_env_info = get_pretty_env_info
-        try:
-            return evaluate(*a, **kw)
-        finally:
-            if collect_env.get_pretty_env_info is get_pretty_env_info:  # never asked for
-                collect_env.get_pretty_env_info = original
+        installed.append((collect_env, original, get_pretty_env_info))
+        return evaluate(*a, **kw)
 
     evaluator.evaluate = evaluate_with_env_prefetch
     try:
         yield
     finally:
         evaluator.evaluate = evaluate
+        _restore(installed)
+
+
+def _restore(installed: list) -> None:
+    """Put back every original report function still replaced by a prefetched one."""
+    while installed:
+        module, original, ours = installed.pop()
+        if module.get_pretty_env_info is ours:
+            module.get_pretty_env_info = original
 
 
 # imported by lm-eval after ``evaluate`` returns (add_env_info reads transformers' version, the
