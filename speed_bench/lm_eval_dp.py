@@ -10,7 +10,8 @@ Weights: ``--checkpoint DIR`` (a Nakta checkpoint), else a random ``--preset`` L
 transformers and converted by ``convert.py`` (``lm_eval_weights``, as ``lm_eval_speed`` does).
 Runs, in this order (most important first): for each ``--runs`` entry ``SHOTS:LIMIT`` the
 1-GPU run, then ``torchrun --nproc_per_node N ... dp=N``; then the suite in one call and one
-task per call. A run that could not finish before ``--deadline-s`` (counted from this
+task per call (``--warmup-limit N`` first runs one untimed short 1-GPU run, so that the first
+timed run does not pay Triton's compiles and a cold page cache alone). A run that could not finish before ``--deadline-s`` (counted from this
 command's start, from the run's own time limit) is not started: it is listed as skipped.
 
 Each run's phases come from the driver's clock and every rank's timing file
@@ -83,6 +84,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-timeout-s", type=float, default=150.0, help="each run's time limit")
     p.add_argument("--deadline-s", type=float, default=None, help="start no run past this")
+    p.add_argument(
+        "--warmup-limit",
+        type=int,
+        default=0,
+        help="first an untimed 1-GPU 10-shot run of this many tasks (Triton's compile cache and "
+        "the page cache filled for every timed run alike; 0: none)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--work", default=None, help="folder for the weights and runs (default: tmp)")
     a = p.parse_args(argv)
@@ -275,6 +283,13 @@ def _main(a: argparse.Namespace, started: float) -> int:
         ckpt, hf, made = _weights(a, work, out)
         print(f"weights ready at {time.perf_counter() - started:.1f} s: {made}", flush=True)
         runner = Runner(a, out, work, started)
+        if a.warmup_limit:
+            margs = f"checkpoint={ckpt},dtype={a.dtype}"
+            res = work / "runs" / "warmup" / "lm_eval"
+            warm = runner.run(
+                "warmup", _command(a, margs, "nakta", TASK, 10, a.warmup_limit, 1, res)
+            )
+            print(f"warm-up: {warm.get('wall_s', 0):.1f} s {warm['error'] or ''}", flush=True)
         runs, ranks = measure_dp(a, runner, ckpt)
         suite = measure_suite(a, runner, ckpt, hf)
     summary = {

@@ -58,6 +58,8 @@ def rank_phases(timing: dict) -> dict:
         "exit_unix": entry + ev["exit"] if "exit" in ev else None,
         "model_start_unix": entry + ev["model_start"] if "model_start" in ev else None,
         "model_ready_unix": entry + ev["model_end"] if "model_end" in ev else None,
+        # the rank's Python started (under torchrun: after the launcher's own start-up)
+        "python_start_unix": entry + ev["process_start"] if "process_start" in ev else None,
     }
     for key in ("tokenize_s", "score_s", "gather_s", "shard_s", "items"):
         out[key] = ll.get(key)
@@ -175,19 +177,20 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
             "Per rank (seconds after the process started; shares of the loglikelihood requests):",
             "",
             "| run | rank | model ready | first request | last answer | exit | tokenize s "
-            "| score s | gather s | requests |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| score s | gather s | requests | python started |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, info in ranks.items():
             spawn = info["spawn_unix"]
             for r in info["ranks"]:
                 at = {
-                    k: None if r[k] is None else r[k] - spawn
+                    k: None if r.get(k) is None else r[k] - spawn
                     for k in (
                         "model_ready_unix",
                         "first_request_unix",
                         "last_request_end_unix",
                         "exit_unix",
+                        "python_start_unix",
                     )
                 }
                 lines.append(
@@ -195,7 +198,7 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
                     f"| {_fmt(at['first_request_unix'])} | {_fmt(at['last_request_end_unix'])} "
                     f"| {_fmt(at['exit_unix'])} | {_fmt(r['tokenize_s'], '.2f')} "
                     f"| {_fmt(r['score_s'], '.2f')} | {_fmt(r['gather_s'], '.2f')} "
-                    f"| {_fmt(r['items'])} |"
+                    f"| {_fmt(r['items'])} | {_fmt(at['python_start_unix'])} |"
                 )
     if suite:
         lines += [
