@@ -15,7 +15,8 @@ an lm-eval run reproduces ``parity.py`` exactly.
 
 Model args (anything else is refused, naming the known ones): ``checkpoint`` (Nakta dir, or
 Meta dir: read in memory by ``nakta_model.load``, no converted copy; llama_org needs a Meta dir),
-``tokenizer`` (sentencepiece file; its size must equal the checkpoint's vocab_size), ``dtype``
+``tokenizer`` (sentencepiece file; its size must equal the checkpoint's vocab_size; default:
+the checkpoint folder's own ``tokenizer.model``, which ``convert.py`` writes), ``dtype``
 (fp32|bf16|fp16 in any case; default bf16 on CUDA, fp32 on CPU), ``token_budget`` (padded
 tokens per forward: what bounds memory), ``max_length`` (default and upper limit: the
 checkpoint's max_seq_len), ``use_cache`` (nakta: shared-context packing, default true),
@@ -62,7 +63,13 @@ Multi-GPU (``nakta``): ``tp`` and ``dp`` model args under ``torchrun --nproc_per
 lm-eval's requests (the adapter reports rank 0 of 1, lm-eval's TP convention: only
 ``LOCAL_RANK`` 0 writes results); the adapter splits the model over ``tp`` GPUs and shards the
 requests over the ``dp`` replicas itself (a context's continuations stay together), gathering
-the answers back in order; a ``cuda:N`` device means "this rank's GPU" there. ``llama_org``
+the answers back in order; a ``cuda:N`` device means "this rank's GPU" there. lm-eval's strings
+are sharded before tokenization (``data_parallel.text_request_costs_and_keys``: characters as
+the cost), so each replica tokenizes only the requests it scores; ``loglikelihood_rolling``
+shards documents, ``generate_until`` prompts, the same way. Each rank's read of its shard starts
+while lm-eval starts up (``lm_eval_preload``), and torch's CPU threads are split among a host's
+ranks. A checkpoint that cannot be loaded (missing, truncated, corrupted) is a
+``ModelArgsError``: one ``error:`` line from rank 0, exit status 2. ``llama_org``
 runs Meta's model parallel: one process per shard.
 
 ``loglikelihood_rolling`` follows lm-eval's rolling windows (``get_rolling_token_windows``,
