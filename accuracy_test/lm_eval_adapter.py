@@ -15,7 +15,8 @@ an lm-eval run reproduces ``parity.py`` exactly.
 
 Model args (anything else is refused, naming the known ones): ``checkpoint`` (Nakta dir, or
 Meta dir: read in memory by ``nakta_model.load``, no converted copy; llama_org needs a Meta dir),
-``tokenizer`` (sentencepiece file; its size must equal the checkpoint's vocab_size), ``dtype``
+``tokenizer`` (sentencepiece file; its size must equal the checkpoint's vocab_size; default:
+the checkpoint folder's own ``tokenizer.model``, which ``convert.py`` writes), ``dtype``
 (fp32|bf16|fp16 in any case; default bf16 on CUDA, fp32 on CPU), ``token_budget`` (padded
 tokens per forward: what bounds memory), ``max_length`` (default and upper limit: the
 checkpoint's max_seq_len), ``use_cache`` (nakta: shared-context packing, default true),
@@ -62,7 +63,13 @@ Multi-GPU (``nakta``): ``tp`` and ``dp`` model args under ``torchrun --nproc_per
 lm-eval's requests (the adapter reports rank 0 of 1, lm-eval's TP convention: only
 ``LOCAL_RANK`` 0 writes results); the adapter splits the model over ``tp`` GPUs and shards the
 requests over the ``dp`` replicas itself (a context's continuations stay together), gathering
-the answers back in order; a ``cuda:N`` device means "this rank's GPU" there. ``llama_org``
+the answers back in order; a ``cuda:N`` device means "this rank's GPU" there. lm-eval's strings
+are sharded before tokenization (``data_parallel.text_request_costs_and_keys``: characters as
+the cost), so each replica tokenizes only the requests it scores; ``loglikelihood_rolling``
+shards documents, ``generate_until`` prompts, the same way. Each rank's read of its shard starts
+while lm-eval starts up (``lm_eval_preload``), and torch's CPU threads are split among a host's
+ranks. A checkpoint that cannot be loaded (missing, truncated, corrupted) is a
+``ModelArgsError``: one ``error:`` line from rank 0, exit status 2. ``llama_org``
 runs Meta's model parallel: one process per shard.
 
 ``loglikelihood_rolling`` follows lm-eval's rolling windows (``get_rolling_token_windows``,
@@ -81,327 +88,47 @@ implemented and are refused, unless they hold their no-op value (``num_beams=1``
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import inspect
 import json
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import lm_eval.models  # noqa: F401  (lm-eval's built-ins first: see lm_eval_cli)
-from lm_eval import utils as lm_utils
-from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from tqdm.auto import tqdm
 
 from accuracy_test import models
-from accuracy_test.lm_eval_requests import tokenize_requests
+from accuracy_test.lm_eval_args import (
+    ModelArgsError,
+    _as_bool,
+    _check_vocab,
+    _max_length,
+    _meta_dir,
+    _parallel_device,
+    _positive_int,
+    _refuse_unknown_args,
+    _rows,
+    default_tokenizer,
+    generation_settings,
+)
+from accuracy_test.lm_eval_base import ScoringLM
 from nakta_model import scoring
-from nakta_model.sources import is_meta_checkpoint
 
-__all__ = ["LlamaOrgLM", "NaktaLM"]
+__all__ = ["LlamaOrgLM", "ModelArgsError", "NaktaLM"]
 
 LLAMA_ORG_ROWS = 32  # llama_org's rows (and KV-cache batch) when no row count was given
-IMPLEMENTED_GEN_KWARGS = ("until", "max_gen_toks", "temperature", "do_sample", "top_p", "top_k")
-# settings the engine does not implement, accepted only at the value that changes nothing
-NOOP_GEN_KWARGS = {
-    "num_beams": (1,),
-    "num_return_sequences": (1,),
-    "repetition_penalty": (1, 1.0),
-}
-
-
-class ModelArgsError(ValueError):
-    """model_args or generation settings that cannot work: ``lm_eval_cli`` prints one
-    ``error:`` line and exits 2 instead of lm-eval's traceback."""
-
-
-def _as_bool(v: object, name: str = "value") -> bool:
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ModelArgsError(f"{name} must be a boolean (true/false), got {v!r}")
-
-
-def _rows_cap(value: object, name: str) -> int | None:
-    """One lm-eval batch-size value (int, "N", "auto", "auto:N", None) -> a rows cap or None.
-
-    None, 1 and auto mean "no cap": lm-eval's CLI passes 1 when the user gave nothing.
-    """
-    if value is None:
-        return None
-    s = str(value).strip().lower()
-    if s == "auto" or s.startswith("auto:"):
-        return None
-    try:
-        n = int(s)
-    except ValueError as e:
-        raise ModelArgsError(f"{name} must be an int, 'auto' or 'auto:N', got {value!r}") from e
-    if n < 1:
-        raise ModelArgsError(f"{name} must be >= 1, got {n}")
-    return None if n == 1 else n
-
-
-def _rows(batch_size: object, max_batch_size: object = None) -> int | None:
-    """Max rows per forward from ``--batch_size`` / ``--max_batch_size`` (the smaller cap)."""
-    caps = [
-        c
-        for c in (
-            _rows_cap(batch_size, "batch_size"),
-            _rows_cap(max_batch_size, "max_batch_size"),
-        )
-        if c is not None
-    ]
-    return min(caps, default=None)
-
-
-def _positive_int(name: str, value: object) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ModelArgsError(f"{name} must be an int, got {value!r}") from None
-    if n < 1:
-        raise ModelArgsError(f"{name} must be >= 1, got {n}")
-    return n
-
-
-def _float(name: str, value: object) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ModelArgsError(f"{name} must be a number, got {value!r}") from None
-
-
-def _refuse_unknown_args(model: str, cls: type, extra: dict) -> None:
-    """A typo (``dtyp=bf16``) must not run silently with the defaults."""
-    if not extra:
-        return
-    known = [
-        n
-        for n, p in inspect.signature(cls.__init__).parameters.items()
-        if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-    ]
-    raise ModelArgsError(
-        f"{model}: unknown model_args {', '.join(sorted(extra))}; known: {', '.join(known)}"
-    )
-
-
-def _max_length(requested: object, limit: int, checkpoint: object) -> int:
-    """``max_length`` model arg: default ``limit``; above the checkpoint's max_seq_len refused."""
-    if requested in (None, ""):
-        return limit
-    n = _positive_int("max_length", requested)
-    if n < 2:
-        raise ModelArgsError(f"max_length must be >= 2, got {n}")
-    if n > limit:
-        raise ModelArgsError(
-            f"max_length={n} exceeds max_seq_len={limit} of checkpoint {checkpoint} "
-            "(the model was not built for longer sequences)"
-        )
-    return n
-
-
-@dataclass(frozen=True)
-class GenSettings:
-    """One ``generate_until`` group's settings, as the engine implements them."""
-
-    until: tuple[str, ...]
-    max_gen: int
-    temperature: float
-    top_p: float
-    top_k: int = 0
-
-
-def generation_settings(kwargs: dict, default_max_gen: int, eos_text: str) -> GenSettings:
-    """lm-eval generation kwargs -> what the engine does; unimplemented settings refused."""
-    kwargs = dict(kwargs)
-    until = kwargs.pop("until", None) or []
-    until = [until] if isinstance(until, str) else list(until)
-    if eos_text and eos_text not in until:
-        until.append(eos_text)
-    max_gen = _positive_int("max_gen_toks", kwargs.pop("max_gen_toks", default_max_gen))
-    temperature = _float("temperature", kwargs.pop("temperature", 0.0) or 0.0)
-    if not _as_bool(kwargs.pop("do_sample", False), "do_sample") and temperature > 0:
-        temperature = 0.0  # lm-eval: do_sample=False means greedy
-    top_p = _float("top_p", kwargs.pop("top_p", 1.0))
-    top_k = kwargs.pop("top_k", None) or 0
-    top_k = _positive_int("top_k", top_k) if top_k else 0
-    unsupported = sorted(
-        k for k, v in kwargs.items() if k not in NOOP_GEN_KWARGS or v not in NOOP_GEN_KWARGS[k]
-    )
-    if unsupported:
-        raise ModelArgsError(
-            "generation settings not implemented by this engine: "
-            + ", ".join(f"{k}={kwargs[k]!r}" for k in unsupported)
-            + f" (implemented: {', '.join(IMPLEMENTED_GEN_KWARGS)}; accepted as no-ops: "
-            + ", ".join(f"{k}={v[-1]}" for k, v in NOOP_GEN_KWARGS.items())
-            + ")"
-        )
-    return GenSettings(tuple(until), max_gen, temperature, top_p, top_k if temperature > 0 else 0)
-
-
-class _ScoringLM(TemplateLM):
-    """Shared tokenization, rolling windows and generation; subclasses supply the model calls."""
-
-    def __init__(
-        self,
-        tokenizer: str,
-        device: str | None = None,
-        dtype: str | None = None,
-        token_budget: int | str = scoring.DEFAULT_TOKEN_BUDGET,
-        max_gen_toks: int | str = 256,
-    ):
-        super().__init__()
-        import nakta_model
-
-        self._device = models.resolve_device(device, fallback=True)
-        try:
-            self.dtype = models.parse_dtype(
-                dtype or ("bf16" if self.device.type == "cuda" else "fp32")
-            )
-            self.tok = nakta_model.Tokenizer(tokenizer)
-            self.token_budget = _positive_int("token_budget", token_budget)
-            self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
-        except (ValueError, FileNotFoundError) as e:
-            raise ModelArgsError(str(e)) from e
-
-    # ---------------------------------------------------------------- tokenizer
-    @property
-    def eot_token_id(self) -> int:
-        return self.tok.eos_id
-
-    @property
-    def prefix_token_id(self) -> int:
-        return self.tok.bos_id  # LLaMA conditions an empty context on BOS
-
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw) -> list[int]:
-        return self.tok.encode(string, bos=add_special_tokens is not False, eos=False)
-
-    def tok_decode(self, tokens: Sequence[int], **kw) -> str:
-        return self.tok.decode(list(tokens))
-
-    def _encode_many(self, strings: list[str], bos: bool) -> list[list[int]]:
-        """``tok_encode`` of many strings (BOS when ``bos``) in one multi-threaded call."""
-        return self.tok.encode_many(strings, bos=bos, eos=False)
-
-    # ---------------------------------------------------------------- scoring
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """``TemplateLM.loglikelihood``'s token pairs, but each distinct string encoded once in
-        batched calls: lm-eval encodes two strings per request one at a time (3 s of a 15 s
-        MMLU-shaped 5-shot run on an H200, where 4 choices share each context)."""
-        import time
-
-        t0 = time.perf_counter()
-        args = [tuple(req.args) for req in requests]
-        pairs = tokenize_requests(
-            args, self._encode_many, self.prefix_token_id, progress=not disable_tqdm
-        )
-        new_reqs = [(a, ctx, cont) for a, (ctx, cont) in zip(args, pairs)]
-        t1 = time.perf_counter()
-        out = self._loglikelihood_tokens(new_reqs, disable_tqdm=disable_tqdm)
-        timings = self.__dict__.setdefault("request_timings", {"tokenize_s": 0.0, "score_s": 0.0})
-        timings["tokenize_s"] += t1 - t0  # lm-eval's strings -> token pairs
-        timings["score_s"] += time.perf_counter() - t1  # token pairs -> results (host synced)
-        return out
-
-    def _score(self, reqs: list[tuple[list[int], list[int]]], progress: bool) -> list:
-        raise NotImplementedError
-
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
-        reqs = [(list(ctx), list(cont)) for _, ctx, cont in requests]
-        return self._score(reqs, progress=not disable_tqdm)
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        flat: list[tuple[list[int], list[int]]] = []
-        owner: list[int] = []
-        for i, (string,) in enumerate(req.args for req in requests):
-            windows = lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string, add_special_tokens=False),
-                prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length,
-                context_len=1,
-            )
-            for ctx, cont in map(lm_utils.make_disjoint_window, windows):
-                flat.append((ctx, cont))
-                owner.append(i)
-        sums = [0.0] * len(requests)
-        for i, (ll, _) in zip(owner, self._score(flat, progress=not disable_tqdm)):
-            sums[i] += ll
-        for req, s in zip(requests, sums):
-            self.cache_hook.add_partial("loglikelihood_rolling", req.args, s)
-        return sums
-
-    # ---------------------------------------------------------------- generation
-    def _generate(self, prompts: list[list[int]], max_gen: int, temperature: float, top_p: float):
-        raise NotImplementedError
-
-    def _gen_rows(self) -> int:
-        raise NotImplementedError
-
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out: list[str | None] = [None] * len(requests)
-        groups: dict[str, list[int]] = {}
-        for i, req in enumerate(requests):
-            groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
-        eos_text = self.tok_decode([self.eot_token_id])
-        settings = {
-            key: generation_settings(requests[idx[0]].args[1], self.max_gen_toks, eos_text)
-            for key, idx in groups.items()
-        }  # every group checked before any generation runs
-        for gen in settings.values():
-            if gen.max_gen >= self.max_length:
-                raise ModelArgsError(f"max_gen_toks={gen.max_gen} >= max_length={self.max_length}")
-            if gen.top_k:
-                raise ModelArgsError(
-                    f"top_k={gen.top_k}: Meta's sampler (llama_org) has top_p only; use nakta"
-                )
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
-        for key, idx in groups.items():
-            gen = settings[key]
-            keep = self.max_length - gen.max_gen  # lm-eval left-truncates the context to this
-            # longest prompts first: similar lengths share a batch
-            idx = sorted(idx, key=lambda i: -len(requests[i].args[0]))
-            rows = self._gen_rows()
-            for start in range(0, len(idx), rows):
-                chunk = idx[start : start + rows]
-                prompts = [self.tok_encode(requests[i].args[0])[-keep:] for i in chunk]
-                gens = self._generate(prompts, gen.max_gen, gen.temperature, gen.top_p)
-                for i, toks in zip(chunk, gens):
-                    text = self.tok_decode(toks)
-                    for stop in gen.until:
-                        if stop:
-                            text = text.split(stop)[0]
-                    out[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                bar.update(len(chunk))
-        bar.close()
-        return out  # type: ignore[return-value]
-
-
-def _parallel_device(device: str | None) -> str | None:
-    """Under torchrun every rank takes its own GPU: ``cuda:N`` (lm-eval's default ``cuda:0``)
-    would put all ranks on one; ``cuda`` lets ``init_parallel`` pick ``LOCAL_RANK``'s."""
-    if device is None or not str(device).startswith("cuda"):
-        return device
-    if models.resolve_device(device, fallback=True).type != "cuda":
-        return "cpu"  # no GPU here: the warning is out, the ranks share the CPU
-    return "cuda"
 
 
 @register_model("nakta")
-class NaktaLM(_ScoringLM):
+class NaktaLM(ScoringLM):
     """Nakta: shared-context scoring engine, fused Triton kernels on CUDA."""
 
     def __init__(
         self,
         checkpoint: str,
-        tokenizer: str,
+        tokenizer: str | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | str | None = None,
         device: str | None = None,
@@ -424,6 +151,7 @@ class NaktaLM(_ScoringLM):
         _refuse_unknown_args("nakta", NaktaLM, unknown)
         if not Path(checkpoint).is_dir():
             raise ModelArgsError(f"nakta checkpoint {checkpoint} is not a directory")
+        tokenizer = default_tokenizer(tokenizer, checkpoint, "nakta")
         self.rows = _rows(batch_size, max_batch_size)
         self.use_cache = _as_bool(use_cache, "use_cache")
         self.use_prefix_cache = self.use_cache and _as_bool(prefix_cache, "prefix_cache")
@@ -438,8 +166,10 @@ class NaktaLM(_ScoringLM):
         if int(tp) * int(dp) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self.parallel = init_parallel(int(tp), int(dp), device=_parallel_device(device))
             device = str(self.parallel.device)
+            _share_host_threads()
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        args = checkpoint_args(checkpoint)  # params only: a bad tokenizer fails before the load
+        with _load_errors(checkpoint):  # params only: a bad tokenizer fails before the load
+            args = checkpoint_args(checkpoint)
         _check_vocab(self.tok, tokenizer, args.vocab_size, checkpoint)
         self._max_length = _max_length(max_length, args.max_seq_len, checkpoint)
         build = functools.partial(self._build, checkpoint, kernels)
@@ -458,7 +188,8 @@ class NaktaLM(_ScoringLM):
         t = self.load_timings
         t["build_start_unix"] = time.time()
         t0, taken = time.perf_counter(), prefetch.handed_out
-        model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
+        with _load_errors(checkpoint):
+            model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
         t["read_s"] = time.perf_counter() - t0
         t["prefetched"] = prefetch.handed_out > taken
         t["read_end_unix"] = time.time()
@@ -503,23 +234,75 @@ class NaktaLM(_ScoringLM):
     def max_length(self) -> int:
         return self._max_length
 
+    def _score_local(self, reqs, progress):
+        """This replica's token requests through the shared-context engine."""
+        return scoring.score(
+            self.model,
+            reqs,
+            use_cache=self.use_cache,
+            token_budget=self.token_budget,
+            max_length=self.max_length,
+            max_rows=self.rows,
+            progress=progress and self.parallel.is_leader,
+            prefix_cache=self._prefix_cache(),
+            stats=self.score_stats,
+        )
+
     def _score(self, reqs, progress):
         from nakta_model.data_parallel import map_requests
 
-        def local(part):
-            return scoring.score(
-                self.model,
-                part,
-                use_cache=self.use_cache,
-                token_budget=self.token_budget,
-                max_length=self.max_length,
-                max_rows=self.rows,
-                progress=progress and self.parallel.is_leader,
-                prefix_cache=self._prefix_cache(),
-                stats=self.score_stats,
-            )
+        return map_requests(lambda part: self._score_local(part, progress), reqs, self.parallel)
 
-        return map_requests(local, reqs, self.parallel)
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Under ``dp > 1`` the strings are sharded first (``text_request_costs_and_keys``) and
+        each replica tokenizes and scores its share only; the answers are gathered in order."""
+        if self.parallel.dp_size == 1:
+            return super().loglikelihood(requests, disable_tqdm)
+        args = [tuple(req.args) for req in requests]
+        progress = not disable_tqdm and self.parallel.is_leader
+
+        def local(part):
+            return self._score_local(self._tokenize_pairs(part, progress), progress)
+
+        return self._sharded(local, args, "loglikelihood")
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Documents sharded over the replicas by length; each tokenizes and scores its own."""
+        if self.parallel.dp_size == 1:
+            return super().loglikelihood_rolling(requests, disable_tqdm)
+        strings = [req.args[0] for req in requests]
+        progress = not disable_tqdm and self.parallel.is_leader
+        sums = self._sharded(
+            lambda part: self._rolling_sums(part, self._score_local, progress),
+            strings,
+            "loglikelihood_rolling",
+        )
+        for req, s in zip(requests, sums):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, s)
+        return sums
+
+    def _sharded(self, local, items: list, kind: str) -> list:
+        """``local`` over this replica's share of ``items`` (text requests or documents), the
+        results gathered back in order; ``request_timings`` gets ``shard_s`` (costs and the
+        share), ``score_s`` (the share's scoring, tokenization apart) and ``gather_s``
+        (the gather, waiting for the slowest replica included)."""
+        from nakta_model.data_parallel import data_parallel_map, text_request_costs_and_keys
+
+        t0 = time.perf_counter()
+        if kind == "loglikelihood":
+            costs, keys = text_request_costs_and_keys(items, self.parallel.dp_size)
+        else:
+            costs, keys = [len(s) + 1.0 for s in items], None
+        shard_s = time.perf_counter() - t0
+        tokenize_before = self._request_time("tokenize_s")
+        parts: dict[str, float] = {}
+        out = data_parallel_map(local, items, self.parallel, costs=costs, keys=keys, timings=parts)
+        tokenized = self._request_time("tokenize_s") - tokenize_before
+        self._add_request_time("shard_s", shard_s + parts["shard_s"])
+        self._add_request_time("score_s", parts["local_s"] - tokenized)
+        self._add_request_time("gather_s", parts["gather_s"])
+        self._add_request_time("items", parts["items"])
+        return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Requests sharded over the ``dp`` replicas (longer prompts weigh more), in order."""
@@ -583,6 +366,30 @@ class NaktaLM(_ScoringLM):
         return self._gen
 
 
+@contextlib.contextmanager
+def _load_errors(checkpoint: object) -> Iterator[None]:
+    """A checkpoint that cannot be read (missing, truncated or corrupted files: the manifest's
+    checks, a failed read on some rank) becomes one line for the user: a ``ModelArgsError``."""
+    try:
+        yield
+    except ModelArgsError:
+        raise
+    except (OSError, ValueError) as e:  # CheckpointError, ParallelConfigError are ValueErrors
+        raise ModelArgsError(f"nakta checkpoint {checkpoint}: cannot load it: {e}") from e
+
+
+def _share_host_threads() -> None:
+    """Under torchrun, this rank's share of the host's cores for torch's CPU threads (unless
+    ``OMP_NUM_THREADS`` says otherwise): N ranks each using every core only slow each other
+    during the load and tokenization."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+
+
 def _start_in_background(fn, device):
     """``fn()`` on a worker thread, as a ``Future``. The thread takes the caller's CUDA device
     (the current device is per thread; ``cuda`` with no index means the caller's current one)
@@ -606,36 +413,14 @@ def _start_in_background(fn, device):
     return future
 
 
-def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) -> None:
-    """A tokenizer of another model scores ids the checkpoint never learned (or has none of)."""
-    if tok.n_words != vocab_size:
-        raise ModelArgsError(
-            f"tokenizer {tokenizer} has {tok.n_words} pieces but checkpoint {checkpoint} has "
-            f"vocab_size {vocab_size}: use the tokenizer the checkpoint was trained with"
-        )
-
-
-def _meta_dir(checkpoint: str) -> Path:
-    """llama_org's checkpoint: an existing Meta dir (params.json + consolidated.*.pth)."""
-    path = Path(checkpoint)
-    if not path.exists():
-        raise ModelArgsError(f"llama_org checkpoint {checkpoint} does not exist")
-    if not is_meta_checkpoint(path):
-        raise ModelArgsError(
-            f"llama_org checkpoint {checkpoint} must be a Meta dir "
-            "(params.json + consolidated.*.pth), e.g. the one convert.py reads"
-        )
-    return path
-
-
 @register_model("llama_org")
-class LlamaOrgLM(_ScoringLM):
+class LlamaOrgLM(ScoringLM):
     """Meta's reference LLaMA (``llama_org``), plain scoring over its all-position forward."""
 
     def __init__(
         self,
         checkpoint: str,
-        tokenizer: str,
+        tokenizer: str | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | str | None = None,
         device: str | None = None,
@@ -647,6 +432,7 @@ class LlamaOrgLM(_ScoringLM):
     ):
         _refuse_unknown_args("llama_org", LlamaOrgLM, unknown)
         meta = _meta_dir(checkpoint)
+        tokenizer = default_tokenizer(tokenizer, checkpoint, "llama_org")
         self.rows = _rows(batch_size, max_batch_size) or LLAMA_ORG_ROWS
         params = json.loads((meta / "params.json").read_text())
         # Meta's params.json usually has no max_seq_len (Llama.build takes one): then 2048

@@ -19,14 +19,18 @@ Bad ``nakta`` / ``llama_org`` model_args or generation settings (``ModelArgsErro
 (``--metadata hellaswag_jsonl=...``, ``$NAKTA_HELLASWAG_JSONL`` or the defaults): a missing one
 is one ``error:`` line and exit code 2, not a traceback after a long model load.
 
-``NAKTA_LM_EVAL_TIMING=path.json``: the seconds spent constructing the model (``load_s``), in
+``NAKTA_LM_EVAL_TIMING=path.json`` (under torchrun rank N > 0 writes ``path.rankN.json``,
+every file with its ``rank`` and ``world_size``): the seconds spent constructing the model (``load_s``), in
 ``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) and inside the
 model's request methods (``requests_s``: the model's share of it) are written there at exit,
 for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: the
-process start (negative), model start/end, evaluate start/end, first request, exit; for nakta
+process start (negative), model start/end, evaluate start/end, first request, the end of the
+last request (``last_request_end``), exit; for nakta
 also ``preload_start``, ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own
 ``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them), and the project's adapters'
-``loglikelihood`` split into tokenizing and scoring (``loglikelihood``).
+``loglikelihood`` split into tokenizing and scoring (``loglikelihood``; under ``dp`` also
+choosing the shard, ``shard_s``, and gathering the answers, ``gather_s``, with ``items``: this
+replica's share).
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
@@ -68,9 +72,9 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from accuracy_test.lm_eval_preload import PRELOAD_ENV, model_preloaded
+from nakta_model.process_exit import exit_without_teardown
 
 ENTRY_UNIX = time.time()  # this module is the entry's first import: process start + Python's
 
@@ -171,16 +175,23 @@ def cached_prompt_templates() -> Iterator[None]:
 def env_report_prefetched() -> Iterator[None]:
     """Inside the block, every ``lm_eval.evaluator.evaluate`` starts collecting
     ``torch.utils.collect_env``'s report on a thread; the report's next request returns it (or
-    raises its error, which lm-eval records as before) and the function is put back."""
+    raises its error, which lm-eval records as before) and the function is put back.
+
+    lm-eval asks for the report AFTER ``evaluate`` has returned (``simple_evaluate`` then calls
+    ``add_env_info``), so the prefetched one stays installed until it is asked for or the block
+    ends (an earlier version put the original back when ``evaluate`` returned: the report was
+    then collected again, on the critical path, and the prefetch was wasted)."""
     import lm_eval.evaluator as evaluator
 
     evaluate = evaluator.evaluate
+    installed: list = []  # (collect_env module, original, ours) of the evaluate in flight
 
     def evaluate_with_env_prefetch(*a, **kw):
         from concurrent.futures import ThreadPoolExecutor
 
         import torch.utils.collect_env as collect_env
 
+        _restore(installed)  # a previous evaluate's report nobody asked for
         original = collect_env.get_pretty_env_info
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nakta-env")
         future = pool.submit(original)
@@ -192,17 +203,23 @@ def env_report_prefetched() -> Iterator[None]:
             return future.result()
 
         collect_env.get_pretty_env_info = get_pretty_env_info
-        try:
-            return evaluate(*a, **kw)
-        finally:
-            if collect_env.get_pretty_env_info is get_pretty_env_info:  # never asked for
-                collect_env.get_pretty_env_info = original
+        installed.append((collect_env, original, get_pretty_env_info))
+        return evaluate(*a, **kw)
 
     evaluator.evaluate = evaluate_with_env_prefetch
     try:
         yield
     finally:
         evaluator.evaluate = evaluate
+        _restore(installed)
+
+
+def _restore(installed: list) -> None:
+    """Put back every original report function still replaced by a prefetched one."""
+    while installed:
+        module, original, ours = installed.pop()
+        if module.get_pretty_env_info is ours:
+            module.get_pretty_env_info = original
 
 
 # imported by lm-eval after ``evaluate`` returns (add_env_info reads transformers' version, the
@@ -311,6 +328,7 @@ def _time_requests(lm: object, timings: dict) -> None:
             finally:
                 _sync_cuda()
                 timings["requests_s"] += time.perf_counter() - t0
+                timings["events"]["last_request_end"] = time.time() - ENTRY_UNIX
 
         setattr(lm, name, timed)
 
@@ -381,7 +399,16 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
             timings["tokens"] = dataclasses.asdict(stats)
         from nakta_model.io_utils import atomic_write_text
 
-        atomic_write_text(path, json.dumps(timings, indent=2) + "\n")
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        timings.update(rank=rank, world_size=world)
+        atomic_write_text(rank_timing_path(path, rank), json.dumps(timings, indent=2) + "\n")
+
+
+def rank_timing_path(path: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` writes its timings: ``path`` itself for rank 0 (and one process),
+    ``<stem>.rank<N><suffix>`` beside it for the others."""
+    path = Path(path)
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 # ------------------------------------------------------------------ entry
@@ -421,38 +448,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ValueError as e:
             if not _is_model_args_error(e):
                 raise
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+            from nakta_model.cli import exit_with_error  # torch is imported by now
+
+            exit_with_error(str(e))  # one line, from rank 0 only under torchrun
 
 
 def _is_model_args_error(e: BaseException) -> bool:
-    """Raised by our adapters for bad model_args / generation settings (a user's input)."""
-    adapter = sys.modules.get("accuracy_test.lm_eval_adapter")  # never imported: not ours
-    return adapter is not None and isinstance(e, adapter.ModelArgsError)
-
-
-def exit_without_teardown(code: int = 0) -> NoReturn:
-    """End the process once the run's work is done, skipping only the interpreter's teardown.
-
-    After lm-eval returns, its results are written; a normal exit then still collects every
-    module and runs torch's destructors (the CUDA caching allocator frees each block, the
-    context is destroyed from Python's side): measured in ``lm_eval_exit_ab``. Here the
-    remaining non-daemon threads are joined, the ``atexit`` handlers run, logging and stdio are
-    flushed, and the process ends with ``os._exit``; the operating system releases the GPU
-    context as it does for any exiting process."""
-    import atexit
-    import logging
-    import threading
-
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    """Raised by our adapters for bad model_args / generation settings or a checkpoint that
+    cannot be loaded (a user's input)."""
+    args = sys.modules.get("accuracy_test.lm_eval_args")  # never imported: not ours
+    return args is not None and isinstance(e, args.ModelArgsError)
 
 
 def cli() -> None:

@@ -12,10 +12,11 @@ which overlap the start-up at 89% of their solo speed once the GIL changes hands
 model is constructed where lm-eval constructs it, and ``load_rank_state_dict`` takes the
 prefetched tensors if they are of the very file it was about to read, onto the same device.
 
-Prefetched: a Nakta checkpoint directory (``params.json`` + ``manifest.json``, one shard), a
-CUDA device (lm-eval's default ``cuda:0`` included), one process, no ``tp``/``dp``. Anything
-else (a Meta or HF directory, a ``torchrun`` grid, no GPU, a failed read) simply is not
-prefetched: the constructor reads, and raises, as it always did. A prefetch lm-eval never takes
+Prefetched: a Nakta checkpoint directory (``params.json`` + ``manifest.json``) on a CUDA
+device (lm-eval's default ``cuda:0`` included): in one process its one shard; under ``torchrun``
+(a ``tp x dp`` grid) each rank's own shard onto its own GPU (``prefetch_plan``). Anything
+else (a Meta or HF directory, a checkpoint sharded for another ``tp``, no GPU, a failed read)
+simply is not prefetched: the constructor reads, and raises, as it always did. A prefetch lm-eval never takes
 (another checkpoint in a ``--config`` file, a failed run) is dropped at exit.
 ``NAKTA_LM_EVAL_PRELOAD=0`` turns it off.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 PRELOAD_ENV = "NAKTA_LM_EVAL_PRELOAD"
@@ -52,13 +53,31 @@ def constructor_kwargs(model_args: object, additional: dict | None) -> dict | No
 def prefetchable_checkpoint(kwargs: dict) -> Path | None:
     """The checkpoint directory of a single-GPU Nakta load these constructor kwargs ask for
     (checked from the files' names and ``params.json`` alone: no torch), else None."""
+    plan = prefetch_plan(kwargs, {})
+    return plan[0].parent if plan is not None else None
+
+
+def prefetch_plan(kwargs: dict, environ: Mapping[str, str]) -> tuple[Path, str] | None:
+    """``(shard file, device)`` this process's Nakta load will read, or None.
+
+    One process: shard 0 of a ``tp_size = 1`` checkpoint onto the CUDA device asked for. Under
+    torchrun (``WORLD_SIZE`` in ``environ``, a ``tp x dp`` grid the size of the world): this
+    rank's shard (``RANK % tp``) of a checkpoint sharded for that ``tp``, onto the rank's own
+    GPU (``cuda:LOCAL_RANK``, where ``init_parallel`` puts it), so every rank's read overlaps
+    lm-eval's start-up as a lone process's does."""
     ckpt = kwargs.get("checkpoint")
     device = str(kwargs.get("device") or "cuda")
     if not isinstance(ckpt, str) or not device.startswith("cuda"):
         return None
-    if str(kwargs.get("tp", 1)) != "1" or str(kwargs.get("dp", 1)) != "1":
+    try:
+        tp, dp = int(str(kwargs.get("tp", 1))), int(str(kwargs.get("dp", 1)))
+        world = int(environ.get("WORLD_SIZE", "1"))
+        rank, local_rank = int(environ.get("RANK", "0")), int(environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return None  # the constructor / init_parallel refuse it with their own message
+    if tp < 1 or dp < 1 or tp * dp != world:
         return None
-    from nakta_model.checkpoint_names import MANIFEST, PARAMS
+    from nakta_model.checkpoint_names import MANIFEST, PARAMS, shard_file_name
 
     path = Path(ckpt)
     try:
@@ -67,23 +86,22 @@ def prefetchable_checkpoint(kwargs: dict) -> Path | None:
         return None
     if not (path / MANIFEST).is_file() or not isinstance(params, dict):
         return None
-    return path if params.get("tp_size") == 1 else None
+    if params.get("tp_size") != tp:
+        return None
+    if world > 1:
+        device = f"cuda:{local_rank}"
+    return path / shard_file_name(rank % tp, tp), device
 
 
-def _single_process() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) <= 1
-
-
-def _start_prefetch(path: Path, device: str) -> bool:
-    """Register the read and start its thread; whether it started. Nothing here imports torch:
-    torch, CUDA and the read all happen on the prefetch's thread while lm-eval's start-up goes
-    on (a machine without CUDA fails there, unseen; the constructor then falls back to the CPU
-    as always, and a failed read is the constructor's to report)."""
-    from nakta_model.checkpoint_names import shard_file_name
+def _start_prefetch(file: Path, device: str) -> bool:
+    """Register the read of shard ``file`` and start its thread; whether it started. Nothing
+    here imports torch: torch, CUDA and the read all happen on the prefetch's thread while
+    lm-eval's start-up goes on (a machine without CUDA fails there, unseen; the constructor
+    then falls back to the CPU as always, and a failed read is the constructor's to report)."""
     from nakta_model.prefetch import prefetch
 
     try:
-        prefetch(path / shard_file_name(0, 1), device)
+        prefetch(file, device)
     except OSError:  # no shard file: the constructor says so
         return False
     return True
@@ -105,9 +123,9 @@ def model_preloaded(
         cfg = original_from_cli.__get__(None, cls)(namespace)
         if getattr(cfg, "model", None) in models and "checkpoint" not in state:
             kwargs = constructor_kwargs(cfg.model_args, {"device": cfg.device})
-            path = prefetchable_checkpoint(kwargs) if kwargs and _single_process() else None
-            if path is not None and _start_prefetch(path, str(kwargs.get("device") or "cuda")):
-                state["checkpoint"] = path
+            plan = prefetch_plan(kwargs, os.environ) if kwargs else None
+            if plan is not None and _start_prefetch(*plan):
+                state["checkpoint"] = plan[0].parent
                 if on_start is not None:
                     on_start()
         return cfg

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from nakta_model.parallel import ParallelConfigError, gather_objects, is_distributed
 
@@ -98,3 +99,32 @@ def exit_on_input_error(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+QUIET_RANK_DELAY_S = 2.0  # torchrun stops every rank when the first exits: rank 0 prints first
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """``error: message`` on stderr and exit status 2, from any command, under torchrun too.
+
+    In one process: the line, then ``SystemExit(2)``. Under a process group of several ranks
+    (each rank met the same failure): rank 0 prints, the others wait a moment so rank 0 is the
+    one torchrun reports, and every rank ends through
+    :func:`~nakta_model.process_exit.exit_without_teardown` -- a group still alive (pinned by a
+    library, or never destroyed by lm-eval) must not meet the interpreter's teardown, which
+    aborts at random (SIGABRT instead of status 2).
+    """
+    import torch.distributed as dist
+
+    from nakta_model.process_exit import exit_without_teardown
+
+    line = "error: " + re.sub(r"\s*\n\s*", " ", str(message)).strip()
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not group:
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_DELAY_S)
+    exit_without_teardown(2)

@@ -5,11 +5,22 @@ with the full answer in request order. Sharding keeps items with the same key to
 endings of one HellaSwag context: the shared-context engine still sees a whole task) and
 balances the cost (tokens) greedily. It depends only on the inputs and ``dp_size``, so the
 ranks of one replica agree on their share without talking.
+
+A group of contexts sharing a long prefix (MMLU's 5 shots of one subject) stays on one replica,
+which computes the prefix once, unless it alone holds more than ``1 / (2 dp)`` of the work:
+then its contexts are spread like any others (each replica computes the prefix once), so no
+replica waits on one giant group.
+
+Text requests (lm-eval's ``(context, continuation)`` strings) are sharded BEFORE tokenization
+(:func:`text_request_costs_and_keys`: characters as the cost, the same grouping on strings), so
+each replica tokenizes only what it scores: every request is tokenized once per replica's TP
+group instead of on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from time import perf_counter
 from typing import Any, TypeVar
 
 from nakta_model.parallel import ParallelContext, gather_objects
@@ -20,7 +31,10 @@ __all__ = [
     "map_requests",
     "shard_indices",
     "shard_requests",
+    "text_request_costs_and_keys",
 ]
+
+MIN_SHARED_TEXT_CHARS = 256  # ~MIN_PREFIX_TOKENS (64) tokens of English text
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -75,20 +89,79 @@ def map_requests(
     """:func:`data_parallel_map` over ``(context_tokens, continuation_tokens)`` requests,
     sharded as :func:`shard_requests` shards them: every scorer of the house (the speed
     bench's engine, parity.py, the lm-eval adapter) splits requests the same way."""
-    costs, keys = _request_costs_and_keys(requests)
+    costs, keys = _request_costs_and_keys(requests, parallel.dp_size)
     return data_parallel_map(fn, requests, parallel, costs=costs, keys=keys)
 
 
-def _request_costs_and_keys(requests) -> tuple[list[int], list[tuple[int, ...]]]:
+def _request_costs_and_keys(requests, dp_size: int = 1) -> tuple[list[int], list[Hashable]]:
     """Tokens per request, and what keeps requests together on one replica: a prefix that
     contexts share (``prefix_cache.shared_prefixes``: computed once per replica that holds
     it), else the context itself (its continuations share it)."""
     from nakta_model.prefix_cache import shared_prefixes
 
-    contexts = [list(c) for c, _ in requests]
+    contexts = [tuple(c) for c, _ in requests]
     shared = shared_prefixes(contexts)
-    keys = [tuple(c[:n]) if n else tuple(c) for c, n in zip(contexts, shared)]
-    return [len(c) + len(t) for c, t in requests], keys
+    keys = [c[:n] if n else c for c, n in zip(contexts, shared)]
+    costs = [len(c) + len(t) for c, t in requests]
+    return costs, _spread_heavy_groups(keys, list(contexts), costs, dp_size)
+
+
+def text_request_costs_and_keys(
+    requests: Sequence[tuple[str, str]], dp_size: int
+) -> tuple[list[float], list[Hashable]]:
+    """Costs and keys for ``(context, continuation)`` strings, before any tokenization.
+
+    Cost: the continuation's characters plus the request's share of its context's (the
+    shared-context engine computes a context once for all its continuations). Keys: a shared
+    text prefix of at least ``MIN_SHARED_TEXT_CHARS`` (as :func:`shared_prefixes` finds token
+    prefixes), else the context; an empty context groups nothing.
+    """
+    contexts = [c for c, _ in requests]
+    count: dict[str, int] = {}
+    for c in contexts:
+        count[c] = count.get(c, 0) + 1
+    costs = [len(t) + len(c) / count[c] for c, t in requests]
+    own: list[Hashable] = [c if c else ("request", i) for i, c in enumerate(contexts)]
+    shared = _shared_text_prefixes(contexts)
+    keys: list[Hashable] = [("prefix", c[:n]) if n else k for c, n, k in zip(contexts, shared, own)]
+    return costs, _spread_heavy_groups(keys, own, costs, dp_size)
+
+
+def _shared_text_prefixes(contexts: Sequence[str]) -> list[int]:
+    """Per context, the length of the text prefix it shares with its sorted neighbours (a run
+    of neighbours sharing >= ``MIN_SHARED_TEXT_CHARS``), else 0."""
+    from nakta_model.score_batches import common_prefix_len
+
+    distinct = sorted(set(contexts))
+    length: dict[str, int] = {}
+    start = 0
+    for i in range(1, len(distinct) + 1):
+        near = i < len(distinct) and (
+            common_prefix_len(distinct[i - 1], distinct[i]) >= MIN_SHARED_TEXT_CHARS
+        )
+        if near:
+            continue
+        group = distinct[start:i]
+        if len(group) >= 2:
+            common = min(common_prefix_len(group[0], g) for g in group[1:])
+            for g in group:
+                length[g] = common
+        start = i
+    return [length.get(c, 0) for c in contexts]
+
+
+def _spread_heavy_groups(
+    keys: list[Hashable], fallback: list[Hashable], costs: Sequence[float], dp_size: int
+) -> list[Hashable]:
+    """A group worth more than ``1 / (2 dp_size)`` of all the work falls back to its members'
+    own keys (their contexts): kept whole it would hold one replica back."""
+    if dp_size <= 1:
+        return keys
+    cap = sum(costs) / (2 * dp_size)
+    group_cost: dict[Hashable, float] = {}
+    for k, c in zip(keys, costs):
+        group_cost[k] = group_cost.get(k, 0.0) + c
+    return [f if group_cost[k] > cap else k for k, f in zip(keys, fallback)]
 
 
 def gather_in_order(
@@ -127,16 +200,31 @@ def data_parallel_map(
     *,
     costs: Sequence[float] | None = None,
     keys: Sequence[Hashable] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> list[R]:
     """``fn(items)`` computed with the items sharded over the replicas, results in item order.
 
     ``fn`` maps a list of items to one result per item; it runs on this replica's share only
     (not at all when the share is empty: then it has no collectives to join either, and the
-    whole replica skips it together). Every rank returns the full list.
+    whole replica skips it together). Every rank returns the full list. ``timings`` (a dict)
+    accumulates ``shard_s`` (choosing the share), ``local_s`` (``fn``) and ``gather_s`` (the
+    gather, which includes waiting for the slowest replica) and ``items`` (this share's size).
     """
     costs = costs if costs is not None else [1.0] * len(items)
     if len(costs) != len(items):
         raise ValueError(f"costs has {len(costs)} entries, items has {len(items)}")
+    t0 = perf_counter()
     idx = shard_indices(costs, parallel, keys)
+    t1 = perf_counter()
     local = list(fn([items[i] for i in idx])) if idx else []
-    return gather_in_order(local, idx, len(items), parallel)
+    t2 = perf_counter()
+    out = gather_in_order(local, idx, len(items), parallel)
+    if timings is not None:
+        for key, value in (
+            ("shard_s", t1 - t0),
+            ("local_s", t2 - t1),
+            ("gather_s", perf_counter() - t2),
+        ):
+            timings[key] = timings.get(key, 0.0) + value
+        timings["items"] = timings.get("items", 0) + len(idx)
+    return out

@@ -38,6 +38,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from nakta_model.process_exit import exit_without_teardown
+
 __all__ = [
     "ParallelConfigError",
     "ParallelContext",
@@ -360,14 +362,20 @@ def launch(main: Callable[[ParallelContext], R], tp: int = 1, dp: int = 1, **ini
 
     The entry point for CLIs under ``torchrun``: a :class:`ParallelConfigError` (from the set-up
     or from ``main``) is printed once, by rank 0, and every rank exits with status 2 -- one
-    clear message instead of a traceback per rank, and no rank left waiting.
+    clear message instead of a traceback per rank, and no rank left waiting. When this call
+    started the process group, that exit is :func:`~nakta_model.process_exit.exit_without_teardown`
+    (flushed, ``os._exit``): a group still pinned by a library (fairscale) would otherwise abort
+    the interpreter's teardown at random. A group the caller started is the caller's to end.
     """
-    if dist.is_available() and dist.is_initialized():
+    already_up = dist.is_available() and dist.is_initialized()
+    if already_up:
         rank = dist.get_rank()
     else:
         rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+    owned = False  # whether this call started the process group (then it also ends the process)
     try:
         parallel = init_parallel(tp, dp, **init_kw)
+        owned = bool(_STATE["started"]) and not already_up
         try:
             return main(parallel)
         finally:
@@ -377,4 +385,6 @@ def launch(main: Callable[[ParallelContext], R], tp: int = 1, dp: int = 1, **ini
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # torchrun stops all ranks when the first exits: let rank 0 print first
             time.sleep(_QUIET_RANK_EXIT_DELAY_S)
+        if owned:  # a group a library still pins must not meet the interpreter's teardown
+            exit_without_teardown(2)
         raise SystemExit(2) from None

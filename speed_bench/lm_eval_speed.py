@@ -32,9 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,9 +49,17 @@ from accuracy_test.lm_eval_cli import (  # noqa: E402
     LOCAL_TASKS_ENV,
     TEMPLATE_CACHE_ENV,
 )
+from speed_bench.lm_eval_children import (  # noqa: E402
+    METRICS,
+    TASKS,
+    child_env,
+    phases,
+    read_results,
+    run_logged,
+)
 from speed_bench.lm_eval_report import DEFAULT, TASK, markdown, ratios, write_outputs  # noqa: E402
+from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights, prepare_weights  # noqa: E402
 
-TASKS = REPO / "accuracy_test" / "tasks"
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
 MODELS = ("hf", "nakta")
 HF_HARNESS = ("fixed", "plain", "both")
@@ -62,11 +68,6 @@ PLAIN_ENV = {
     name: "0" for name in (LOCAL_TASKS_ENV, TEMPLATE_CACHE_ENV, ENV_PREFETCH_ENV, FAST_EXIT_ENV)
 }
 REUSED = ("hf", "hf_tokenizer", "nakta")  # --reuse-work: what an earlier run left in --work
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> torch/HF names
-
-
-class UsageError(ValueError):
-    """A bad command line or input file: one ``error:`` line, exit code 2."""
 
 
 # ------------------------------------------------------------------ command line
@@ -231,99 +232,7 @@ def _check_inputs(a: argparse.Namespace) -> None:
         raise UsageError(f"--work {a.work} exists and is not empty")
 
 
-# ------------------------------------------------------------------ weights
-def preset_args(name: str, vocab_size: int, max_seq_len: int):
-    """The preset's shape with the tokenizer's vocabulary (a 512-piece tokenizer on ``tiny``)."""
-    from nakta_model.config import preset
-
-    try:
-        args = preset(name)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    return dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=max_seq_len)
-
-
-def make_random_hf(out: Path, args, dtype_name: str, device: str, seed: int) -> None:
-    """``LlamaForCausalLM(LlamaConfig(...))`` with seeded random weights, saved as safetensors."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from speed_bench.hf_speed import default_dtype, hf_config
-
-    config = hf_config(args, args.max_seq_len)
-    config.bos_token_id, config.eos_token_id = 1, 2
-    torch.manual_seed(seed)
-    dtype = getattr(torch, DTYPES[dtype_name])
-    with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(out)  # safetensors (transformers' default since 4.35)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def write_hf_tokenizer(out: Path, sp_model: str | Path, max_seq_len: int) -> Path:
-    """``tokenizer.model`` + a ``tokenizer_config.json`` that ``AutoTokenizer`` converts."""
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(sp_model, out / "tokenizer.model")
-    config = {
-        "tokenizer_class": "LlamaTokenizer",
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "model_max_length": max_seq_len,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
-def check_tokenizers_agree(hf_tokenizer: Path, sp_model: str | Path, texts: Sequence[str]) -> None:
-    """hf and nakta must score the same tokens, or the comparison means nothing. The converted
-    fast tokenizer is saved (``tokenizer.json``) so that hf's runs load it as a real HF
-    checkpoint's would, instead of converting the sentencepiece model again in every run."""
-    from transformers import AutoTokenizer
-
-    from nakta_model import Tokenizer
-
-    hf = AutoTokenizer.from_pretrained(str(hf_tokenizer))
-    hf.save_pretrained(str(hf_tokenizer))
-    sp = Tokenizer(sp_model)
-    for text in texts:
-        want = sp.encode(text, bos=True, eos=False)
-        got = hf.encode(text)
-        if got != want:
-            raise UsageError(
-                f"AutoTokenizer({hf_tokenizer}) and {sp_model} disagree on {text[:60]!r}: "
-                f"{got[:12]} vs {want[:12]}"
-            )
-
-
-def hf_vocab_size(hf_dir: str | Path) -> int:
-    return int(json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"])
-
-
-def convert(hf_dir: Path, out: Path, dtype_name: str, log: Path) -> float:
-    """``python convert.py HF OUT --dtype DTYPE`` as a child process; its seconds."""
-    cmd = [sys.executable, str(REPO / "convert.py"), str(hf_dir), str(out)]
-    cmd += ["--dtype", dtype_name, "--quiet"]
-    t0 = time.perf_counter()
-    rc = _run_logged(cmd, _child_env({}), log, timeout=None)
-    if rc != 0:
-        raise RuntimeError(f"convert.py failed with exit code {rc}; see {log}")
-    return time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------ children
-@dataclasses.dataclass(frozen=True)
-class Weights:
-    hf_dir: Path
-    hf_tokenizer: Path
-    nakta_dir: Path
-    sp_model: Path
-
-
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     model: str
@@ -362,56 +271,12 @@ def child_command(
     return cmd
 
 
-def _child_env(extra: dict) -> dict:
-    """This checkout first on the path; the hub left alone (everything here is local)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("HF_DATASETS_OFFLINE", "1")
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env.update(extra)
-    return env
-
-
-def _run_logged(cmd: list, env: dict, log: Path, timeout: float | None) -> int:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n\n")
-        f.flush()
-        try:
-            return subprocess.run(
-                cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
-            ).returncode
-        except subprocess.TimeoutExpired:
-            f.write(f"\n(killed after {timeout} s)\n")
-            return 124
-
-
-METRICS = ("acc", "acc_norm", "exact_match")
-
-
-def read_results(output_dir: Path, task: str = TASK) -> dict:
-    """acc / acc_norm / exact_match (those the task has) and the sample count, from lm-eval's
-    newest ``results_*.json`` under the dir (a group's sample count: its tasks' sum)."""
-    files = sorted(output_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise FileNotFoundError(f"no lm-eval results_*.json under {output_dir}")
-    data = json.loads(files[-1].read_text())
-    res = data["results"][task]
-    samples = data.get("n-samples", {})
-    n = samples.get(task, {}).get("effective")
-    if n is None and samples:  # a group: every task it ran
-        n = sum(v.get("effective", 0) for v in samples.values())
-    out = {m: res.get(f"{m},none") for m in METRICS}
-    return {**out, "n": n}
-
-
 def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict:
     """One child run: its record (numbers, or the error and where its log is)."""
     work = out / "runs" / spec.slug
     shutil.rmtree(work, ignore_errors=True)
     timing = work / "timing.json"
-    env = _child_env({"NAKTA_HELLASWAG_JSONL": str(Path(a.data).resolve())})
+    env = child_env({"NAKTA_HELLASWAG_JSONL": str(Path(a.data).resolve())})
     env["NAKTA_LM_EVAL_TIMING"] = str(timing)
     if a.local_tasks_only:
         env[LOCAL_TASKS_ENV] = "1"
@@ -421,7 +286,7 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
     task = spec.task
     cmd = child_command(spec, w, a.dtype, a.device, work / "lm_eval", task)
     t0, spawn_unix = time.perf_counter(), time.time()
-    rc = _run_logged(cmd, env, log, a.timeout)
+    rc = run_logged(cmd, env, log, a.timeout)
     record = {
         "model": spec.model,
         "num_fewshot": spec.num_fewshot,
@@ -462,68 +327,7 @@ def run_one(spec: RunSpec, w: Weights, a: argparse.Namespace, out: Path) -> dict
     return record
 
 
-def phases(timing: dict, spawn_unix: float) -> dict:
-    """From the child's timing file: seconds inside the model's request methods (and of them
-    tokenizing), from process start to the first request, and what that request still waited
-    for a background load."""
-    first = (timing.get("events") or {}).get("first_request")
-    entry = timing.get("entry_unix")
-    return {
-        "requests_s": timing.get("requests_s"),
-        # of which lm-eval's strings -> token pairs (the project's adapters, loglikelihood only)
-        "tokenize_s": (timing.get("loglikelihood") or {}).get("tokenize_s"),
-        "first_request_s": None if first is None or entry is None else entry + first - spawn_unix,
-        "load_wait_s": (timing.get("nakta_load") or {}).get("wait_s"),
-    }
-
-
 # ------------------------------------------------------------------ main
-def _sample_texts(data: str, n: int = 40) -> list[str]:
-    from nakta_model.tasks import hellaswag
-
-    docs = hellaswag.load(data, limit=n)
-    return [d.query + " " + c for d in docs for c in d.choices]
-
-
-def prepare_weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Weights, dict]:
-    """The HF directory (given or made), its tokenizer dir and the converted Nakta copy."""
-    from nakta_model import Tokenizer
-
-    n_words = Tokenizer(a.tokenizer).n_words
-    meta: dict = {"make_hf_s": None}
-    if a.reuse_work:  # an earlier run's checkpoints (checked by _check_inputs)
-        hf_dir = work / "hf"
-        if hf_vocab_size(hf_dir) != n_words:
-            raise UsageError(f"--reuse-work: {hf_dir} does not match --tokenizer {a.tokenizer}")
-        meta.update(weights=f"{a.preset}-random-seed{a.seed}" if a.preset else hf_dir.name)
-        meta.update(convert_s=None, reused_work=str(work))
-        sp = Path(a.tokenizer).resolve()
-        return Weights(hf_dir, work / "hf_tokenizer", work / "nakta", sp), meta
-    if a.hf:
-        hf_dir = Path(a.hf).resolve()
-        if hf_vocab_size(hf_dir) != n_words:
-            raise UsageError(
-                f"--hf {a.hf} has vocab_size {hf_vocab_size(hf_dir)} but --tokenizer "
-                f"{a.tokenizer} has {n_words} pieces"
-            )
-        meta["weights"] = hf_dir.name
-    else:
-        args = preset_args(a.preset, n_words, a.max_seq_len)
-        hf_dir = work / "hf"
-        t0 = time.perf_counter()
-        make_random_hf(hf_dir, args, a.dtype, a.device, a.seed)
-        write_hf_tokenizer(hf_dir, a.tokenizer, args.max_seq_len)
-        meta["make_hf_s"] = time.perf_counter() - t0
-        meta["weights"] = f"{a.preset}-random-seed{a.seed}"
-        meta["vocab_size"] = n_words
-    hf_tok = write_hf_tokenizer(work / "hf_tokenizer", a.tokenizer, a.max_seq_len)
-    check_tokenizers_agree(hf_tok, a.tokenizer, _sample_texts(a.data))
-    nakta_dir = work / "nakta"
-    meta["convert_s"] = convert(hf_dir, nakta_dir, a.dtype, out / "logs" / "convert.log")
-    sp = Path(a.tokenizer).resolve()
-    return Weights(hf_dir, hf_tok, nakta_dir, sp), meta
-
-
 def plan(a: argparse.Namespace) -> list[RunSpec]:
     """Task, then shot count, then batch size, then model: the two models' runs side by side;
     with ``--warmup``, a copy of each (task, shots)' first nakta run goes first."""

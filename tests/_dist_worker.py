@@ -13,6 +13,10 @@ compare against one process.
 ``accuracy JOB OUT``: the lm-eval adapter and parity.py at tp=2 and at dp=2.
 
 ``bad-world``: ``launch`` with tp=2, dp=2 in a world of 2: must exit 2 with one message.
+
+``pinned-error``: ``launch`` starts the group, ``main`` imports fairscale (whose default
+arguments pin the group) and fails: every rank must end with status 2 without the interpreter's
+teardown (where a pinned gloo group aborted at random), ``atexit`` handlers still run.
 """
 
 from __future__ import annotations
@@ -213,6 +217,34 @@ def bad_world() -> None:
     launch(lambda ctx: print("must not run", flush=True), tp=2, dp=2, device="cpu")
 
 
+class _TeardownWitness:
+    """Prints when the interpreter's teardown collects it (never after ``os._exit``)."""
+
+    def __del__(self) -> None:
+        print("interpreter teardown ran", flush=True)
+
+
+def pinned_error() -> None:
+    import atexit
+
+    import torch.distributed as dist
+
+    def main(ctx: ParallelContext) -> None:
+        import fairscale.optim.oss  # noqa: F401  (``group=dist.group.WORLD`` defaults: a pin)
+
+        globals()["witness"] = _TeardownWitness()
+        atexit.register(print, f"atexit ran on rank {dist.get_rank()}", flush=True)
+        checked_on_every_rank(_fail_everywhere)
+
+    launch(main, tp=2, dp=1, device="cpu")
+
+
+def _fail_everywhere() -> None:
+    from nakta_model.cli import InputError
+
+    raise InputError("--data /nope: no such file")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "grids":
@@ -223,5 +255,7 @@ if __name__ == "__main__":
         accuracy(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "bad-world":
         bad_world()
+    elif sys.argv[1] == "pinned-error":
+        pinned_error()
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")

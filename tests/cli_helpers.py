@@ -49,15 +49,18 @@ def run_script(
     )
 
 
-def torchrun(args: list[str], cwd: Path, timeout: float = TORCHRUN_TIMEOUT_S) -> tuple[int, str]:
-    """``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd``: (exit status, output).
+def torchrun(
+    args: list[str], cwd: Path, timeout: float = TORCHRUN_TIMEOUT_S, env: dict | None = None
+) -> tuple[int, str]:
+    """``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd``: (exit status, output);
+    ``env``: variables added to the ranks' environment.
 
     The ranks see the repo the way the command says: a script by path through its bootstrap,
     ``-m`` through ``cwd``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += ["--monitor-interval", "0.2", *args]
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cmd, cwd=cwd, env=_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, text=True,
     )  # fmt: skip
     try:

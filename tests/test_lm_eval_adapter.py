@@ -22,7 +22,7 @@ from checkpoint_factory import TINY_PARAMS, train_tiny_tokenizer, write_meta_che
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from accuracy_test import lm_eval_adapter as adapter  # noqa: E402
-from accuracy_test import models  # noqa: E402
+from accuracy_test import lm_eval_args, models  # noqa: E402
 from nakta_model import scoring  # noqa: E402
 from nakta_model.tasks import hellaswag  # noqa: E402
 
@@ -313,7 +313,7 @@ def test_generation_settings_the_engine_implements():
         16,
         "</s>",
     )
-    assert g == adapter.GenSettings(("\n", "</s>"), 5, 0.7, 0.9)
+    assert g == lm_eval_args.GenSettings(("\n", "</s>"), 5, 0.7, 0.9)
     k = adapter.generation_settings({"do_sample": True, "temperature": 1.0, "top_k": 40}, 16, "")
     assert k.top_k == 40  # the nakta engine samples top-k; llama_org refuses it when it runs
     greedy = adapter.generation_settings({"temperature": 0.7, "do_sample": "false"}, 16, "")
@@ -398,7 +398,8 @@ def test_background_load_overlaps_the_caller_and_scores_like_a_blocking_one(tiny
 
 def test_a_failed_background_load_raises_its_error_at_the_first_request(tiny, tmp_path):
     """A damaged shard is not hidden by the worker thread: the first request (and any later
-    one) raises the loader's own error (a wrong tokenizer fails in the constructor still:
+    one) raises the loader's error, as one line naming the checkpoint (``ModelArgsError``, the
+    loader's ``CheckpointError`` as its cause; a wrong tokenizer fails in the constructor still:
     ``test_tokenizer_of_another_model_is_refused_at_load`` runs with the background load on)."""
     from convert import convert
     from nakta_model.layout import CheckpointError
@@ -412,10 +413,12 @@ def test_a_failed_background_load_raises_its_error_at_the_first_request(tiny, tm
     kw = dict(checkpoint=str(nakta_dir), tokenizer=str(tok), device="cpu")
     lm = adapter.NaktaLM(**kw, background_load="true")
     inst = [Instance("loglikelihood", {}, ("the cat", " sat"), 0)]
+    match = rf"nakta checkpoint {nakta_dir}: cannot load it: .*"
     for _ in range(2):
-        with pytest.raises(CheckpointError):
+        with pytest.raises(adapter.ModelArgsError, match=match) as exc:
             lm.loglikelihood(inst, disable_tqdm=True)
-    with pytest.raises(CheckpointError):  # the default loads in the constructor
+        assert isinstance(exc.value.__cause__, CheckpointError)
+    with pytest.raises(adapter.ModelArgsError, match=match):  # the default loads at once
         adapter.NaktaLM(**kw)
 
 

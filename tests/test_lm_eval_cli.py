@@ -251,15 +251,20 @@ def test_env_report_is_collected_while_evaluate_runs_and_is_the_same(monkeypatch
 
     def fake_evaluate(*a, **kw):
         seen["evaluate"] = a
-        return collect_env.get_pretty_env_info()  # what lm-eval's add_env_info calls
+        return "RESULTS"
 
     monkeypatch.setattr(collect_env, "get_pretty_env_info", slow_report)
     monkeypatch.setattr(lm_eval.evaluator, "evaluate", fake_evaluate)
     with lm_eval_cli.env_report_prefetched():
-        assert lm_eval.evaluator.evaluate(1, 2) == "REPORT"
+        assert lm_eval.evaluator.evaluate(1, 2) == "RESULTS"
+        # as lm-eval's simple_evaluate does: add_env_info after evaluate has returned
+        assert collect_env.get_pretty_env_info() == "REPORT"
         assert seen == {"thread": seen["thread"], "evaluate": (1, 2)}
-        assert seen["thread"].startswith("nakta-env")
+        assert seen["thread"].startswith("nakta-env")  # collected on the prefetch thread
         assert collect_env.get_pretty_env_info is slow_report  # put back after one use
+        lm_eval.evaluator.evaluate(3)  # never asked for: put back when the block ends
+        assert collect_env.get_pretty_env_info is not slow_report
+    assert collect_env.get_pretty_env_info is slow_report
     assert lm_eval.evaluator.evaluate is fake_evaluate
     monkeypatch.setattr(lm_eval.evaluator, "evaluate", original_evaluate)
 

@@ -17,6 +17,7 @@ from accuracy_test import lm_eval_preload  # noqa: E402
 from accuracy_test.lm_eval_preload import (  # noqa: E402
     constructor_kwargs,
     model_preloaded,
+    prefetch_plan,
     prefetchable_checkpoint,
 )
 
@@ -99,16 +100,41 @@ def test_no_read_for_other_models_grids_or_cpus(tmp_path, started, monkeypatch):
         with model_preloaded() as state:
             EvaluatorConfig.from_cli(cli)
         assert "checkpoint" not in state
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a world of 2 but no dp=2 / tp=2 asked for
     with model_preloaded() as state:
         EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={ckpt}"))
     assert "checkpoint" not in state and started == []
 
 
+def test_every_torchrun_rank_prefetches_its_own_shard_onto_its_own_gpu(
+    tmp_path, started, monkeypatch
+):
+    """Under torchrun each rank's read overlaps lm-eval's start-up as a lone process's does:
+    dp ranks read the one shard onto their own GPU, tp ranks their own shard."""
+    one = _nakta_dir(tmp_path / "one")
+    two = _nakta_dir(tmp_path / "two", tp_size=2)
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    shard = "model.tp00-of-01.safetensors"
+    assert prefetch_plan({"checkpoint": str(one), "dp": "2"}, env) == (one / shard, "cuda:1")
+    assert prefetch_plan({"checkpoint": str(two), "tp": 2}, env) == (
+        two / "model.tp01-of-02.safetensors",
+        "cuda:1",
+    )
+    assert prefetch_plan({"checkpoint": str(one), "tp": 2}, env) is None  # sharded for tp=1
+    assert prefetch_plan({"checkpoint": str(one), "dp": "3"}, env) is None  # not the world
+    assert prefetch_plan({"checkpoint": str(one), "dp": "x"}, env) is None
+    assert prefetch_plan({"checkpoint": str(one), "dp": 2, "device": "cpu"}, env) is None
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with model_preloaded() as state:
+        EvaluatorConfig.from_cli(_cli("nakta", f"checkpoint={one},dp=2"))
+    assert started == [(one / shard, "cuda:1")] and state["checkpoint"] == one
+
+
 def test_a_missing_shard_starts_nothing(tmp_path):
     ckpt = _nakta_dir(tmp_path / "ckpt")
     (ckpt / "model.tp00-of-01.safetensors").unlink()
-    assert not lm_eval_preload._start_prefetch(ckpt, "cuda")
+    assert not lm_eval_preload._start_prefetch(ckpt / "model.tp00-of-01.safetensors", "cuda")
 
 
 def test_registering_a_prefetch_imports_no_torch(tmp_path):
@@ -128,7 +154,7 @@ def test_registering_a_prefetch_imports_no_torch(tmp_path):
         "    seen.append('torch' in sys.modules)\n"
         "    real(self)\n"
         "threading.Thread.start = start\n"
-        f"assert _start_prefetch(Path({str(ckpt)!r}), 'cuda:0')\n"
+        f"assert _start_prefetch(Path({str(ckpt)!r}) / 'model.tp00-of-01.safetensors', 'cuda:0')\n"
         "print(seen)\n"
     )
     repo = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from checkpoint_factory import train_tiny_tokenizer  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.model import TemplateLM  # noqa: E402
 
-from accuracy_test import lm_eval_adapter as adapter  # noqa: E402
+from accuracy_test.lm_eval_base import ScoringLM  # noqa: E402
 from nakta_model import Tokenizer  # noqa: E402
 
 VOCAB = (  # plain words, unicode (CJK, emoji, combining accent), digits, punctuation
@@ -30,7 +30,7 @@ TRAILING = (" ", "  ", "\n", " \n", "\t", "\n\n", "\u00a0", "\u3000", " \u2003")
 CONT_HEADS = ("", " ", "  ", "\n", " \n", "\t")
 
 
-class _Capture(adapter._ScoringLM):
+class _Capture(ScoringLM):
     """The shared adapter class, with the scorer replaced by a recorder of its input."""
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):

@@ -15,7 +15,10 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from speed_bench import lm_eval_report  # noqa: E402
+from speed_bench import (
+    lm_eval_report,  # noqa: E402
+    lm_eval_weights,  # noqa: E402
+)
 from speed_bench import lm_eval_speed as bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,9 +260,9 @@ def test_hf_and_nakta_on_the_same_weights_and_the_rolling_bos_convention(
     from accuracy_test.lm_eval_adapter import NaktaLM
 
     sp = shared_data / "stories260K" / "tokenizer.model"
-    args = bench.preset_args("tiny", 512, 256)
-    bench.make_random_hf(tmp_path / "hf", args, "fp32", "cpu", seed=3)
-    bench.write_hf_tokenizer(tmp_path / "hf", sp, 256)
+    args = lm_eval_weights.preset_args("tiny", 512, 256)
+    lm_eval_weights.make_random_hf(tmp_path / "hf", args, "fp32", "cpu", seed=3)
+    lm_eval_weights.write_hf_tokenizer(tmp_path / "hf", sp, 256)
     assert convert.main([str(tmp_path / "hf"), str(tmp_path / "nakta"), "--quiet"]) in (None, 0)
     nakta = NaktaLM(checkpoint=str(tmp_path / "nakta"), tokenizer=str(sp), device="cpu")
     hf_kw = dict(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=4)

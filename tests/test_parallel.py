@@ -344,6 +344,18 @@ def test_bad_grid_under_torchrun_exits_every_rank_with_one_message(tmp_path):
 
 
 @pytest.mark.slow
+def test_error_with_a_pinned_group_ends_without_the_interpreter_teardown(tmp_path):
+    """fairscale imported while the group is up pins it; the error exit must not leave the
+    group to the interpreter's teardown (it aborted there at random: SIGABRT, not status 2)."""
+    text, _ = _torchrun(["pinned-error"], tmp_path, expect_ok=False)
+    assert text.count("error: --data /nope: no such file") == 1, text[-3000:]
+    assert "atexit ran on rank 0" in text  # the program's own exit handlers still run
+    assert "interpreter teardown ran" not in text, text[-3000:]
+    assert "terminate called" not in text and "SIGABRT" not in text
+    assert "exitcode  : 2" in text
+
+
+@pytest.mark.slow
 def test_speed_bench_engine_and_cli_under_torchrun(tmp_path):
     """The bench's Nakta engine gives one process's scores at tp=2 and at dp=2 (the same
     random weights, built shard by shard), and run_all --tp 2 writes one summary from rank 0,

@@ -1,0 +1,308 @@
+"""lm-eval through Nakta on 1 GPU vs data parallel over N, each run a fresh process as a user
+types it, and a suite of tasks in one lm-eval call vs one call per task.
+
+    python speed_bench/lm_eval_dp.py --preset 7B --tokenizer .data/llama_tokenizer.model \\
+        --data .data/hellaswag_val_full.jsonl --runs 10:2000,0:all --gpus 2 \\
+        --suite hellaswag_local,mmlu_shaped_local,gsm8k_shaped_local,bbh_shaped_local \\
+        --suite-limit 100 --deadline-s 450
+
+Weights: ``--checkpoint DIR`` (a Nakta checkpoint), else a random ``--preset`` LLaMA made with
+transformers and converted by ``convert.py`` (``lm_eval_weights``, as ``lm_eval_speed`` does).
+Runs, in this order (most important first): for each ``--runs`` entry ``SHOTS:LIMIT`` the
+1-GPU run, then ``torchrun --nproc_per_node N ... dp=N``; then the suite in one call and one
+task per call (``--warmup-limit N`` first runs one untimed short 1-GPU run, so that the first
+timed run does not pay Triton's compiles and a cold page cache alone). A run that could not finish before ``--deadline-s`` (counted from this
+command's start, from the run's own time limit) is not started: it is listed as skipped.
+
+Each run's phases come from the driver's clock and every rank's timing file
+(``lm_eval_dp_report``). Writes ``lm_eval_dp_summary.{json,md,png}`` and
+``lm_eval_dp_ranks.json`` to ``--out`` (default ``speed_bench/results/<device>/lm_eval_dp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # run by path: import from this checkout, not from this script's folder
+    sys.path[0] = str(REPO)
+
+from speed_bench.lm_eval_children import TASKS, child_env, read_results, run_logged  # noqa: E402
+from speed_bench.lm_eval_dp_report import (  # noqa: E402
+    markdown,
+    rank_phases,
+    run_phases,
+    summary_record,
+    write_outputs,
+)
+from speed_bench.lm_eval_weights import UsageError  # noqa: E402
+
+TASK = "hellaswag_local"
+SUITE = "hellaswag_local,mmlu_shaped_local,gsm8k_shaped_local,bbh_shaped_local"
+
+
+def parse_runs(text: str) -> list[tuple[int, int | None]]:
+    """``"10:2000,0:all"`` -> ``[(10, 2000), (0, None)]``."""
+    out = []
+    for item in text.split(","):
+        shots, _, limit = item.strip().partition(":")
+        try:
+            n_shots = int(shots)
+            n_limit = None if limit in ("", "all") else int(limit)
+        except ValueError:
+            raise UsageError(
+                f"--runs: {item!r} is not SHOTS:LIMIT (LIMIT an int or 'all')"
+            ) from None
+        if n_shots < 0 or (n_limit is not None and n_limit < 1):
+            raise UsageError(f"--runs: {item!r} needs SHOTS >= 0 and LIMIT >= 1")
+        out.append((n_shots, n_limit))
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a Nakta checkpoint directory (tokenizer.model in it)")
+    src.add_argument("--preset", help="make a random LLaMA of this shape (e.g. 7B), converted")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
+    p.add_argument("--data", required=True, help="HellaSwag .jsonl for hellaswag_local")
+    p.add_argument("--runs", default="10:2000,0:all", help="SHOTS:LIMIT,... (LIMIT 'all')")
+    p.add_argument("--gpus", type=int, default=2, help="processes of the dp runs")
+    p.add_argument("--suite", default=SUITE, help="tasks of the suite runs ('' for none)")
+    p.add_argument("--suite-limit", type=int, default=100, help="--limit of the suite runs")
+    p.add_argument("--suite-hf", action="store_true", help="the suite with --model hf too")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--dtype", default=None, help="bf16 on CUDA, fp32 on the CPU by default")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-timeout-s", type=float, default=150.0, help="each run's time limit")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no run past this")
+    p.add_argument(
+        "--warmup-limit",
+        type=int,
+        default=0,
+        help="first an untimed 1-GPU 10-shot run of this many tasks (Triton's compile cache and "
+        "the page cache filled for every timed run alike; 0: none)",
+    )
+    p.add_argument("--out", default=None)
+    p.add_argument("--work", default=None, help="folder for the weights and runs (default: tmp)")
+    a = p.parse_args(argv)
+    a.run_list = parse_runs(a.runs)
+    a.suite_tasks = [t for t in a.suite.split(",") if t]
+    if a.gpus < 2:
+        p.error("--gpus must be >= 2 (the dp runs)")
+    return a
+
+
+def _weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Path, Path | None, dict]:
+    """``(nakta checkpoint, HF dir or None, what making them took)``."""
+    if a.checkpoint:
+        return Path(a.checkpoint).resolve(), None, {"weights": Path(a.checkpoint).name}
+    from nakta_model import Tokenizer
+    from speed_bench.lm_eval_weights import (
+        convert,
+        make_random_hf,
+        preset_args,
+        write_hf_tokenizer,
+    )
+
+    args = preset_args(a.preset, Tokenizer(a.tokenizer).n_words, a.max_seq_len)
+    t0 = time.perf_counter()
+    make_random_hf(work / "hf", args, a.dtype, a.device, a.seed)
+    write_hf_tokenizer(work / "hf", a.tokenizer, args.max_seq_len)
+    made = {"make_hf_s": time.perf_counter() - t0, "weights": f"{a.preset}-random-seed{a.seed}"}
+    made["convert_s"] = convert(work / "hf", work / "nakta", a.dtype, out / "logs" / "convert.log")
+    return work / "nakta", work / "hf", made
+
+
+def _command(a, model_args: str, model: str, tasks: str, shots, limit, gpus: int, out: Path):
+    cmd = [sys.executable]
+    if gpus > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)]
+    cmd += ["-m", "accuracy_test.lm_eval_cli", "--model", model, "--model_args", model_args]
+    cmd += ["--include_path", str(TASKS), "--tasks", tasks, "--device", a.device]
+    cmd += ["--output_path", str(out)]
+    if shots is not None:
+        cmd += ["--num_fewshot", str(shots)]
+    if limit is not None:
+        cmd += ["--limit", str(limit)]
+    return cmd
+
+
+class Runner:
+    """Runs children against the deadline; each one's record (or why it failed / was skipped)."""
+
+    def __init__(self, a: argparse.Namespace, out: Path, work: Path, started: float):
+        self.a, self.out, self.work, self.started = a, out, work, started
+
+    def _time_left(self) -> bool:
+        if self.a.deadline_s is None:
+            return True
+        return time.perf_counter() - self.started + self.a.run_timeout_s <= self.a.deadline_s
+
+    def run(self, name: str, cmd: list, extra_env: dict | None = None) -> dict:
+        """One child: wall, exit status, its rank timing files read back."""
+        work = self.work / "runs" / name
+        timing = work / "timing.json"
+        env = child_env({"NAKTA_HELLASWAG_JSONL": str(Path(self.a.data).resolve())})
+        env.update(NAKTA_LM_EVAL_TIMING=str(timing), NAKTA_LM_EVAL_LOCAL_TASKS="1")
+        env.update(extra_env or {})
+        rec: dict = {"name": name, "error": None, "log": f"logs/{name}.log"}
+        if not self._time_left():
+            rec["error"] = "skipped: not enough time left before --deadline-s"
+            return rec
+        spawn = time.time()
+        rc = run_logged(cmd, env, self.out / "logs" / f"{name}.log", self.a.run_timeout_s)
+        end = time.time()
+        rec.update(spawn_unix=spawn, end_unix=end, wall_s=end - spawn, rc=rc)
+        files = sorted(timing.parent.glob("timing*.json")) if timing.parent.is_dir() else []
+        rec["ranks"] = [rank_phases(json.loads(f.read_text())) for f in files]
+        rec["ranks"].sort(key=lambda r: r["rank"])
+        rec["lm_eval_out"] = str(work / "lm_eval")
+        if rc != 0:
+            rec["error"] = f"exit code {rc} (log: {rec['log']})"
+        return rec
+
+
+def measure_dp(a, runner: Runner, ckpt: Path) -> tuple[list[dict], dict]:
+    runs, ranks = [], {}
+    for shots, limit in a.run_list:
+        for gpus in (1, a.gpus):
+            name = f"{TASK}_{shots}shot_{limit or 'all'}_{gpus}gpu"
+            margs = f"checkpoint={ckpt},dtype={a.dtype}" + (f",dp={gpus}" if gpus > 1 else "")
+            if a.tokenizer:
+                margs += f",tokenizer={Path(a.tokenizer).resolve()}"
+            out = runner.work / "runs" / name / "lm_eval"
+            rec = runner.run(name, _command(a, margs, "nakta", TASK, shots, limit, gpus, out))
+            row = dict(gpus=gpus, tp=1, dp=gpus, task=TASK, num_fewshot=shots, limit=limit)
+            row.update(wall_s=None, first_request_s=None, scoring_s=None, after_scoring_s=None)
+            row["acc"] = None
+            if "spawn_unix" in rec:
+                row.update(run_phases(rec["ranks"], rec["spawn_unix"], rec["end_unix"]))
+            if rec["error"] is None:
+                try:
+                    row["acc"] = read_results(Path(rec["lm_eval_out"]), TASK)["acc"]
+                except (OSError, KeyError, ValueError) as e:
+                    rec["error"] = f"no results: {e}"
+            print(f"{name}: {_describe(row, rec)}", flush=True)
+            ranks[name] = {
+                k: rec.get(k) for k in ("spawn_unix", "end_unix", "ranks", "error", "log")
+            }
+            ranks[name]["ranks"] = ranks[name]["ranks"] or []
+            runs.append(summary_record(row))
+    return runs, ranks
+
+
+def measure_suite(a, runner: Runner, ckpt: Path, hf: Path | None) -> list[dict]:
+    """The suite in one call, then one call per task; nakta, and hf when asked for."""
+    if not a.suite_tasks:
+        return []
+    models = [("nakta", f"checkpoint={ckpt},dtype={a.dtype}")]
+    if a.tokenizer:
+        models[0] = ("nakta", models[0][1] + f",tokenizer={Path(a.tokenizer).resolve()}")
+    if a.suite_hf and hf is not None:
+        dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        models.append(("hf", f"pretrained={hf},tokenizer={hf},dtype={dtypes[a.dtype]}"))
+    out = []
+    for model, margs in models:
+        for mode in ("one_call", "one_by_one"):
+            groups = [a.suite_tasks] if mode == "one_call" else [[t] for t in a.suite_tasks]
+            rec = {"model": model, "mode": mode, "tasks": a.suite_tasks, "limit": a.suite_limit}
+            rec.update(wall_s=0.0, acc={}, error=None)
+            for tasks in groups:
+                name = f"suite_{model}_{mode}_{'+'.join(tasks) if len(tasks) == 1 else 'all'}"
+                res = runner.work / "runs" / name / "lm_eval"
+                cmd = _command(a, margs, model, ",".join(tasks), None, a.suite_limit, 1, res)
+                got = runner.run(name, cmd)
+                rec["wall_s"] += got.get("wall_s") or 0.0
+                if got["error"]:
+                    rec["error"] = f"{name}: {got['error']}"
+                    break
+                for task in tasks:
+                    with contextlib.suppress(OSError, KeyError, ValueError):
+                        r = read_results(res, task)
+                        rec["acc"][task] = r["acc"] if r["acc"] is not None else r["exact_match"]
+            print(
+                f"suite {model} {mode}: wall {rec['wall_s']:.1f} s {rec['error'] or ''}", flush=True
+            )
+            out.append(rec)
+    return out
+
+
+def _describe(row: dict, rec: dict) -> str:
+    if rec["error"]:
+        return f"FAILED/SKIPPED {rec['error']}"
+    parts = [
+        f"{k[:-2]} {row[k]:.1f}"
+        for k in ("wall_s", "first_request_s", "scoring_s", "after_scoring_s")
+        if row[k] is not None
+    ]
+    return ", ".join(parts) + f", acc {row['acc']}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
+    a = parse_args(argv)
+    try:
+        return _main(a, started)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(a: argparse.Namespace, started: float) -> int:
+    import torch
+
+    from bench_common.ceilings import device_slug
+
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+    if not Path(a.data).is_file():
+        raise UsageError(f"--data {a.data}: no such file")
+    if a.preset and not a.tokenizer:
+        raise UsageError("--preset needs --tokenizer (the random model's vocabulary)")
+    on_gpu = a.device.startswith("cuda")
+    if on_gpu and torch.cuda.device_count() < a.gpus:
+        raise UsageError(f"--gpus {a.gpus}: only {torch.cuda.device_count()} GPU(s) visible")
+    out = (
+        Path(a.out)
+        if a.out
+        else REPO / "speed_bench" / "results" / device_slug(a.device) / "lm_eval_dp"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = contextlib.nullcontext(a.work) if a.work else tempfile.TemporaryDirectory("lm_eval_dp")
+    with ctx as work_name:
+        work = Path(work_name)
+        ckpt, hf, made = _weights(a, work, out)
+        print(f"weights ready at {time.perf_counter() - started:.1f} s: {made}", flush=True)
+        runner = Runner(a, out, work, started)
+        if a.warmup_limit:
+            margs = f"checkpoint={ckpt},dtype={a.dtype}"
+            res = work / "runs" / "warmup" / "lm_eval"
+            warm = runner.run(
+                "warmup", _command(a, margs, "nakta", TASK, 10, a.warmup_limit, 1, res)
+            )
+            print(f"warm-up: {warm.get('wall_s', 0):.1f} s {warm['error'] or ''}", flush=True)
+        runs, ranks = measure_dp(a, runner, ckpt)
+        suite = measure_suite(a, runner, ckpt, hf)
+    summary = {
+        "device_name": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+        "gpus_available": torch.cuda.device_count() if on_gpu else 0,
+        "runs": runs,
+    }
+    write_outputs(summary, out, ranks, suite)
+    print(markdown(summary, ranks, suite))
+    print(f"wrote {out / 'lm_eval_dp_summary.json'}, .md, .png and lm_eval_dp_ranks.json")
+    failed = [r for r in ranks.values() if r["error"]] + [s for s in suite if s["error"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
