@@ -219,7 +219,7 @@ class HFDecode(_Engine):
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from transformers import LlamaForCausalLM
 
-        from speed_bench.hf_speed import default_dtype, hf_config, meta_to_hf
+        from speed_bench.hf_engine import default_dtype, hf_config, meta_to_hf
 
         with torch.device(device), default_dtype(dtype):
             model = LlamaForCausalLM(hf_config(weights.args, max_seq))
@@ -382,7 +382,7 @@ def _skip(name: str, device: torch.device) -> str | None:
     if name == "nakta_compile":
         return _compile_unavailable(device)
     if name == "hf":
-        from speed_bench.hf_speed import unavailable_reason
+        from speed_bench.hf_engine import unavailable_reason
 
         return unavailable_reason()
     if name == "llama_org":
