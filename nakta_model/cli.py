@@ -26,7 +26,6 @@ from nakta_model.parallel import ParallelConfigError, gather_objects, is_distrib
 
 R = TypeVar("R")
 
-META_CHECKPOINT = "a Meta checkpoint folder: params.json + consolidated.*.pth"
 CHECKPOINT = (
     "a checkpoint folder: Nakta (convert.py's params.json + manifest.json), "
     "Meta (params.json + consolidated.*.pth) or HF (config.json + weights)"
@@ -69,20 +68,6 @@ def require_dir(path: str | Path, option: str, expected: str) -> Path:
         raise InputError(f"{option} {path}: no such directory (expected {expected})")
     if not p.is_dir():
         raise InputError(f"{option} {path}: not a directory (expected {expected})")
-    return p
-
-
-def require_meta_checkpoint(path: str | Path, option: str = "--checkpoint") -> Path:
-    """A folder holding ``params.json`` and at least one ``consolidated.*.pth``."""
-    p = require_dir(path, option, META_CHECKPOINT)
-    missing = [] if (p / "params.json").is_file() else ["params.json"]
-    if not any(p.glob("consolidated.*.pth")):
-        missing.append("consolidated.*.pth")
-    if missing:
-        raise InputError(
-            f"{option} {path}: not a checkpoint, no {' or '.join(missing)} in it "
-            f"(expected {META_CHECKPOINT})"
-        )
     return p
 
 
