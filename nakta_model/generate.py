@@ -16,6 +16,7 @@ token what llama_org's loop gives. Every bad argument or input is one ``error:``
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import types
@@ -38,7 +39,7 @@ from nakta_model.cli import (
 _DTYPES = ("bf16", "fp16", "fp32")
 
 
-def parse_args(argv: list[str] | None = None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineArgumentParser(prog="nakta-generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="Nakta, Meta or HF checkpoint folder")
     p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
@@ -73,7 +74,7 @@ def parse_args(argv: list[str] | None = None):
     return a
 
 
-def read_prompts(a) -> list[str]:
+def read_prompts(a: argparse.Namespace) -> list[str]:
     """The prompts of ``--prompt`` or ``--prompts-file`` (one a line, blank lines skipped)."""
     if a.prompt is not None:
         return a.prompt
@@ -90,7 +91,7 @@ def read_prompts(a) -> list[str]:
     return prompts
 
 
-def check_inputs(a) -> tuple[Path, list[str]]:
+def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
     """Every path and the tokenizer checked before the weights are read: ``(tokenizer,
     prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary."""
     from nakta_model.loading import checkpoint_args

@@ -1,9 +1,9 @@
 """What a speed-bench engine is: the limits every engine shares (:class:`EngineConfig`) and the
 scorer interface (:class:`Engine`), with the engine names.
 
-The lowest layer of the engines: ``nakta_engine``, ``llama_engine`` and ``hf_engine`` implement
-it, ``engines`` builds them by name, ``run_measure`` times them; none of those import the speed
-scripts (``nakta_speed.py`` ...) that run them.
+The lowest layer of the engines: ``nakta_engine``, ``llama_engine`` and ``hf_engine``
+implement it, ``engines`` builds them by name, ``run_measure`` times them; none of those import
+the speed scripts (``nakta_speed.py`` ...) that run them.
 """
 
 from __future__ import annotations
