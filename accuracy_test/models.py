@@ -2,7 +2,8 @@
 
 ``nakta``: ``nakta_model.load`` of a Nakta checkpoint dir or of the Meta dir itself (read in
 memory, this rank's shard built tensor by tensor: no converted copy on disk). ``llama_org``:
-Meta's reference, from the Meta dir (:func:`load_llama_org`). :func:`random_pair` draws one set
+Meta's reference, from the Meta dir (:func:`load_llama_org`), or from a Nakta or HF dir handed
+the same weights in memory as Meta tensors (:func:`llama_org_from_checkpoint`). :func:`random_pair` draws one set
 of random Meta weights on the device and gives both models exactly those (the 7B-shape check
 needs no 13 GB checkpoint on disk).
 
@@ -94,6 +95,50 @@ def load_llama_org(
         raise ValueError(f"checkpoint {meta_dir} is not a Meta checkpoint (params.json + .pth)")
     return Llama.build(
         str(meta_dir), str(tokenizer), max_seq_len, max_batch_size, device=device, dtype=dtype
+    )
+
+
+def llama_org_from_checkpoint(
+    path: str | Path,
+    tokenizer: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_batch_size: int,
+):
+    """llama_org on any checkpoint folder: a Meta one through Meta's ``Llama.build`` (one shard
+    per model-parallel process), a Nakta or HF one through ``Llama.from_state_dict`` of the same
+    weights as Meta-named tensors (``sources.open_checkpoint``), each process given its
+    fairscale shard (MP = world size) cut one tensor at a time."""
+    from nakta_model.sources import is_meta_checkpoint
+
+    if is_meta_checkpoint(path):
+        return load_llama_org(path, tokenizer, device, dtype, max_seq_len, max_batch_size)
+    import fairscale.nn.model_parallel.initialize as fs_init
+
+    from llama_org import Llama
+    from llama_org.distributed import init_distributed, init_model_parallel
+    from nakta_model.layout import meta_shapes, meta_split_dim
+    from nakta_model.sources import open_checkpoint
+
+    os.environ.setdefault("LLAMA_ORG_QUIET", "1")
+    source = open_checkpoint(path)
+    init_model_parallel(init_distributed(device))  # Meta: MP = world size
+    rank, size = fs_init.get_model_parallel_rank(), fs_init.get_model_parallel_world_size()
+    shard = {}
+    for name in meta_shapes(source.args):
+        t, dim = source.get(name), meta_split_dim(name)
+        if size > 1 and dim is not None:
+            t = t.chunk(size, dim)[rank]
+        shard[name] = t.to(device=device, dtype=dtype).clone(memory_format=torch.contiguous_format)
+    return Llama.from_state_dict(
+        source.args.to_meta_params(),
+        shard,
+        max_seq_len,
+        max_batch_size,
+        tokenizer=str(tokenizer),
+        device=device,
+        dtype=dtype,
     )
 
 

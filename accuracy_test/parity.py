@@ -1,7 +1,6 @@
 """HellaSwag parity: nakta vs llama_org on the same weights, the same requests, the same scoring.
 
     python -m accuracy_test.parity --checkpoint ../shared/data/stories260K \\
-        --tokenizer ../shared/data/stories260K/tokenizer.model \\
         --data ../shared/data/hellaswag_val_full.jsonl --dtype fp32 --device cpu \\
         --out accuracy_test/results/stories260K_fp32_cpu.json
 
@@ -9,13 +8,18 @@
         --data .data/hellaswag_val_subset1000.jsonl --dtype bf16 --device cuda
 
     torchrun --nproc_per_node 2 -m accuracy_test.parity --tp 2 \\
-        --checkpoint ../shared/data/stories260K_mp2 --tokenizer ... --data ...
+        --checkpoint ../shared/data/stories260K_mp2 --data ...
 
     python accuracy_test/parity.py ...      # by path works too (from the root or accuracy_test/)
 
+``--checkpoint`` is a Nakta (``convert.py``), Meta or HF folder; ``--tokenizer`` defaults to the
+checkpoint's own ``tokenizer.model``. llama_org reads a Meta folder with Meta's own code; from a
+Nakta or HF folder it is handed the same weights in memory, as Meta-named tensors cut into
+its model-parallel shards (``models.llama_org_from_checkpoint``).
+
 Under ``torchrun`` llama_org runs as Meta runs it (model parallel over the whole world, one
 ``consolidated.NN.pth`` per rank) and Nakta on the ``--tp x --dp`` grid of the same world
-(each rank reading its ``--tp`` shard straight from the Meta dir; requests sharded over the
+(each rank reading its ``--tp`` shard straight from the checkpoint; requests sharded over the
 ``--dp`` replicas). With ``--random``, ``--tp`` must equal the world size (Nakta takes
 llama_org's shards).
 
@@ -56,9 +60,11 @@ from nakta_model import scoring
 from nakta_model.cli import (
     InputError,
     checked_on_every_rank,
+    checkpoint_errors,
+    checkpoint_tokenizer_path,
     exit_on_input_error,
+    require_checkpoint,
     require_file,
-    require_meta_checkpoint,
 )
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.tasks import hellaswag
@@ -68,8 +74,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="Meta checkpoint dir (params.json + consolidated.*.pth)")
-    p.add_argument("--tokenizer", required=True, help="sentencepiece tokenizer.model")
+    p.add_argument("--checkpoint", help="Nakta, Meta or HF checkpoint folder")
+    p.add_argument(
+        "--tokenizer", help="sentencepiece tokenizer.model (default: the checkpoint's own)"
+    )
     p.add_argument(
         "--data",
         required=True,
@@ -369,8 +377,8 @@ def load_inputs(a: argparse.Namespace):
     import nakta_model
 
     if not a.random:
-        require_meta_checkpoint(a.checkpoint)
-    require_file(a.tokenizer, "--tokenizer", "a SentencePiece tokenizer.model")
+        require_checkpoint(a.checkpoint)
+    a.tokenizer = checkpoint_tokenizer_path(None if a.random else a.checkpoint, a.tokenizer)
     require_file(a.data, "--data", "a HellaSwag .jsonl, or llama.cpp .txt[.bz2]")
     try:
         tok = nakta_model.Tokenizer(a.tokenizer)
@@ -424,10 +432,11 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
     from nakta_model.data_parallel import map_requests
     from nakta_model.loading import load
     from nakta_model.parallel import ParallelConfigError, ParallelContext
+    from nakta_model.sources import is_meta_checkpoint
 
     parallel = parallel or ParallelContext()
     docs, tok = checked_on_every_rank(load_inputs, a)
-    if parallel.world_size > 1 and not a.random:
+    if parallel.world_size > 1 and not a.random and is_meta_checkpoint(a.checkpoint):
         n = len(list(Path(a.checkpoint).glob("consolidated.*.pth")))
         if n != parallel.world_size:  # checked before any collective: the same verdict everywhere
             raise ParallelConfigError(
@@ -448,12 +457,14 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
         )
         model_name = f"{a.preset}-random-seed{a.seed}"
     else:
-        model = load(a.checkpoint, device, dtype, parallel)
+        with checkpoint_errors(a.checkpoint):
+            model = load(a.checkpoint, device, dtype, parallel)
         max_length = model.args.max_seq_len
         cache_len = min(max_length, longest)
-        llama = models.load_llama_org(
-            a.checkpoint, a.tokenizer, device, dtype, cache_len, a.batch_size
-        )
+        with checkpoint_errors(a.checkpoint):
+            llama = models.llama_org_from_checkpoint(
+                a.checkpoint, a.tokenizer, device, dtype, cache_len, a.batch_size
+            )
         model_name = Path(a.checkpoint).resolve().name
     check = [d.query for d in docs[:100]]
     if [llama.tokenizer.encode(s, bos=True, eos=False) for s in check] != [

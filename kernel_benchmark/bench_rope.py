@@ -43,23 +43,20 @@ import torch
 from bench_common.ceilings import copy_bandwidth_gbps, device_slug
 from bench_common.report import results_dir, save_figure, write_json, write_table
 from bench_common.timing import eager_ms
+from kernel_benchmark import tune_rope
 from kernel_benchmark.common import CPU_NOTE, announce, exit_status, triton_skip_reason
+from kernel_benchmark.rope_shapes import (
+    DEFAULT,
+    LLAMA_HEADS,
+    QKV_TOKENS,
+    QUICK_SWEEPS,
+    SWEEPS,
+    graph_ms,
+)
 from nakta_model.kernels import rope, rope_te
 from nakta_model.kernels.rope import apply_rope_qkv_, apply_rope_qkv_reference, build_rope_cache
 from nakta_model.kernels.rope_te import RotaryPositionEmbedding, apply_rotary_pos_emb
 
-DEFAULT = dict(seq_length=4096, batch=16, heads=32, hidden=128, rotary_percent=1.0, margin=0)
-SWEEPS = {
-    "seq_length": [512, 1024, 2048, 4096],
-    "hidden": [128, 256, 512],
-    "rotary_percent": [0.5, 1.0],
-    "batch": [2, 4, 8, 16],
-    "heads": [8, 16, 32, 64],
-    "margin": [0, 10, 100],
-}
-QUICK_SWEEPS = {"seq_length": [512, 4096], "hidden": [512], "rotary_percent": [0.5], "margin": [10]}
-LLAMA_HEADS = {"7B": 32, "13B": 40, "65B": 64}
-QKV_TOKENS = 16384
 TARGETS = {"default": 90.0, "sweep": 80.0, "qkv": 90.0}
 
 
@@ -68,16 +65,6 @@ def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> floa
     """Median milliseconds of eager calls: CUDA events via triton's do_bench (L2 flushed between
     calls). Includes the host's launch overhead wherever it exceeds the GPU time."""
     return eager_ms(fn, device, warmup=10 if quick else 25, rep=30 if quick else 60)
-
-
-def graph_ms(fn: Callable[[], object], quick: bool) -> float:
-    """Median milliseconds per call replaying a CUDA graph of back-to-back calls: the GPU time,
-    free of host overhead (no L2 flush; every sweep tensor is larger than L2 or nearly so)."""
-    import triton.testing
-
-    return float(
-        triton.testing.do_bench_cudagraph(fn, rep=15 if quick else 25, return_mode="median")
-    )
 
 
 def timings(eager: Callable, graph: Callable | None, device, quick: bool) -> dict:
@@ -428,8 +415,6 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
             p.error("--tune needs a GPU (CUDA graphs time the launch configurations)")
         if not args.te_only:
             print("host us per call:", host_overheads(device, dtype))
-        from kernel_benchmark import tune_rope  # (here: tune_rope imports this module)
-
         return tune_rope.tune_and_write(device, dtype, copy_gbps, args, out), pd.DataFrame()
 
     import json

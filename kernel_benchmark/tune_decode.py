@@ -24,14 +24,14 @@ import torch
 
 from bench_common.report import write_json
 from bench_common.timing import graph_ms, input_sets
-from kernel_benchmark.bench_decode import (
+from kernel_benchmark.common import tuned
+from kernel_benchmark.decode_shapes import (
     LinearShape,
     cpu_us,
     linear_bytes,
     make_linear_set,
     nakta_call,
 )
-from kernel_benchmark.common import tuned
 from nakta_model.io_utils import atomic_write_text
 from nakta_model.kernels import decode_linear as dl
 

@@ -20,8 +20,8 @@ import pandas as pd
 import torch
 
 from bench_common.report import write_json, write_table
-from kernel_benchmark.bench_rope import DEFAULT, QKV_TOKENS, graph_ms
 from kernel_benchmark.common import tuned
+from kernel_benchmark.rope_shapes import DEFAULT, QKV_TOKENS, graph_ms
 from nakta_model.kernels import rope, rope_te
 from nakta_model.kernels.rope import apply_rope_qkv_, build_rope_cache
 from nakta_model.kernels.rope_te import RotaryPositionEmbedding, apply_rotary_pos_emb

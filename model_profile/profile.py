@@ -4,7 +4,8 @@ Each engine (``llama_org``, ``nakta``, ``nakta_cache``, built through speed_benc
 ``engines`` module as ``speed_bench.run_all`` builds them) is built from the same weights,
 warmed up, then profiled scoring one fixed set of HellaSwag-shaped tasks (the embedded
 workload; 7B preset on a GPU, tiny on the CPU), or with ``--workload mmlu`` MMLU-shaped ones
-whose 5-shot prefix is shared by every question of a subject (where the prefix cache works). Outputs in
+whose 5-shot prefix is shared by every question of a subject (where the prefix cache works);
+``--checkpoint`` profiles a Nakta, Meta or HF folder's weights instead. Outputs in
 ``model_profile/results/<device>/``:
 
 * ``<engine>.pt.trace.json`` -- Chrome traces (open in chrome://tracing or Perfetto); large,
@@ -25,6 +26,7 @@ attention), else by its name (``gemm``/``nvjet``/``cutlass`` -> GEMM, ``flash``/
 attention).
 
     python -m model_profile.profile [--preset 7B] [--tasks 64] [--workload mmlu] [--shots 10]
+    python -m model_profile.profile --checkpoint CKPT     # convert.py's output, Meta or HF
     python model_profile/profile.py ...        # by path works too (also from model_profile/)
 """
 
@@ -246,13 +248,32 @@ def plot(cat_df: pd.DataFrame, title: str):
     return fig
 
 
-def main(argv: list[str] | None = None) -> dict:
-    from speed_bench.engines import EngineConfig, make_engine
+def _weights(args: argparse.Namespace, on_gpu: bool):
+    """The checkpoint's weights (Nakta, Meta or HF folder) or a preset's random ones; one that
+    does not load is an ``InputError`` (one ``error:`` line)."""
+    from nakta_model.cli import InputError, checkpoint_errors, require_checkpoint
     from speed_bench.weights import weight_source
+
+    if args.checkpoint is None:
+        name = args.preset or ("7B" if on_gpu else "tiny")
+        try:
+            return weight_source(name, None)
+        except ValueError as e:
+            raise InputError(f"--preset {name}: {e}") from e
+    require_checkpoint(args.checkpoint)
+    with checkpoint_errors(args.checkpoint):
+        return weight_source(None, args.checkpoint)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from nakta_model.cli import exit_on_input_error
+    from speed_bench.engines import EngineConfig, make_engine
     from speed_bench.workload import mmlu_shaped_workload, synthetic_workload
 
     p = argparse.ArgumentParser(description="Profile llama_org and Nakta on the same tasks.")
-    p.add_argument("--preset", help="default 7B on GPU, tiny on CPU")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="random weights of this shape (default 7B GPU, tiny CPU)")
+    src.add_argument("--checkpoint", type=Path, help="Nakta, Meta or HF checkpoint folder")
     p.add_argument("--tasks", type=int, help="tasks (default 64 GPU / 4 CPU)")
     p.add_argument(
         "--workload",
@@ -271,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
-    weights = weight_source(args.preset or ("7B" if on_gpu else "tiny"), None)
+    weights = exit_on_input_error(_weights, args, on_gpu)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if args.shots and args.workload != "hellaswag":
         p.error("--shots goes with --workload hellaswag (MMLU-shaped tasks are 5-shot)")

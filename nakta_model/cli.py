@@ -1,8 +1,9 @@
 """What the command-line tools share: a bad path is one line (``error: ...``) and exit status 2.
 
 Tools check what they were given before any heavy work (:func:`require_file`,
-:func:`require_dir`, :func:`require_meta_checkpoint`, or a loader's failure re-raised as
-:class:`InputError` naming the file). In one process :func:`exit_on_input_error` prints the
+:func:`require_dir`, :func:`require_checkpoint`, or a loader's failure re-raised as
+:class:`InputError` naming the file: :func:`checkpoint_errors` around any read of a
+checkpoint, :func:`checkpoint_tokenizer_path` for the tokenizer that goes with one). In one process :func:`exit_on_input_error` prints the
 message and exits 2, no traceback. Under ``torchrun`` the checks go through
 :func:`checked_on_every_rank`: if any rank fails, every rank raises the same
 :class:`~nakta_model.parallel.ParallelConfigError`, which :func:`~nakta_model.parallel.launch`
@@ -12,10 +13,13 @@ cannot leave the others waiting, nor exit before rank 0 has said why).
 
 from __future__ import annotations
 
+import argparse
+import pickle
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -23,7 +27,13 @@ from nakta_model.parallel import ParallelConfigError, gather_objects, is_distrib
 
 R = TypeVar("R")
 
-META_CHECKPOINT = "a Meta checkpoint folder: params.json + consolidated.*.pth"
+CHECKPOINT = (
+    "a checkpoint folder: Nakta (convert.py's params.json + manifest.json), "
+    "Meta (params.json + consolidated.*.pth) or HF (config.json + weights)"
+)
+# what a checkpoint that does not read raises (CheckpointError is a ValueError; torch.load of a
+# truncated .pth: RuntimeError, EOFError or an unpickling error; a file that vanished: OSError)
+_LOAD_ERRORS = (ValueError, OSError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError)
 
 
 class InputError(ValueError):
@@ -31,6 +41,15 @@ class InputError(ValueError):
 
     def __str__(self) -> str:  # one line, whatever a wrapped library error put in it
         return re.sub(r"\s*\n\s*", " ", super().__str__()).strip()
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one ``error:`` line (and exit status 2), not the usage
+    block first: the message names the option, ``--help`` shows the rest."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def require_file(path: str | Path, option: str, expected: str) -> Path:
@@ -53,18 +72,57 @@ def require_dir(path: str | Path, option: str, expected: str) -> Path:
     return p
 
 
-def require_meta_checkpoint(path: str | Path, option: str = "--checkpoint") -> Path:
-    """A folder holding ``params.json`` and at least one ``consolidated.*.pth``."""
-    p = require_dir(path, option, META_CHECKPOINT)
-    missing = [] if (p / "params.json").is_file() else ["params.json"]
-    if not any(p.glob("consolidated.*.pth")):
-        missing.append("consolidated.*.pth")
-    if missing:
+def require_checkpoint(path: str | Path, option: str = "--checkpoint") -> Path:
+    """A folder in one of the three formats ``nakta_model.load`` reads (files looked at, none
+    read: a truncated or corrupt one is caught by :func:`checkpoint_errors` when it loads)."""
+    from nakta_model.sources import checkpoint_format
+
+    p = require_dir(path, option, CHECKPOINT)
+    if checkpoint_format(p) is None:
+        found = "params.json without consolidated.*.pth or manifest.json"
+        if not (p / "params.json").is_file():
+            found = "no params.json or config.json"
         raise InputError(
-            f"{option} {path}: not a checkpoint, no {' or '.join(missing)} in it "
-            f"(expected {META_CHECKPOINT})"
+            f"{option} {path}: not a checkpoint, {found} in it (expected {CHECKPOINT})"
         )
     return p
+
+
+@contextmanager
+def checkpoint_errors(path: str | Path, option: str = "--checkpoint") -> Iterator[None]:
+    """Inside: any failure to read checkpoint ``path`` (missing, truncated or corrupt file,
+    wrong format) becomes one :class:`InputError` naming it. A ``ParallelConfigError`` (a
+    grid's verdict, already the same on every rank) passes through unchanged."""
+    try:
+        yield
+    except (InputError, ParallelConfigError):
+        raise
+    except _LOAD_ERRORS as e:
+        raise InputError(f"{option} {path}: cannot load it: {type(e).__name__}: {e}") from e
+
+
+def checkpoint_tokenizer_path(
+    checkpoint: str | Path | None,
+    tokenizer: str | Path | None,
+    option: str = "--tokenizer",
+    vocab_size: int | None = None,
+) -> Path:
+    """``tokenizer`` when given (it must be a file), else the checkpoint's own
+    (``tokenizer.model`` in the folder, or Meta's parent folder when it fits ``vocab_size``)."""
+    if tokenizer is not None:
+        return require_file(tokenizer, option, "a SentencePiece tokenizer.model")
+    if checkpoint is None:
+        raise InputError(f"{option} is needed (no checkpoint to take its tokenizer.model from)")
+    from nakta_model.sources import checkpoint_tokenizer
+
+    with checkpoint_errors(checkpoint):
+        found = checkpoint_tokenizer(checkpoint, vocab_size)
+    if found is None:
+        raise InputError(
+            f"--checkpoint {checkpoint} holds no tokenizer.model: pass {option} "
+            "(a SentencePiece tokenizer.model)"
+        )
+    return found
 
 
 def checked_on_every_rank(check: Callable[..., R], *args: Any, **kwargs: Any) -> R:

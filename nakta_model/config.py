@@ -226,19 +226,29 @@ class ModelArgs:
 
     def to_meta_params(self) -> dict[str, Any]:
         """``params.json`` as Meta writes it (what llama_org builds from); refuses a shape
-        Meta's FFN rule cannot give (an HF ``intermediate_size`` of another width)."""
-        if meta_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier) != self.hidden_dim:
-            raise ValueError(
-                f"hidden_dim {self.hidden_dim} is not what Meta's rule gives for dim={self.dim}, "
-                f"multiple_of={self.multiple_of}: llama_org cannot build this shape"
-            )
+        Meta's FFN rule cannot give. An HF config states ``intermediate_size`` but no
+        ``multiple_of``: when the stored one does not give ``hidden_dim``, the largest
+        ``multiple_of`` that does is written instead (the same shape, in Meta's terms)."""
+        multiple_of = self.multiple_of
+        if meta_hidden_dim(self.dim, multiple_of, self.ffn_dim_multiplier) != self.hidden_dim:
+            fits = [
+                m
+                for m in range(self.hidden_dim, 0, -1)
+                if meta_hidden_dim(self.dim, m, self.ffn_dim_multiplier) == self.hidden_dim
+            ]
+            if not fits:
+                raise ValueError(
+                    f"hidden_dim {self.hidden_dim} is not what Meta's rule gives for dim="
+                    f"{self.dim} with any multiple_of: llama_org cannot build this shape"
+                )
+            multiple_of = fits[0]
         params = {
             "dim": self.dim,
             "n_layers": self.n_layers,
             "n_heads": self.n_heads,
             "n_kv_heads": self.n_kv_heads if self.n_kv_heads != self.n_heads else None,
             "vocab_size": self.vocab_size,
-            "multiple_of": self.multiple_of,
+            "multiple_of": multiple_of,
             "ffn_dim_multiplier": self.ffn_dim_multiplier,
             "norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,

@@ -44,6 +44,7 @@ __all__ = [
     "merge_meta_tensor",
     "meta_shapes",
     "meta_split_dim",
+    "meta_tensor",
     "meta_to_hf_name",
     "nakta_shapes",
     "nakta_tensor",
@@ -160,28 +161,32 @@ def to_meta_state_dict(
     shards: Sequence[Mapping[str, torch.Tensor]], args: ModelArgs
 ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`from_meta_state_dict` over all ranks: Nakta shards -> unsplit Meta."""
+    return {name: meta_tensor(name, shards, args) for name in meta_shapes(args)}
+
+
+def meta_tensor(
+    name: str, shards: Sequence[Mapping[str, torch.Tensor]], args: ModelArgs
+) -> torch.Tensor:
+    """Unsplit Meta tensor ``name`` from every rank's Nakta tensors (``shards``, rank order):
+    one tensor at a time, so a reader of a Nakta checkpoint hands out Meta names lazily."""
     tp = len(shards)
     hd = args.head_dim
     hq, hkv, f = args.n_heads // tp, args.n_kv_heads // tp, args.hidden_dim // tp
-    out: dict[str, torch.Tensor] = {}
-    for name in meta_shapes(args):
-        m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(\w+)\.weight", name)
-        kind = m.group(3) if m else name.split(".")[0]
-        p = f"layers.{m.group(1)}." if m else ""
-        if kind in ("wq", "wk", "wv"):
-            lo = {"wq": 0, "wk": hq * hd, "wv": (hq + hkv) * hd}[kind]
-            n = (hq if kind == "wq" else hkv) * hd
-            out[name] = torch.cat([s[p + "attention.wqkv.weight"][lo : lo + n] for s in shards])
-        elif kind in ("w1", "w3"):
-            lo = 0 if kind == "w1" else f
-            out[name] = torch.cat([s[p + "feed_forward.w13.weight"][lo : lo + f] for s in shards])
-        elif kind in ("wo", "w2"):
-            out[name] = torch.cat([s[name] for s in shards], dim=1)
-        elif kind == "output":
-            out[name] = torch.cat([s[name] for s in shards], dim=0)
-        else:
-            out[name] = shards[0][name]
-    return out
+    m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(\w+)\.weight", name)
+    kind = m.group(3) if m else name.split(".")[0]
+    p = f"layers.{m.group(1)}." if m else ""
+    if kind in ("wq", "wk", "wv"):
+        lo = {"wq": 0, "wk": hq * hd, "wv": (hq + hkv) * hd}[kind]
+        n = (hq if kind == "wq" else hkv) * hd
+        return torch.cat([s[p + "attention.wqkv.weight"][lo : lo + n] for s in shards])
+    if kind in ("w1", "w3"):
+        lo = 0 if kind == "w1" else f
+        return torch.cat([s[p + "feed_forward.w13.weight"][lo : lo + f] for s in shards])
+    if kind in ("wo", "w2"):
+        return torch.cat([s[name] for s in shards], dim=1)
+    if kind == "output":
+        return torch.cat([s[name] for s in shards], dim=0)
+    return shards[0][name]
 
 
 def check_meta_names(names: Iterable[str], args: ModelArgs, what: str = "state dict") -> None:

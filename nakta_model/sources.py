@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from nakta_model.checkpoint import read_json_object
+from nakta_model.checkpoint import TOKENIZER, load_rank_state_dict, read_args, read_json_object
+from nakta_model.checkpoint_names import MANIFEST, PARAMS
 from nakta_model.config import ModelArgs
 from nakta_model.layout import (
     META_IGNORED,
@@ -34,17 +35,23 @@ from nakta_model.layout import (
     merge_meta_tensor,
     meta_shapes,
     meta_split_dim,
+    meta_tensor,
 )
 
 __all__ = [
     "MetaRankShard",
     "Source",
+    "checkpoint_format",
+    "checkpoint_tokenizer",
     "hf_weight_files",
     "is_hf_checkpoint",
     "is_meta_checkpoint",
+    "is_nakta_checkpoint",
     "meta_shard_paths",
+    "open_checkpoint",
     "open_hf",
     "open_meta",
+    "open_nakta",
     "open_source",
     "state_dict_source",
 ]
@@ -86,6 +93,24 @@ def is_meta_checkpoint(path: str | Path) -> bool:
 def is_hf_checkpoint(path: str | Path) -> bool:
     """A HF model folder: ``config.json`` (its weights are checked when it is opened)."""
     return (Path(path) / "config.json").is_file()
+
+
+def is_nakta_checkpoint(path: str | Path) -> bool:
+    """A Nakta checkpoint folder (``convert.py``'s output): ``params.json`` + ``manifest.json``."""
+    path = Path(path)
+    return (path / PARAMS).is_file() and (path / MANIFEST).is_file()
+
+
+def checkpoint_format(path: str | Path) -> str | None:
+    """``"meta"``, ``"hf"`` or ``"nakta"`` from the files in folder ``path`` (nothing read), or
+    None when it is none of them. The order is :func:`~nakta_model.loading.load`'s."""
+    if is_meta_checkpoint(path):
+        return "meta"
+    if is_hf_checkpoint(path):
+        return "hf"
+    if is_nakta_checkpoint(path):
+        return "nakta"
+    return None
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -343,6 +368,48 @@ def open_source(in_dir: str | Path, quiet: bool = False) -> Source:
         f"{in_dir} is neither a Meta checkpoint (params.json + consolidated.NN.pth) "
         "nor a HF LLaMA directory (config.json + weights)"
     )
+
+
+def open_nakta(in_dir: str | Path, verify: str | bool = "fast") -> Source:
+    """A Nakta checkpoint as unsplit Meta-named tensors: every rank's shard read on the CPU and
+    checked against the manifest (``verify`` as :func:`~nakta_model.loading.load`), each Meta
+    tensor cut back out of the fused ones on ``get`` (for peers that need Meta's or HF's names:
+    llama_org, HF transformers, the speed bench's weight layer)."""
+    in_dir = Path(in_dir)
+    args, params = read_args(in_dir)
+    tp = params.get("tp_size")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise CheckpointError(f"{in_dir / PARAMS}: tp_size must be an int >= 1, got {tp!r}")
+    shards = [load_rank_state_dict(in_dir, r, tp, "cpu", None, verify)[1] for r in range(tp)]
+    tokenizer = in_dir / TOKENIZER
+    return Source(
+        args=args,
+        get=lambda name: meta_tensor(name, shards, args),
+        dtype=shards[0]["tok_embeddings.weight"].dtype,
+        tokenizer=tokenizer if tokenizer.is_file() else None,
+        description=f"Nakta checkpoint, tp={tp}",
+    )
+
+
+def open_checkpoint(in_dir: str | Path, verify: str | bool = "fast", quiet: bool = True) -> Source:
+    """Any checkpoint folder :func:`~nakta_model.loading.load` reads (Nakta, Meta or HF) as one
+    :class:`Source` of unsplit Meta-named tensors: the same weights for every peer."""
+    in_dir = Path(in_dir)
+    if in_dir.is_dir() and checkpoint_format(in_dir) == "nakta":
+        return open_nakta(in_dir, verify)
+    if in_dir.is_dir() and checkpoint_format(in_dir) is None and (in_dir / PARAMS).is_file():
+        raise CheckpointError(
+            f"{in_dir}: params.json but neither consolidated.NN.pth shards (Meta) nor "
+            f"{MANIFEST} (Nakta)"
+        )
+    return open_source(in_dir, quiet)
+
+
+def checkpoint_tokenizer(in_dir: str | Path, vocab_size: int | None = None) -> Path | None:
+    """The sentencepiece model that belongs to checkpoint folder ``in_dir``: its own
+    ``tokenizer.model``, else (Meta's release layout) the parent's when its size fits
+    ``vocab_size``; None when there is none. A broken own one is a :class:`CheckpointError`."""
+    return _find_tokenizer(Path(in_dir), vocab_size)
 
 
 def state_dict_source(meta_sd: Mapping[str, torch.Tensor], args: ModelArgs) -> Source:

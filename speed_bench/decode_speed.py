@@ -48,6 +48,7 @@ import torch
 
 from bench_common.ceilings import copy_bandwidth_gbps, device_slug
 from bench_common.report import results_dir, save_figure, write_json, write_table
+from nakta_model.cli import exit_on_input_error
 from speed_bench.decode_budget import layer_budget
 
 ENGINES = ("nakta", "llama_org", "hf")  # the default --engines
@@ -59,7 +60,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="random weights of this shape (default 7B on a GPU, tiny)")
-    src.add_argument("--checkpoint", type=Path, help="Meta checkpoint folder")
+    src.add_argument("--checkpoint", type=Path, help="Nakta, Meta or HF checkpoint folder")
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8,32; CPU 1,2)")
     p.add_argument(
         "--lengths", default=None, help="prompt:gen pairs (default 64:128,512:128; CPU 8:5)"
@@ -219,7 +220,7 @@ class HFDecode(_Engine):
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from transformers import LlamaForCausalLM
 
-        from speed_bench.hf_speed import default_dtype, hf_config, meta_to_hf
+        from speed_bench.hf_engine import default_dtype, hf_config, meta_to_hf
 
         with torch.device(device), default_dtype(dtype):
             model = LlamaForCausalLM(hf_config(weights.args, max_seq))
@@ -290,6 +291,23 @@ def random_prompts(
 
 
 # ----------------------------------------------------------------------------- main
+def _weights(a: argparse.Namespace, on_gpu: bool):
+    """The checkpoint's weights (any format) or a preset's random ones; a path or file that does
+    not load is one ``error:`` line (``InputError``), before anything is built."""
+    from nakta_model.cli import InputError, checkpoint_errors, require_checkpoint
+    from speed_bench.weights import weight_source
+
+    if a.checkpoint is None:
+        name = a.preset or ("7B" if on_gpu else "tiny")
+        try:
+            return weight_source(name, None, a.seed)
+        except ValueError as e:
+            raise InputError(f"--preset {name}: {e}") from e
+    require_checkpoint(a.checkpoint)
+    with checkpoint_errors(a.checkpoint):
+        return weight_source(None, a.checkpoint, a.seed)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     a = parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -301,11 +319,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         from nakta_model.kernels import decode_linear as dl
 
         dl._SHAPES.update(_load_configs(a.decode_configs))
-    from speed_bench.weights import weight_source
-
-    weights = weight_source(
-        None if a.checkpoint else (a.preset or ("7B" if on_gpu else "tiny")), a.checkpoint, a.seed
-    )
+    weights = exit_on_input_error(_weights, a, on_gpu)
     args = weights.args
     elem = torch.empty((), dtype=dtype).element_size()
     bw = copy_bandwidth_gbps(device="cuda") if on_gpu else float("nan")
@@ -382,7 +396,7 @@ def _skip(name: str, device: torch.device) -> str | None:
     if name == "nakta_compile":
         return _compile_unavailable(device)
     if name == "hf":
-        from speed_bench.hf_speed import unavailable_reason
+        from speed_bench.hf_engine import unavailable_reason
 
         return unavailable_reason()
     if name == "llama_org":

@@ -5,71 +5,34 @@ time from a :class:`~speed_bench.weights.WeightSource` and freed before the next
 peak memory is its own. A multi-GPU engine (tensor / data parallel) fits the same shape: build
 it from the same weights, score the same requests.
 
-``nakta`` / ``nakta_cache`` / ``nakta_ctx`` (``nakta_speed.py``, one shared model built by ``nakta_model.load``
-from the weights), ``llama_org`` (``llama_speed.py``) and ``hf`` (``hf_speed.py``).
-This module, ``weights.py`` and ``workload.py`` are speed_bench's public API: ``run_all`` and
-``model_profile`` both build and time engines through them.
+``nakta`` / ``nakta_cache`` / ``nakta_ctx`` (``nakta_engine.py``, one shared model built by
+``nakta_model.load`` from the weights), ``llama_org`` (``llama_engine.py``) and ``hf``
+(``hf_engine.py``); what an engine is lives in ``engine_api.py``. This module, ``weights.py``
+and ``workload.py`` are speed_bench's public API: ``run_all`` and ``model_profile`` both build
+and time engines through them. The speed scripts (``nakta_speed.py`` ...) sit above all of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-import torch
-
 from nakta_model.parallel import ParallelContext
-from nakta_model.scoring import score_with_forward
+from speed_bench.engine_api import (
+    ALL_ENGINES,
+    DEFAULT_ENGINES,
+    NAKTA_ENGINES,
+    Engine,
+    EngineConfig,
+)
 from speed_bench.weights import WeightSource
-from speed_bench.workload import Request, Workload
 
-ALL_ENGINES = ("nakta", "nakta_cache", "nakta_ctx", "llama_org", "hf")
-DEFAULT_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")  # nakta_ctx: for --workload mmlu
-NAKTA_ENGINES = ("nakta", "nakta_cache", "nakta_ctx")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The limits every engine shares, so the comparison is like for like."""
-
-    device: torch.device
-    dtype: torch.dtype
-    token_budget: int  # padded tokens (rows x longest row) per forward call
-    max_length: int  # model input length limit (lm-eval's left truncation)
-    max_rows: int | None = None  # rows per forward call, on top of the token budget
-    progress: bool = True
-
-
-class Engine:
-    """Scores lm-eval requests: ``[(sum of continuation log-probs, is_greedy)]``."""
-
-    name: str = "engine"
-
-    def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
-        raise NotImplementedError
-
-    def score_plain(
-        self, forward, requests: Sequence[Request], cfg: EngineConfig, vocab_size: int
-    ) -> list[tuple[float, bool]]:
-        """The peers' scoring: one padded row per request through ``forward`` (tokens ->
-        logits), under the same limits as Nakta's engines."""
-        return score_with_forward(
-            forward,
-            requests,
-            max_length=cfg.max_length,
-            batch_size=cfg.max_rows,
-            token_budget=cfg.token_budget,
-            vocab_size=vocab_size,
-            device=cfg.device,
-            progress=cfg.progress,
-        )
-
-    def computed_tokens(self, workload: Workload) -> int:
-        """Non-padding tokens this engine pushes through the blocks for ``workload``."""
-        return workload.request_tokens()
-
-    def close(self) -> None:
-        """Drop device memory (the runner builds the next engine only after this)."""
+__all__ = [
+    "ALL_ENGINES",
+    "DEFAULT_ENGINES",
+    "NAKTA_ENGINES",
+    "Engine",
+    "EngineConfig",
+    "make_engine",
+    "skip_reason",
+]
 
 
 # ----------------------------------------------------------------------------- building
@@ -85,7 +48,7 @@ def make_engine(
     parallel = parallel or ParallelContext()
     if name in NAKTA_ENGINES:
         from nakta_model.loading import load
-        from speed_bench.nakta_speed import NaktaEngine
+        from speed_bench.nakta_engine import NaktaEngine
 
         if "nakta" not in shared:
             source = weights.source(cfg.device, cfg.dtype)
@@ -103,10 +66,10 @@ def make_engine(
     if reason:
         raise ValueError(f"engine {name!r} cannot run on {parallel.describe()}: {reason}")
     if name == "llama_org":
-        from speed_bench.llama_speed import LlamaOrgEngine
+        from speed_bench.llama_engine import LlamaOrgEngine
 
         return LlamaOrgEngine(weights, cfg)
-    from speed_bench.hf_speed import HFEngine
+    from speed_bench.hf_engine import HFEngine
 
     return HFEngine(weights, cfg)
 
@@ -133,7 +96,7 @@ def skip_reason(name: str, parallel: ParallelContext | None = None) -> str | Non
     if reason:
         return reason
     if name == "hf":
-        from speed_bench.hf_speed import unavailable_reason
+        from speed_bench.hf_engine import unavailable_reason
 
         return unavailable_reason()
     if name == "llama_org":

@@ -1,31 +1,29 @@
-"""``hf`` engine: HF transformers' ``LlamaForCausalLM`` with SDPA attention, same weights.
+"""Scoring speed of HF transformers' ``LlamaForCausalLM`` (SDPA), measured as ``run_all`` does.
 
-The peer most people would reach for. Built on the device from the shared Meta weights
-(q/k rows permuted to HF's rotate-half layout, as HF's own conversion script does), run on
-right-padded batches without a mask (causal attention makes right padding harmless), logits
-for every position, scored through ``score_with_forward`` like ``llama_org``. Skipped with a
-reason when ``transformers`` is not installed. One process only (no multi-GPU form).
+The command: ``run_all`` with this engine only (same options, results in their own folder);
+the engine itself is ``hf_engine.py``. One process only.
 
     python speed_bench/hf_speed.py [run_all options]              # results/<device>/hf/
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 if not __package__:  # run by path: import from the repo root, not from this script's folder
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import torch
-
-from nakta_model.config import ModelArgs
-from nakta_model.layout import meta_to_hf_name, permute_for_hf
-from speed_bench.engines import Engine, EngineConfig
-from speed_bench.weights import StateDict, WeightSource
-from speed_bench.workload import Request
+# the engine's names, where lm_eval_speed.py and older callers import them from
+from speed_bench.hf_engine import (  # noqa: F401
+    HFEngine,
+    default_dtype,
+    hf_config,
+    meta_to_hf,
+    unavailable_reason,
+)
+from speed_bench.run_all import EngineSet
+from speed_bench.run_all import main as run_all_main
 
 ENGINES = ("hf",)
 DESCRIPTION = (
@@ -34,95 +32,8 @@ DESCRIPTION = (
 )
 
 
-def unavailable_reason() -> str | None:
-    """Why the HF engine cannot run here, or None."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return "transformers is not installed (pip install 'nakta[hf]')"
-    return None
-
-
-def meta_to_hf(meta: StateDict, args: ModelArgs) -> StateDict:
-    """Meta names -> HF ``LlamaForCausalLM`` names; q/k rows permuted for rotate-half RoPE.
-
-    Consumes ``meta`` (entries are popped) so the two never coexist beyond one tensor.
-    """
-    out: StateDict = {}
-    for name in list(meta):
-        w = meta.pop(name)
-        if name.endswith("attention.wq.weight"):
-            w = permute_for_hf(w, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            w = permute_for_hf(w, args.n_kv_heads)
-        out[meta_to_hf_name(name)] = w
-    return out
-
-
-def hf_config(args: ModelArgs, max_length: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        max_position_embeddings=max(args.max_seq_len, max_length),
-        rms_norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Tensors created inside are ``dtype`` by default (HF builds its modules that way)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-class HFEngine(Engine):
-    name = "hf"
-
-    def __init__(self, weights: WeightSource, cfg: EngineConfig):
-        reason = unavailable_reason()
-        if reason:
-            raise RuntimeError(reason)
-        from transformers import LlamaForCausalLM
-
-        self.cfg = cfg
-        config = hf_config(weights.args, cfg.max_length)
-        with torch.device(cfg.device), default_dtype(cfg.dtype):
-            model = LlamaForCausalLM(config)
-        if model.config._attn_implementation != "sdpa":
-            raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}")
-        state = meta_to_hf(weights.state_dict(cfg.device, cfg.dtype), weights.args)
-        model.load_state_dict(state, strict=True, assign=True)
-        del state
-        self.model = model.eval().requires_grad_(False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens, use_cache=False).logits
-
-    def score(self, requests: Sequence[Request]) -> list[tuple[float, bool]]:
-        return self.score_plain(self.forward, requests, self.cfg, self.model.config.vocab_size)
-
-    def close(self) -> None:
-        self.model = None
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     """``run_all`` with the HF engine only."""
-    from speed_bench.run_all import EngineSet
-    from speed_bench.run_all import main as run_all_main
-
     return run_all_main(argv, EngineSet(ENGINES, "hf", DESCRIPTION))
 
 

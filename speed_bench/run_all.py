@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import platform
 import sys
 import time
@@ -63,9 +62,11 @@ from bench_common.report import results_dir
 from nakta_model.cli import (
     InputError,
     checked_on_every_rank,
+    checkpoint_errors,
+    checkpoint_tokenizer_path,
     exit_on_input_error,
+    require_checkpoint,
     require_file,
-    require_meta_checkpoint,
 )
 from nakta_model.config import preset
 from nakta_model.parallel import (
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     p = argparse.ArgumentParser(description=engine_set.description)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="random weights of this shape: 7B 13B 30B 65B tiny ...")
-    src.add_argument("--checkpoint", type=Path, help="Meta checkpoint folder")
+    src.add_argument("--checkpoint", type=Path, help="Nakta, Meta or HF checkpoint folder")
     p.add_argument("--data", type=Path, help="HellaSwag jsonl (default: embedded workload)")
     p.add_argument("--workload", choices=("hellaswag", "mmlu"), default="hellaswag",
                    help="embedded workload: HellaSwag lengths, or MMLU-shaped (57 subjects, a "
@@ -128,7 +129,8 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     p.add_argument("--shots", type=int, default=0,
                    help="embedded HellaSwag workload: few-shot examples before each task's "
                         "context, drawn per task as lm-eval does (10: ~1,000-token rows)")  # fmt: skip
-    p.add_argument("--tokenizer", type=Path, help="LLaMA sentencepiece model (with --data)")
+    p.add_argument("--tokenizer", type=Path,
+                   help="sentencepiece model for --data (default: the checkpoint's own)")  # fmt: skip
     p.add_argument("--limit", type=int, help="tasks (default 1000 on GPU, 16 on CPU)")
     p.add_argument("--select", choices=("first", "spread"), default="first",
                    help="with --data and --limit: first N tasks, or N spread over the file")  # fmt: skip
@@ -154,8 +156,8 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     p.add_argument("--dp", type=int,
                    help="data-parallel replicas (torchrun; default 1, or world size / --tp)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.data is not None and args.tokenizer is None:
-        p.error("--data needs --tokenizer (the LLaMA sentencepiece model)")
+    if args.data is not None and args.tokenizer is None and args.checkpoint is None:
+        p.error("--data needs --tokenizer (the LLaMA sentencepiece model) or a --checkpoint")
     if args.data is not None and args.workload != "hellaswag":
         p.error("--data is HellaSwag; --workload mmlu is embedded (no --data)")
     if args.shots < 0:
@@ -232,10 +234,10 @@ def main(argv: list[str] | None = None, engine_set: EngineSet = RUN_ALL) -> dict
 def check_paths(args: argparse.Namespace) -> None:
     """Every path given exists and is what it should be: before anything is loaded."""
     if args.checkpoint is not None:
-        require_meta_checkpoint(args.checkpoint)
+        require_checkpoint(args.checkpoint)
     if args.data is not None:
         require_file(args.data, "--data", "a HellaSwag .jsonl file")
-        require_file(args.tokenizer, "--tokenizer", "a SentencePiece tokenizer.model")
+        args.tokenizer = checkpoint_tokenizer_path(args.checkpoint, args.tokenizer)
 
 
 def load_weights(args: argparse.Namespace, preset_name: str | None) -> WeightSource:
@@ -246,10 +248,8 @@ def load_weights(args: argparse.Namespace, preset_name: str | None) -> WeightSou
             return weight_source(preset_name, None, seed=args.seed)
         except ValueError as e:
             raise InputError(f"--preset {preset_name}: {e}") from e
-    try:
+    with checkpoint_errors(args.checkpoint):
         return weight_source(None, args.checkpoint)
-    except (OSError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
-        raise InputError(f"--checkpoint {args.checkpoint}: cannot load it: {e}") from e
 
 
 def load_real_workload(args: argparse.Namespace, limit: int) -> Workload:

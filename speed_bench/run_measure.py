@@ -13,7 +13,7 @@ import torch
 
 from nakta_model.parallel import ParallelContext, barrier, gather_objects
 from nakta_model.tasks.hellaswag import evaluate
-from speed_bench.engines import Engine, EngineConfig
+from speed_bench.engine_api import Engine, EngineConfig
 from speed_bench.weights import WeightSource, matmul_params
 from speed_bench.workload import Workload
 

@@ -1,23 +1,23 @@
-"""One set of weights for every engine: a Meta checkpoint folder or seeded random weights.
+"""One set of weights for every engine: a checkpoint folder (Nakta, Meta or HF) or seeded
+random weights.
 
 Every engine is built from the SAME unsplit Meta-format state dict (Meta's key names), so the
 engines differ only in how they compute. To bound GPU memory, the benchmark builds one engine
 at a time and asks for a fresh state dict each time: random weights are regenerated on the
 device from per-tensor seeds (bit-identical every time, ~13.5 GB for 7B in bf16 made in well
-under a second), a checkpoint is read once into host memory and copied to the device.
+under a second), a checkpoint is opened once on the host and copied to the device.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from nakta_model.config import ModelArgs, preset
-from nakta_model.layout import META_IGNORED, merge_meta_shards, meta_shapes, meta_split_dim
-from nakta_model.sources import Source
+from nakta_model.layout import meta_shapes, meta_split_dim
+from nakta_model.sources import Source, open_checkpoint
 
 StateDict = dict[str, torch.Tensor]
 
@@ -116,45 +116,25 @@ class RandomWeights(WeightSource):
 
 
 class CheckpointWeights(WeightSource):
-    """A Meta checkpoint folder (``params.json`` + ``consolidated.NN.pth``), shards merged once
-    into host memory; each engine gets a device copy."""
+    """A Nakta, Meta or HF checkpoint folder (``nakta_model.sources.open_checkpoint``), handed
+    to every engine as the same unsplit Meta tensors: Meta and HF files memory-mapped (HF's q/k
+    rows un-permuted), a Nakta checkpoint's shards read once, checked against its manifest, and
+    each Meta tensor cut back out of the fused ones. Each engine gets its own device copy, in
+    the layout it needs (``hf_engine`` permutes back to HF's). ``tokenizer``: the checkpoint's
+    own sentencepiece model, or None."""
 
-    def __init__(self, ckpt_dir: str | Path):
-        ckpt_dir = Path(ckpt_dir)
-        params_file = ckpt_dir / "params.json"
-        shards = sorted(ckpt_dir.glob("consolidated.*.pth"))
-        if not params_file.is_file() or not shards:
-            raise ValueError(
-                f"checkpoint {ckpt_dir} must hold params.json and consolidated.*.pth (Meta format)"
-            )
-        pieces = [_load_shard(s) for s in shards]
-        for p in pieces:
-            for k in META_IGNORED:
-                p.pop(k, None)
-        vocab = pieces[0]["tok_embeddings.weight"].shape[0]
-        params = json.loads(params_file.read_text())
-        args = ModelArgs.from_meta_params(
-            params, vocab_size=vocab if params.get("vocab_size", -1) in (-1, None) else None
-        )
-        super().__init__(args, ckpt_dir.name)
-        self._host = merge_meta_shards(pieces, args)
+    def __init__(self, ckpt_dir: str | Path, verify: str | bool = "fast"):
+        source = open_checkpoint(ckpt_dir, verify)
+        super().__init__(source.args, Path(ckpt_dir).name)
+        self._source = source
+        self.tokenizer = source.tokenizer
+        self.description = source.description
 
     def state_dict(self, device: torch.device, dtype: torch.dtype) -> StateDict:
-        return {k: self.tensor(k, device, dtype) for k in self._host}
+        return {k: self.tensor(k, device, dtype) for k in meta_shapes(self.args)}
 
     def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self._host[name].to(device=device, dtype=dtype, non_blocking=True)
-
-
-def _load_shard(path: Path) -> StateDict:
-    """One ``consolidated.NN.pth``; a file that does not load is named (torch's own message for
-    a foreign or truncated file is a page of pickle advice)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- re-raised with the file's name
-        raise ValueError(
-            f"{path.name} is not a loadable PyTorch state dict ({type(e).__name__})"
-        ) from e
+        return self._source.get(name).to(device=device, dtype=dtype, non_blocking=True)
 
 
 def weight_source(

@@ -167,3 +167,11 @@ def test_meta_params_are_what_llama_org_builds_from():
     hf_width = PRESETS["tiny"].replace(hidden_dim=100)
     with pytest.raises(ValueError, match="llama_org cannot build this shape"):
         hf_width.to_meta_params()
+    # an HF config's intermediate_size with the default multiple_of (256): the multiple_of
+    # that gives it is written, and Meta's params build the very same shape
+    hf = ModelArgs.from_meta_params({**tiny.to_meta_params(), "multiple_of": 4}, max_seq_len=128)
+    hf = hf.replace(multiple_of=256)
+    params = hf.to_meta_params()
+    assert params["multiple_of"] != 256
+    back = ModelArgs.from_meta_params(params, max_seq_len=128)
+    assert back.hidden_dim == hf.hidden_dim

@@ -1,6 +1,8 @@
 """The house's arrows, read from the source (every import statement, function-level ones too):
-CLIs -> nakta_model -> kernels, no cycle inside nakta_model, llama_org and nakta_model
-independent, the bench helpers and the CLIs outside the user package.
+CLIs -> nakta_model -> kernels, no import cycle anywhere (inside a folder or across folders:
+a bench and its tuner, the speed_bench engines and the scripts that time them share a lower
+layer instead), llama_org and nakta_model independent, the bench helpers and the CLIs outside
+the user package.
 
     python tests/test_import_graph.py      # prints nakta_model's import graph
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TOP = (
@@ -114,6 +118,42 @@ def test_the_graph_sees_the_known_arrows():
     assert "nakta_model.checkpoint" in GRAPH["nakta_model.parallel"]  # validate_grid, lazily
     assert "nakta_model.kernels.rope" in GRAPH["nakta_model.model"]
     assert {"nakta_model.checkpoint", "nakta_model.sources"} <= GRAPH["convert"]
+
+
+def test_every_package_of_the_repo_is_read():
+    """A new top-level package joins the graph (and so the cycle check) or this fails."""
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")}
+    assert packages == set(TOP), sorted(packages ^ set(TOP))
+
+
+def test_no_import_cycle_anywhere():
+    """Over every module of the tree: no two files (or longer loops) import each other."""
+    cycle = _cycle(GRAPH, set(GRAPH))
+    assert cycle is None, " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("top", [*TOP, "convert"])
+def test_no_import_cycle_inside_each_folder(top):
+    """Per folder, so a failure names where the loop is."""
+    cycle = _cycle(GRAPH, {m for m in GRAPH if _top(m) == top})
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle(graph, set(graph)) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}, {"a", "b"}) is None
+
+
+def test_speed_bench_engines_sit_below_the_scripts():
+    """The engines (and their API) never import a speed script; the scripts use them."""
+    engines = {
+        "speed_bench.engine_api", "speed_bench.engines", "speed_bench.nakta_engine",
+        "speed_bench.llama_engine", "speed_bench.hf_engine", "speed_bench.run_measure",
+    }  # fmt: skip
+    scripts = {"speed_bench.run_all", "speed_bench.nakta_speed", "speed_bench.llama_speed"}
+    scripts |= {"speed_bench.hf_speed", "speed_bench.decode_speed"}
+    assert _edges(lambda m: m in engines, lambda m: m in scripts) == []
 
 
 def test_no_import_cycle_inside_nakta_model():

@@ -149,11 +149,12 @@ def _bad_paths(tmp_path, data) -> dict[str, tuple[list[str], str]]:
     return {
         "checkpoint-missing": (
             ["--checkpoint", "/nope", "--tokenizer", tok, "--data", jsonl],
-            "error: --checkpoint /nope: no such directory (expected a Meta checkpoint folder",
+            "error: --checkpoint /nope: no such directory (expected a checkpoint folder: Nakta",
         ),
         "checkpoint-not-a-checkpoint": (
             ["--checkpoint", str(tmp_path / "empty"), "--tokenizer", tok, "--data", jsonl],
-            f"error: --checkpoint {tmp_path / 'empty'}: not a checkpoint, no params.json or",
+            f"error: --checkpoint {tmp_path / 'empty'}: not a checkpoint, no params.json or "
+            "config.json in it",
         ),
         "tokenizer-missing": (
             ["--checkpoint", ckpt, "--tokenizer", "/nope", "--data", jsonl],
@@ -204,6 +205,7 @@ def test_runs_by_path_from_its_folder_and_refuses_a_bad_path_in_one_line(shared_
     proc = run_script(argv, REPO / "accuracy_test")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
-        "error: --checkpoint /nope: no such directory "
-        "(expected a Meta checkpoint folder: params.json + consolidated.*.pth)"
+        "error: --checkpoint /nope: no such directory (expected a checkpoint folder: Nakta "
+        "(convert.py's params.json + manifest.json), Meta (params.json + consolidated.*.pth) or "
+        "HF (config.json + weights))"
     ]

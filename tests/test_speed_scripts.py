@@ -131,11 +131,11 @@ def _bad_inputs(tmp_path: Path, data: Path) -> dict[str, tuple[list[str], str]]:
         "checkpoint-missing": (["--checkpoint", "/nope"], r"--checkpoint /nope: no such directory"),
         "checkpoint-not-a-checkpoint": (
             ["--checkpoint", str(tmp_path / "empty_dir")],
-            r"empty_dir: not a checkpoint, no params.json or consolidated.\*.pth in it",
+            r"empty_dir: not a checkpoint, no params.json or config.json in it",
         ),
         "checkpoint-unloadable": (
             ["--checkpoint", str(fake)],
-            r"fake_ckpt: cannot load it: consolidated.00.pth is not a loadable PyTorch",
+            r"fake_ckpt: cannot load it: CheckpointError: .*consolidated.00.pth: cannot read",
         ),
         "data-missing": (
             ["--data", "/nope", "--tokenizer", str(tok)],
@@ -192,8 +192,9 @@ def test_bad_path_by_script_path_prints_no_traceback():
     proc = run_script(["speed_bench/run_all.py", "--checkpoint", "/nope"], REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --checkpoint /nope: no such directory "
-        "(expected a Meta checkpoint folder: params.json + consolidated.*.pth)"
+        "error: --checkpoint /nope: no such directory (expected a checkpoint folder: Nakta "
+        "(convert.py's params.json + manifest.json), Meta (params.json + consolidated.*.pth) or "
+        "HF (config.json + weights))"
     ]
 
 

@@ -1,8 +1,10 @@
 """Text generation.
 
 ``engine.Generator``: continuous batching with a graph-captured fused decode step (``step``),
-on-device sampling (``sampling``) and stop strings (``stops``); ``meta_loop``: LLaMA-1's loop,
-token for token as Meta wrote it (the reference the engine is checked against).
+on-device sampling (``sampling``) and stop strings (``stops``); ``streaming``: text handed out
+as it is decoded, with the clock (time to first token, tokens/s); ``console``: the generate
+command's terminal side; ``meta_loop``: LLaMA-1's loop, token for token as Meta wrote it (the
+reference the engine is checked against).
 """
 
 from nakta_model.generation.engine import (
@@ -15,6 +17,7 @@ from nakta_model.generation.engine import (
 from nakta_model.generation.meta_loop import generate, generate_tokens, sample_top_p
 from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.generation.stops import StopStrings
+from nakta_model.generation.streaming import StreamTiming, TextStream, generate_streaming
 
 __all__ = [
     "GenerationRequest",
@@ -22,8 +25,11 @@ __all__ = [
     "Generator",
     "SamplingParams",
     "StopStrings",
+    "StreamTiming",
+    "TextStream",
     "fitting_batch",
     "generate",
+    "generate_streaming",
     "generate_tokens",
     "greedy_requests",
     "sample_next",

@@ -40,6 +40,7 @@ from nakta_model.kernels.packed_attention import PREFIX_ALIGN
 __all__ = ["GenerationRequest", "GenerationResult", "Generator", "fitting_batch"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TokenCallback = Callable[[int, list[int], "str | None"], None]
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Generator:
         self._cache_ptr: int | None = None
         self._ensure_cache()
         self.stats = GenerationStats()
+        self._on_tokens: TokenCallback | None = None
 
     # ---------------------------------------------------------------------------- steps
     def _ensure_cache(self) -> None:
@@ -198,12 +200,21 @@ class Generator:
 
     # --------------------------------------------------------------------------- public
     def generate(
-        self, requests: Sequence[GenerationRequest], progress: bool = False
+        self,
+        requests: Sequence[GenerationRequest],
+        progress: bool = False,
+        on_tokens: TokenCallback | None = None,
     ) -> list[GenerationResult]:
-        """Generate every request; results in request order."""
+        """Generate every request; results in request order.
+
+        ``on_tokens(index, tokens, finish)``, when given, is called at every host check for each
+        request that took new tokens (after its prefill, then once per decoded chunk) with the
+        request's position, its tokens so far (as the result will hold them) and its finish
+        reason (None while it runs): what a caller streams text from as it is decoded."""
         self._validate(requests)
         self._ensure_cache()
         self.stats = GenerationStats()
+        self._on_tokens = on_tokens
         shared = [0] * len(requests)
         if self.prefix_rows:
             from nakta_model.prefix_cache import shared_prefixes
@@ -437,6 +448,8 @@ class Generator:
             r.text, hit = req.stop.cut(r.tokens)
             if hit:
                 r.finished = "stop"
+        if self._on_tokens is not None:
+            self._on_tokens(r.index, r.tokens, r.finished)
 
     def _release(self, r: _Row, slots, done: list[_Row], bar) -> None:
         for s, x in enumerate(slots):

@@ -1,0 +1,190 @@
+"""Text generation from the command line: a prompt in, text streamed out, tokens/s at the end.
+
+    python -m nakta_model.generate --checkpoint CKPT --prompt "Once upon a time"
+    nakta-generate --checkpoint CKPT --prompts-file prompts.txt --temperature 0   # batched
+    nakta-generate --checkpoint CKPT --interactive                                # a prompt a line
+    torchrun --nproc_per_node 2 -m nakta_model.generate --checkpoint CKPT --prompt "..."  # tp 2
+
+CKPT is a Nakta (``convert.py``), Meta or HF folder, read by ``nakta_model.load``; the tokenizer
+is the checkpoint's own ``tokenizer.model`` unless ``--tokenizer`` names one. Text goes to
+stdout as it is decoded (several prompts: in order, each streamed once those before it are
+done); the timing line (tokens/s, time to first token) goes to stderr. Under ``torchrun`` the
+model is split over every process (tp = world size) and only rank 0 prints. Sampling defaults
+are Meta's example's (temperature 0.6, top-p 0.9); ``--temperature 0`` is greedy, token for
+token what llama_org's loop gives. Every bad argument or input is one ``error:`` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from nakta_model.cli import (
+    InputError,
+    OneLineArgumentParser,
+    checked_on_every_rank,
+    checkpoint_errors,
+    checkpoint_tokenizer_path,
+    exit_on_input_error,
+    require_checkpoint,
+    require_file,
+)
+
+_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = OneLineArgumentParser(prog="nakta-generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="Nakta, Meta or HF checkpoint folder")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    src.add_argument("--prompts-file", help="a text file, one prompt a line, generated batched")
+    src.add_argument("--interactive", action="store_true", help="read prompts from stdin")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0, help="0: no cut")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=_DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when present)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (every rank the same)")
+    p.add_argument(
+        "--warmup", type=int, help="untimed runs first (default: 1 on a GPU: compile, capture)"
+    )
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.warmup is not None and a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    try:
+        from nakta_model.generation.sampling import SamplingParams
+
+        a.sampling = SamplingParams(a.temperature, a.top_k, a.top_p)
+    except ValueError as e:
+        p.error(str(e).replace("temperature", "--temperature").replace("top_", "--top-"))
+    if any(not s for s in a.stop):
+        p.error("--stop needs a non-empty string")
+    return a
+
+
+def read_prompts(a: argparse.Namespace) -> list[str]:
+    """The prompts of ``--prompt`` or ``--prompts-file`` (one a line, blank lines skipped)."""
+    if a.prompt is not None:
+        return a.prompt
+    if a.prompts_file is None:
+        return []
+    f = require_file(a.prompts_file, "--prompts-file", "a text file, one prompt a line")
+    try:
+        lines = f.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--prompts-file {f}: cannot read it as UTF-8 text ({e})") from e
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise InputError(f"--prompts-file {f}: no prompt in it (one a line)")
+    return prompts
+
+
+def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
+    """Every path and the tokenizer checked before the weights are read: ``(tokenizer,
+    prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary."""
+    from nakta_model.loading import checkpoint_args
+    from nakta_model.tokenizer import Tokenizer
+
+    require_checkpoint(a.checkpoint)
+    with checkpoint_errors(a.checkpoint):
+        args = checkpoint_args(a.checkpoint)
+    tok_path = checkpoint_tokenizer_path(a.checkpoint, a.tokenizer, vocab_size=args.vocab_size)
+    try:
+        n_words = Tokenizer(tok_path).n_words
+    except (OSError, RuntimeError, ValueError) as e:
+        raise InputError(f"--tokenizer {tok_path}: not a SentencePiece model ({e})") from e
+    if n_words > args.vocab_size:
+        raise InputError(
+            f"--tokenizer {tok_path} has {n_words} pieces, more than the checkpoint's "
+            f"vocab_size {args.vocab_size}: not this model's tokenizer"
+        )
+    return tok_path, read_prompts(a)
+
+
+def main(argv: list[str] | None = None) -> list[dict] | None:
+    """The command; returns, on rank 0, every generation (``prompt``, ``text``, ``tokens``,
+    ``finish``) in prompt order."""
+    a = parse_args(argv)
+    from nakta_model.parallel import ParallelContext, launch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        return launch(lambda parallel: _run(a, parallel), world, 1, device=a.device)
+    device = exit_on_input_error(_device, a.device)
+    return exit_on_input_error(_run, a, ParallelContext(device=device))
+
+
+def _device(name: str | None):
+    """The one process's device: ``--device``, else CUDA when present, else the CPU."""
+    import torch
+
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise InputError(f"--device {name}: {e}") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {name}: CUDA is not available here")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise InputError(f"--device {name}: expected cpu, cuda or cuda:N")
+    return device
+
+
+def _run(a, parallel) -> list[dict] | None:
+    import torch
+
+    from nakta_model.generation.console import GenerationSession, dtype_name
+    from nakta_model.loading import load
+    from nakta_model.tokenizer import Tokenizer
+
+    tok_path, prompts = checked_on_every_rank(check_inputs, a)
+    device = parallel.device
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        a.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    ]
+    if parallel.is_leader:
+        tp = f", tp={parallel.tp_size}" if parallel.tp_size > 1 else ""
+        print(
+            f"loading {a.checkpoint} ({dtype_name(dtype)}, {device}{tp})",
+            file=sys.stderr,
+            flush=True,
+        )
+    with checkpoint_errors(a.checkpoint):
+        model = load(a.checkpoint, device, dtype, parallel)
+    session = GenerationSession(a, model, Tokenizer(tok_path), parallel)
+    if a.interactive:
+        session.interactive()
+        return None
+    return session.run(prompts)
+
+
+class _CallableModule(types.ModuleType):
+    """``nakta_model.generate`` is also the package's Meta-loop function
+    (``nakta_model.generate(model, tokenizer, prompts, max_gen_len)``); importing this module
+    under that name replaces the package attribute, so the module forwards calls to it."""
+
+    def __call__(self, *args, **kwargs):
+        from nakta_model.generation.meta_loop import generate
+
+        return generate(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    main()
+else:
+    sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,152 @@
+"""The generate command's terminal side: prompts in, streamed text and a timing line out.
+
+Several prompts are generated together (continuous batching) but printed in order: the first
+unfinished prompt streams live, the ones after it are buffered and printed once it is done.
+Under a tensor-parallel grid every rank generates (the same seed, so the same draws) and only
+rank 0 reads stdin (``--interactive``: each line handed to every rank) and prints.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from nakta_model.cli import InputError
+from nakta_model.generation.engine import Generator, fitting_batch
+from nakta_model.generation.streaming import StreamTiming, TextStream, generate_streaming
+from nakta_model.parallel import ParallelContext, gather_objects, is_distributed
+
+__all__ = ["GenerationSession", "OrderedPrinter", "dtype_name"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+class OrderedPrinter:
+    """Pieces of several generations, written in prompt order: the head streams, the rest wait."""
+
+    def __init__(self, prompts: Sequence[str], out=None, enabled: bool = True):
+        self.prompts, self.out, self.enabled = list(prompts), out or sys.stdout, enabled
+        self.pending = [""] * len(prompts)
+        self.done = [False] * len(prompts)
+        self.head = 0
+        self._begin(0)
+
+    def write(self, i: int, piece: str, finish: str | None) -> None:
+        self.pending[i] += piece
+        self.done[i] = self.done[i] or finish is not None
+        while self.head < len(self.prompts):
+            self._emit(self.pending[self.head])
+            self.pending[self.head] = ""
+            if not self.done[self.head]:
+                break
+            self._emit("\n" if len(self.prompts) == 1 else "\n\n")
+            self.head += 1
+            self._begin(self.head)
+
+    def _begin(self, i: int) -> None:
+        if i < len(self.prompts):
+            self._emit(self.prompts[i])
+
+    def _emit(self, text: str) -> None:
+        if self.enabled and text:
+            self.out.write(text)
+            self.out.flush()
+
+
+class GenerationSession:
+    """One loaded model, its tokenizer and the command's settings (``a``: parsed arguments with
+    ``sampling``, ``max_new_tokens``, ``stop``, ``seed``, ``warmup``)."""
+
+    def __init__(self, a, model, tokenizer, parallel: ParallelContext):
+        self.a, self.model, self.tokenizer, self.parallel = a, model, tokenizer, parallel
+        self.leader = parallel.is_leader
+        self._generators: dict[tuple[int, int], Generator] = {}
+
+    def say(self, message: str) -> None:
+        """A status line on stderr (rank 0 only), apart from the generated text."""
+        if self.leader:
+            print(message, file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------- runs
+    def run(self, prompts: Sequence[str]) -> list[dict] | None:
+        """Generate ``prompts`` (batched), print them in order, then the timing line."""
+        encoded = [self.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+        limit = self.model.args.max_seq_len
+        for i, ids in enumerate(encoded):
+            if len(ids) >= limit:
+                raise InputError(
+                    f"prompt {i + 1} has {len(ids)} tokens; the model's max_seq_len {limit} "
+                    "leaves no room to generate"
+                )
+        row_len = min(limit, max(map(len, encoded)) + self.a.max_new_tokens)
+        gen = self._generator(len(prompts), row_len)
+        warmup = (
+            self.a.warmup if self.a.warmup is not None else int(self.model.device.type == "cuda")
+        )
+        for _ in range(warmup):  # compile the kernels, capture the graphs: not timed
+            self._generate(gen, prompts, encoded, min(self.a.max_new_tokens, 2 * gen.chunk), False)
+        results, streams, timing = self._generate(
+            gen, prompts, encoded, self.a.max_new_tokens, True
+        )
+        self.say(self.timing_line(timing, len(prompts), warmup))
+        if not self.leader:
+            return None
+        return [
+            {"prompt": p, "text": s.shown, "tokens": list(r.tokens), "finish": r.finish}
+            for p, s, r in zip(prompts, streams, results)
+        ]
+
+    def interactive(self) -> None:
+        """A prompt per stdin line until end of input (rank 0 reads; every rank generates)."""
+        while True:
+            line = self._read_line()
+            if line is None:
+                return
+            if line.strip():
+                self.run([line])
+
+    # ---------------------------------------------------------------------------- helpers
+    def _generator(self, n_prompts: int, row_len: int) -> Generator:
+        rows = fitting_batch(self.model, row_len, cap=min(64, max(1, n_prompts)))
+        if n_prompts > 1 and is_distributed():  # free memory differs a little between ranks
+            rows = min(gather_objects(rows))
+        key = (rows, row_len)
+        if key not in self._generators:
+            self._generators.clear()  # one KV cache at a time
+            self._generators[key] = Generator(self.model, max_batch=rows, max_seq_len=row_len)
+        return self._generators[key]
+
+    def _generate(self, gen, prompts, encoded, max_new: int, show: bool):
+        torch.manual_seed(self.a.seed)  # the same draws on every rank, warm-up or not
+        streams = [TextStream(self.tokenizer, ids, self.a.stop) for ids in encoded]
+        eos = (self.tokenizer.eos_id,) if self.tokenizer.eos_id >= 0 else ()
+        requests = [s.request(max_new, self.a.sampling, eos) for s in streams]
+        printer = OrderedPrinter(prompts, enabled=show and self.leader)
+        results, timing = generate_streaming(gen, streams, requests, printer.write)
+        return results, streams, timing
+
+    def timing_line(self, t: StreamTiming, n_prompts: int, warmup: int) -> str:
+        ttft = "n/a" if math.isnan(t.first_token_s) else f"{t.first_token_s * 1e3:.0f} ms"
+        tp = f", tp={self.parallel.tp_size}" if self.parallel.tp_size > 1 else ""
+        return (
+            f"[{n_prompts} prompt(s), {t.prompt_tokens} prompt tokens] {t.generated_tokens} "
+            f"tokens in {t.total_s:.2f} s: {t.tokens_per_s:.1f} tokens/s, time to first token "
+            f"{ttft} ({dtype_name(self.model.dtype)}, {self.model.device}{tp}"
+            f"{', after warm-up' if warmup else ''})"
+        )
+
+    def _read_line(self) -> str | None:
+        line = None
+        if self.leader:
+            if sys.stdin.isatty():
+                print("> ", end="", file=sys.stderr, flush=True)
+            raw = sys.stdin.readline()
+            line = raw.rstrip("\n") if raw else None
+        if is_distributed():
+            line = gather_objects(line)[0]
+        return line
