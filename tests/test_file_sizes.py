@@ -8,17 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
-
-# TEMPORARY: being split on another branch (the lm-eval work of issue 29). The lead empties
-# this set when that branch is merged; the test below fails as soon as a listed file is short
-# enough, so the entry cannot outlive its reason.
-SPLIT_ON_ANOTHER_BRANCH = frozenset(
-    {"accuracy_test/lm_eval_adapter.py", "speed_bench/lm_eval_speed.py"}
-)
 
 
 def _sources() -> list[Path]:
@@ -43,14 +34,4 @@ def test_the_tree_is_read():
 
 def test_no_source_file_is_over_600_lines():
     long = {p.relative_to(REPO).as_posix(): n for p in _sources() if (n := _lines(p)) > MAX_LINES}
-    unexpected = {k: v for k, v in long.items() if k not in SPLIT_ON_ANOTHER_BRANCH}
-    assert unexpected == {}, f"files over {MAX_LINES} lines: {unexpected}"
-
-
-@pytest.mark.parametrize("name", sorted(SPLIT_ON_ANOTHER_BRANCH))
-def test_the_temporary_allowlist_holds_only_long_files(name):
-    """An allowed file that is gone or short again must leave SPLIT_ON_ANOTHER_BRANCH."""
-    path = REPO / name
-    assert path.is_file() and _lines(path) > MAX_LINES, (
-        f"{name} is split now: remove it from SPLIT_ON_ANOTHER_BRANCH"
-    )
+    assert long == {}, f"files over {MAX_LINES} lines: {long}"
