@@ -143,8 +143,10 @@ class NaktaLM(ScoringLM):
         tp: int | str = 1,
         dp: int | str = 1,
         background_load: bool | str = False,
+        quant: str | None = None,
         **unknown,
     ):
+        from nakta_model.fp8 import check_quant
         from nakta_model.loading import checkpoint_args
         from nakta_model.parallel import ParallelContext, init_parallel
 
@@ -159,6 +161,10 @@ class NaktaLM(ScoringLM):
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
         background = _as_bool(background_load, "background_load")
+        try:  # quant=fp8: e4m3 block matrices (nakta_model/fp8.py); opt-in
+            self.quant = check_quant(quant)
+        except (TypeError, ValueError) as e:
+            raise ModelArgsError(f"nakta quant: {e}") from None
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
         self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
@@ -189,7 +195,10 @@ class NaktaLM(ScoringLM):
         t["build_start_unix"] = time.time()
         t0, taken = time.perf_counter(), prefetch.handed_out
         with _load_errors(checkpoint):
-            model = load(checkpoint, self.device, self.dtype, self.parallel, kernels=kernels)
+            model = load(
+                checkpoint, self.device, self.dtype, self.parallel, kernels=kernels,
+                quant=self.quant,
+            )  # fmt: skip
         t["read_s"] = time.perf_counter() - t0
         t["prefetched"] = prefetch.handed_out > taken
         t["read_end_unix"] = time.time()

@@ -56,6 +56,7 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 import torch
 
 from accuracy_test import models
+from accuracy_test.parity_truth import fp8_markdown, fp8_summary, truth_markdown
 from nakta_model import scoring
 from nakta_model.cli import (
     InputError,
@@ -96,6 +97,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="Nakta tensor-parallel size (torchrun)")
     p.add_argument("--dp", type=int, default=1, help="Nakta data-parallel replicas (torchrun)")
     p.add_argument(
+        "--quant", choices=["fp8"],
+        help="also score nakta's FP8 twin of the same weights against the fp32 truth "
+        "(needs --dtype bf16/fp16 and a GPU of compute capability >= 8.9)",
+    )  # fmt: skip
+    p.add_argument(
         "--truth",
         choices=["fp32", "none"],
         default=None,
@@ -110,6 +116,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--checkpoint is required (or --preset NAME --random)")
     if a.limit is not None and a.limit < 1:
         p.error("--limit must be >= 1")
+    if a.quant and (a.dtype == "fp32" or a.truth != "fp32"):
+        p.error("--quant fp8 is judged against the fp32 truth: use --dtype bf16|fp16")
     return a
 
 
@@ -270,51 +278,6 @@ def truth_verdict(nakta: dict, llama_org: dict) -> dict:
     }
 
 
-def _truth_markdown(result: dict) -> list[str]:
-    truth = result["truth"]
-    dtype = result["config"]["dtype"]
-    lines = [
-        "",
-        f"## Against the fp32 truth (llama_org in fp32, the {dtype} weights upcast)",
-        "",
-        "| model | acc | acc_norm | flips acc | flips acc_norm | max abs dll | mean abs dll |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name in ("nakta", "llama_org"):
-        t = truth[name]
-        lines.append(
-            f"| {name}-{dtype} | {t['acc']:.4f} | {t['acc_norm']:.4f} | {t['n_flips']['acc']} | "
-            f"{t['n_flips']['acc_norm']} | {t['ll_abs_diff']['max']:.3g} | "
-            f"{t['ll_abs_diff']['mean']:.3g} |"
-        )
-    ref = truth["reference"]
-    lines.append(f"| llama_org-fp32 (truth) | {ref['acc']:.4f} | {ref['acc_norm']:.4f} | | | | |")
-    lines += [
-        "",
-        "Truth margin (truth's score of its pick minus its score of the model's pick) at the flips:",
-        "",
-        f"| truth margin | nakta-{dtype} acc | nakta-{dtype} acc_norm | "
-        f"llama_org-{dtype} acc | llama_org-{dtype} acc_norm |",
-        "|---|---|---|---|---|",
-    ]
-    hist = {n: truth[n]["flip_margin_histogram"] for n in ("nakta", "llama_org")}
-    for i, b in enumerate(hist["nakta"]["acc"]):
-        counts = [
-            hist[n][m][i]["count"] for n in ("nakta", "llama_org") for m in ("acc", "acc_norm")
-        ]
-        lines.append(f"| [{b['lo']:g}, {b['hi']:g}) | " + " | ".join(map(str, counts)) + " |")
-    v = truth["verdict"]
-    word = "no further from" if v["nakta_no_further"] else "FURTHER from"
-    lines += [
-        "",
-        f"**Verdict: nakta-{dtype} is {word} the fp32 truth than llama_org-{dtype}** "
-        f"(flips {v['flips']['nakta']} vs {v['flips']['llama_org']}, allowed "
-        f"+{v['flip_allowance']:.3g}; mean abs dll ratio {v['mean_dll_ratio']:.3g}, "
-        f"allowed <= {v['mean_dll_slack']:g}).",
-    ]
-    return lines
-
-
 def markdown(result: dict, max_flips: int | None = None) -> str:
     cfg = result["config"]
     lines = [
@@ -349,7 +312,7 @@ def markdown(result: dict, max_flips: int | None = None) -> str:
             f"{result['reference_acc_margin_median']:.3g}"
         )
     if result.get("truth"):
-        lines += _truth_markdown(result)
+        lines += truth_markdown(result) + fp8_markdown(result)
     if result["flips"]:
         lines += [
             "",
@@ -415,8 +378,8 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _truth_result(docs, res_n, res_o, res_t, seconds: float) -> dict:
-    """Both half-precision models against the fp32 truth, and the verdict."""
+def _truth_result(docs, res_n, res_o, res_t, seconds: float, res_f=None) -> dict:
+    """Both half-precision models (and nakta-fp8) against the fp32 truth, and the verdict."""
     lls_t = [r[0] for r in res_t]
     m_t, _ = hellaswag.evaluate(docs, lls_t)
     out = {
@@ -425,6 +388,9 @@ def _truth_result(docs, res_n, res_o, res_t, seconds: float) -> dict:
         "reference": {**m_t, "model": "llama_org", "dtype": "fp32", "seconds": seconds},
     }
     out["verdict"] = truth_verdict(out["nakta"], out["llama_org"])
+    if res_f is not None:
+        out["nakta_fp8"] = truth_comparison(docs, [r[0] for r in res_f], lls_t)
+        out["fp8"] = fp8_summary(out["nakta"], out["nakta_fp8"])
     return out
 
 
@@ -473,7 +439,7 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
         raise RuntimeError("nakta and llama_org tokenizers disagree on the same text")
     progress = not a.no_progress and parallel.is_leader
 
-    def score_nakta(reqs):
+    def score_nakta(reqs, model=model):
         return scoring.score(
             model,
             reqs,
@@ -492,6 +458,15 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
     res_o = _score_reference(llama, requests, a, max_length, device, progress)
     _sync(device)
     t2 = time.perf_counter()
+    res_f = None
+    if a.quant:  # the FP8 twin of the same weights, scored the same way
+        from nakta_model.loading import quantized
+
+        model_f = quantized(model, a.quant)
+        res_f = map_requests(lambda reqs: score_nakta(reqs, model_f), requests, parallel)
+        del model_f
+        _free_device_memory()
+    t2f = time.perf_counter()  # FP8 scored in [t2, t2f)
     res_t = None
     if truth_mode(a) == "fp32" and dtype != torch.float32:
         params, state = models.fp32_weights(llama)
@@ -508,7 +483,9 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
     result["nakta"]["seconds"] = t1 - t0
     result["llama_org"]["seconds"] = t2 - t1
     if res_t is not None:
-        result["truth"] = _truth_result(docs, res_n, res_o, res_t, t3 - t2)
+        result["truth"] = _truth_result(docs, res_n, res_o, res_t, t3 - t2f, res_f)
+        if res_f is not None:
+            result["truth"]["nakta_fp8"]["seconds"] = t2f - t2
     result["greedy_flag_mismatches"] = sum(x[1] != y[1] for x, y in zip(res_n, res_o))
     result["config"] = {
         "model": model_name,
@@ -536,6 +513,7 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
         "token_budget": a.token_budget,
         "batch_size": a.batch_size,
         "truth": "fp32" if res_t is not None else "none",
+        "quant": a.quant,
         "nakta_scoring": "scoring.score (shared-context cache)",
         "llama_org_scoring": "scoring.score_with_forward over Llama.model(tokens, 0)",
         "nakta_kernels": getattr(model, "kernels", None),

@@ -66,7 +66,14 @@ from nakta_model.sources import (
     open_source,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "checkpoint_args", "load", "random_model", "read_rank_state"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "checkpoint_args",
+    "load",
+    "quantized",
+    "random_model",
+    "read_rank_state",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _EMBEDDING = "tok_embeddings.weight"
@@ -340,3 +347,16 @@ def _assemble(
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
+
+
+def quantized(model: Transformer, quant: str = "fp8") -> Transformer:
+    """A new model holding ``model``'s weights with ``quant`` (the block matrices quantized on
+    this rank's shard; the rest shared with ``model``, which is left as it is): a parity run
+    scores both from one load."""
+    quant = check_quant(quant)
+    if quant is None or model.quant is not None:
+        raise ValueError(f"quantized() needs a model without quant and quant='fp8', got {quant!r}")
+    check_fp8_device(model.device)
+    state = dict(model.state_dict())
+    quantize_state(state)
+    return _assemble(model.args, state, model.parallel, model.kernels, quant)

@@ -52,7 +52,7 @@ from nakta_model.cli import exit_on_input_error
 from speed_bench.decode_budget import layer_budget
 
 ENGINES = ("nakta", "llama_org", "hf")  # the default --engines
-OPT_IN = ("nakta_compile", "nakta_rowwise")  # run only when named
+OPT_IN = ("nakta_compile", "nakta_rowwise", "nakta_fp8")  # run only when named
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -68,8 +68,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--engines",
         default=",".join(ENGINES),
-        help="nakta,llama_org,hf (also: nakta_compile, nakta_rowwise)",
+        help="nakta,llama_org,hf (also: nakta_compile, nakta_rowwise, nakta_fp8)",
     )
+    p.add_argument(
+        "--quant", choices=["fp8"],
+        help="fp8: the nakta engine on the FP8 model (e4m3 weights), named nakta_fp8; "
+        "bf16 beside it in the same run: --engines nakta,nakta_fp8",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", help="default cuda when present")
     p.add_argument("--decode-configs", type=Path, help="JSON of decode_linear shape configs")
@@ -83,6 +88,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="results folder (default results/<device>/)")
     a = p.parse_args(argv)
     a.engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    if a.quant:
+        a.engines = list(dict.fromkeys("nakta_fp8" if e == "nakta" else e for e in a.engines))
     for e in a.engines:
         if e not in ENGINES + OPT_IN:
             p.error(f"--engines: unknown engine {e!r}; choose from {ENGINES + OPT_IN}")
@@ -113,15 +120,21 @@ def _lengths(text: str) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------- bytes and floor
-def step_bytes(args, batch: int, context: float, elem: int, shared: int = 0) -> float:
+def step_bytes(
+    args, batch: int, context: float, elem: int, shared: int = 0, quant: str | None = None
+) -> float:
     """Bytes one decode step must read: every block weight and the LM head once, plus each
     row's K and V at ``context`` positions, the first ``shared`` of them (a prefix every row
-    has) once for all rows (activations are noise next to these)."""
+    has) once for all rows (activations are noise next to these). ``quant="fp8"``: the block
+    weights are one byte each plus an fp32 scale per output channel."""
     from speed_bench.weights import matmul_params
 
     blocks, head = matmul_params(args)
     positions = (context - shared) * batch + shared
     kv = 2 * args.n_layers * args.n_kv_heads * args.head_dim * positions
+    if quant == "fp8":
+        channels = args.n_layers * (args.qkv_dim + args.dim + 2 * args.hidden_dim + args.dim)
+        return blocks + 4 * channels + (head + kv) * elem
     return (blocks + head + kv) * elem
 
 
@@ -140,12 +153,13 @@ class NaktaDecode(_Engine):
     name = "nakta"
     graph_mode: str | None = None  # the Generator's default: CUDA graphs on a GPU
     cascade = True
+    quant: str | None = None
 
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from nakta_model.generation import Generator
         from nakta_model.loading import load
 
-        self.model = load(weights.source(device, dtype), device, dtype)
+        self.model = load(weights.source(device, dtype), device, dtype, quant=self.quant)
         self.gen = Generator(
             self.model, max_batch=max_batch, max_seq_len=max_seq, graph_mode=self.graph_mode,
             cascade=self.cascade,
@@ -159,6 +173,13 @@ class NaktaDecode(_Engine):
     def close(self):
         self.model.clear_cache()
         self.gen = self.model = None
+
+
+class NaktaFp8Decode(NaktaDecode):
+    """The Nakta engine on the FP8 model: e4m3 block weights streamed by the decode GEMVs."""
+
+    name = "nakta_fp8"
+    quant = "fp8"
 
 
 class NaktaRowwiseDecode(NaktaDecode):
@@ -247,6 +268,7 @@ BUILDERS: dict[str, Callable] = {
     "nakta": NaktaDecode,
     "nakta_compile": NaktaCompileDecode,
     "nakta_rowwise": NaktaRowwiseDecode,
+    "nakta_fp8": NaktaFp8Decode,
     "llama_org": LlamaOrgDecode,
     "hf": HFDecode,
 }
@@ -348,7 +370,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     skipped[f"{name} b{batch} p{prompt} g{gen}"] = f"{type(e).__name__}: {e}"
                     print(f"[{name}] batch {batch} prompt {prompt} gen {gen} failed: {e}")
                     continue
-                floor_s = step_bytes(args, batch, prompt + gen / 2, elem, shared) / (bw * 1e9)
+                quant = getattr(engine, "quant", None)
+                nbytes = step_bytes(args, batch, prompt + gen / 2, elem, shared, quant)
+                floor_s = nbytes / (bw * 1e9)
                 row = {
                     "engine": name,
                     "batch": batch,

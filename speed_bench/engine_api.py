@@ -16,9 +16,21 @@ import torch
 from nakta_model.scoring import score_with_forward
 from speed_bench.workload import Request, Workload
 
-ALL_ENGINES = ("nakta", "nakta_cache", "nakta_ctx", "llama_org", "hf")
+# ``*_fp8``: the same Nakta engine on the model with quant="fp8" (nakta_model/fp8.py)
+NAKTA_ENGINES = (
+    "nakta", "nakta_cache", "nakta_ctx", "nakta_fp8", "nakta_cache_fp8", "nakta_ctx_fp8",
+)  # fmt: skip
+ALL_ENGINES = (*NAKTA_ENGINES, "llama_org", "hf")
 DEFAULT_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")  # nakta_ctx: for --workload mmlu
-NAKTA_ENGINES = ("nakta", "nakta_cache", "nakta_ctx")
+FP8_SUFFIX = "_fp8"
+
+
+def quantized_name(name: str, quant: str | None) -> str:
+    """The engine that runs ``name`` with ``quant`` (``--quant fp8``: Nakta's engines get their
+    ``_fp8`` twin; the peers stay as they are)."""
+    if quant and name in NAKTA_ENGINES and not name.endswith(FP8_SUFFIX):
+        return name + FP8_SUFFIX
+    return name
 
 
 @dataclass(frozen=True)

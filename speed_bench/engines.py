@@ -18,9 +18,11 @@ from nakta_model.parallel import ParallelContext
 from speed_bench.engine_api import (
     ALL_ENGINES,
     DEFAULT_ENGINES,
+    FP8_SUFFIX,
     NAKTA_ENGINES,
     Engine,
     EngineConfig,
+    quantized_name,
 )
 from speed_bench.weights import WeightSource
 
@@ -28,6 +30,7 @@ __all__ = [
     "ALL_ENGINES",
     "DEFAULT_ENGINES",
     "NAKTA_ENGINES",
+    "quantized_name",
     "Engine",
     "EngineConfig",
     "make_engine",
@@ -50,16 +53,21 @@ def make_engine(
         from nakta_model.loading import load
         from speed_bench.nakta_engine import NaktaEngine
 
-        if "nakta" not in shared:
+        base = name.removesuffix(FP8_SUFFIX)
+        quant = "fp8" if base != name else None
+        key = "nakta" + (FP8_SUFFIX if quant else "")  # bf16 and FP8 models side by side
+        if key not in shared:
             source = weights.source(cfg.device, cfg.dtype)
-            shared["nakta"] = load(source, cfg.device, cfg.dtype, parallel)
-        return NaktaEngine(
-            shared["nakta"],
+            shared[key] = load(source, cfg.device, cfg.dtype, parallel, quant=quant)
+        engine = NaktaEngine(
+            shared[key],
             cfg,
-            use_cache=name != "nakta",
+            use_cache=base != "nakta",
             parallel=parallel,
-            prefix_cache=name != "nakta_ctx",
+            prefix_cache=base != "nakta_ctx",
         )
+        engine.name = name
+        return engine
     if name not in ALL_ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
     reason = _grid_reason(name, parallel)

@@ -1,13 +1,12 @@
 """FP8 against bf16 in one table: scoring, decoding, accuracy (issue 27's summary).
 
     python -m speed_bench.fp8_report --scoring results/.../fp8_scoring/summary.json \\
-        --decode-bf16 .../decode_bf16/decode_summary.json \\
-        --decode-fp8 .../decode_fp8/decode_summary.json \\
+        --decode .../fp8_decode/decode_summary.json \\
         --parity accuracy_test/results/stories260K_bf16_cuda.json ... --out results/<device>/fp8
 
 It measures nothing itself: it reads what ``run_all`` (engines ``nakta_cache`` and
-``nakta_cache_fp8`` in one process), ``decode_speed`` (``--quant fp8`` and without, on the same
-machine) and ``accuracy_test.parity --quant fp8`` wrote, and writes ``fp8_summary.json``
+``nakta_cache_fp8`` in one process), ``decode_speed`` (engines ``nakta`` and ``nakta_fp8`` in
+one process) and ``accuracy_test.parity --quant fp8`` wrote, and writes ``fp8_summary.json``
 (``{"device_name", "scoring": {"bf16_tasks_per_s", "fp8_tasks_per_s"}, "decode": [{"batch",
 "bf16_tok_s", "fp8_tok_s", "fp8_floor_tok_s"}], "accuracy": [{"model", "quant", "tasks",
 "flips_vs_truth", "mean_abs_dll_vs_truth"}]}``), ``fp8.csv`` / ``fp8.md`` and ``fp8.png``.
@@ -51,19 +50,20 @@ def scoring_rates(summary: dict) -> dict:
     return {"bf16_tasks_per_s": bf16, "fp8_tasks_per_s": fp8, "fp8_vs_bf16": fp8 / bf16}
 
 
-def decode_rows(bf16: dict, fp8: dict, prompt: int = 64) -> list[dict]:
-    """Per batch size: nakta's tok/s in bf16 and fp8 at ``prompt`` tokens, the fp8 floor."""
+def decode_rows(summary: dict, prompt: int = 64) -> list[dict]:
+    """Per batch size: tok/s of engines ``nakta`` (bf16) and ``nakta_fp8`` at ``prompt`` tokens
+    from one ``decode_speed`` run, and the fp8 floor."""
 
-    def by_batch(summary: dict) -> dict[int, dict]:
+    def by_batch(engine: str) -> dict[int, dict]:
         return {
             r["batch"]: r
             for r in summary.get("runs", [])
-            if r.get("engine") == "nakta"
+            if r.get("engine") == engine
             and r.get("prompt") == prompt
             and not r.get("shared_prefix")
         }
 
-    b, f = by_batch(bf16), by_batch(fp8)
+    b, f = by_batch("nakta"), by_batch("nakta_fp8")
     rows = []
     for batch in sorted(set(b) & set(f)):
         rows.append(
@@ -77,7 +77,7 @@ def decode_rows(bf16: dict, fp8: dict, prompt: int = 64) -> list[dict]:
             }
         )
     if not rows:
-        raise ValueError(f"no batch size at prompt {prompt} in both decode summaries")
+        raise ValueError(f"no batch size at prompt {prompt} with both nakta and nakta_fp8")
     return rows
 
 
@@ -104,12 +104,12 @@ def accuracy_rows(parity: dict) -> list[dict]:
     return rows
 
 
-def build(scoring: dict, decode_bf16: dict, decode_fp8: dict, parities: Sequence[dict]) -> dict:
+def build(scoring: dict, decode: dict, parities: Sequence[dict]) -> dict:
     return {
-        "device_name": decode_fp8.get("device") or scoring.get("device", "?"),
+        "device_name": decode.get("device") or scoring.get("device", "?"),
         "model": scoring.get("model"),
         "scoring": scoring_rates(scoring),
-        "decode": decode_rows(decode_bf16, decode_fp8),
+        "decode": decode_rows(decode),
         "accuracy": [row for p in parities for row in accuracy_rows(p)],
     }
 
@@ -197,18 +197,12 @@ def _plot(summary: dict, path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scoring", type=Path, required=True, help="run_all summary.json")
-    p.add_argument("--decode-bf16", type=Path, required=True, help="decode_summary.json")
-    p.add_argument("--decode-fp8", type=Path, required=True, help="decode_summary.json (fp8)")
+    p.add_argument("--decode", type=Path, required=True, help="decode_summary.json")
     p.add_argument("--parity", type=Path, nargs="*", default=[], help="parity --quant fp8 JSONs")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     a = p.parse_args(argv)
     try:
-        summary = build(
-            _read(a.scoring),
-            _read(a.decode_bf16),
-            _read(a.decode_fp8),
-            [_read(x) for x in a.parity],
-        )
+        summary = build(_read(a.scoring), _read(a.decode), [_read(x) for x in a.parity])
     except ValueError as e:
         print(f"fp8_report: error: {e}", file=sys.stderr)
         return 2

@@ -80,6 +80,7 @@ from speed_bench.engines import (
     DEFAULT_ENGINES,
     EngineConfig,
     make_engine,
+    quantized_name,
     skip_reason,
 )
 from speed_bench.run_measure import agreement, engine_row, free_memory, run_engine, sync
@@ -138,6 +139,10 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
                    help=f"comma-separated, from {','.join(engine_set.engines)} (default: "
                         f"{','.join(engine_set.default_engines)})")  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--quant", choices=["fp8"],
+                   help="fp8: Nakta's engines on the FP8 model (their *_fp8 names; needs a GPU "
+                        "of compute capability >= 8.9); bf16 beside it: --engines "
+                        "nakta_cache,nakta_cache_fp8")  # fmt: skip
     p.add_argument("--token-budget", type=int, help="padded tokens per forward (16384 / 2048)")
     p.add_argument("--max-rows", type=int, help="rows per forward, on top of the budget")
     p.add_argument("--warmup", type=int,
@@ -173,6 +178,7 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     if args.passes < 1:
         p.error("--passes must be >= 1")
     args.engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    args.engines = tuple(dict.fromkeys(quantized_name(e, args.quant) for e in args.engines))
     unknown = [e for e in args.engines if e not in engine_set.engines]
     if unknown or not args.engines:
         p.error(f"--engines: choose from {','.join(engine_set.engines)}, got {unknown or 'none'}")
@@ -390,7 +396,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
         )
         engine.close()
         del engine
-        if "nakta" in shared and not any(e.startswith("nakta") for e in engines[i + 1 :]):
+        if shared and not any(e.startswith("nakta") for e in engines[i + 1 :]):
             shared.clear()
         free_memory(device)
     reference = "llama_org" if "llama_org" in rows else next(iter(rows))

@@ -9,14 +9,14 @@ import pytest
 from speed_bench import fp8_report
 
 
-def _decode(tok: dict[int, float], floor: float) -> dict:
+def _runs(engine: str, tok: dict[int, float], floor: float) -> list[dict]:
     runs = [
-        {"batch": b, "engine": "nakta", "prompt": 64, "shared_prefix": 0, "tok_s": t,
+        {"batch": b, "engine": engine, "prompt": 64, "shared_prefix": 0, "tok_s": t,
          "floor_tok_s": floor * b}
         for b, t in tok.items()
     ]  # fmt: skip
-    runs.append({"batch": 1, "engine": "nakta", "prompt": 512, "tok_s": 1.0, "floor_tok_s": 2})
-    return {"device": "nvidia-h100", "runs": runs}
+    runs.append({"batch": 1, "engine": engine, "prompt": 512, "tok_s": 1.0, "floor_tok_s": 2})
+    return runs
 
 
 def _parity(model: str, flips_bf: int, flips_f8: int) -> dict:
@@ -35,8 +35,9 @@ def test_summary_schema_and_files(tmp_path):
         "scoring": {"device": "nvidia-h100", "model": "random-7B",
                     "engines": {"nakta_cache": {"tasks_per_s": 100.0},
                                 "nakta_cache_fp8": {"tasks_per_s": 150.0}}},
-        "bf16": _decode({1: 200.0, 32: 3000.0}, 250.0),
-        "fp8": _decode({1: 350.0, 32: 4500.0}, 420.0),
+        "decode": {"device": "nvidia-h100",
+                   "runs": _runs("nakta", {1: 200.0, 32: 3000.0}, 250.0)
+                   + _runs("nakta_fp8", {1: 350.0, 32: 4500.0}, 420.0)},
         "p1": _parity("stories260K", 10, 14),
         "p2": _parity("aidreams260K", 3, 5),
     }  # fmt: skip
@@ -46,9 +47,8 @@ def test_summary_schema_and_files(tmp_path):
         paths[k].write_text(json.dumps(v))
     out = tmp_path / "fp8"
     rc = fp8_report.main(
-        ["--scoring", str(paths["scoring"]), "--decode-bf16", str(paths["bf16"]),
-         "--decode-fp8", str(paths["fp8"]), "--parity", str(paths["p1"]), str(paths["p2"]),
-         "--out", str(out)]
+        ["--scoring", str(paths["scoring"]), "--decode", str(paths["decode"]),
+         "--parity", str(paths["p1"]), str(paths["p2"]), "--out", str(out)]
     )  # fmt: skip
     assert rc == 0
     s = json.loads((out / "fp8_summary.json").read_text())
@@ -70,4 +70,4 @@ def test_missing_engine_or_fp8_column_is_an_error():
     with pytest.raises(ValueError, match="parity --quant fp8"):
         fp8_report.accuracy_rows({"truth": {"nakta": {}}})
     with pytest.raises(ValueError, match="no batch size"):
-        fp8_report.decode_rows({"runs": []}, {"runs": []})
+        fp8_report.decode_rows({"runs": []})

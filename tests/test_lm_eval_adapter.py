@@ -453,3 +453,21 @@ def test_gpu_background_load_scores_like_a_blocking_one(tiny, device):
     assert lm.loglikelihood(insts, disable_tqdm=True) == want
     assert lm.model.device == torch.device("cuda", 0)
     assert set(lm.load_timings) == {"read_s", "warm_up_s", "prefetched", "wait_s"} | MOMENTS
+
+
+def test_quant_fp8_model_arg(tiny, monkeypatch):
+    """quant=fp8 builds the FP8 model (the CPU only under the interpreter, as the tests run);
+    its log-likelihoods stay near the full-precision ones; a bad quant is one ModelArgsError."""
+    ckpt, tok = tiny
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="fp32")
+    insts = [Instance("loglikelihood", {}, ("the cat saw", " a big red ball"), 0)]
+    plain = adapter.NaktaLM(**kw).loglikelihood(insts, disable_tqdm=True)
+    lm = adapter.NaktaLM(**kw, quant="fp8")
+    assert lm.model.quant == "fp8"
+    got = lm.loglikelihood(insts, disable_tqdm=True)
+    assert got[0][0] == pytest.approx(plain[0][0], rel=0.2) and got[0][0] != plain[0][0]
+    with pytest.raises(adapter.ModelArgsError, match="quant"):
+        adapter.NaktaLM(**kw, quant="int4")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(adapter.ModelArgsError, match="compute capability"):
+        adapter.NaktaLM(**kw, quant="fp8")
