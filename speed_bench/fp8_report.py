@@ -156,7 +156,7 @@ def write(summary: dict, out: Path) -> None:
         )
     notes = (
         f"Device: {summary['device_name']}. bf16 and fp8 measured in the same process "
-        "(scoring) or the same machine (decode). fp8: e4m3 block matrices with per-channel "
+        "(scoring; decoding). fp8: e4m3 block matrices with per-channel "
         "scales; scoring also quantizes the activations per token (W8A8), decoding streams "
         "e4m3 weights against bf16 activations (W8A16)."
     )
