@@ -211,7 +211,7 @@ def measure_gemm(tokens: list[int], device, progress) -> list[dict]:
 
 
 def measure_decode(batches: list[int], device, copy_gbps: float, progress) -> list[dict]:
-    from kernel_benchmark.bench_decode import (
+    from kernel_benchmark.decode_shapes import (
         MODELS,
         linear_bytes,
         linear_kwargs,

@@ -119,7 +119,7 @@ def candidates(variant: str, batch: int) -> list[dict[str, int]]:
 
 
 def _shapes(kinds: list[str]):
-    from kernel_benchmark.bench_decode import MODELS, linear_shapes
+    from kernel_benchmark.decode_shapes import MODELS, linear_shapes
 
     return [s for s in linear_shapes("7B", MODELS["7B"]) if s.kind in kinds]
 
@@ -194,7 +194,7 @@ def precompile(points, jobs: int, deadline: float) -> None:
 
 def _fp8_set(shape, batch: int, device, seed: int) -> dict:
     """One input set and its two calls: ``fp8`` (e4m3 weight + row scales), ``bf16``."""
-    from kernel_benchmark.bench_decode import linear_kwargs, make_linear_set
+    from kernel_benchmark.decode_shapes import linear_kwargs, make_linear_set
     from nakta_model.kernels.decode_linear import decode_linear
     from nakta_model.kernels.fp8_quant import quantize_weight
 
@@ -222,7 +222,7 @@ def _with(cfg: dict[str, int] | None, call):
 def time_point(shape, batch: int, cands, device, copy_gbps: float) -> list[dict]:
     """Every candidate, the FP8 default and the bf16 default of one point, interleaved."""
     from bench_common.timing import input_sets, rotated_ms
-    from kernel_benchmark.bench_decode import linear_bytes
+    from kernel_benchmark.decode_shapes import linear_bytes
     from nakta_model.kernels import decode_linear as dl
     from nakta_model.kernels.fp8_quant import FP8_DTYPE
 
