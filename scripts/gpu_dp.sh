@@ -44,7 +44,7 @@ else
   # could not end (150 s each at most) before its own 510 s deadline
   step lm_eval_dp 540 python3 speed_bench/lm_eval_dp.py --preset 7B \
     --tokenizer "$DATA/llama_tokenizer.model" --data "$DATA/hellaswag_val_full.jsonl" \
-    --runs 10:2000,0:all --gpus 2 --suite-limit 20 --warmup-limit 32 \
+    --runs 10:2000,0:all --gpus 2 --launchers nakta,torchrun --suite-limit 20 --warmup-limit 32 \
     --run-timeout-s 150 --deadline-s 510 --out "$R" --work /tmp/lm_eval_dp_work
 fi
 grep -v -E "it/s\]|s/it\]|tok/s\]" "$LOG" | cut -c1-220 | tail -60

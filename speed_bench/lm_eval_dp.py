@@ -78,6 +78,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--suite", default=SUITE, help="tasks of the suite runs ('' for none)")
     p.add_argument("--suite-limit", type=int, default=100, help="--limit of the suite runs")
     p.add_argument("--suite-hf", action="store_true", help="the suite with --model hf too")
+    p.add_argument(
+        "--launchers", default="nakta,torchrun",
+        help="how the dp runs start their ranks, in order: nakta (the entry's own, with dp=N) "
+        "and/or torchrun; the summary holds the first one's runs",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--dtype", default=None, help="bf16 on CUDA, fp32 on the CPU by default")
     p.add_argument("--max-seq-len", type=int, default=2048)
@@ -96,6 +101,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.run_list = parse_runs(a.runs)
     a.suite_tasks = [t for t in a.suite.split(",") if t]
+    a.launcher_list = [x for x in a.launchers.split(",") if x]
+    if not a.launcher_list or set(a.launcher_list) - {"nakta", "torchrun"}:
+        p.error(f"--launchers: nakta and/or torchrun, got {a.launchers!r}")
     if a.gpus < 2:
         p.error("--gpus must be >= 2 (the dp runs)")
     return a
@@ -122,9 +130,15 @@ def _weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Path, Path |
     return work / "nakta", work / "hf", made
 
 
-def _command(a, model_args: str, model: str, tasks: str, shots, limit, gpus: int, out: Path):
+def _command(
+    a, model_args: str, model: str, tasks: str, shots, limit, gpus: int, out: Path,
+    launcher: str = "torchrun",
+):  # fmt: skip
+    """The child's command line. ``launcher`` for ``gpus > 1``: ``torchrun`` (``python -m
+    torch.distributed.run --standalone``) or ``nakta`` (the entry starts its ``dp`` ranks
+    itself through ``nakta_model.spawn``: the same command as one GPU, with ``dp=N``)."""
     cmd = [sys.executable]
-    if gpus > 1:
+    if gpus > 1 and launcher == "torchrun":
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)]
     cmd += ["-m", "accuracy_test.lm_eval_cli", "--model", model, "--model_args", model_args]
     cmd += ["--include_path", str(TASKS), "--tasks", tasks, "--device", a.device]
@@ -172,15 +186,21 @@ class Runner:
 
 
 def measure_dp(a, runner: Runner, ckpt: Path) -> tuple[list[dict], dict]:
+    """1 GPU, then dp over ``a.gpus`` under each launcher; the summary's runs are the 1-GPU
+    runs and the first launcher's (the others are in ``ranks``, named by launcher)."""
     runs, ranks = [], {}
+    plan = [(1, None)] + [(a.gpus, launcher) for launcher in a.launcher_list]
     for shots, limit in a.run_list:
-        for gpus in (1, a.gpus):
+        for gpus, launcher in plan:
             name = f"{TASK}_{shots}shot_{limit or 'all'}_{gpus}gpu"
+            if launcher and launcher != a.launcher_list[0]:
+                name += f"_{launcher}"
             margs = f"checkpoint={ckpt},dtype={a.dtype}" + (f",dp={gpus}" if gpus > 1 else "")
             if a.tokenizer:
                 margs += f",tokenizer={Path(a.tokenizer).resolve()}"
             out = runner.work / "runs" / name / "lm_eval"
-            rec = runner.run(name, _command(a, margs, "nakta", TASK, shots, limit, gpus, out))
+            cmd = _command(a, margs, "nakta", TASK, shots, limit, gpus, out, launcher or "")
+            rec = runner.run(name, cmd)
             row = dict(gpus=gpus, tp=1, dp=gpus, task=TASK, num_fewshot=shots, limit=limit)
             row.update(wall_s=None, first_request_s=None, scoring_s=None, after_scoring_s=None)
             row["acc"] = None
@@ -196,7 +216,11 @@ def measure_dp(a, runner: Runner, ckpt: Path) -> tuple[list[dict], dict]:
                 k: rec.get(k) for k in ("spawn_unix", "end_unix", "ranks", "error", "log")
             }
             ranks[name]["ranks"] = ranks[name]["ranks"] or []
-            runs.append(summary_record(row))
+            ranks[name]["launcher"] = launcher
+            if row.get("wall_s") is not None:
+                ranks[name]["wall_s"] = row["wall_s"]
+            if launcher in (None, a.launcher_list[0]):
+                runs.append(summary_record(row))
     return runs, ranks
 
 

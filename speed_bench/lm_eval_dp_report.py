@@ -141,9 +141,11 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
         f"# lm-eval through Nakta: 1 GPU vs data parallel ({summary['device_name']}, "
         f"{summary['gpus_available']} GPUs available)",
         "",
-        "Fresh processes, the project's entry (`python -m accuracy_test.lm_eval_cli`), dp runs "
-        "under `torchrun --nproc_per_node N`. first request / scoring / after scoring add up to "
-        "the wall (the slowest rank's moments).",
+        "Fresh processes, the project's entry (`python -m accuracy_test.lm_eval_cli`). A dp run "
+        "starts its ranks through the entry itself (`--model_args ...,dp=N`, launcher `nakta`: "
+        "`nakta_model.spawn`) or `torchrun --nproc_per_node N` (launcher `torchrun`); this "
+        "table holds the first launcher measured, the per-rank table every run. first request "
+        "/ scoring / after scoring add up to the wall (the slowest rank's moments).",
         "",
         "| task | shots | limit | GPUs | tp | dp | wall s | first request s | scoring s "
         "| after scoring s | acc |",
@@ -176,9 +178,9 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
             "",
             "Per rank (seconds after the process started; shares of the loglikelihood requests):",
             "",
-            "| run | rank | model ready | first request | last answer | exit | tokenize s "
-            "| score s | gather s | requests | python started |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| run | launcher | wall s | rank | model ready | first request | last answer | exit "
+            "| tokenize s | score s | gather s | requests | python started |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, info in ranks.items():
             spawn = info["spawn_unix"]
@@ -194,7 +196,8 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
                     )
                 }
                 lines.append(
-                    f"| {name} | {r['rank']} | {_fmt(at['model_ready_unix'])} "
+                    f"| {name} | {info.get('launcher') or '-'} | {_fmt(info.get('wall_s'))} "
+                    f"| {r['rank']} | {_fmt(at['model_ready_unix'])} "
                     f"| {_fmt(at['first_request_unix'])} | {_fmt(at['last_request_end_unix'])} "
                     f"| {_fmt(at['exit_unix'])} | {_fmt(r['tokenize_s'], '.2f')} "
                     f"| {_fmt(r['score_s'], '.2f')} | {_fmt(r['gather_s'], '.2f')} "

@@ -116,7 +116,7 @@ def test_outputs_follow_the_schema_exactly(tmp_path):
     text = files[1].read_text()
     assert "| hellaswag_local | 10 | 2000 | 2 | 1 | 2 | 35.0 | 11.0 | 23.0 | 1.0 | 0.2500 |" in text
     assert "| 0.58 (yes) | <= 0.6 |" in text and "| 0.76 (NO) | <= 0.7 |" in text
-    assert "| hellaswag_local_10shot_2000_2gpu | 1 | 6.0 | 11.0 | 35.0 | 36.0 |" in text
+    assert "| hellaswag_local_10shot_2000_2gpu | - | - | 1 | 6.0 | 11.0 | 35.0 | 36.0 |" in text
     assert "FAILED: suite_b: exit code 1" in text
     assert json.loads(files[2].read_text())["suite"][0]["wall_s"] == 40.0
     assert text == markdown(summary, ranks, suite)
