@@ -381,14 +381,30 @@ def open_nakta(in_dir: str | Path, verify: str | bool = "fast") -> Source:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise CheckpointError(f"{in_dir / PARAMS}: tp_size must be an int >= 1, got {tp!r}")
     shards = [load_rank_state_dict(in_dir, r, tp, "cpu", None, verify)[1] for r in range(tp)]
+    dtype = shards[0]["tok_embeddings.weight"].dtype
+    fp8 = params.get("quant") == "fp8"
+    if fp8:  # the peers get what the e4m3 codes stand for, in the checkpoint's dtype
+        shards = [_dequantized(s, dtype) for s in shards]
     tokenizer = in_dir / TOKENIZER
     return Source(
         args=args,
         get=lambda name: meta_tensor(name, shards, args),
-        dtype=shards[0]["tok_embeddings.weight"].dtype,
+        dtype=dtype,
         tokenizer=tokenizer if tokenizer.is_file() else None,
-        description=f"Nakta checkpoint, tp={tp}",
+        description=f"Nakta checkpoint, tp={tp}" + (", FP8 dequantized" if fp8 else ""),
     )
+
+
+def _dequantized(shard: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One rank's FP8 tensors as ``dtype`` weights (codes x per-channel scales), scales dropped."""
+    out = {}
+    for name, t in shard.items():
+        if name.endswith("_scale"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = (t.float() * shard[name + "_scale"][:, None]).to(dtype)
+        out[name] = t
+    return out
 
 
 def open_checkpoint(in_dir: str | Path, verify: str | bool = "fast", quiet: bool = True) -> Source:

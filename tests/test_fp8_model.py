@@ -238,3 +238,20 @@ def test_fp8_decode_step_streams_e4m3_weights():
     # decode (W8A16) = the twin's decode; prefill (W8A8) quantizes activations: first tokens
     # may differ only where the twin's logits are near-tied, so compare from the decode step on
     assert sum(a == b for x, y in zip(got, want) for a, b in zip(x.tokens, y.tokens)) >= 9
+
+
+def test_peers_read_an_fp8_checkpoint_dequantized(tmp_path):
+    """llama_org / HF get an FP8 checkpoint's weights as what its codes stand for."""
+    from nakta_model.sources import open_checkpoint
+
+    meta = write_meta_checkpoint(tmp_path / "meta", TINY_PARAMS, seed=4)
+    out = convert.convert(meta, tmp_path / "fp8", tp=2, quiet=True, quant="fp8")
+    src = open_checkpoint(out)
+    assert "FP8 dequantized" in src.description
+    ref = torch.load(meta / "consolidated.00.pth", weights_only=True)
+    wq = src.get("layers.0.attention.wq.weight")
+    assert wq.dtype == src.dtype and wq.shape == ref["layers.0.attention.wq.weight"].shape
+    want = ref["layers.0.attention.wq.weight"].float()
+    q, s = quantize_rows_reference(want)
+    assert torch.allclose(wq.float(), dequantize_rows(q, s), rtol=1e-6, atol=1e-7)
+    assert torch.equal(src.get("norm.weight"), ref["norm.weight"])
