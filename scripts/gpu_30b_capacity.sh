@@ -4,8 +4,6 @@
 # the same call. Run from the repo root with .data/ and .whl/ carried.
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 use_wheels

@@ -19,9 +19,6 @@
 #   DP_SMOKE=/path/to/nakta_ckpt OUT=/tmp/x bash scripts/gpu_dp.sh
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
-# NVLink multicast stays off on the shared machines (KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 use_wheels

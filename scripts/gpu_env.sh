@@ -1,6 +1,11 @@
 # Sourced by the scripts/gpu_*.sh jobs (not run on its own): the carried wheels on PYTHONPATH,
 # and a time-limited, logged step that lets the other steps run when one fails.
 
+# NVLink multicast stays off on the shared multi-GPU hosts (the device tool's KINDS.md); Python
+# prints at once; lm-eval and HF never reach for the network.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
 use_wheels() {  # install .whl/*.whl (fairscale, liger-kernel) into /tmp/site when carried
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -17,8 +17,6 @@
 # $OUT receives fp8_session.tar.gz (every result folder) and the lanes' logs.
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 use_wheels

@@ -49,6 +49,17 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch CPU thread for a module's tests (``pytestmark = pytest.mark.usefixtures(...)``):
+    tiny models run faster so on 2 cores, and the tests that start ranks or worker threads
+    beside them do not oversubscribe the machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -36,12 +36,7 @@ PROMPT = "Once upon a time"
 GREEDY = ["--temperature", "0", "--device", "cpu"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

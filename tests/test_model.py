@@ -23,12 +23,7 @@ from nakta_model.sources import state_dict_source
 VOCAB = TINY_PARAMS["vocab_size"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(params=TINY_PARAMS, dtype=torch.float32, kernels="reference", seed=0, rank=0, tp=1):

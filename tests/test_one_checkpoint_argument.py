@@ -25,12 +25,7 @@ from nakta_model.layout import meta_shapes
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
     from accuracy_test import models
 
     models.shutdown_llama_org()
