@@ -14,7 +14,6 @@ from nakta_model.config import ModelArgs
 from nakta_model.generation import generate_tokens
 from nakta_model.sources import state_dict_source
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

@@ -28,7 +28,6 @@ from nakta_model.llama2c import (
     tokenizer_model_proto,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

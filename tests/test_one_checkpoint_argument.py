@@ -26,6 +26,11 @@ CPU = torch.device("cpu")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown_llama_org():
+    yield
     from accuracy_test import models
 
     models.shutdown_llama_org()
