@@ -255,3 +255,22 @@ def test_peers_read_an_fp8_checkpoint_dequantized(tmp_path):
     q, s = quantize_rows_reference(want)
     assert torch.allclose(wq.float(), dequantize_rows(q, s), rtol=1e-6, atol=1e-7)
     assert torch.equal(src.get("norm.weight"), ref["norm.weight"])
+
+
+def test_quantized_is_the_fp8_twin_and_names_what_is_wrong():
+    """``loading.quantized``: the same block matrices quantized, the rest shared; a bad call
+    says which argument is wrong (an FP8 model given was reported as a bad ``quant``)."""
+    from nakta_model.loading import quantized
+
+    bf = random_model(ARGS, "cpu", torch.float32, seed=5, kernels="reference")
+    f8 = random_model(ARGS, "cpu", torch.float32, seed=5, kernels="reference", quant="fp8")
+    twin = quantized(bf)
+    assert twin.quant == "fp8" and bf.quant is None
+    want = f8.state_dict()
+    for name, t in twin.state_dict().items():
+        assert t.dtype == want[name].dtype and torch.equal(t.float(), want[name].float()), name
+    assert twin.tok_embeddings.weight.data_ptr() == bf.tok_embeddings.weight.data_ptr()
+    with pytest.raises(ValueError, match="model is already quantized"):
+        quantized(f8)
+    with pytest.raises(ValueError, match="quant must be 'fp8', got None"):
+        quantized(bf, "none")
