@@ -274,3 +274,19 @@ def test_quantized_is_the_fp8_twin_and_names_what_is_wrong():
         quantized(f8)
     with pytest.raises(ValueError, match="quant must be 'fp8', got None"):
         quantized(bf, "none")
+
+
+def test_peers_read_an_fp8_checkpoint_dequantized_whatever_the_quant_spelling(tmp_path):
+    """params.json's ``"quant": "FP8"`` loads (check_quant takes any case), so the peers must
+    get it dequantized too, never the raw e4m3 codes."""
+    from nakta_model.sources import open_checkpoint
+
+    meta = write_meta_checkpoint(tmp_path / "meta", TINY_PARAMS, seed=4)
+    out = convert.convert(meta, tmp_path / "fp8", quiet=True, quant="fp8")
+    for name in ("params.json", "manifest.json"):
+        doc = json.loads((out / name).read_text())
+        text = json.dumps({**doc, "quant": "FP8"}, indent=2, sort_keys=True) + "\n"
+        (out / name).write_text(text)  # the same size: verify=False checks sizes only
+    src = open_checkpoint(out, verify=False)
+    assert "FP8 dequantized" in src.description
+    assert src.get("layers.0.attention.wq.weight").dtype == src.dtype
