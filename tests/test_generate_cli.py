@@ -183,6 +183,18 @@ def test_interactive_reads_a_prompt_per_line(stories, monkeypatch, capsys):
     assert captured.err.count("tokens/s") == 2
 
 
+def test_interactive_goes_on_after_a_line_too_long(stories, monkeypatch, capsys):
+    """One line past max_seq_len is an error line; the session reads the next one."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Lily " * 600 + "\nLily\n"))
+    out = generate_cli.main(
+        ["--checkpoint", str(stories), "--interactive", "--max-new-tokens", "8", *GREEDY]
+    )
+    captured = capsys.readouterr()
+    assert out is None and captured.out.startswith("Lily")
+    assert re.search(r"error: prompt 1 has \d+ tokens; the model's max_seq_len", captured.err)
+    assert captured.err.count("tokens/s") == 1
+
+
 def test_sampling_is_seeded(stories):
     argv = ["--checkpoint", str(stories), "--prompt", PROMPT, "--max-new-tokens", "30"]
     argv += ["--device", "cpu", "--temperature", "1.0", "--top-k", "50"]
