@@ -148,7 +148,7 @@ class NaktaLM(ScoringLM):
     ):
         from nakta_model.fp8 import check_quant
         from nakta_model.loading import checkpoint_args
-        from nakta_model.parallel import ParallelContext, init_parallel
+        from nakta_model.parallel import ParallelConfigError, ParallelContext, init_parallel
 
         _refuse_unknown_args("nakta", NaktaLM, unknown)
         if not Path(checkpoint).is_dir():
@@ -169,8 +169,12 @@ class NaktaLM(ScoringLM):
         self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
         self.parallel = ParallelContext()
-        if int(tp) * int(dp) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            self.parallel = init_parallel(int(tp), int(dp), device=_parallel_device(device))
+        tp, dp = _positive_int("tp", tp), _positive_int("dp", dp)
+        if tp * dp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            try:  # a grid this launch cannot run (ParallelConfigError) is the user's input
+                self.parallel = init_parallel(tp, dp, device=_parallel_device(device))
+            except ParallelConfigError as e:
+                raise ModelArgsError(f"nakta tp={tp}, dp={dp}: {e}") from None
             device = str(self.parallel.device)
             _share_host_threads()
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)

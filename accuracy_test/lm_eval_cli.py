@@ -462,22 +462,45 @@ def _is_model_args_error(e: BaseException) -> bool:
 
 def requested_world(argv: Sequence[str]) -> int:
     """``tp x dp`` of ``--model nakta --model_args ...,tp=T,dp=D`` read from the raw command
-    line (no lm-eval, no torch: this decides whether to start the ranks at all); 1 otherwise."""
+    line (no lm-eval, no torch: this decides whether to start the ranks at all); 1 otherwise.
+
+    Read as lm-eval 0.4.13 reads them: ``-M``/``-a`` as well, ``--model_args`` taking every
+    word up to the next option (``checkpoint=DIR dp=2``) or one JSON object, and given again
+    merging into the earlier ones (a later key wins)."""
     args = list(argv)
-    values: dict[str, str] = {}
+    model: str | None = None
+    kv: dict[str, object] = {}
     for i, arg in enumerate(args):
-        for flag in ("--model", "--model_args"):
-            if arg == flag and i + 1 < len(args):
-                values[flag] = args[i + 1]
-            elif arg.startswith(flag + "="):
-                values[flag] = arg.split("=", 1)[1]
-    if values.get("--model") != "nakta":
+        flag, eq, inline = arg.partition("=")
+        if flag in ("--model", "-M"):
+            model = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+        elif flag in ("--model_args", "-a"):
+            words = [inline] if eq else _words_after(args, i + 1)
+            kv.update(_model_args_words(words))
+    if model != "nakta":
         return 1
-    kv = dict(p.split("=", 1) for p in values.get("--model_args", "").split(",") if "=" in p)
     try:
-        return max(1, int(kv.get("tp", 1))) * max(1, int(kv.get("dp", 1)))
+        return max(1, int(str(kv.get("tp", 1)))) * max(1, int(str(kv.get("dp", 1))))
     except ValueError:
         return 1  # the adapter refuses it with its own message
+
+
+def _words_after(args: list[str], start: int) -> list[str]:
+    """The values of an ``nargs="+"`` option: the words up to the next option."""
+    end = start
+    while end < len(args) and not args[end].startswith("-"):
+        end += 1
+    return args[start:end]
+
+
+def _model_args_words(words: list[str]) -> dict[str, object]:
+    """``key=value`` pairs of ``--model_args``' words (comma lists, or a JSON object first)."""
+    if words and words[0].lstrip().startswith("{"):
+        with contextlib.suppress(ValueError):
+            obj = json.loads(words[0])
+            if isinstance(obj, dict):
+                return obj
+    return dict(p.split("=", 1) for w in words for p in w.split(",") if "=" in p)
 
 
 def cli() -> None:

@@ -117,7 +117,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if a.limit is not None and a.limit < 1:
         p.error("--limit must be >= 1")
     if a.quant and (a.dtype == "fp32" or a.truth != "fp32"):
-        p.error("--quant fp8 is judged against the fp32 truth: use --dtype bf16|fp16")
+        p.error("--quant fp8 is judged against the fp32 truth: use --dtype bf16|fp16 "
+                "without --truth none")  # fmt: skip
     return a
 
 
@@ -410,6 +411,13 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
                 f"has {n} consolidated.*.pth shard(s), the world has {parallel.world_size} processes"
             )
     device = parallel.device or models.resolve_device(a.device)
+    if a.quant:  # before both models are scored, not after
+        from nakta_model.fp8 import check_fp8_device
+
+        try:
+            check_fp8_device(device)
+        except ValueError as e:
+            raise InputError(f"--quant {a.quant}: {e}") from None
     dtype = models.parse_dtype(a.dtype)
     requests = hellaswag.build_requests(docs, lambda s: tok.encode(s, bos=True, eos=False))
     longest = max(len(c) + len(x) - 1 for c, x in requests)
@@ -523,7 +531,8 @@ def run(a: argparse.Namespace, parallel=None) -> dict:
 
 def default_out(a: argparse.Namespace, device: str) -> Path:
     name = f"{a.preset}-random" if a.random else Path(a.checkpoint).resolve().name
-    return RESULTS / f"{name}_{a.dtype}_{device}.json"
+    quant = f"_{a.quant}" if getattr(a, "quant", None) else ""  # never the plain run's file
+    return RESULTS / f"{name}_{a.dtype}{quant}_{device}.json"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

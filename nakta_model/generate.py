@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=_DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when present)")
+    p.add_argument(
+        "--quant", choices=["fp8"],
+        help="fp8: e4m3 block matrices (needed for an FP8 checkpoint; a GPU of compute "
+        "capability >= 8.9)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every rank the same)")
     p.add_argument(
         "--warmup", type=int, help="untimed runs first (default: 1 on a GPU: compile, capture)"
@@ -164,8 +169,15 @@ def _run(a, parallel) -> list[dict] | None:
             file=sys.stderr,
             flush=True,
         )
+    if a.quant:  # the device's verdict, before the weights are read
+        from nakta_model.fp8 import check_fp8_device
+
+        try:
+            check_fp8_device(device)
+        except ValueError as e:
+            raise InputError(f"--quant {a.quant}: {e}") from None
     with checkpoint_errors(a.checkpoint):
-        model = load(a.checkpoint, device, dtype, parallel)
+        model = load(a.checkpoint, device, dtype, parallel, quant=a.quant)
     session = GenerationSession(a, model, Tokenizer(tok_path), parallel)
     if a.interactive:
         session.interactive()

@@ -354,8 +354,10 @@ def quantized(model: Transformer, quant: str = "fp8") -> Transformer:
     this rank's shard; the rest shared with ``model``, which is left as it is): a parity run
     scores both from one load."""
     quant = check_quant(quant)
-    if quant is None or model.quant is not None:
-        raise ValueError(f"quantized() needs a model without quant and quant='fp8', got {quant!r}")
+    if quant is None:
+        raise ValueError(f"quant must be 'fp8', got {quant!r}")
+    if model.quant is not None:
+        raise ValueError(f"model is already quantized (quant={model.quant!r}): pass its source")
     check_fp8_device(model.device)
     state = dict(model.state_dict())
     quantize_state(state)

@@ -382,7 +382,7 @@ def open_nakta(in_dir: str | Path, verify: str | bool = "fast") -> Source:
         raise CheckpointError(f"{in_dir / PARAMS}: tp_size must be an int >= 1, got {tp!r}")
     shards = [load_rank_state_dict(in_dir, r, tp, "cpu", None, verify)[1] for r in range(tp)]
     dtype = shards[0]["tok_embeddings.weight"].dtype
-    fp8 = params.get("quant") == "fp8"
+    fp8 = any(t.dtype == torch.float8_e4m3fn for s in shards for t in s.values())  # as stored
     if fp8:  # the peers get what the e4m3 codes stand for, in the checkpoint's dtype
         shards = [_dequantized(s, dtype) for s in shards]
     tokenizer = in_dir / TOKENIZER

@@ -181,8 +181,16 @@ def _plot(summary: dict, path: Path) -> None:
     models = sorted({a["model"] for a in acc})
     width = 0.38
     for i, quant in enumerate(["bf16", "fp8"]):
+        is_fp8 = quant == "fp8"  # the other row is the run's dtype (bf16, fp16 or fp32)
         vals = [
-            next((a["flips_vs_truth"] for a in acc if a["model"] == m and a["quant"] == quant), 0)
+            next(
+                (
+                    a["flips_vs_truth"]
+                    for a in acc
+                    if a["model"] == m and (a["quant"] == "fp8") == is_fp8
+                ),
+                0,
+            )
             for m in models
         ]
         axes[1].bar([j + i * width for j in range(len(models))], vals, width, label=quant)

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if not __package__:  # run by path: import from this checkout
     sys.path[0] = str(REPO)
 
+from nakta_model.io_utils import atomic_write_text  # noqa: E402
 from speed_bench.lm_eval_children import read_results  # noqa: E402
 from speed_bench.lm_eval_dp import TASK, Runner, _command  # noqa: E402
 from speed_bench.lm_eval_dp_report import run_phases  # noqa: E402
@@ -83,8 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: {json.dumps({k: row.get(k) for k in ('wall_s', 'acc', 'error')})}")
             rows.append(row)
     summary = {"checkpoint": ckpt.name, "runs": rows, **_ratio(rows)}
-    (out / "lm_eval_fp8.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "lm_eval_fp8.md").write_text(markdown(summary))
+    atomic_write_text(out / "lm_eval_fp8.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(out / "lm_eval_fp8.md", markdown(summary))
     print(markdown(summary))
     return 0 if all(r["error"] is None for r in rows) else 1
 

@@ -255,3 +255,38 @@ def test_peers_read_an_fp8_checkpoint_dequantized(tmp_path):
     q, s = quantize_rows_reference(want)
     assert torch.allclose(wq.float(), dequantize_rows(q, s), rtol=1e-6, atol=1e-7)
     assert torch.equal(src.get("norm.weight"), ref["norm.weight"])
+
+
+def test_quantized_is_the_fp8_twin_and_names_what_is_wrong():
+    """``loading.quantized``: the same block matrices quantized, the rest shared; a bad call
+    says which argument is wrong (an FP8 model given was reported as a bad ``quant``)."""
+    from nakta_model.loading import quantized
+
+    bf = random_model(ARGS, "cpu", torch.float32, seed=5, kernels="reference")
+    f8 = random_model(ARGS, "cpu", torch.float32, seed=5, kernels="reference", quant="fp8")
+    twin = quantized(bf)
+    assert twin.quant == "fp8" and bf.quant is None
+    want = f8.state_dict()
+    for name, t in twin.state_dict().items():
+        assert t.dtype == want[name].dtype and torch.equal(t.float(), want[name].float()), name
+    assert twin.tok_embeddings.weight.data_ptr() == bf.tok_embeddings.weight.data_ptr()
+    with pytest.raises(ValueError, match="model is already quantized"):
+        quantized(f8)
+    with pytest.raises(ValueError, match="quant must be 'fp8', got None"):
+        quantized(bf, "none")
+
+
+def test_peers_read_an_fp8_checkpoint_dequantized_whatever_the_quant_spelling(tmp_path):
+    """params.json's ``"quant": "FP8"`` loads (check_quant takes any case), so the peers must
+    get it dequantized too, never the raw e4m3 codes."""
+    from nakta_model.sources import open_checkpoint
+
+    meta = write_meta_checkpoint(tmp_path / "meta", TINY_PARAMS, seed=4)
+    out = convert.convert(meta, tmp_path / "fp8", quiet=True, quant="fp8")
+    for name in ("params.json", "manifest.json"):
+        doc = json.loads((out / name).read_text())
+        text = json.dumps({**doc, "quant": "FP8"}, indent=2, sort_keys=True) + "\n"
+        (out / name).write_text(text)  # the same size: verify=False checks sizes only
+    src = open_checkpoint(out, verify=False)
+    assert "FP8 dequantized" in src.description
+    assert src.get("layers.0.attention.wq.weight").dtype == src.dtype

@@ -71,3 +71,21 @@ def test_missing_engine_or_fp8_column_is_an_error():
         fp8_report.accuracy_rows({"truth": {"nakta": {}}})
     with pytest.raises(ValueError, match="no batch size"):
         fp8_report.decode_rows({"runs": []})
+
+
+def test_plot_shows_the_full_precision_flips_whatever_the_dtype(tmp_path, monkeypatch):
+    """A parity run in fp16 (quant "fp16" beside "fp8") still gets its bar: the table pairs
+    the non-fp8 row with fp8, and so must the plot (it drew 0 flips for it)."""
+    p = _parity("stories260K", 10, 14)
+    p["config"]["dtype"] = "fp16"
+    summary = {
+        "device_name": "d",
+        "scoring": {"fp8_vs_bf16": 1.5},
+        "decode": [{"batch": 1, "fp8_vs_bf16": 1.7}],
+        "accuracy": fp8_report.accuracy_rows(p),
+    }
+    figs = []
+    monkeypatch.setattr(fp8_report, "save_figure", lambda fig, path: figs.append(fig))
+    fp8_report._plot(summary, tmp_path / "x.png")
+    heights = [bar.get_height() for bar in figs[0].axes[1].patches]
+    assert heights == [11, 15]

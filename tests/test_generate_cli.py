@@ -183,6 +183,32 @@ def test_interactive_reads_a_prompt_per_line(stories, monkeypatch, capsys):
     assert captured.err.count("tokens/s") == 2
 
 
+def test_interactive_goes_on_after_a_line_too_long(stories, monkeypatch, capsys):
+    """One line past max_seq_len is an error line; the session reads the next one."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Lily " * 600 + "\nLily\n"))
+    out = generate_cli.main(
+        ["--checkpoint", str(stories), "--interactive", "--max-new-tokens", "8", *GREEDY]
+    )
+    captured = capsys.readouterr()
+    assert out is None and captured.out.startswith("Lily")
+    assert re.search(r"error: prompt 1 has \d+ tokens; the model's max_seq_len", captured.err)
+    assert captured.err.count("tokens/s") == 1
+
+
+def test_an_fp8_checkpoint_generates_with_quant_fp8(stories, tmp_path, capsys):
+    """An FP8 checkpoint is refused without ``--quant fp8`` (the error names the flag) and
+    generates with it (the CPU runs FP8 under the interpreter, as the tests do)."""
+    import convert
+
+    ckpt = convert.convert(stories, tmp_path / "fp8", quiet=True, quant="fp8")
+    argv = ["--checkpoint", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "6", *GREEDY]
+    with pytest.raises(SystemExit) as exc:
+        generate_cli.main(argv)
+    assert exc.value.code == 2 and "--quant fp8" in capsys.readouterr().err
+    out = generate_cli.main([*argv, "--quant", "fp8"])
+    assert len(out[0]["tokens"]) == 6 and out[0]["finish"] == "length"
+
+
 def test_sampling_is_seeded(stories):
     argv = ["--checkpoint", str(stories), "--prompt", PROMPT, "--max-new-tokens", "30"]
     argv += ["--device", "cpu", "--temperature", "1.0", "--top-k", "50"]

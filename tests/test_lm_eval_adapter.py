@@ -471,3 +471,17 @@ def test_quant_fp8_model_arg(tiny, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(adapter.ModelArgsError, match="compute capability"):
         adapter.NaktaLM(**kw, quant="fp8")
+
+
+def test_bad_tp_dp_is_one_model_args_error(tiny, monkeypatch):
+    """``tp=x`` or a grid this launch cannot run (``dp=2`` in a world of one) is the user's
+    input: a ModelArgsError (one ``error:`` line from the CLI), not a ValueError's traceback."""
+    ckpt, tok = tiny
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
+    with pytest.raises(adapter.ModelArgsError, match="tp must be an int"):
+        adapter.NaktaLM(**kw, tp="x")
+    with pytest.raises(adapter.ModelArgsError, match="dp must be >= 1"):
+        adapter.NaktaLM(**kw, dp=0)
+    with pytest.raises(adapter.ModelArgsError, match=r"dp=2: world size 1 != tp 1 x dp 2"):
+        adapter.NaktaLM(**kw, dp="2")

@@ -27,3 +27,33 @@ def test_model_args_and_bad_arguments(tmp_path):
     assert "quant" not in lq.model_args(tmp_path, "bf16")
     with pytest.raises(SystemExit):
         lq.parse_args(["--checkpoint", "x", "--data", "y", "--out", "z", "--repeats", "0"])
+
+
+def test_a_failed_write_keeps_the_previous_summary(tmp_path, monkeypatch):
+    """The summary files are replaced atomically: a write that fails half-way (disk full)
+    leaves the previous run's file whole, never a truncated one."""
+    from pathlib import Path
+
+    class SkippingRunner:
+        def __init__(self, *a):
+            pass
+
+        def run(self, name, cmd):
+            return {"name": name, "error": "skipped: not enough time left before --deadline-s"}
+
+    monkeypatch.setattr(lq, "Runner", SkippingRunner)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lm_eval_fp8.json").write_text('{"previous": true}\n')
+
+    def half_then_fail(self, data, *a, **k):
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    monkeypatch.setattr("os.fsync", lambda fd: (_ for _ in ()).throw(OSError(28, "full")))
+    argv = ["--checkpoint", str(tmp_path), "--data", "d", "--out", str(out), "--warmup-limit", "0"]
+    with pytest.raises(OSError):
+        lq.main(argv)
+    assert (out / "lm_eval_fp8.json").read_text() == '{"previous": true}\n'

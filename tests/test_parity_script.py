@@ -209,3 +209,31 @@ def test_runs_by_path_from_its_folder_and_refuses_a_bad_path_in_one_line(shared_
         "(convert.py's params.json + manifest.json), Meta (params.json + consolidated.*.pth) or "
         "HF (config.json + weights))"
     ]
+
+
+def test_quant_fp8_default_out_is_its_own_file():
+    """``--quant fp8`` without ``--out`` must not overwrite the plain run's result file."""
+    base = ["--checkpoint", "ck/stories260K", "--data", "d", "--dtype", "bf16"]
+    plain = parity.default_out(parity.parse_args(base), "cuda")
+    fp8 = parity.default_out(parity.parse_args([*base, "--quant", "fp8"]), "cuda")
+    assert plain.name == "stories260K_bf16_cuda.json"
+    assert fp8.name == "stories260K_bf16_fp8_cuda.json"
+
+
+def test_quant_fp8_on_a_device_without_fp8_is_one_line_before_scoring(
+    tmp_path, shared_data, capsys, monkeypatch
+):
+    """No FP8 GEMMs here (the CPU outside the interpreter): one error line and status 2 before
+    either model is scored, not a traceback after both were."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    scored = []
+    monkeypatch.setattr(parity, "_score_reference", lambda *a, **k: scored.append(1))
+    ckpt = str(shared_data / "stories260K")
+    argv = ["--checkpoint", ckpt, "--data", str(shared_data / "hellaswag_val_subset1000.jsonl"),
+            "--limit", "2", "--dtype", "bf16", "--quant", "fp8", "--device", "cpu",
+            "--no-progress", "--out", str(tmp_path / "r.json")]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        parity.main(argv)
+    assert exc.value.code == 2 and not scored
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --quant fp8: quant='fp8' needs"), lines

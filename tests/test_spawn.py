@@ -72,6 +72,12 @@ def test_bad_usage_is_one_line_and_status_2():
         (["--model", "nakta", "--model_args", "checkpoint=c"], 1),
         (["--model", "hf", "--model_args", "pretrained=p,dp=2"], 1),
         (["--model", "nakta", "--model_args", "checkpoint=c,dp=x"], 1),
+        # lm-eval 0.4.13's forms: words up to the next option, repeats merged, -M/-a, JSON
+        (["--model", "nakta", "--model_args", "checkpoint=c", "dp=2", "--tasks", "t"], 2),
+        (["--model", "nakta", "--model_args", "dp=2", "--model_args", "checkpoint=c"], 2),
+        (["--model", "nakta", "-a", "tp=2", "-a", "dp=3,tp=1"], 3),
+        (["-M", "nakta", "-a", "checkpoint=c,tp=2"], 2),
+        (["--model", "nakta", "--model_args", '{"checkpoint": "c", "dp": 2}'], 2),
     ],
 )
 def test_lm_eval_entry_reads_the_world_it_must_start(argv, world):

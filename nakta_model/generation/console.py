@@ -102,13 +102,17 @@ class GenerationSession:
         ]
 
     def interactive(self) -> None:
-        """A prompt per stdin line until end of input (rank 0 reads; every rank generates)."""
+        """A prompt per stdin line until end of input (rank 0 reads; every rank generates); a
+        line that cannot be generated (too long) is an ``error:`` line, and the session goes on."""
         while True:
             line = self._read_line()
             if line is None:
                 return
             if line.strip():
-                self.run([line])
+                try:
+                    self.run([line])
+                except InputError as e:  # every rank meets the same line: all go on
+                    self.say(f"error: {e}")
 
     # ---------------------------------------------------------------------------- helpers
     def _generator(self, n_prompts: int, row_len: int) -> Generator:
