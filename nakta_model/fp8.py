@@ -47,7 +47,8 @@ MIN_CAPABILITY = (8, 9)
 
 
 def check_quant(quant: object) -> str | None:
-    """``None`` or ``"fp8"`` (also accepted: ``""``/``"none"``/``"bf16"`` for None, any case)."""
+    """``None`` or ``"fp8"`` (any case; ``""``, ``"none"``, ``"bf16"``, ``"fp16"`` and ``"fp32"``
+    also mean None: no quantization, the model's dtype throughout)."""
     if quant is None:
         return None
     if not isinstance(quant, str):

@@ -57,10 +57,14 @@ def rank_env(base: dict[str, str], rank: int, nproc: int, port: int) -> dict[str
 def spawn(cmd: Sequence[str], nproc: int, poll_s: float = 0.05) -> int:
     """Run ``cmd`` (argv after ``python``) as ``nproc`` ranks; the first failure's status, else 0."""
     port = free_port()
-    procs = [
-        subprocess.Popen([sys.executable, *cmd], env=rank_env(dict(os.environ), r, nproc, port))
-        for r in range(nproc)
-    ]
+    procs: list[subprocess.Popen] = []
+    try:
+        for r in range(nproc):
+            env = rank_env(dict(os.environ), r, nproc, port)
+            procs.append(subprocess.Popen([sys.executable, *cmd], env=env))
+    except BaseException:  # a rank that could not start: none of the others is left running
+        _stop(procs)
+        raise
 
     def forward(signum, _frame):
         for p in procs:

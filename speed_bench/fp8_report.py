@@ -211,8 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         summary = build(_read(a.scoring), _read(a.decode), [_read(x) for x in a.parity])
-    except ValueError as e:
-        print(f"fp8_report: error: {e}", file=sys.stderr)
+    except (ValueError, KeyError, TypeError) as e:  # a missing file, or one of another shape
+        what = e if isinstance(e, ValueError) else f"an input lacks or mistypes {e!r}"
+        print(f"fp8_report: error: {what}", file=sys.stderr)
         return 2
     write(summary, a.out)
     print((a.out / "fp8.md").read_text())

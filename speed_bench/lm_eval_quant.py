@@ -44,8 +44,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    if a.repeats < 1 or a.shots < 0 or (a.limit is not None and a.limit < 1):
-        p.error("--repeats >= 1, --shots >= 0, --limit >= 1")
+    if a.repeats < 1 or a.shots < 0 or a.warmup_limit < 0 or (a.limit is not None and a.limit < 1):
+        p.error("--repeats >= 1, --shots >= 0, --warmup-limit >= 0, --limit >= 1")
     a.dtype = "bf16"
     return a
 

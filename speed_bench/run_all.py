@@ -313,6 +313,17 @@ def plan_engines(engines: tuple[str, ...], parallel: ParallelContext) -> dict[st
     return skipped
 
 
+def _check_fp8(device: torch.device) -> None:
+    """The FP8 engines' device requirement as one ``error:`` line (not a traceback after the
+    warm-ups)."""
+    from nakta_model.fp8 import check_fp8_device
+
+    try:
+        check_fp8_device(device)
+    except ValueError as e:
+        raise InputError(f"--quant fp8 / *_fp8 engines: {e}") from None
+
+
 def default_out(engine_set: EngineSet, slug: str, model: str, parallel: ParallelContext) -> Path:
     """``results/<device>/[<engine set>/][<model>-tp<N>-dp<M>/]`` beside this file."""
     out = results_dir(__file__, slug)
@@ -330,6 +341,8 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     say = print if parallel.is_leader else (lambda *a, **k: None)
     dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     engines = args.engines
+    if any(e.endswith("_fp8") for e in engines):  # before any weights are drawn or read
+        checked_on_every_rank(_check_fp8, device)
     skipped = checked_on_every_rank(plan_engines, engines, parallel)
     preset_name = (
         None if args.checkpoint else (args.preset or _default_preset(device, parallel.tp_size))

@@ -290,3 +290,13 @@ def test_peers_read_an_fp8_checkpoint_dequantized_whatever_the_quant_spelling(tm
     src = open_checkpoint(out, verify=False)
     assert "FP8 dequantized" in src.description
     assert src.get("layers.0.attention.wq.weight").dtype == src.dtype
+
+
+def test_run_all_fp8_engines_on_a_device_without_fp8_is_one_error_line(monkeypatch, capsys):
+    from speed_bench import run_all
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit) as e:
+        run_all.main(["--engines", "nakta_cache_fp8", "--limit", "2", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "compute capability >= 8.9" in err and "Traceback" not in err

@@ -89,3 +89,11 @@ def test_plot_shows_the_full_precision_flips_whatever_the_dtype(tmp_path, monkey
     fp8_report._plot(summary, tmp_path / "x.png")
     heights = [bar.get_height() for bar in figs[0].axes[1].patches]
     assert heights == [11, 15]
+
+
+def test_an_input_of_another_shape_is_one_error_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"engines": {"nakta_cache": {}, "nakta_cache_fp8": {}}}))
+    rc = fp8_report.main(["--scoring", str(bad), "--decode", str(bad), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("fp8_report: error:") and err.count("\n") == 1
