@@ -28,6 +28,8 @@ assert model.quant == "fp8" and model.layers[0].attention.wo.weight.dtype == tor
 logits = model(torch.load(tokens_file))
 if ctx.tp_rank == 0:
     torch.save(logits, out)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # gloo's threads must not meet the interpreter's exit
 """
 
 
