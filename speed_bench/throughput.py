@@ -29,7 +29,7 @@ once + the K/V the mean step reads, at the mean rows in flight and mean context,
 ``decode_speed.step_bytes``) over the copy bandwidth measured in this run, as a percentage of the
 mean decode step's measured time (``Generator.stats``: decode seconds / decode steps).
 
-Writes to ``--out`` (default ``speed_bench/results/<device>/throughput/``):
+Writes to ``--out`` (after every run, so a run cut short keeps the finished ones) (default ``speed_bench/results/<device>/throughput/``):
 ``throughput_summary.json`` (``{"device_name", "runs": [{"engine", "prompts", "input_len",
 "output_len", "max_batch", "output_tok_s", "requests_s", "ttft_median_s", "ttft_p99_s",
 "peak_mem_gb", "step_floor_pct"}]}``; lengths are ints, or the ``uniform:A-B`` spec when drawn),
@@ -267,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         reason = _skip(engine_name, device)
         if reason:
             skipped[engine_name] = reason
-            print(f"[{engine_name}] skipped: {reason}")
+            bar.write(f"[{engine_name}] skipped: {reason}")
             bar.update(len(todo))
             continue
         engine = BUILDERS[engine_name](weights, device, dtype, max_seq)
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 m = measure(engine, work, b, device)
             except ValueError as e:  # a max_batch this engine refuses (Generator: > 64)
                 skipped[f"{engine_name} max_batch {b}"] = f"{type(e).__name__}: {e}"
-                print(f"[{engine_name}] max_batch {b} skipped: {e}")
+                bar.write(f"[{engine_name}] max_batch {b} skipped: {e}")
                 bar.update(1)
                 continue
             row = {"engine": engine_name, "prompts": n, "input_len": work.input_label,
@@ -287,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 row.update(decode_floor(args, work, m["nakta_stats"], elem, bw))
             runs.append(row)
             bar.update(1)
-            print(
+            write_results(out, name, weights.name, dtype, bw, runs, skipped, quiet=True)
+            bar.write(
                 f"[{engine_name}] max_batch {b}: {row['output_tok_s']:.1f} tok/s, "
                 f"{row['requests_s']:.2f} req/s, TTFT median {row['ttft_median_s']:.3f} s "
                 f"p99 {row['ttft_p99_s']:.3f} s, wall {row['wall_s']:.2f} s"
@@ -297,7 +298,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()
-        write_results(out, name, weights.name, dtype, bw, runs, skipped, quiet=True)
     bar.close()
     return write_results(out, name, weights.name, dtype, bw, runs, skipped)
 
