@@ -239,16 +239,9 @@ class HFDecode(_Engine):
     name = "hf"
 
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
-        from transformers import LlamaForCausalLM
+        from speed_bench.hf_engine import hf_model
 
-        from speed_bench.hf_engine import default_dtype, hf_config, meta_to_hf
-
-        with torch.device(device), default_dtype(dtype):
-            model = LlamaForCausalLM(hf_config(weights.args, max_seq))
-        model.load_state_dict(
-            meta_to_hf(weights.state_dict(device, dtype), weights.args), strict=True, assign=True
-        )
-        self.model = model.eval().requires_grad_(False)
+        self.model = hf_model(weights, device, dtype, max_seq)
         self.device = device
 
     def run(self, prompts, gen):

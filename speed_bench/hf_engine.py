@@ -78,6 +78,21 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def hf_model(weights: WeightSource, device, dtype: torch.dtype, max_length: int):
+    """HF's ``LlamaForCausalLM`` (SDPA attention) holding ``weights``, built on ``device`` in
+    ``dtype`` and filled by assignment, in eval mode: every HF engine's model."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device(device), default_dtype(dtype):
+        model = LlamaForCausalLM(hf_config(weights.args, max_length))
+    if model.config._attn_implementation != "sdpa":
+        raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}")
+    state = meta_to_hf(weights.state_dict(device, dtype), weights.args)
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    return model.eval().requires_grad_(False)
+
+
 class HFEngine(Engine):
     name = "hf"
 
@@ -85,18 +100,8 @@ class HFEngine(Engine):
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(reason)
-        from transformers import LlamaForCausalLM
-
         self.cfg = cfg
-        config = hf_config(weights.args, cfg.max_length)
-        with torch.device(cfg.device), default_dtype(cfg.dtype):
-            model = LlamaForCausalLM(config)
-        if model.config._attn_implementation != "sdpa":
-            raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}")
-        state = meta_to_hf(weights.state_dict(cfg.device, cfg.dtype), weights.args)
-        model.load_state_dict(state, strict=True, assign=True)
-        del state
-        self.model = model.eval().requires_grad_(False)
+        self.model = hf_model(weights, cfg.device, cfg.dtype, cfg.max_length)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens, use_cache=False).logits
