@@ -81,21 +81,16 @@ class _Ops:
         """The norm before a block matrix: ``rms_norm``, or with FP8 its ``QuantRows``."""
         if self.quant is None:
             return self.rms_norm(x, w, eps, residual)
-        if self.triton(x):
-            return _rmsnorm.rms_norm_fp8(x, w, eps, residual=residual)
-        out = _rmsnorm.rms_norm_reference(x, w, eps, residual=residual)
-        if residual is None:
-            return _fp8.quantize_rows_reference(out)
-        return _fp8.quantize_rows_reference(out[0]), out[1]
+        fn = _rmsnorm.rms_norm_fp8 if self.triton(x) else _rmsnorm.rms_norm_fp8_reference
+        return fn(x, w, eps, residual=residual)
 
     def swiglu(self, gate_up):
         """SwiGLU before ``w2``; with FP8 its ``QuantRows``."""
         if self.quant is None:
             fn = _swiglu.swiglu if self.triton(gate_up) else _swiglu.swiglu_reference
-            return fn(gate_up)
-        if self.triton(gate_up):
-            return _swiglu.swiglu_fp8(gate_up)
-        return _fp8.quantize_rows_reference(_swiglu.swiglu_reference(gate_up))
+        else:
+            fn = _swiglu.swiglu_fp8 if self.triton(gate_up) else _swiglu.swiglu_fp8_reference
+        return fn(gate_up)
 
     def quantize_rows(self, x):
         fn = _fp8.quantize_rows if self.triton(x) else _fp8.quantize_rows_reference
