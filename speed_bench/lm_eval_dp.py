@@ -79,6 +79,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--suite-limit", type=int, default=100, help="--limit of the suite runs")
     p.add_argument("--suite-hf", action="store_true", help="the suite with --model hf too")
     p.add_argument(
+        "--suite-hf-modes", default="one_call,one_by_one",
+        help="hf's suite runs: one_call and/or one_by_one (one_call alone is the comparison a "
+        "user makes; one by one costs hf's load per task)",
+    )  # fmt: skip
+    p.add_argument(
         "--hf-batch-size",
         default="auto",
         help="--batch_size of hf's suite runs (lm-eval's own default is 1 row per forward, "
@@ -107,6 +112,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.run_list = parse_runs(a.runs)
     a.suite_tasks = [t for t in a.suite.split(",") if t]
+    if not set(a.suite_hf_modes.split(",")) <= {"one_call", "one_by_one"}:
+        p.error(f"--suite-hf-modes: one_call and/or one_by_one, got {a.suite_hf_modes!r}")
     a.launcher_list = [x for x in a.launchers.split(",") if x]
     if not a.launcher_list or set(a.launcher_list) - {"nakta", "torchrun"}:
         p.error(f"--launchers: nakta and/or torchrun, got {a.launchers!r}")
@@ -250,8 +257,11 @@ def measure_suite(a, runner: Runner, ckpt: Path, hf: Path | None) -> list[dict]:
         margs = f"pretrained={hf},tokenizer={hf},dtype={dtypes[a.dtype]}"
         models.append(("hf", margs, a.hf_batch_size))
     out = []
+    hf_modes = [m for m in a.suite_hf_modes.split(",") if m]
     for model, margs, batch_size in models:
         for mode in ("one_call", "one_by_one"):
+            if model == "hf" and mode not in hf_modes:
+                continue
             groups = [a.suite_tasks] if mode == "one_call" else [[t] for t in a.suite_tasks]
             rec = {"model": model, "mode": mode, "tasks": a.suite_tasks, "limit": a.suite_limit}
             rec.update(batch_size=batch_size or "default", wall_s=0.0, acc={}, error=None)
