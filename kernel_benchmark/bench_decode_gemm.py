@@ -393,8 +393,8 @@ def run(a: argparse.Namespace, device: torch.device) -> dict:
                         rows_out += bench_block(shape, r, quant, device, ceilings)
                         if on_gpu:
                             torch.cuda.empty_cache()
-                blocks = pd.DataFrame(rows_out)
-                write_all(out, slug, ceilings, blocks, step)
+                    blocks = pd.DataFrame(rows_out)
+                    write_all(out, slug, ceilings, blocks, step)  # a cut run keeps these
                 print(layer_table(blocks).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if "step" in a.sections:
         rows_out = []
