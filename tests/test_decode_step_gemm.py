@@ -39,14 +39,14 @@ def equal_length_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[1] + [rng.randrange(3, 300) for _ in range(length - 1)] for _ in range(n)]
 
 
-def prefilled_step(model, ps: list[list[int]], chunk: int) -> DecodeStep:
+def prefilled_step(model, ps: list[list[int]], chunk: int, graph_mode="eager") -> DecodeStep:
     """A step of ``len(ps)`` rows whose cache holds each prompt but its last token (prefilled
     by the model's forward: the same cache layout, row r at slots r * MAX_SEQ + position)."""
     b, length = len(ps), len(ps[0])
     model.setup_cache(b, MAX_SEQ)
     toks = torch.tensor(ps)
     model(toks[:, :-1], 0)
-    step = DecodeStep(model, b, chunk, sampling=False, graph_mode="eager")
+    step = DecodeStep(model, b, chunk, sampling=False, graph_mode=graph_mode)
     buf = step.buffers
     buf.tokens.copy_(toks[:, -1])
     buf.positions.fill_(length - 1)
@@ -160,3 +160,26 @@ def test_tensor_parallel_gemm_path_two_gloo_ranks_equals_one_process(tmp_path, m
         greedy_requests(ps, 6, None)
     )
     assert torch.load(out) == [r.tokens for r in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_gpu_captured_gemm_step_equals_eager(quant):
+    """On the GPU the GEMM path (cuBLAS / cuBLASLt) is captured in the step's CUDA graph: 80
+    rows replayed give the eager step's tokens."""
+    if quant and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9")
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                     multiple_of=64, max_seq_len=64)  # fmt: skip
+    model = random_model(args, "cuda", torch.bfloat16, seed=2, quant=quant)
+    ps = equal_length_prompts(80, 6, seed=4)
+    out = []
+    for graph in (False, True):
+        step = prefilled_step(model, ps, 8, "cuda_graph" if graph else "eager")
+        assert step.gemm
+        if graph:
+            step.capture()
+        step.run(8)
+        out.append(step.buffers.history.clone())
+        model.clear_cache()
+    assert torch.equal(out[0], out[1])
