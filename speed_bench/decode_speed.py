@@ -61,7 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="random weights of this shape (default 7B on a GPU, tiny)")
     src.add_argument("--checkpoint", type=Path, help="Nakta, Meta or HF checkpoint folder")
-    p.add_argument("--batches", default=None, help="comma-separated (default 1,8,32; CPU 1,2)")
+    p.add_argument(
+        "--batches", default=None, help="comma-separated, up to 256 (default 1,8,32; CPU 1,2)"
+    )
     p.add_argument(
         "--lengths", default=None, help="prompt:gen pairs (default 64:128,512:128; CPU 8:5)"
     )
@@ -329,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     on_gpu = device.type == "cuda"
     dtype = _DTYPES[a.dtype or ("bf16" if on_gpu else "fp32")]
     batches = _ints(a.batches or ("1,8,32" if on_gpu else "1,2"), "--batches")
+    from nakta_model.generation.step import MAX_ROWS
+
+    if max(batches) > MAX_ROWS:  # the step's GEMM path above the crossover takes up to 256
+        raise SystemExit(f"error: --batches must be <= {MAX_ROWS} (the decode step's rows)")
     lengths = _lengths(a.lengths or ("64:128,512:128" if on_gpu else "8:5"))
     if a.decode_configs is not None:
         from nakta_model.kernels import decode_linear as dl

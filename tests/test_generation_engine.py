@@ -200,7 +200,7 @@ def test_bad_engine_arguments():
     with pytest.raises(ValueError, match="max_batch"):
         Generator(model, max_batch=0)
     with pytest.raises(ValueError, match="max_batch"):
-        Generator(model, max_batch=65)
+        Generator(model, max_batch=257)
     with pytest.raises(ValueError, match="chunk"):
         Generator(model, chunk=0)
     with pytest.raises(ValueError, match="graph_mode"):
@@ -362,9 +362,9 @@ def test_fitting_batch_on_the_cpu_is_the_cap_and_checks_its_arguments():
     from nakta_model.generation import fitting_batch
 
     model = tiny_model()
-    assert fitting_batch(model, 128) == 64 and fitting_batch(model, 128, cap=7) == 7
+    assert fitting_batch(model, 128) == 256 and fitting_batch(model, 128, cap=7) == 7
     with pytest.raises(ValueError, match="cap must be an int in"):
-        fitting_batch(model, 128, cap=65)
+        fitting_batch(model, 128, cap=257)
     with pytest.raises(ValueError, match="max_seq_len must be an int >= 2"):
         fitting_batch(model, 1)
 

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from nakta_model.generation.sampling import SamplingParams, sample_next
-from nakta_model.generation.step import DecodeStep, check_graph_mode
+from nakta_model.generation.step import MAX_ROWS, DecodeStep, check_graph_mode
 from nakta_model.generation.stops import StopStrings
 from nakta_model.kernels.packed_attention import PREFIX_ALIGN
 
 __all__ = ["GenerationRequest", "GenerationResult", "Generator", "fitting_batch"]
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKETS = tuple(1 << i for i in range(MAX_ROWS.bit_length()))  # 1, 2, 4, ..., MAX_ROWS
 TokenCallback = Callable[[int, list[int], "str | None"], None]
 
 

@@ -19,6 +19,10 @@ runs the PyTorch references on the CPU (``model.kernels``), which the tests comp
 
 Rounding follows Meta's eager chain op by op (see the kernels), except that sums run in a
 different order; the logits are rounded to the model's dtype like Meta's ``output(h).float()``.
+
+A step holds up to ``MAX_ROWS`` (256) rows; from ``step_gemm.crossover`` rows on (always above
+``decode_linear``'s 64) its linears run as cuBLAS / cuBLASLt W8A8 GEMMs with the fused norm,
+SwiGLU and RoPE kernels around them (``step_gemm.py``), at the same rounding points.
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
+from nakta_model.generation import step_gemm as _gemm
 from nakta_model.generation.sampling import sample_next
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
 from nakta_model.kernels._checks import mark_compile_constants
 from nakta_model.parallel import all_reduce
 
-__all__ = ["GRAPH_MODES", "DecodeBuffers", "DecodeStep", "check_graph_mode"]
+__all__ = ["GRAPH_MODES", "MAX_ROWS", "DecodeBuffers", "DecodeStep", "check_graph_mode"]
+
+MAX_ROWS = _gemm.MAX_ROWS  # rows a step may hold; above the crossover its linears are GEMMs
 
 GRAPH_MODES = ("cuda_graph", "compile", "eager")
 
@@ -115,8 +122,9 @@ class DecodeStep:
         prefix_slots: int = 0,
     ):
         self.graph_mode = check_graph_mode(graph_mode)
-        if batch > _dl.MAX_BATCH:
-            raise ValueError(f"decode batch {batch} exceeds decode_linear's {_dl.MAX_BATCH}")
+        if not 1 <= batch <= MAX_ROWS:
+            raise ValueError(f"decode batch must be in [1, {MAX_ROWS}], got {batch}")
+        self.gemm = _gemm.use_gemm(batch, model.dtype, model.quant)  # linears as GEMMs
         if not model.max_seq_len:
             raise ValueError("the model needs a KV cache: call model.setup_cache() first")
         if isinstance(prefix_slots, bool) or not isinstance(prefix_slots, int) or prefix_slots < 0:
@@ -150,10 +158,15 @@ class DecodeStep:
     # ------------------------------------------------------------------------------- math
     def _linear(self, x, layer, **kw) -> torch.Tensor:
         """``layer``'s product (an ``nn.Linear``, or an ``Fp8Linear``: e4m3 weights streamed
-        with their per-channel scales, half the bytes)."""
+        with their per-channel scales, half the bytes): ``decode_linear``, or above the
+        crossover the GEMM path (``step_gemm``: W8A8 with FP8 weights, whose SwiGLU hands
+        ``w2`` quantized rows)."""
         scale = getattr(layer, "weight_scale", None)
         if scale is not None:
             kw["weight_scale"] = scale
+        if self.gemm:
+            fn = _gemm.decode_gemm if self.kernels else _gemm.decode_gemm_reference
+            return fn(x, layer.weight, out_dtype=self.model.dtype, **kw)
         fn = _dl.decode_linear if self.kernels else _dl.decode_linear_reference
         return fn(x, layer.weight, **kw)
 

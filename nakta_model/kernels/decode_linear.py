@@ -365,15 +365,16 @@ def _check_weight_scale(weight: torch.Tensor, weight_scale: object) -> None:
 
 def _check_args(
     x, weight, norm_weight, eps, residual, swiglu, rope, out, out_dtype, *, for_kernel: bool,
-    weight_scale=None,
+    weight_scale=None, max_rows: int = MAX_BATCH,
 ) -> torch.dtype:  # fmt: skip
-    """Validate a ``decode_linear`` call; returns the output dtype."""
+    """Validate a ``decode_linear`` call (or, with ``max_rows``, the decode step's GEMM path,
+    ``generation/step_gemm.py``, which takes the same arguments); returns the output dtype."""
     x = _check_matrix("x", x)
     weight = _check_matrix("weight", weight, (x.dtype, FP8_DTYPE))
     _check_weight_scale(weight, weight_scale)
     batch, k = x.shape
-    if not 1 <= batch <= MAX_BATCH:
-        raise ValueError(f"x must have 1..{MAX_BATCH} rows (decode batch), got {batch}")
+    if not 1 <= batch <= max_rows:
+        raise ValueError(f"x must have 1..{max_rows} rows (decode batch), got {batch}")
     if k < 1 or weight.shape[1] != k:
         raise ValueError(
             f"weight must have shape [N, K={k}] (nn.Linear layout), got {tuple(weight.shape)}"

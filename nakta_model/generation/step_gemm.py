@@ -1,0 +1,281 @@
+"""The decode step's linears as GEMMs, for the buckets where a step holds many rows.
+
+Why: ``decode_linear`` streams each weight with the rows on the narrow side of its MMA tile
+(``BLOCK_M = max(16, rows)``), which pays while a step holds a few rows and stops at 64
+(``decode_linear.MAX_BATCH``). With 64..256 rows a decode linear is a real GEMM (``M`` = rows):
+cuBLAS (``torch.mm``) for bf16/fp16/fp32 weights and cuBLASLt's row-wise scaled FP8 GEMM
+(``fp8_gemm.fp8_matmul``, ``torch._scaled_mm``) for e4m3 weights, with the small elementwise
+work around them done by the scoring/prefill path's fused kernels. :func:`decode_gemm` takes
+``decode_linear``'s arguments, so the step switches path per bucket with one call:
+
+* NORM (``norm_weight``, ``eps``): the RMSNorm kernel (``rms_norm``), then the GEMM;
+* RESIDUAL: ``round(residual + round(x @ W^T))``, the GEMM's output added in place (eager's
+  ``h = x + attn_out``, the same two roundings as ``decode_linear``);
+* SWIGLU: the ``[rows, 2F]`` projection is written, then the SwiGLU kernel;
+* ROPE: the ``wqkv`` projection is written, then ``apply_rope_qkv_`` rotates Q and K in place
+  (Meta's pairs) and writes K/V into the cache slots; the Q columns are returned (a view with
+  the projection's row stride, as the HF-pairs branch of the step already hands attention).
+
+So every rounding point is ``decode_linear``'s; only the GEMM's summation order differs.
+
+FP8 weights (an ``Fp8Linear``'s ``weight`` + ``weight_scale``) run W8A8 here, as the scorer does
+(``fp8.py``): the norm before ``wqkv``/``w13`` is the quantizing RMSNorm (``rms_norm_fp8``), the
+SwiGLU before ``w2`` the quantizing SwiGLU (``swiglu_fp8``: :func:`decode_gemm` then returns
+its ``QuantRows``, which the ``w2`` call takes as ``x``), the attention output goes through
+``quantize_rows``; the GEMM is ``fp8_matmul`` (row-wise scales, output in the model's dtype; on
+the CPU / interpreter its exact fp32 reference). Unlike ``decode_linear``'s FP8 path (e4m3
+weights, activations in the model's dtype: W8A16), activations are quantized per row, as in
+prefill and scoring: FP8 decoding above the crossover is the scorer's math.
+
+The crossover (:func:`crossover`): rows at which a step's linears take this path, per dtype
+(``"fp8"`` for FP8 models); a step of more than ``decode_linear.MAX_BATCH`` rows always does.
+The defaults (``CROSSOVER``) come from ``kernel_benchmark/bench_decode_gemm.py``; ``_TUNE``
+(benchmarks, tests) and ``NAKTA_DECODE_GEMM_ROWS`` (``"bfloat16=64,fp8=16"``) override them.
+Everything here is CUDA-graph capturable: no host syncs on CUDA, outputs from the caching
+allocator (a captured graph's private pool), cuBLAS/cuBLASLt handles their own workspace.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nakta_model.kernels import decode_linear as _dl
+from nakta_model.kernels import fp8_gemm as _fp8_gemm
+from nakta_model.kernels import fp8_quant as _fp8
+from nakta_model.kernels import rmsnorm as _rmsnorm
+from nakta_model.kernels import rope as _rope
+from nakta_model.kernels import swiglu as _swiglu
+from nakta_model.kernels._checks import check_dtype, check_same_device, check_tensor
+from nakta_model.kernels.decode_linear import RopeArgs
+from nakta_model.kernels.fp8_quant import FP8_DTYPE, QuantRows
+
+__all__ = [
+    "CROSSOVER",
+    "ENV_CROSSOVER",
+    "MAX_ROWS",
+    "crossover",
+    "crossover_key",
+    "decode_gemm",
+    "decode_gemm_reference",
+    "use_gemm",
+]
+
+MAX_ROWS = 256  # rows a decode step may hold (the engine's largest bucket)
+
+# Rows from which a step's linears run as GEMMs, per activation dtype / "fp8" (W8A8 models).
+# bf16/fp16/fp32: 64, decode_linear's last (untuned) bucket, until bench_decode_gemm measures
+# the crossover; fp8: 32, where issue 27 found decode_linear's FP8 tensor-core path streaming at
+# 39-53% of copy bandwidth (bench_decode_gemm's fp8 rows decide it).
+CROSSOVER: dict[str, int] = {"bfloat16": 64, "float16": 64, "float32": 64, "fp8": 32}
+_TUNE: dict[str, int] = {}  # overrides CROSSOVER (benchmarks and tests only)
+ENV_CROSSOVER = "NAKTA_DECODE_GEMM_ROWS"
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def crossover_key(dtype: torch.dtype, quant: str | None) -> str:
+    """The ``CROSSOVER`` key of a model: ``"fp8"`` for FP8 weights, else its dtype's name."""
+    return "fp8" if quant == "fp8" else str(dtype).removeprefix("torch.")
+
+
+def _env_table() -> dict[str, int]:
+    """``NAKTA_DECODE_GEMM_ROWS``: ``KEY=ROWS`` pairs (keys as ``CROSSOVER``'s, or bf16, fp16,
+    fp32), or one int for every key."""
+    text = os.environ.get(ENV_CROSSOVER, "").strip()
+    if not text:
+        return {}
+    try:
+        if "=" not in text:
+            return dict.fromkeys(CROSSOVER, int(text))
+        table = {}
+        for part in text.split(","):
+            key, rows = (s.strip() for s in part.split("="))
+            key = _ALIASES.get(key, key)
+            if key not in CROSSOVER:
+                raise ValueError(f"unknown key {key!r}")
+            table[key] = int(rows)
+        return table
+    except ValueError as e:
+        raise ValueError(
+            f"{ENV_CROSSOVER} must be ROWS or KEY=ROWS pairs with KEY in {sorted(CROSSOVER)}, "
+            f"got {text!r} ({e})"
+        ) from e
+
+
+def crossover(dtype: torch.dtype, quant: str | None = None) -> int:
+    """Rows from which the decode step's linears are GEMMs (``CROSSOVER``, then the
+    environment, then ``_TUNE``); at most ``decode_linear.MAX_BATCH + 1``."""
+    key = crossover_key(dtype, quant)
+    table = {**CROSSOVER, **_env_table(), **_TUNE}
+    if key not in table:
+        raise ValueError(f"no decode GEMM crossover for {key!r}; keys: {sorted(table)}")
+    rows = table[key]
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= _dl.MAX_BATCH + 1:
+        raise ValueError(
+            f"decode GEMM crossover for {key} must be an int in [1, {_dl.MAX_BATCH + 1}] "
+            f"(decode_linear stops at {_dl.MAX_BATCH} rows), got {rows!r}"
+        )
+    return rows
+
+
+def use_gemm(rows: int, dtype: torch.dtype, quant: str | None = None) -> bool:
+    """Whether a step of ``rows`` runs its linears as GEMMs (:func:`crossover`)."""
+    return rows >= crossover(dtype, quant)
+
+
+# ------------------------------------------------------------------------------- the kernels
+@dataclass(frozen=True)
+class _Ops:
+    """The functions one path calls around its GEMMs: the fused kernels or their references."""
+
+    rms_norm: Callable
+    rms_norm_fp8: Callable
+    swiglu: Callable
+    swiglu_fp8: Callable
+    quantize_rows: Callable
+    rope_qkv_: Callable
+    fp8_matmul: Callable
+
+
+_KERNELS = _Ops(
+    _rmsnorm.rms_norm, _rmsnorm.rms_norm_fp8, _swiglu.swiglu, _swiglu.swiglu_fp8,
+    _fp8.quantize_rows, _rope.apply_rope_qkv_, _fp8_gemm.fp8_matmul,
+)  # fmt: skip
+_REFERENCE = _Ops(
+    _rmsnorm.rms_norm_reference, _rmsnorm.rms_norm_fp8_reference, _swiglu.swiglu_reference,
+    _swiglu.swiglu_fp8_reference, _fp8.quantize_rows_reference, _rope.apply_rope_qkv_reference,
+    _fp8_gemm.fp8_matmul_reference,
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- checks
+def _check_quant_rows(
+    x: QuantRows, weight, weight_scale, norm_weight, residual, rope, out_dtype
+) -> torch.dtype:
+    """``x`` already quantized (the FP8 SwiGLU's output): an FP8 weight's input, no norm, no
+    rope; ``out_dtype`` (or the residual's dtype) says what the GEMM writes."""
+    q, s = check_tensor("x.q", x.q), check_tensor("x.scale", x.scale)
+    check_dtype("x.q", q, (FP8_DTYPE,))
+    check_dtype("x.scale", s, (torch.float32,))
+    if q.dim() != 2 or s.shape != (q.shape[0],):
+        raise ValueError(
+            f"x must be QuantRows of q [M, K] and scale [M], got {tuple(q.shape)} and "
+            f"{tuple(s.shape)}"
+        )
+    if not 1 <= q.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must have 1..{MAX_ROWS} rows (decode batch), got {q.shape[0]}")
+    if weight.dtype != FP8_DTYPE or weight_scale is None:
+        raise TypeError("x given as QuantRows needs an FP8 weight with its weight_scale")
+    if norm_weight is not None or rope is not None:
+        raise ValueError("x given as QuantRows is already normalized: no norm_weight or rope")
+    out_dtype = out_dtype or (residual.dtype if residual is not None else None)
+    if out_dtype not in _fp8_gemm.OUT_DTYPES:
+        raise TypeError(f"x given as QuantRows needs out_dtype in {_fp8_gemm.OUT_DTYPES}")
+    if residual is not None:
+        _dl._check_matrix("residual", residual, out_dtype)
+    return out_dtype
+
+
+def _check(
+    x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype, for_kernel: bool
+) -> torch.dtype:
+    """``decode_linear``'s checks with up to ``MAX_ROWS`` rows; returns the product's dtype."""
+    if isinstance(x, QuantRows):
+        _dl._check_weight_scale(_dl._check_matrix("weight", weight, (FP8_DTYPE,)), weight_scale)
+        dt = _check_quant_rows(x, weight, weight_scale, norm_weight, residual, rope, out_dtype)
+        if x.q.shape[1] != weight.shape[1]:
+            raise ValueError(f"weight must have K={x.q.shape[1]} columns, got {weight.shape}")
+        if swiglu and weight.shape[0] % 2:
+            raise ValueError(f"swiglu needs an even number of weight rows, got {weight.shape}")
+        if residual is not None and residual.shape != (x.q.shape[0], weight.shape[0]):
+            raise ValueError(f"residual must have shape {(x.q.shape[0], weight.shape[0])}")
+        if residual is not None and swiglu:
+            raise ValueError("residual, swiglu and rope are exclusive epilogues: give at most one")
+        check_same_device(x_q=x.q, x_scale=x.scale, weight=weight, weight_scale=weight_scale,
+                          residual=residual)  # fmt: skip
+        return dt
+    if out_dtype not in (None, getattr(x, "dtype", None)):
+        raise TypeError(f"out_dtype must be None or x's dtype, got {out_dtype}")
+    return _dl._check_args(
+        x, weight, norm_weight, eps, residual, swiglu, rope, None, None, for_kernel=for_kernel,
+        weight_scale=weight_scale, max_rows=MAX_ROWS,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ the path
+def _run(
+    ops: _Ops, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype
+) -> torch.Tensor | QuantRows:
+    fp8 = weight_scale is not None
+    if fp8:
+        if isinstance(x, QuantRows):
+            xq = x
+        elif norm_weight is not None:
+            xq = ops.rms_norm_fp8(x, norm_weight, eps)
+        else:
+            xq = ops.quantize_rows(x)
+        y = ops.fp8_matmul(xq.q, xq.scale, weight, weight_scale, out_dtype)
+    else:
+        h = x if norm_weight is None else ops.rms_norm(x, norm_weight, eps)
+        if h.device.type == "cpu" and h.dtype == torch.bfloat16 and not h.is_contiguous():
+            h = h.contiguous()  # torch's CPU bf16 matmul reads strided rows' padding (see
+            # decode_linear_reference)
+        y = F.linear(h, weight)
+    if residual is not None:
+        return y.add_(residual)
+    if swiglu:
+        return ops.swiglu_fp8(y) if fp8 else ops.swiglu(y)
+    if rope is not None:
+        r = rope
+        ops.rope_qkv_(
+            y, r.positions, r.cos, r.sin, r.n_q_heads, r.n_kv_heads, r.head_dim,
+            interleaved=True, k_cache=r.k_cache, v_cache=r.v_cache, cache_slots=r.cache_slots,
+        )  # fmt: skip
+        return y[:, : r.n_q_heads * r.head_dim]
+    return y
+
+
+def decode_gemm(
+    x: torch.Tensor | QuantRows,
+    weight: torch.Tensor,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    rope: RopeArgs | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | QuantRows:
+    """``decode_linear``'s product and prologue/epilogues for up to ``MAX_ROWS`` rows, as a
+    cuBLAS (bf16/fp16/fp32) or cuBLASLt W8A8 (FP8 weights) GEMM with the fused RMSNorm,
+    SwiGLU and RoPE kernels around it (module docstring). Returns ``[rows, N]`` (``[rows, F]``
+    with swiglu, the Q columns ``[rows, n_q_heads * head_dim]`` with rope); with an FP8 weight
+    and swiglu, the ``QuantRows`` that the next FP8 GEMM takes as ``x``. ``out_dtype``: the
+    product's dtype, x's by default; needed for a ``QuantRows`` x without a residual."""
+    dt = _check(x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype, True)
+    return _run(_KERNELS, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt)
+
+
+def decode_gemm_reference(
+    x: torch.Tensor | QuantRows,
+    weight: torch.Tensor,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    rope: RopeArgs | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | QuantRows:
+    """:func:`decode_gemm` in plain PyTorch, any device: the kernels' references
+    (``rms_norm_reference``, ``swiglu_reference``, ``apply_rope_qkv_reference``, their FP8
+    variants) and ``F.linear`` / ``fp8_matmul_reference``. Without FP8 weights this is
+    ``decode_linear_reference``'s chain, for up to ``MAX_ROWS`` rows."""
+    dt = _check(x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype, False)
+    return _run(_REFERENCE, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt)
