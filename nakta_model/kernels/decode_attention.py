@@ -22,6 +22,13 @@ cache_lens[b])``). Both write partials that the combining kernel merges (a row's
 one more split to it). Few-shot generation (GSM8K, BBH) spends most of a step's attention on
 the shared prefix: batch 64 with a 768-token shared prompt read it 64 times per layer.
 
+Paged KV cache (``block_table``): the caches are a pool of pages (``[n_pages, page, n_kv,
+hd]``) and each row's keys are the pages its block table lists; every key tile (``BLOCK_S``
+keys, a divisor of the page) lies in one page, so the paged read costs one table load per tile.
+The row form (``rows``: row b reads cache row ``rows[b]``) is the table with one page a row.
+Shared prefixes are then pages several tables hold (read once from HBM, served from L2 to the
+other rows), and the cascade's slots are page tables too.
+
 CUDA-graph capturable: the grid ``(B, n_kv_heads, n_splits)`` depends on shapes only
 (``n_splits`` from the batch, KV heads and cache length, never from ``cache_lens``' values);
 each program derives its chunk from ``cache_lens[b]`` on the device (the valid keys are spread
