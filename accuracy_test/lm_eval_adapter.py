@@ -356,6 +356,8 @@ class NaktaLM(ScoringLM):
         results = self._generator(reqs).generate(reqs, progress=not disable_tqdm)
         out = []
         for req, res in zip(requests, results):
+            if res.finish == "error":  # a request the KV pool can never hold
+                raise ModelArgsError(f"generate_until: {res.error}")
             out.append(res.text)
             self.cache_hook.add_partial("generate_until", req.args, res.text)
         return out
@@ -363,9 +365,11 @@ class NaktaLM(ScoringLM):
     def _generator(self, reqs):
         """The generation engine (it owns the model's KV cache), built on first use and again
         when requests need longer rows: rows as long as the longest prompt + budget asks
-        (rounded up to 256, at most ``max_length``), and as many as fit in memory (at most 64,
+        (rounded up to 256, at most ``max_length``), and as many as fit in memory (at most the
+        decode step's ``max_rows()``,
         or the ``--batch_size`` cap)."""
         from nakta_model.generation import Generator, fitting_batch
+        from nakta_model.generation.engine import max_rows
 
         need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
         gen = getattr(self, "_gen", None)
@@ -373,7 +377,7 @@ class NaktaLM(ScoringLM):
             row_len = min(self.max_length, -(-need // 256) * 256)
             self._gen = None
             self.model.clear_cache()  # the old rows go before the new ones are sized
-            cap = min(self.rows or 64, 64)
+            cap = min(self.rows or max_rows(), max_rows())
             rows = fitting_batch(self.model, row_len, cap=cap)
             self._gen = Generator(self.model, max_batch=rows, max_seq_len=row_len)
         return self._gen

@@ -63,10 +63,8 @@ def layer_budget(weights, device, dtype, context: int, bandwidth_gbps: float) ->
                 lens,
                 workspace=step.workspace,
                 n_splits=step.splits,
-                rows=step.buffers.rows,
-                prefix_rows=step.buffers.prefix_rows,
-                prefix_lens=step.buffers.prefix_lens,
-            ),  # fmt: skip (the step's call: rows and a (here empty) shared prefix)
+                block_table=step.buffers.block_table,
+            ),  # fmt: skip (the step's call: its rows' block tables, here one page a row)
             2 * context * hkv * hd * elem,
         ),
         "wo+residual": (
@@ -106,7 +104,7 @@ def layer_budget(weights, device, dtype, context: int, bandwidth_gbps: float) ->
                 "floor_ms_per_step": floor_us * per_step / 1e3,
             }
         )
-    step.buffers.rows.fill_(1)
+    step.buffers.block_table.fill_(1)  # the whole step writes into cache row 1
     rows.append(_whole_step_row(step, rows, device))
     model.clear_cache()
     return rows

@@ -2,7 +2,7 @@
 
     python -m speed_bench.throughput                                  # 7B on a GPU, tiny on the CPU
     python -m speed_bench.throughput --prompts 1000 --input-len 128 --output-len 128 \\
-        --max-batch 16,32,64 --engines nakta,hf --hf-batches 32,64
+        --max-batch 64,128,256 --engines nakta,hf --hf-batches 32,64
     python -m speed_bench.throughput --lengths uniform:64-256/64-256
 
 Workload: ``--prompts`` requests of BOS + seeded random token ids (``--seed``). Lengths are fixed
@@ -16,7 +16,7 @@ Engines (``speed_bench/throughput_engines.py``): ``nakta`` (one ``Generator(max_
 continuous batching, for each B of ``--max-batch``), ``hf`` (``transformers`` generate with a
 static cache over batches of each B of ``--hf-batches``; skipped with the reason when
 ``transformers`` is missing), ``llama_org`` (Meta's loop over batches of each B of
-``--max-batch``). A ``max_batch`` an engine refuses (``Generator``: today at most 64 rows) is
+``--max-batch``). A ``max_batch`` an engine refuses (``Generator``: above the decode step's ``max_rows()``) is
 skipped with its error, the other runs go on. Each run is warmed up first (compilation, graph
 capture, allocation), then timed from outside as one call over all requests.
 
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             bar.set_postfix_str(f"{engine_name} max_batch {b}")
             try:
                 m = measure(engine, work, b, device)
-            except ValueError as e:  # a max_batch this engine refuses (Generator: > 64)
+            except ValueError as e:  # a max_batch this engine refuses (Generator: > max_rows())
                 skipped[f"{engine_name} max_batch {b}"] = f"{type(e).__name__}: {e}"
                 bar.write(f"[{engine_name}] max_batch {b} skipped: {e}")
                 bar.update(1)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from nakta_model.cli import InputError
-from nakta_model.generation.engine import Generator, fitting_batch
+from nakta_model.generation.engine import Generator, fitting_batch, max_rows
 from nakta_model.generation.streaming import StreamTiming, TextStream, generate_streaming
 from nakta_model.parallel import ParallelContext, gather_objects, is_distributed
 
@@ -116,7 +116,7 @@ class GenerationSession:
 
     # ---------------------------------------------------------------------------- helpers
     def _generator(self, n_prompts: int, row_len: int) -> Generator:
-        rows = fitting_batch(self.model, row_len, cap=min(64, max(1, n_prompts)))
+        rows = fitting_batch(self.model, row_len, cap=min(max_rows(), max(1, n_prompts)))
         if n_prompts > 1 and is_distributed():  # free memory differs a little between ranks
             rows = min(gather_objects(rows))
         key = (rows, row_len)

@@ -1,23 +1,36 @@
-"""Batched generation with continuous batching: prefill, graph-replayed decode, stops.
+"""Batched generation with continuous batching over a paged KV cache: chunked prefill,
+graph-replayed decode, stops.
 
-The engine owns the model's KV cache as ``max_batch`` rows of ``max_seq_len`` positions (plus
-one scratch row for idle batch entries). Requests wait in a queue; whenever rows are free, the
-next prompts are prefilled together (one packed forward on the fused kernels writes their K/V)
-and their first tokens chosen; then every active row decodes in chunks: the decode step of the
-smallest captured batch bucket that covers the active rows is replayed ``chunk`` times with no
-host synchronisation, and only then does the host read the chunk's tokens (one copy), apply
-EOS, ``max_new_tokens`` and stop strings, free the rows that finished and admit new prompts.
-A row that finishes inside a chunk decodes at most ``chunk - 1`` tokens nobody reads; the chunk
-is shortened so that no row runs past its token budget or the cache.
+The engine owns the model's KV cache as a pool of pages (``kv_pages``: ``PAGE_SIZE``
+positions each, sized from free device memory or ``pages=``). A row holds a block table of the
+pages it has written; pages are handed out as it grows and go back when it finishes.
+Requests wait in a queue; one is admitted (FIFO) into a free batch entry while the pool can
+cover its prompt + ``max_new_tokens`` (pages are counted as reserved at admission and handed
+out lazily, so an admitted row never runs out: no preemption is needed). A request that could
+never fit (more pages than the whole pool) finishes at once with ``finish="error"`` and a
+message naming it; the others run.
+
+Every engine step runs one packed prefill forward of at most ``prefill_chunk`` prompt tokens
+(``prefill_stream``: the admitted prompts' next pieces; a long prompt is split over several
+steps, each piece attending to the row's earlier positions through its pages), then decodes
+every row whose prompt is in: the decode step of the smallest captured batch bucket that
+covers the active rows is replayed ``chunk`` times with no host synchronisation, and only then
+does the host read the chunk's tokens (one copy), apply EOS, ``max_new_tokens`` and stop
+strings, free the rows that finished and admit new prompts. A row that finishes inside a chunk
+decodes at most ``chunk - 1`` tokens nobody reads; the chunk is shortened so that no row runs
+past its token budget. So a long prompt delays the running rows by one bounded prefill per
+decode chunk, never by its whole length. Per request, the time to its first token is in
+``stats.first_token_s`` (and ``on_tokens`` reports it as it happens).
 
 Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefixes``) prefill
-it once: its K/V is computed into one of ``prefix_rows`` spare cache rows (kept, least recently
-used first out, for later admissions) and copied into each prompt's row; only the rest of each
-prompt runs through the model, attending to the copied prefix. Decoding then reads the prefix
-from the prefix row itself while it is held there (``decode_attention``'s ``prefix_rows``),
-and with ``cascade`` the attention computes each held prefix once per step for all its rows
-(one tensor-core tile of their queries against the prefix keys) before each row's own keys; a
-row whose prefix was evicted reads its own copy.
+it once into pages of its own, held for later admissions (at most ``prefix_rows`` prefixes,
+least recently used first out). A row then holds the prefix's full pages by reference (a
+reference count, no copy) and a copy of its partial last page, which it goes on writing
+(copy-on-write); only the rest of its prompt runs through the model. With ``cascade`` each
+decode step computes every held prefix once for all the rows that read it (one tensor-core
+tile of their queries against the prefix's pages, ``decode_attention``'s ``prefix_slots``)
+before each row's own keys; a row whose prefix was evicted reads the same pages through its
+own block table (they stay while any row holds them).
 
 Greedy decoding gives, per prompt, the tokens Meta's loop gives (``meta_loop``): the same model
 math on each row, just not padded to the batch's shortest prompt.
@@ -26,77 +39,55 @@ math on each row, just not padded to the batch's shortest prompt.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from nakta_model.generation.kv_pages import PAGE_SIZE, PagePool, pages_for, pool_pages
+from nakta_model.generation.prefill_stream import PrefillStream
+from nakta_model.generation.requests import (
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    _Held,
+    _Row,
+)
 from nakta_model.generation.sampling import SamplingParams, sample_next
-from nakta_model.generation.step import MAX_ROWS, DecodeStep, check_graph_mode
-from nakta_model.generation.stops import StopStrings
-from nakta_model.kernels.packed_attention import PREFIX_ALIGN
+from nakta_model.generation.step import DecodeStep, batch_limit, check_graph_mode
 
-__all__ = ["GenerationRequest", "GenerationResult", "Generator", "fitting_batch"]
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "GenerationStats",
+    "Generator",
+    "fitting_batch",
+    "max_rows",
+]
 
-BUCKETS = tuple(1 << i for i in range(MAX_ROWS.bit_length()))  # 1, 2, 4, ..., MAX_ROWS
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TokenCallback = Callable[[int, list[int], "str | None"], None]
 
 
-@dataclass
-class GenerationRequest:
-    """One prompt (token ids, BOS included) and how to continue it."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: Sequence[int] = ()
-    stop: StopStrings | None = None
-
-
-@dataclass
-class GenerationResult:
-    """The continuation: ``tokens`` cut before a stop token (or the stop string's tokens are
-    kept and ``text`` is cut before the stop string), ``finish`` = ``"stop"`` or ``"length"``."""
-
-    tokens: list[int]
-    text: str | None
-    finish: str
-
-
-@dataclass
-class _Row:
-    index: int  # position of the request in the caller's list
-    request: GenerationRequest
-    shared: int = 0  # length of the prefix it shares with other requests (0: none)
-    prefix: tuple[int, ...] = ()  # the prefix held in a prefix row that decode reads in place
-    tokens: list[int] = field(default_factory=list)
-    text: str | None = None
-    finished: str | None = None
-
-
-@dataclass
-class GenerationStats:
-    """Counters of the last :meth:`Generator.generate` call (benchmarks report them)."""
-
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0  # graph replays (each decodes one token for every row of its bucket)
-    generated_tokens: int = 0  # tokens kept in results
-    prefilled_tokens: int = 0  # prompt tokens run through the model (shared prefixes once)
-    prompt_tokens: int = 0  # prompt tokens asked for
+def max_rows() -> int:
+    """The most rows the engine decodes at once: the largest bucket the decode step takes."""
+    return max(b for b in BUCKETS if b <= batch_limit())
 
 
 class Generator:
-    """Continuous-batching generation on one model (see the module docstring).
+    """Continuous-batching generation on one model over a paged KV cache (module docstring).
 
-    ``max_batch`` rows decode at once (<= 64); ``max_seq_len`` bounds prompt + continuation per
-    row (default: the model's); ``chunk`` tokens are decoded between host checks; ``graphs``
-    captures the decode step per batch bucket in CUDA graphs (default: on CUDA). ``graph_mode``
-    (instead of ``graphs``) names how the step runs: ``"cuda_graph"`` (captured), ``"compile"``
-    (``torch.compile(mode="reduce-overhead")``, to compare with the capture) or ``"eager"``.
+    ``max_batch`` rows decode at once (at most :func:`max_rows`, the decode step's limit);
+    ``max_seq_len`` bounds prompt + continuation per row (default: the model's); ``chunk``
+    tokens are decoded between host checks; ``prefill_chunk`` bounds the prompt tokens of one
+    prefill forward. ``pages``: the KV pool's size in pages of ``PAGE_SIZE`` positions
+    (default: enough for ``max_batch`` full rows and the held prefixes, on CUDA at most what
+    fits in ``memory_fraction`` of the free memory). ``prefix_rows``: how many shared prefixes
+    are held at once. ``graphs`` captures the decode step per batch bucket in CUDA graphs
+    (default: on CUDA); ``graph_mode`` (instead of ``graphs``) names how the step runs:
+    ``"cuda_graph"``, ``"compile"`` (``torch.compile(mode="reduce-overhead")``) or ``"eager"``.
     ``cascade`` (default on): each decode step computes every held prefix once for all the rows
-    that read it (``decode_attention``'s ``prefix_slots``) instead of row by row through L2.
+    that read it instead of row by row.
     """
 
     def __init__(
@@ -110,9 +101,18 @@ class Generator:
         prefix_rows: int = 2,
         graph_mode: str | None = None,
         cascade: bool = True,
+        pages: int | None = None,
+        prefill_chunk: int = 2048,
+        memory_fraction: float = 0.8,
     ):
-        if not isinstance(max_batch, int) or not 1 <= max_batch <= BUCKETS[-1]:
-            raise ValueError(f"max_batch must be an int in [1, {BUCKETS[-1]}], got {max_batch!r}")
+        limit = max_rows()
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int):
+            raise ValueError(f"max_batch must be an int in [1, {limit}], got {max_batch!r}")
+        if not 1 <= max_batch <= limit:
+            raise ValueError(
+                f"max_batch must be an int in [1, {limit}] (the decode step's limit), "
+                f"got {max_batch!r}"
+            )
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         max_seq_len = max_seq_len or model.args.max_seq_len
@@ -120,12 +120,22 @@ class Generator:
             raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
         if not isinstance(prefix_rows, int) or prefix_rows < 0:
             raise ValueError(f"prefix_rows must be an int >= 0, got {prefix_rows!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int):
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int)
+                                  or pages < 2):  # fmt: skip
+            raise ValueError(f"pages must be an int >= 2 (page 0 is scratch), got {pages!r}")
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction!r}")
         self.model, self.max_batch, self.max_seq_len, self.chunk = (
             model,
             max_batch,
             max_seq_len,
             chunk,
         )
+        self.prefill_chunk = prefill_chunk
         self.device = model.device
         if graph_mode is None:
             graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
@@ -136,38 +146,45 @@ class Generator:
             )
         self.graph_mode = check_graph_mode(graph_mode)
         self.cascade = bool(cascade)
-        # cache rows: max_batch for requests, one scratch row for idle batch entries, then the
-        # shared-prefix rows; each row's length a multiple of 64 (the prefix pages' size rule)
-        self.scratch = max_batch
-        self.prefix_rows = list(range(max_batch + 1, max_batch + 1 + prefix_rows))
-        self.row_len = -(-max_seq_len // 64) * 64
+        self.n_prefixes = prefix_rows
+        self.row_pages = pages_for(max_seq_len)  # block-table width
+        full = 1 + (max_batch + prefix_rows) * self.row_pages
+        self._pages_asked = pages
+        self._n_pages = pages or pool_pages(model, cap=full, fraction=memory_fraction)
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-        self._steps: dict[tuple[int, bool], DecodeStep] = {}
-        self._prefixes: dict[tuple[int, ...], int] = {}  # cached prefix -> its row (LRU order)
+        self._steps: dict[tuple[int, bool, bool], DecodeStep] = {}
+        self._held: OrderedDict[tuple[int, ...], _Held] = OrderedDict()  # LRU order
         self._cache_ptr: int | None = None
+        self.pool = PagePool(self._n_pages)
         self._ensure_cache()
         self.stats = GenerationStats()
         self._on_tokens: TokenCallback | None = None
 
     # ---------------------------------------------------------------------------- steps
     def _ensure_cache(self) -> None:
-        """The model's KV cache as this engine laid it out. Anyone else may have replaced it
+        """The model's KV cache as this engine's page pool. Anyone else may have replaced it
         (the scorer's prefix pool does): then it is set up again, and the captured steps (which
-        hold the old cache's addresses) and the cached prefixes are dropped."""
+        hold the old cache's addresses) and the held prefixes are dropped."""
         m = self.model
-        rows = self.max_batch + 1 + len(self.prefix_rows)
         k0 = m.layers[0].attention.k_cache
         if (
             k0 is not None
             and k0.data_ptr() == self._cache_ptr
-            and (m.max_batch_size, m.max_seq_len) == (rows, self.row_len)
+            and (m.max_batch_size, m.max_seq_len) == (self._n_pages, PAGE_SIZE)
         ):
             return
         m.clear_cache()
-        m.setup_cache(rows, self.row_len)
+        m.setup_cache(self._n_pages, PAGE_SIZE)
+        m._rope_tables(self.row_pages * PAGE_SIZE)  # rows may run past 2 x args.max_seq_len
         self._cache_ptr = m.layers[0].attention.k_cache.data_ptr()
         self._steps.clear()
-        self._prefixes.clear()
+        self._held.clear()
+        self.pool = PagePool(self._n_pages)
+
+    @property
+    def held_pages(self) -> int:
+        """Pages the held shared prefixes hold (the pool's only pages in use between calls)."""
+        return sum(len(h.pages) for h in self._held.values())
 
     def _step(self, bucket: int, sampling: bool, cascade: bool = False) -> DecodeStep:
         """The step of a bucket, captured on first use; ``cascade``: the variant whose
@@ -175,28 +192,14 @@ class Generator:
         no shared prefix runs the step without the cascade's two extra launches per layer)."""
         key = (bucket, sampling, cascade)
         if key not in self._steps:
-            slots = len(self.prefix_rows) if cascade else 0
             step = DecodeStep(
                 self.model, bucket, self.chunk, sampling=sampling, graph_mode=self.graph_mode,
-                prefix_slots=slots,
+                prefix_slots=self.n_prefixes if cascade else 0, row_pages=self.row_pages,
             )  # fmt: skip
-            self._idle(step, range(bucket))
-            if slots:  # the prefix rows never move; what they hold is written per chunk
-                step.buffers.slot_rows.copy_(torch.tensor(self.prefix_rows, dtype=torch.int32))
             if self.graph_mode == "cuda_graph":
-                step.capture()
+                step.capture()  # idle entries: every table entry is the scratch page
             self._steps[key] = step
         return self._steps[key]
-
-    def _idle(self, step: DecodeStep, entries) -> None:
-        """Point batch entries at the scratch row (their writes and reads go nowhere useful)."""
-        idx = torch.tensor(list(entries), dtype=torch.long, device=self.device)
-        if idx.numel():
-            step.buffers.rows[idx] = self.scratch
-            step.buffers.prefix_lens[idx] = 0
-            step.buffers.positions[idx] = 0
-            step.buffers.tokens[idx] = 0
-            step.buffers.temperature[idx] = 0.0
 
     # --------------------------------------------------------------------------- public
     def generate(
@@ -210,13 +213,16 @@ class Generator:
         ``on_tokens(index, tokens, finish)``, when given, is called at every host check for each
         request that took new tokens (after its prefill, then once per decoded chunk) with the
         request's position, its tokens so far (as the result will hold them) and its finish
-        reason (None while it runs): what a caller streams text from as it is decoded."""
+        reason (None while it runs): what a caller streams text from as it is decoded. Every
+        page a row took is back in the pool when this returns (or raises); only the held
+        prefixes keep theirs."""
         self._validate(requests)
         self._ensure_cache()
-        self.stats = GenerationStats()
+        self.stats = GenerationStats(first_token_s=[float("nan")] * len(requests))
         self._on_tokens = on_tokens
+        self._t0 = time.perf_counter()
         shared = [0] * len(requests)
-        if self.prefix_rows:
+        if self.n_prefixes:
             from nakta_model.prefix_cache import shared_prefixes
 
             shared = shared_prefixes([list(r.prompt) for r in requests])
@@ -231,144 +237,204 @@ class Generator:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
-        while queue or any(slots):
-            free = [s for s in range(self.max_batch) if slots[s] is None]
-            admit = [queue.popleft() for _ in free[: len(queue)]]
-            if admit:
-                self._prefill(admit, free[: len(admit)], slots)
-                for r in admit:
-                    if r.finished:
-                        self._release(r, slots, done, bar)
-            active = [s for s in range(self.max_batch) if slots[s] is not None]
-            if not active:
-                continue
-            self._decode_chunk(active, slots)
-            for s in active:
-                if slots[s].finished:
-                    self._release(slots[s], slots, done, bar)
-        bar.close()
+        try:
+            while queue or any(slots):
+                self._admit(queue, slots, done, bar)
+                prefilling = [r for r in slots if r is not None and r.done < len(r.request.prompt)]
+                if prefilling:
+                    self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
+                    for r in prefilling:
+                        if r.finished:
+                            self._release(r, slots, done, bar)
+                active = [
+                    s for s, r in enumerate(slots)
+                    if r is not None and r.done == len(r.request.prompt)
+                ]  # fmt: skip
+                if not active:
+                    if not prefilling and queue and not any(slots):
+                        raise RuntimeError("generation engine: a request could not be admitted")
+                    continue
+                self._decode_chunk(active, slots)
+                for s in active:
+                    if slots[s].finished:
+                        self._release(slots[s], slots, done, bar)
+        finally:
+            for r in slots:
+                if r is not None:
+                    self._free_row(r)
+            bar.close()
         out: list[GenerationResult | None] = [None] * len(requests)
         for r in done:
-            out[r.index] = GenerationResult(r.tokens, r.text, r.finished)
+            out[r.index] = GenerationResult(r.tokens, r.text, r.finished, r.error)
             self.stats.generated_tokens += len(r.tokens)
         return out  # type: ignore[return-value]
 
-    # ---------------------------------------------------------------------------- phases
-    def _prefill(self, rows: list[_Row], cache_rows: list[int], slots) -> None:
-        """One packed forward over the admitted prompts; their first tokens on the device.
+    # ------------------------------------------------------------------------ admission
+    def _positions(self, r: _Row) -> int:
+        """Positions row r may write: its prompt and every decoded token but the last."""
+        return min(r.total, self.max_seq_len) - 1
 
-        A prefix shared by several prompts (or already in a prefix row) is computed once into
-        a prefix row, copied into each prompt's cache row, and only the rest of each prompt runs
-        here, attending to it (one ``PREFIX_ALIGN``-aligned segment per such prompt)."""
-        t0 = time.perf_counter()
-        prompts = [list(r.request.prompt) for r in rows]
-        shared = self._shared(prompts, [r.shared for r in rows])
-        toks, pos, start, cslots, last, entry = [], [], [], [], [], []
-        prefix_rows_used: list[int] = []
-        lengths: list[int] = []
-        current = -1
-        for p, c, n in zip(prompts, cache_rows, shared):
-            e = -1
-            if n:
-                self._copy_prefix(self._prefixes[tuple(p[:n])], c, n)
-                e = len(lengths)
-                prefix_rows_used.append(c)
-                lengths.append(n)
-            if e != current or e >= 0:  # a prompt with a prefix: a segment of its own
-                self._pad(toks, pos, start, cslots, entry, current)
-                current = e
-            s0 = len(toks)
-            toks += p[n:]
-            pos += range(n, len(p))
-            start += [s0] * (len(p) - n)
-            cslots += [c * self.row_len + i for i in range(n, len(p))]
-            entry += [e] * (len(p) - n)
-            last.append(len(toks) - 1)
-        if lengths:
-            self._pad(toks, pos, start, cslots, entry, current)
-        dev = self.device
-        as_t = lambda xs, dt=torch.int64: torch.tensor(xs, dtype=dt, device=dev)  # noqa: E731
-        prefix = None
-        if lengths:
-            from nakta_model.model import PrefixPages
+    def _admit(self, queue: deque, slots: list, done: list, bar) -> None:
+        """Move queued requests into free batch entries, in order, while the pool covers them;
+        a request that could never fit finishes with an error result."""
+        free = [s for s in range(self.max_batch) if slots[s] is None]
+        while queue and free:
+            r = queue[0]
+            need = pages_for(self._positions(r))
+            if need > self.pool.capacity:
+                queue.popleft()
+                r.finished = "error"
+                r.error = (
+                    f"requests[{r.index}] needs {need} KV pages ({len(r.request.prompt)} prompt "
+                    f"tokens + max_new_tokens={r.request.max_new_tokens}, pages of {PAGE_SIZE} "
+                    f"positions) but the pool holds {self.pool.capacity}"
+                )
+                self.stats.first_token_s[r.index] = time.perf_counter() - self._t0
+                if self._on_tokens is not None:
+                    self._on_tokens(r.index, r.tokens, r.finished)
+                done.append(r)
+                bar.update(1)
+                continue
+            if not self._reserve(r, [x for x in slots if x is not None]):
+                return
+            queue.popleft()
+            r.seq = self._admitted = getattr(self, "_admitted", 0) + 1
+            slots[free.pop(0)] = r
 
-            prefix = PrefixPages(
-                as_t([[r] for r in prefix_rows_used], torch.int32), as_t(lengths, torch.int32),
-                as_t(entry, torch.int32), self.row_len,
-            )  # fmt: skip
-        logits = self.model.forward_prefill(
-            as_t(toks), as_t(pos, torch.int32), as_t(start, torch.int32), as_t(cslots),
-            as_t(last), prefix=prefix,
-        )  # fmt: skip
-        params = [r.request.sampling for r in rows]
-        first = sample_next(
-            logits,
-            as_t([p.temperature for p in params], torch.float32),
-            as_t([p.top_k for p in params]),
-            as_t([p.top_p for p in params], torch.float32),
-            any_sampling=not all(p.greedy for p in params),
-        ).tolist()
-        for r, c, t, p, n in zip(rows, cache_rows, first, prompts, shared):
-            slots[c] = r
-            r.prefix = tuple(p[:n])
-            self._accept(r, [t])
-        self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefilled_tokens += sum(len(p) - n for p, n in zip(prompts, shared))
-        self.stats.prompt_tokens += sum(map(len, prompts))
+    def _available(self, running: list[_Row]) -> int:
+        return self.pool.free_pages - sum(x.reserved for x in running)
 
-    def _shared(self, prompts: list[list[int]], lengths: list[int]) -> list[int]:
-        """Per prompt, the length of its shared prefix, now held in a prefix row (0: none):
-        missing prefixes are computed into prefix rows first, without evicting one that
-        another prompt of this admission still needs (such a prompt prefills in full)."""
-        out, wave = [], set()
-        for p, n in zip(prompts, lengths):
-            key = tuple(p[:n])
-            if n and key not in self._prefixes:
-                if len(wave | {key}) > len(self.prefix_rows):
-                    n = 0
-                else:
-                    self._compute_prefix(key, keep=wave)
-            if n:
-                wave.add(key)
-                self._prefixes[key] = self._prefixes.pop(key)  # most recently used
-            out.append(n)
-        return out
+    def _reserve(self, r: _Row, running: list[_Row]) -> bool:
+        """Give row r its shared prefix's pages (computing the prefix when it is not held) and
+        reserve the pages it will write; False (nothing changed) when the pool cannot cover it
+        until running rows finish."""
+        key = tuple(r.request.prompt[: r.shared])
+        total = pages_for(self._positions(r))
 
-    def _compute_prefix(self, key: tuple[int, ...], keep: set) -> None:
-        """Prefill ``key`` into a free prefix row, else the least recently used one not in
-        ``keep`` (the prefixes this admission still copies)."""
-        used = set(self._prefixes.values())
-        free = [r for r in self.prefix_rows if r not in used]
-        if not free:
-            oldest = next(k for k in self._prefixes if k not in keep)
-            free = [self._prefixes.pop(oldest)]
-        row = free[0]
-        n = len(key)
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.model.forward_prefill(
-            torch.tensor(key, **i64), torch.arange(n, **i64), torch.zeros(n, **i64),
-            torch.arange(n, **i64) + row * self.row_len, torch.tensor([n - 1], **i64),
-        )  # fmt: skip
-        self._prefixes[key] = row
-        self.stats.prefilled_tokens += n
+        def fits() -> bool:
+            if not r.shared:
+                return total <= self._available(running)
+            held = self._held.get(key)
+            compute = 0 if held is not None else pages_for(r.shared)
+            return compute + total - r.shared // PAGE_SIZE <= self._available(running)
 
-    def _copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """K/V of positions ``[0, n)`` of cache row ``src`` into row ``dst``, every layer."""
-        a, b = src * self.row_len, dst * self.row_len
+        # held prefixes nobody else holds give their pages back when evicted (LRU first)
+        while not fits():
+            idle = [k for k, h in self._held.items() if k != key and self._unshared(h)]
+            if not idle:
+                break
+            self._evict(idle[0])
+        if not fits():
+            if running:
+                return False
+            for k in list(self._held):  # nothing runs: the pool is all this row's
+                self._evict(k)
+            r.shared = 0
+            key = ()
+        if r.shared:
+            held = self._held.get(key) or self._compute_prefix(key)
+            self._held.move_to_end(key)  # most recently used
+            n_full = r.shared // PAGE_SIZE
+            self.pool.incref(held.pages[:n_full])
+            r.pages, r.held, r.done = list(held.pages[:n_full]), held, r.shared
+            if r.shared % PAGE_SIZE:  # copy-on-write: the partial page's keys into its own
+                (own,) = self.pool.alloc(1)
+                self._copy_page(held.pages[n_full], own, r.shared % PAGE_SIZE)
+                r.pages.append(own)
+        r.reserved = total - len(r.pages)
+        self._note_peak()
+        return True
+
+    def _unshared(self, held: _Held) -> bool:
+        return all(self.pool.refs(p) == 1 for p in held.pages)
+
+    def _evict(self, key: tuple[int, ...]) -> None:
+        """Drop a held prefix: its pages go back once no row holds them any more."""
+        self.pool.free(self._held.pop(key).pages)
+
+    def _compute_prefix(self, key: tuple[int, ...]) -> _Held:
+        """Prefill ``key`` into pages of its own (one forward), evicting the least recently
+        used held prefix first when ``prefix_rows`` are held."""
+        if len(self._held) >= self.n_prefixes:
+            self._evict(next(iter(self._held)))
+        used = {h.slot for h in self._held.values()}
+        slot = next(i for i in range(self.n_prefixes) if i not in used)
+        pages = self.pool.alloc(pages_for(len(key)))
+        try:
+            stream = PrefillStream()
+            stream.add(list(key), 0, len(key), pages)
+            stream.run(self.model)
+        except BaseException:
+            self.pool.free(pages)
+            raise
+        held = self._held[key] = _Held(pages, len(key), slot)
+        self.stats.prefilled_tokens += len(key)
+        self._note_peak()
+        return held
+
+    def _copy_page(self, src: int, dst: int, n: int) -> None:
+        """K/V of the first ``n`` positions of page ``src`` into page ``dst``, every layer."""
+        a, b = src * PAGE_SIZE, dst * PAGE_SIZE
         for layer in self.model.layers:
             att = layer.attention
             att.k_cache[b : b + n].copy_(att.k_cache[a : a + n])
             att.v_cache[b : b + n].copy_(att.v_cache[a : a + n])
 
-    def _pad(self, toks, pos, start, cslots, entry, e: int) -> None:
-        """Pad the stream to a ``PREFIX_ALIGN`` boundary with tokens of entry ``e`` (the
-        segment they close): each its own sequence, its K/V written into the scratch row."""
-        n = -len(toks) % PREFIX_ALIGN
-        start.extend(range(len(toks), len(toks) + n))
-        toks.extend([0] * n)
-        pos.extend([0] * n)
-        cslots.extend([self.scratch * self.row_len] * n)
-        entry.extend([e] * n)
+    def _grow(self, r: _Row, positions: int) -> None:
+        """Pages for row r's first ``positions`` positions, from its reservation."""
+        need = pages_for(positions) - len(r.pages)
+        if need > 0:
+            if need > r.reserved:
+                raise RuntimeError(f"requests[{r.index}]: {need} pages past its reservation")
+            r.pages += self.pool.alloc(need)
+            r.reserved -= need
+            self._note_peak()
+
+    def _note_peak(self) -> None:
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
+
+    def _free_row(self, r: _Row) -> None:
+        self.pool.free(r.pages)
+        r.pages, r.reserved = [], 0
+
+    # ---------------------------------------------------------------------------- phases
+    def _prefill_chunk(self, rows: list[_Row]) -> None:
+        """One packed forward over the next pieces of the admitted prompts (at most
+        ``prefill_chunk`` tokens, oldest admission first); the rows whose prompt is then in
+        get their first token."""
+        t0 = time.perf_counter()
+        stream, pieces, budget = PrefillStream(), [], self.prefill_chunk
+        for r in rows:
+            if budget <= 0:
+                break
+            prompt = list(r.request.prompt)
+            n = min(len(prompt) - r.done, budget)
+            self._grow(r, r.done + n)
+            stream.add(prompt, r.done, n, r.pages)
+            pieces.append(r)
+            r.done += n
+            budget -= n
+        logits = stream.run(self.model)
+        self.stats.prefill_chunks += 1
+        self.stats.prefilled_tokens += self.prefill_chunk - budget
+        ready = [i for i, r in enumerate(pieces) if r.done == len(r.request.prompt)]
+        if ready:
+            params = [pieces[i].request.sampling for i in ready]
+            dev = self.device
+            first = sample_next(
+                logits[torch.tensor(ready, device=dev)],
+                torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                any_sampling=not all(p.greedy for p in params),
+            ).tolist()
+            now = time.perf_counter() - self._t0
+            for i, t in zip(ready, first):
+                r = pieces[i]
+                self.stats.prompt_tokens += len(r.request.prompt)
+                self.stats.first_token_s[r.index] = now
+                self._accept(r, [t])
+        self.stats.prefill_s += time.perf_counter() - t0
 
     def _decode_chunk(self, active: list[int], slots) -> None:
         """Replay the decode step for the active rows, then read and apply the new tokens."""
@@ -376,14 +442,17 @@ class Generator:
         need = max(active) + 1
         bucket = next(b for b in self.buckets if b >= need)
         sampling = any(not slots[s].request.sampling.greedy for s in active)
-        shared = any(slots[s].prefix and slots[s].prefix in self._prefixes for s in active)
-        step = self._step(bucket, sampling, self.cascade and shared)
+        shared = any(self._reads_held(slots[s]) for s in active)
+        step = self._step(bucket, sampling, self.cascade and shared and self.n_prefixes > 0)
         steps = self.chunk
         for s in active:
             r = slots[s]
             left = r.request.max_new_tokens - len(r.tokens)
             room = self.max_seq_len - (len(r.request.prompt) + len(r.tokens))
             steps = max(1, min(steps, left, room))
+        for s in active:  # pages for the positions this chunk writes
+            r = slots[s]
+            self._grow(r, len(r.request.prompt) + len(r.tokens) - 1 + steps)
         self._load(step, active, slots, bucket)
         step.run(steps)
         history = step.buffers.history[:, :steps].tolist()  # the one host sync per chunk
@@ -392,28 +461,33 @@ class Generator:
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_steps += steps
 
+    def _reads_held(self, r: _Row) -> bool:
+        """Row r's shared prefix is still held (not evicted since it was admitted)."""
+        return r.held is not None and self._held.get(tuple(r.request.prompt[: r.shared])) is r.held
+
     def _load(self, step: DecodeStep, active: list[int], slots, bucket: int) -> None:
-        """Write the active rows' state into the step's buffers (entry s = cache row s)."""
+        """Write the active rows' state into the step's buffers (entry s = batch slot s); idle
+        entries read and write the scratch page."""
         buf = step.buffers
-        tokens, positions, rows = [0] * bucket, [0] * bucket, [self.scratch] * bucket
-        pre_rows, pre_lens = [self.scratch] * bucket, [0] * bucket
+        width = self.row_pages
+        tokens, positions = [0] * bucket, [0] * bucket
+        table = [[0] * width for _ in range(bucket)]
+        pre_rows, pre_lens = [0] * bucket, [0] * bucket
         temp, top_k, top_p = [0.0] * bucket, [0] * bucket, [1.0] * bucket
+        cascade = buf.slot_table.numel() > 0
         for s in active:
             r = slots[s]
             tokens[s] = r.tokens[-1]
             positions[s] = len(r.request.prompt) + len(r.tokens) - 1
-            rows[s] = s
-            # the prefix row still holds the prefix (not evicted since): read it there, where
-            # the other rows of the prefix read it too; else the row's own copy
-            held = self._prefixes.get(r.prefix) if r.prefix else None
-            if held is not None:
-                pre_rows[s], pre_lens[s] = held, len(r.prefix)
+            table[s][: len(r.pages)] = r.pages
+            if cascade and self._reads_held(r):  # the cascade reads the held prefix's pages
+                pre_rows[s], pre_lens[s] = r.held.pages[0], r.held.length
             sp = r.request.sampling
             temp[s], top_k[s], top_p[s] = sp.temperature, sp.top_k, sp.top_p
         for t, v in (
             (buf.tokens, tokens),
             (buf.positions, positions),
-            (buf.rows, rows),
+            (buf.block_table, table),
             (buf.prefix_rows, pre_rows),
             (buf.prefix_lens, pre_lens),
             (buf.temperature, temp),
@@ -422,11 +496,14 @@ class Generator:
         ):
             t.copy_(torch.tensor(v, dtype=t.dtype), non_blocking=False)
         buf.step.zero_()
-        if buf.slot_rows.numel():  # what each prefix row holds now (0: nothing)
-            held = {row: len(key) for key, row in self._prefixes.items()}
-            buf.slot_lens.copy_(
-                torch.tensor([held.get(r, 0) for r in self.prefix_rows], dtype=torch.int32)
-            )
+        if cascade:  # each held prefix's pages in its slot (empty slots: length 0)
+            slot_table = [[0] * width for _ in range(self.n_prefixes)]
+            slot_lens = [0] * self.n_prefixes
+            for h in self._held.values():
+                slot_table[h.slot][: len(h.pages)] = h.pages
+                slot_lens[h.slot] = h.length
+            buf.slot_table.copy_(torch.tensor(slot_table, dtype=torch.int32))
+            buf.slot_lens.copy_(torch.tensor(slot_lens, dtype=torch.int32))
 
     def _accept(self, r: _Row, new: list[int]) -> None:
         """Append decoded tokens to a row until it finishes (stop token, budget, stop string)."""
@@ -452,6 +529,7 @@ class Generator:
             self._on_tokens(r.index, r.tokens, r.finished)
 
     def _release(self, r: _Row, slots, done: list[_Row], bar) -> None:
+        self._free_row(r)
         for s, x in enumerate(slots):
             if x is r:
                 slots[s] = None
@@ -480,29 +558,25 @@ class Generator:
 
 
 def fitting_batch(
-    model, max_seq_len: int, *, cap: int = BUCKETS[-1], prefix_rows: int = 2, fraction: float = 0.8
-) -> int:
-    """The most request rows (<= ``cap``) whose K/V cache of ``max_seq_len`` positions, with
-    the engine's scratch and ``prefix_rows`` rows, fits in ``fraction`` of the device memory
-    that is free once the model's current cache is dropped (CPU: ``cap``). More rows per step
-    spread each step's weight reads over more tokens; the cache is what bounds them."""
-    if not isinstance(cap, int) or not 1 <= cap <= BUCKETS[-1]:
-        raise ValueError(f"cap must be an int in [1, {BUCKETS[-1]}], got {cap!r}")
+    model, max_seq_len: int, *, cap: int | None = None, prefix_rows: int = 2,
+    fraction: float = 0.8,
+) -> int:  # fmt: skip
+    """The most rows (<= ``cap``, default :func:`max_rows`) that can all hold ``max_seq_len``
+    positions at once, with ``prefix_rows`` held prefixes as long, in a KV pool of
+    ``fraction`` of the device memory free once the model's current cache is dropped (CPU:
+    ``cap``): a ``max_batch`` whose rows never wait for pages. Rows take pages as they grow, so
+    more rows than this run at once when prompts and continuations are shorter."""
+    limit = max_rows()
+    cap = limit if cap is None else cap
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= limit:
+        raise ValueError(f"cap must be an int in [1, {limit}], got {cap!r}")
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
     if model.device.type != "cuda":
         return cap
-    per_position = (
-        sum(2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in model.layers)
-        * torch.empty((), dtype=model.dtype).element_size()
-    )
-    held = 0
-    k0 = model.layers[0].attention.k_cache
-    if k0 is not None:  # the current cache is given back before the new one is made
-        held = 2 * len(model.layers) * k0.numel() * k0.element_size()
-    free = torch.cuda.mem_get_info(model.device)[0] + held
-    rows = int(fraction * free // (per_position * (-(-max_seq_len // 64) * 64))) - 1 - prefix_rows
-    return max(1, min(cap, rows))
+    width = pages_for(max_seq_len)
+    pages = pool_pages(model, cap=1 << 40, fraction=fraction)
+    return max(1, min(cap, (pages - 1) // width - prefix_rows))
 
 
 def greedy_requests(

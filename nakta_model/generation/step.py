@@ -4,7 +4,7 @@ A decode step reads every weight once for a handful of tokens, so its floor is t
 bytes over the copy bandwidth, and every extra kernel costs launch and tail time. Per layer:
 
 1. RMSNorm + ``wqkv`` + RoPE, K/V written into the cache   (``decode_linear``: NORM + ROPE)
-2. attention over each row's cache                         (``decode_attention``, split-K)
+2. attention over each row's cache pages                   (``decode_attention``, split-K)
 3. ``wo`` + residual add                                    (``decode_linear``: RESIDUAL)
 4. RMSNorm + ``w13`` + SwiGLU                               (``decode_linear``: NORM + SWIGLU)
 5. ``w2`` + residual add                                    (``decode_linear``: RESIDUAL)
@@ -38,7 +38,14 @@ from nakta_model.kernels import decode_linear as _dl
 from nakta_model.kernels._checks import mark_compile_constants
 from nakta_model.parallel import all_reduce
 
-__all__ = ["GRAPH_MODES", "MAX_ROWS", "DecodeBuffers", "DecodeStep", "check_graph_mode"]
+__all__ = [
+    "GRAPH_MODES",
+    "MAX_ROWS",
+    "DecodeBuffers",
+    "DecodeStep",
+    "batch_limit",
+    "check_graph_mode",
+]
 
 MAX_ROWS = _gemm.MAX_ROWS  # rows a step may hold; above the crossover its linears are GEMMs
 
@@ -49,19 +56,21 @@ GRAPH_MODES = ("cuda_graph", "compile", "eager")
 class DecodeBuffers:
     """The step's inputs and outputs, on the device, at fixed addresses (graph capture).
 
-    Row b of the batch holds its last token ``tokens[b]`` at position ``positions[b]`` of cache
-    row ``rows[b]``, its first ``prefix_lens[b]`` keys in cache row ``prefix_rows[b]`` (a
-    shared prompt prefix, read in place; 0: none); ``temperature``/``top_k``/``top_p`` are its
-    sampling settings. ``slot_rows``/``slot_lens``: the cache rows that hold shared prefixes
-    and their lengths (the attention's cascade computes each once for all its rows; empty:
-    no cascade). Each step
-    writes the chosen token into ``history[:, step]`` and advances ``tokens``, ``positions``
-    and ``step`` in place, so replaying the step N times decodes N tokens per row.
+    Row b of the batch holds its last token ``tokens[b]`` at position ``positions[b]``; its
+    keys live in the model's KV cache viewed as pages of ``page`` positions (``setup_cache(
+    n_pages, page)``), key s in page ``block_table[b, s // page]`` (the step writes the new
+    token's K/V there too). ``temperature``/``top_k``/``top_p`` are its sampling settings.
+    ``slot_table``/``slot_lens``: the page tables of held shared prefixes and their lengths
+    (empty: no cascade); row b reads its first ``prefix_lens[b]`` keys from the slot whose
+    first page is ``prefix_rows[b]``, computed once for all its rows by the attention's
+    cascade. Each step writes the chosen token into ``history[:, step]`` and advances
+    ``tokens``, ``positions`` and ``step`` in place, so replaying the step N times decodes N
+    tokens per row.
     """
 
     tokens: torch.Tensor  # int64 [B]
     positions: torch.Tensor  # int32 [B]
-    rows: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor  # int32 [B, W]
     prefix_rows: torch.Tensor  # int32 [B]
     prefix_lens: torch.Tensor  # int32 [B]
     temperature: torch.Tensor  # fp32 [B]
@@ -69,12 +78,12 @@ class DecodeBuffers:
     top_p: torch.Tensor  # fp32 [B]
     history: torch.Tensor  # int64 [B, chunk]
     step: torch.Tensor  # int64 [1]
-    slot_rows: torch.Tensor  # int32 [P]
+    slot_table: torch.Tensor  # int32 [P, W]
     slot_lens: torch.Tensor  # int32 [P]
 
     @classmethod
     def allocate(
-        cls, batch: int, chunk: int, device: torch.device, slots: int = 0
+        cls, batch: int, chunk: int, device: torch.device, slots: int = 0, row_pages: int = 1
     ) -> DecodeBuffers:
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
@@ -82,7 +91,7 @@ class DecodeBuffers:
         return cls(
             tokens=torch.zeros(batch, **i64),
             positions=torch.zeros(batch, **i32),
-            rows=torch.zeros(batch, **i32),
+            block_table=torch.zeros(batch, row_pages, **i32),
             prefix_rows=torch.zeros(batch, **i32),
             prefix_lens=torch.zeros(batch, **i32),
             temperature=torch.zeros(batch, **f32),
@@ -90,9 +99,16 @@ class DecodeBuffers:
             top_p=torch.ones(batch, **f32),
             history=torch.zeros(batch, chunk, **i64),
             step=torch.zeros(1, **i64),
-            slot_rows=torch.zeros(slots, **i32),
+            slot_table=torch.zeros(slots, row_pages, **i32),
             slot_lens=torch.zeros(slots, **i32),
         )
+
+
+def batch_limit() -> int:
+    """The most rows one :class:`DecodeStep` takes (the generation engine keeps its batch
+    buckets within it): :data:`MAX_ROWS` (the GEMVs take up to ``decode_linear.MAX_BATCH``,
+    the GEMM path the rest)."""
+    return MAX_ROWS
 
 
 def check_graph_mode(graph_mode: object) -> str:
@@ -107,9 +123,11 @@ class DecodeStep:
     and :meth:`run` replays it (CUDA). ``sampling=False`` keeps the step greedy (no sort, no
     draw). ``graph_mode="compile"``: :meth:`run` calls the step compiled by ``torch.compile``
     (reduce-overhead: inductor + CUDA graph trees) and :meth:`capture` is refused.
-    ``prefix_slots``: how many cache rows may hold shared prefixes (``buffers.slot_rows`` /
-    ``slot_lens``), each computed once per step for all the rows that read it (the attention's
-    cascade); 0 reads prefixes row by row."""
+    ``prefix_slots``: how many held shared prefixes (``buffers.slot_table`` / ``slot_lens``)
+    the attention's cascade computes once per step for all the rows that read them; 0: every
+    row reads its prefix's pages through its own block table. ``row_pages``: the block tables'
+    width W (a row holds up to ``W * page`` positions, ``page = model.max_seq_len``: the KV
+    cache set up as pages); 1 is the unpaged layout, one cache row a batch row."""
 
     def __init__(
         self,
@@ -120,6 +138,7 @@ class DecodeStep:
         sampling: bool,
         graph_mode: str = "cuda_graph",
         prefix_slots: int = 0,
+        row_pages: int = 1,
     ):
         self.graph_mode = check_graph_mode(graph_mode)
         if not 1 <= batch <= MAX_ROWS:
@@ -129,14 +148,17 @@ class DecodeStep:
             raise ValueError("the model needs a KV cache: call model.setup_cache() first")
         if isinstance(prefix_slots, bool) or not isinstance(prefix_slots, int) or prefix_slots < 0:
             raise ValueError(f"prefix_slots must be an int >= 0, got {prefix_slots!r}")
+        if isinstance(row_pages, bool) or not isinstance(row_pages, int) or row_pages < 1:
+            raise ValueError(f"row_pages must be an int >= 1, got {row_pages!r}")
         self.model, self.batch, self.sampling = model, batch, sampling
-        self.buffers = DecodeBuffers.allocate(batch, chunk, model.device, prefix_slots)
+        self.buffers = DecodeBuffers.allocate(batch, chunk, model.device, prefix_slots, row_pages)
         args = model.args
         tp = model.parallel.tp_size
         self.n_q, self.n_kv = args.n_heads // tp, args.n_kv_heads // tp
         self.head_dim = args.head_dim
-        self.cache_len = model.max_seq_len
-        self.cos, self.sin = model._rope_tables(model.max_seq_len)
+        self.page = model.max_seq_len  # positions per page of the KV cache
+        self.cache_len = row_pages * self.page  # the most positions a row holds
+        self.cos, self.sin = model._rope_tables(self.cache_len)
         self.kernels = model.ops.triton(model.output.weight)
         self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
         self.slot_splits = (
@@ -172,9 +194,10 @@ class DecodeStep:
 
     def _attention(self, q, k_cache, v_cache, lens) -> torch.Tensor:
         buf = self.buffers
-        kw = dict(rows=buf.rows, prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
-        if buf.slot_rows.numel():
-            kw["prefix_slots"] = (buf.slot_rows, buf.slot_lens)
+        kw = dict(block_table=buf.block_table)
+        if buf.slot_table.numel():
+            kw.update(prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
+            kw["prefix_slots"] = (buf.slot_table, buf.slot_lens)
         if self.kernels:
             return _da.decode_attention(
                 q, k_cache, v_cache, lens, n_splits=self.splits, workspace=self.workspace, **kw
@@ -187,14 +210,16 @@ class DecodeStep:
         ctx = m.parallel
         b, hq, hkv, hd = self.batch, self.n_q, self.n_kv, self.head_dim
         positions = buf.positions
-        slots = buf.rows * self.cache_len + positions
+        # each row's write slot through its block table, on the device (graph-safe)
+        page_of = buf.block_table.gather(1, (positions // self.page).long()[:, None])[:, 0]
+        slots = page_of * self.page + positions % self.page
         lens = positions + 1
         h = m.tok_embeddings(buf.tokens)
         for layer in m.layers:
             a, f = layer.attention, layer.feed_forward
             norm1, norm2 = layer.attention_norm, layer.ffn_norm
-            kc = a.k_cache.view(-1, self.cache_len, hkv, hd)
-            vc = a.v_cache.view(-1, self.cache_len, hkv, hd)
+            kc = a.k_cache.view(-1, self.page, hkv, hd)
+            vc = a.v_cache.view(-1, self.page, hkv, hd)
             if a.interleaved:
                 rope = _dl.RopeArgs(
                     positions, self.cos, self.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots

@@ -1,5 +1,5 @@
 """The Triton kernels of ``decode_attention.py``: the split-K pass, the cascade's prefix pass and
-the combining pass.
+the combining pass, each reading keys through a page table (the row form: one page a row).
 
 Kept apart from the launcher, its checks and the reference so that neither file grows past a
 readable size (the house's ``_<op>_kernels.py`` convention); what they compute and how they
@@ -68,38 +68,44 @@ def _online_step(
 
 @triton.jit
 def _chunk(lens_ptr, b, s_max, n_splits, split, base, BLOCK_S: tl.constexpr):
-    """This split's key range ``[start, end)`` of row b's keys ``[base, length)`` (spread
-    evenly over the splits, in whole ``BLOCK_S`` tiles) and whether the length is out of
-    range."""
+    """This split's key range ``[start, end)`` of row b's keys ``[base, length)``, spread
+    evenly over the splits in whole ``BLOCK_S`` tiles that start on a ``BLOCK_S`` boundary (so
+    a tile never straddles two pages: the first tile starts at ``base`` rounded down, and keys
+    below ``lo`` are masked), ``lo`` and whether the length is out of range."""
     length = tl.load(lens_ptr + b).to(tl.int32)
     bad = (length < 0) | (length > s_max)
     length = tl.where(bad, 0, length)
-    base = tl.minimum(base, length)
-    chunk = tl.cdiv(tl.cdiv(length - base, n_splits), BLOCK_S) * BLOCK_S
-    start = base + split * chunk
+    lo = tl.minimum(base, length)
+    aligned = (lo // BLOCK_S) * BLOCK_S
+    chunk = tl.cdiv(tl.cdiv(length - aligned, n_splits), BLOCK_S) * BLOCK_S
+    start = aligned + split * chunk
     end = tl.minimum(start + chunk, length)
-    return start, end, bad
+    end = tl.where(lo < length, end, start)  # nothing past the prefix: an empty chunk
+    return start, end, lo, bad
 
 
 @triton.jit
 def _attn_split_kernel(
-    Q, K, V, LENS, ROWS, PRE_ROWS, PRE_LENS, OUT, WS, s_max, n_splits,
+    Q, K, V, LENS, TABLE, PRE_ROWS, PRE_LENS, OUT, WS, s_max, page, n_splits, stride_tb,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_ROWS: tl.constexpr,
+    UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
     HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
     ``SINGLE`` (one split): normalise and write the output; otherwise write the partial
-    ``(acc, max, sum)`` to the workspace (neutral when the chunk is empty). ``HAS_ROWS``: row b
-    reads cache row ``ROWS[b]`` (continuous batching: any request in any cache row).
-    ``HAS_PREFIX``: keys ``< PRE_LENS[b]`` come from cache row ``PRE_ROWS[b]`` (a prompt prefix
-    several rows share: they read one copy, which stays in L2 while the rows' programs run);
-    with ``CASCADE`` they are not read here at all (``_attn_prefix_kernel`` does them) and the
-    splits cover keys ``[PRE_LENS[b], length)`` of the row itself.
+    ``(acc, max, sum)`` to the workspace (neutral when the chunk is empty). ``HAS_TABLE``: key
+    s of row b lies in page ``TABLE[b * stride_tb + s // page]`` of the cache (``[pages, page,
+    n_kv, hd]``) at offset ``s % page``: one table load per key tile (a tile never straddles
+    two pages); the row form (cache row ``rows[b]``) is the table ``rows`` with one page of
+    ``S_max`` keys per row. Without a table row b reads cache row b.
+    ``HAS_PREFIX`` (row form only): keys ``< PRE_LENS[b]`` come from cache row ``PRE_ROWS[b]``
+    (a prompt prefix several rows share: they read one copy, which stays in L2 while the rows'
+    programs run); with ``CASCADE`` they are not read here at all (``_attn_prefix_kernel`` does
+    them) and the splits cover keys ``[PRE_LENS[b], length)`` of the row itself.
     """
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -113,42 +119,43 @@ def _attn_split_kernel(
         base = tl.load(PRE_LENS + b).to(tl.int32)
     else:
         base = 0
-    start, end, bad = _chunk(LENS, b, s_max, n_splits, split, base, BLOCK_S)
+    start, end, lo, bad = _chunk(LENS, b, s_max, n_splits, split, base, BLOCK_S)
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats to Triton as fp64
 
     q_mask = g_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    if HAS_ROWS:
-        row = tl.load(ROWS + b).to(tl.int64)
-    else:
-        row = b
-    if HAS_PREFIX and not CASCADE:
+    if HAS_PREFIX and not CASCADE:  # the row form, a prefix read in place: row chosen per key
+        if HAS_TABLE:
+            row = tl.load(TABLE + b * stride_tb).to(tl.int64)
+        else:
+            row = b
         pre_row = tl.load(PRE_ROWS + b).to(tl.int64)
         pre_len = tl.load(PRE_LENS + b).to(tl.int32)
-        k_base = K + kvh.to(tl.int64) * stride_kh + d[None, :]  # the row is chosen per key
-        v_base = V + kvh.to(tl.int64) * stride_vh + d[None, :]
-    else:
-        k_base = K + row * stride_kb + kvh.to(tl.int64) * stride_kh + d[None, :]
-        v_base = V + row * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
+    k_base = K + kvh.to(tl.int64) * stride_kh + d[None, :]
+    v_base = V + kvh.to(tl.int64) * stride_vh + d[None, :]
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     offs_s = tl.arange(0, BLOCK_S)
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + offs_s
-        k_ok = keys < end
+        k_ok = (keys < end) & (keys >= lo)
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        rows = keys.to(tl.int64)[:, None]
         if HAS_PREFIX and not CASCADE:
             from_row = tl.where(keys < pre_len, pre_row, row)[:, None]
-            k = tl.load(k_base + from_row * stride_kb + rows * stride_ks, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + from_row * stride_vb + rows * stride_vs, mask=kv_mask, other=0.0)
+            within = keys.to(tl.int64)[:, None]
         else:
-            k = tl.load(k_base + rows * stride_ks, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + rows * stride_vs, mask=kv_mask, other=0.0)
+            if HAS_TABLE:
+                from_row = tl.load(TABLE + b * stride_tb + s0 // page).to(tl.int64)
+            else:
+                from_row = b
+            within = (s0 % page + offs_s).to(tl.int64)[:, None]
+        k = tl.load(k_base + from_row * stride_kb + within * stride_ks, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + from_row * stride_vb + within * stride_vs, mask=kv_mask, other=0.0)
         s = _scores(q, k, USE_DOT, PREC, UPCAST) * qk_scale
         s = tl.where(k_ok[None, :], s, float("-inf"))
-        # the first tile of a non-empty chunk holds a valid key, so the max is finite
+        # the first tile of a non-empty chunk holds a valid key (``lo`` or ``start``), so the
+        # max is finite
         m, l, acc = _online_step(m, l, acc, s, v, False, USE_DOT, PREC, UPCAST, EMULATE_RNE,
                                  BLOCK_S)  # fmt: skip
 
@@ -166,18 +173,19 @@ def _attn_split_kernel(
 
 @triton.jit
 def _attn_prefix_kernel(
-    Q, K, V, LENS, PRE_ROWS, PRE_LENS, SLOT_ROWS, SLOT_LENS, WS, batch, s_max, n_splits,
-    n_psplits, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-    stride_vh, stride_wb, stride_wh, stride_ws, qk_scale,
+    Q, K, V, LENS, PRE_ROWS, PRE_LENS, SLOT_TABLE, SLOT_LENS, WS, batch, s_max, page, n_splits,
+    n_psplits, stride_st, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+    stride_vs, stride_vh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
     """One program: one chunk of slot p's prefix keys (KV head kvh) against the queries of
     every row that reads that prefix, ``BLOCK_Q`` (row, head) pairs at a time, as one
     tensor-core tile; writes those pairs' partials into split ``n_splits + p * n_psplits +
-    psplit`` (neutral for the pairs of other rows). Row b reads slot p when ``PRE_ROWS[b]`` is
-    the slot's row and ``PRE_LENS[b] > 0``; it sees the slot's keys ``< min(PRE_LENS[b],
-    LENS[b])``."""
+    psplit`` (neutral for the pairs of other rows). Slot p's key s lies in page
+    ``SLOT_TABLE[p * stride_st + s // page]`` (the row form: its cache row, one page of
+    ``S_max`` keys). Row b reads slot p when ``PRE_ROWS[b]`` is the slot's first page (its
+    row) and ``PRE_LENS[b] > 0``; it sees the slot's keys ``< min(PRE_LENS[b], LENS[b])``."""
     p = tl.program_id(0)
     kvh = tl.program_id(1)
     psplit = tl.program_id(2) % n_psplits
@@ -189,12 +197,13 @@ def _attn_prefix_kernel(
     i_ok = b < batch
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    slot_row = tl.load(SLOT_ROWS + p).to(tl.int64)
+    table = SLOT_TABLE + p.to(tl.int64) * stride_st
+    slot_key = tl.load(table).to(tl.int64)
     slot_len = tl.load(SLOT_LENS + p).to(tl.int32)
     slot_len = tl.minimum(tl.maximum(slot_len, 0), s_max)
     length = tl.load(LENS + b, mask=i_ok, other=0).to(tl.int32)
     plen = tl.load(PRE_LENS + b, mask=i_ok, other=0).to(tl.int32)
-    member = i_ok & (tl.load(PRE_ROWS + b, mask=i_ok, other=-1).to(tl.int64) == slot_row)
+    member = i_ok & (tl.load(PRE_ROWS + b, mask=i_ok, other=-1).to(tl.int64) == slot_key)
     plen = tl.where(member & (length >= 0) & (length <= s_max), tl.minimum(plen, length), 0)
     chunk = tl.cdiv(tl.cdiv(slot_len, n_psplits), BLOCK_S) * BLOCK_S
     start = psplit * chunk
@@ -203,8 +212,8 @@ def _attn_prefix_kernel(
     q_mask = i_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=q_mask, other=0.0)  # fmt: skip
-    k_base = K + slot_row * stride_kb + kvh.to(tl.int64) * stride_kh + d[None, :]
-    v_base = V + slot_row * stride_vb + kvh.to(tl.int64) * stride_vh + d[None, :]
+    k_base = K + kvh.to(tl.int64) * stride_kh + d[None, :]
+    v_base = V + kvh.to(tl.int64) * stride_vh + d[None, :]
     m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
@@ -213,9 +222,10 @@ def _attn_prefix_kernel(
         keys = s0 + offs_s
         k_ok = keys < end
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        rows = keys.to(tl.int64)[:, None]
-        k = tl.load(k_base + rows * stride_ks, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows * stride_vs, mask=kv_mask, other=0.0)
+        pg = tl.load(table + s0 // page).to(tl.int64)
+        within = (s0 % page + offs_s).to(tl.int64)[:, None]
+        k = tl.load(k_base + pg * stride_kb + within * stride_ks, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + pg * stride_vb + within * stride_vs, mask=kv_mask, other=0.0)
         s = _scores(q, k, True, PREC, UPCAST) * qk_scale
         s = tl.where(keys[None, :] < plen[:, None], s, float("-inf"))
         # a pair may have no key here (another row's, or past its prefix): SAFE

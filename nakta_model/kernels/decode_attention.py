@@ -22,6 +22,13 @@ cache_lens[b])``). Both write partials that the combining kernel merges (a row's
 one more split to it). Few-shot generation (GSM8K, BBH) spends most of a step's attention on
 the shared prefix: batch 64 with a 768-token shared prompt read it 64 times per layer.
 
+Paged KV cache (``block_table``): the caches are a pool of pages (``[n_pages, page, n_kv,
+hd]``) and each row's keys are the pages its block table lists; every key tile (``BLOCK_S``
+keys, a divisor of the page) lies in one page, so the paged read costs one table load per tile.
+The row form (``rows``: row b reads cache row ``rows[b]``) is the table with one page a row.
+Shared prefixes are then pages several tables hold (read once from HBM, served from L2 to the
+other rows), and the cascade's slots are page tables too.
+
 CUDA-graph capturable: the grid ``(B, n_kv_heads, n_splits)`` depends on shapes only
 (``n_splits`` from the batch, KV heads and cache length, never from ``cache_lens``' values);
 each program derives its chunk from ``cache_lens[b]`` on the device (the valid keys are spread
@@ -50,6 +57,7 @@ import triton
 
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_dtype,
     check_index,
     check_ndim,
@@ -163,7 +171,7 @@ def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
 
 def _check_args(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, *, for_kernel: bool,
-    rows=None, prefix_rows=None, prefix_lens=None, prefix_slots=None,
+    rows=None, prefix_rows=None, prefix_lens=None, prefix_slots=None, block_table=None,
 ) -> tuple[float, int, int]:  # fmt: skip
     """Validate a ``decode_attention`` call; returns ``(scale, n_splits, n_psplits)`` (the
     cascade's splits per slot, 0 without ``prefix_slots``)."""
@@ -183,12 +191,16 @@ def _check_args(
             f"and {tuple(v_cache.shape)}"
         )
     b_max, s_max, n_kv, hd = k_cache.shape
-    need_rows = 1 if rows is not None else batch
+    paged = block_table is not None
+    need_rows = 1 if rows is not None or paged else batch
     if hd != head_dim or b_max < need_rows or s_max < 1 or n_kv < 1:
         raise ValueError(
             f"k_cache must have shape [B_max >= {need_rows}, S_max > 0, n_kv_heads, "
             f"head_dim={head_dim}], got {tuple(k_cache.shape)}"
         )
+    if paged:
+        block_table = _check_block_table(block_table, rows, prefix_rows, prefix_slots, q)
+        s_max = block_table.shape[1] * k_cache.shape[1]  # the most keys a row can hold
     if rows is not None:
         rows = check_index("rows", rows, batch, per="row of q")
         if rows.device != q.device:
@@ -221,8 +233,19 @@ def _check_args(
             raise ValueError(f"out must be unit-stride in its last dimension, got {out.stride()}")
     n_psplits = 0
     if prefix_slots is not None:
-        slot_rows, slot_lens = _check_slots(prefix_slots, prefix_rows, q)
+        slot_rows, slot_lens = _check_slots(prefix_slots, prefix_rows, q, paged)
         n_psplits = cascade_splits(batch, n_q, n_kv, slot_rows.shape[0], s_max, q.device)
+    if paged and for_kernel and block_table.shape[1] > 1:
+        page = k_cache.shape[1]
+        kinds = ("dot" if _TUNE.get("USE_DOT", 1) else "fma",) + (
+            ("cascade",) if prefix_slots is not None else ()
+        )
+        for kind in kinds:
+            if page % _config(kind)["BLOCK_S"]:
+                raise ValueError(
+                    f"the page size (k_cache.shape[1] = {page}) must be a multiple of the "
+                    f"{kind} kernel's BLOCK_S={_config(kind)['BLOCK_S']} (a key tile in one page)"
+                )
     if workspace is not None:
         n_slots = 0 if prefix_slots is None else slot_rows.shape[0]
         _check_workspace(workspace, batch, n_q, head_dim, n_splits + n_slots * n_psplits)
@@ -236,7 +259,9 @@ def _check_args(
         lo, hi = int(cache_lens.min()), int(cache_lens.max())
         if lo < 0 or hi > s_max:
             raise ValueError(f"cache_lens must lie in [0, S_max={s_max}], got [{lo}, {hi}]")
-        for name, t in (("rows", rows), ("prefix_rows", prefix_rows)):
+        if paged:
+            _check_pages("block_table", block_table, cache_lens, k_cache.shape[1], b_max)
+        for name, t in (("rows", rows), ("prefix_rows", None if paged else prefix_rows)):
             if t is not None and (int(t.min()) < 0 or int(t.max()) >= b_max):
                 raise ValueError(
                     f"{name} must lie in [0, B_max={b_max}), got [{int(t.min())}, {int(t.max())}]"
@@ -249,22 +274,69 @@ def _check_args(
                 f"[{int(prefix_lens.min())}, {int(prefix_lens.max())}]"
             )
         if prefix_slots is not None:
-            _check_slot_values(slot_rows, slot_lens, prefix_rows, prefix_lens, b_max, s_max)
+            _check_slot_values(
+                slot_rows, slot_lens, prefix_rows, prefix_lens, b_max, s_max, k_cache.shape[1]
+            )
     return float(scale), n_splits, n_psplits
 
 
-def _check_slots(prefix_slots: object, prefix_rows, q) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_block_table(block_table, rows, prefix_rows, prefix_slots, q) -> torch.Tensor:
+    """The paged form's table: int ``[B, pages per row]``, unit-stride columns; shared
+    prefixes are pages of it (``prefix_rows`` only names the cascade's slots)."""
+    if rows is not None:
+        raise ValueError("give rows or block_table, not both (rows is the one-page-a-row table)")
+    if prefix_rows is not None and prefix_slots is None:
+        raise ValueError(
+            "with block_table, prefix_rows/prefix_lens only go with prefix_slots (a shared "
+            "prefix is read through the rows' block tables, which hold its pages)"
+        )
+    t = check_tensor("block_table", block_table)
+    check_dtype("block_table", t, INDEX_DTYPES)
+    check_ndim("block_table", t, 2)
+    if t.shape[0] != q.shape[0] or t.shape[1] < 1:
+        raise ValueError(
+            f"block_table must have shape [B={q.shape[0]}, pages >= 1], got {tuple(t.shape)}"
+        )
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"block_table must be unit-stride along its columns, got {t.stride()}")
+    if t.device != q.device:
+        raise ValueError(f"block_table is on {t.device} but q is on {q.device}")
+    return t
+
+
+def _check_pages(name: str, table, lens, page: int, n_pages: int) -> None:
+    """CPU/debug: the pages that hold each row's ``lens[b]`` keys lie in ``[0, n_pages)``."""
+    need = (lens.long().cpu() + page - 1) // page
+    cols = torch.arange(table.shape[1])[None, :]
+    used = table.long().cpu()[cols < need[:, None]]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= n_pages):
+        raise ValueError(
+            f"{name} must hold pages in [0, {n_pages}) for every key it covers, got "
+            f"[{int(used.min())}, {int(used.max())}]"
+        )
+
+
+def _check_slots(
+    prefix_slots: object, prefix_rows, q, paged: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_rows [P], slot_lens [P])``; paged: ``(slot_table [P, pages], slot_lens [P])``
+    (``prefix_rows`` names a slot by its first page)."""
     if not isinstance(prefix_slots, (tuple, list)) or len(prefix_slots) != 2:
         raise TypeError("prefix_slots must be a pair (slot_rows, slot_lens) of int tensors")
     if prefix_rows is None:
         raise ValueError("prefix_slots needs prefix_rows and prefix_lens")
     slot_rows = check_tensor("prefix_slots[0]", prefix_slots[0])
-    n = slot_rows.shape[0] if slot_rows.dim() == 1 else 0
+    ndim = 2 if paged else 1
+    n = slot_rows.shape[0] if slot_rows.dim() == ndim else 0
     if n < 1:
-        raise ValueError(
-            f"prefix_slots[0] must be 1-D with >= 1 slot, got {tuple(slot_rows.shape)}"
-        )
-    slot_rows = check_index("prefix_slots[0]", slot_rows, n, per="slot")
+        what = "2-D [slots >= 1, pages] (page tables)" if paged else "1-D with >= 1 slot"
+        raise ValueError(f"prefix_slots[0] must be {what}, got {tuple(slot_rows.shape)}")
+    if paged:
+        check_dtype("prefix_slots[0]", slot_rows, INDEX_DTYPES)
+        if slot_rows.shape[1] > 1 and slot_rows.stride(1) != 1:
+            raise ValueError("prefix_slots[0] must be unit-stride along its columns")
+    else:
+        slot_rows = check_index("prefix_slots[0]", slot_rows, n, per="slot")
     slot_lens = check_index("prefix_slots[1]", prefix_slots[1], n, per="slot")
     for name, t in (("prefix_slots[0]", slot_rows), ("prefix_slots[1]", slot_lens)):
         if t.device != q.device:
@@ -272,14 +344,21 @@ def _check_slots(prefix_slots: object, prefix_rows, q) -> tuple[torch.Tensor, to
     return slot_rows, slot_lens
 
 
-def _check_slot_values(slot_rows, slot_lens, prefix_rows, prefix_lens, b_max, s_max) -> None:
-    """CPU/debug: the slots' rows and lengths in range, and every row with a prefix reads one
-    of them, no further than the slot holds."""
-    rows, lens = slot_rows.long().cpu(), slot_lens.long().cpu()
-    if int(rows.min()) < 0 or int(rows.max()) >= b_max:
-        raise ValueError(f"prefix_slots[0] must lie in [0, B_max={b_max})")
+def _check_slot_values(
+    slot_rows, slot_lens, prefix_rows, prefix_lens, b_max, s_max, page: int = 0
+) -> None:
+    """CPU/debug: the slots' rows (paged: the pages of their keys) and lengths in range, and
+    every row with a prefix reads one of them, no further than the slot holds."""
+    lens = slot_lens.long().cpu()
     if int(lens.min()) < 0 or int(lens.max()) > s_max:
         raise ValueError(f"prefix_slots[1] must lie in [0, S_max={s_max}]")
+    if slot_rows.dim() == 2:
+        _check_pages("prefix_slots[0]", slot_rows, slot_lens, page, b_max)
+        rows = slot_rows[:, 0].long().cpu()
+    else:
+        rows = slot_rows.long().cpu()
+        if int(rows.min()) < 0 or int(rows.max()) >= b_max:
+            raise ValueError(f"prefix_slots[0] must lie in [0, B_max={b_max})")
     held = dict(zip(rows.tolist(), lens.tolist()))
     for r, n in zip(prefix_rows.long().cpu().tolist(), prefix_lens.long().cpu().tolist()):
         if n > 0 and (r not in held or n > held[r]):
@@ -320,10 +399,17 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
 
 def _launch(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None,
-    slots=None, n_psplits=0,
+    slots=None, n_psplits=0, block_table=None,
 ) -> None:  # fmt: skip
     batch, n_q, head_dim = q.shape
-    s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
+    page, n_kv = k_cache.shape[1], k_cache.shape[2]
+    s_max = page  # the row form: one page of S_max keys a row
+    table, stride_tb = cache_lens, 0  # unused without a table
+    if block_table is not None:
+        table, stride_tb = block_table, block_table.stride(0)
+        s_max = block_table.shape[1] * page
+    elif rows is not None:
+        table, stride_tb = rows, rows.stride(0)
     group = n_q // n_kv
     use_dot = bool(_TUNE.get("USE_DOT", 1))
     cfg = _config("dot" if use_dot else "fma")
@@ -347,14 +433,13 @@ def _launch(
         ws = ws.view(batch, n_q, total, head_dim + 2)
         ws_strides = ws.stride()[:3]
     _attn_split_kernel[(batch, n_kv, n_splits)](
-        q, k_cache, v_cache, cache_lens, cache_lens if rows is None else rows,
-        *(prefix or (cache_lens, cache_lens)), out, ws, s_max, n_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, cache_lens, table, *(prefix or (cache_lens, cache_lens)), out, ws,
+        s_max, page, n_splits, stride_tb, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         *ws_strides, scale * LOG2E,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
-        HAS_ROWS=rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
+        HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
@@ -364,8 +449,8 @@ def _launch(
         block_q = max(16, min(widest, triton.next_power_of_2(batch * group)))
         tiles = triton.cdiv(batch * group, block_q)
         _attn_prefix_kernel[(slots[0].shape[0], n_kv, n_psplits * tiles)](
-            q, k_cache, v_cache, cache_lens, *prefix, *slots, ws, batch, s_max, n_splits,
-            n_psplits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            q, k_cache, v_cache, cache_lens, *prefix, *slots, ws, batch, s_max, page, n_splits,
+            n_psplits, slots[0].stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             *ws_strides, scale * LOG2E,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -400,6 +485,7 @@ def decode_attention(
     prefix_rows: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
     prefix_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, n_q, hd]`` (one query per row) over ``k_cache``/``v_cache``
     ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1`` (or cache rows ``rows[b]``), keys
@@ -408,19 +494,28 @@ def decode_attention(
     row ``prefix_rows[b]`` instead (a shared prompt prefix held once). ``prefix_slots``
     ``(slot_rows [P], slot_lens [P])``, the cache rows that hold shared prefixes and their
     lengths (every row with a prefix reads one of them): the cascade computes each slot's
-    prefix once for all its rows (module docstring); same result. ``scale`` defaults to
-    ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns ``out`` (allocated when
-    None), shape and dtype of q."""
+    prefix once for all its rows (module docstring); same result.
+
+    Paged form, ``block_table`` (int ``[B, W]``): the caches are ``[n_pages, page, n_kv, hd]``
+    and key s of row b is ``k_cache[block_table[b, s // page], s % page]`` (rows hold up to
+    ``W * page`` keys; ``page`` a multiple of the kernels' ``BLOCK_S`` unless ``W == 1``; the
+    row form is the table ``rows[:, None]`` with one page of S_max keys). Shared prefixes are
+    pages several block tables hold; with ``prefix_slots = (slot_table [P, W'], slot_lens)``
+    the cascade reads slot p's keys through its page table for the rows whose
+    ``prefix_rows[b]`` is that table's first page (their first ``prefix_lens[b]`` keys).
+    ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns
+    ``out`` (allocated when None), shape and dtype of q."""
     scale, n_splits, n_psplits = _check_args(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True,
         rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens, prefix_slots=prefix_slots,
+        block_table=block_table,
     )  # fmt: skip
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     prefix = None if prefix_rows is None else (prefix_rows, prefix_lens)
     _launch(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows, prefix,
-        prefix_slots, n_psplits,
+        prefix_slots, n_psplits, block_table,
     )  # fmt: skip
     return out
 
@@ -444,28 +539,44 @@ def decode_attention_reference(
     prefix_rows: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
     prefix_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch (any device): fp32 scores and softmax over each row's valid keys, output
-    in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace``/``prefix_slots``
-    are checked like the kernel's and otherwise unused."""
+    in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace`` are checked like
+    the kernel's and otherwise unused; so is ``prefix_slots`` in the row form (a row's prefix
+    is ``prefix_rows[b]``'s row either way). Paged: each row's keys gathered through its block
+    table, the first ``prefix_lens[b]`` through its slot's page table."""
     args = (q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace)
     scale, _, _ = _check_args(
         *args, for_kernel=False, rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
-        prefix_slots=prefix_slots,
+        prefix_slots=prefix_slots, block_table=block_table,
     )  # fmt: skip
     batch, n_q, _ = q.shape
-    s_max, n_kv = k_cache.shape[1], k_cache.shape[2]
+    n_kv = k_cache.shape[2]
     kv_head = torch.arange(n_q, device=q.device) // (n_q // n_kv)
-    picked = slice(0, batch) if rows is None else rows.long()
-    k = k_cache[picked].float()[:, :, kv_head]  # [B, S, n_q, hd]
-    v = v_cache[picked].float()[:, :, kv_head]
-    if prefix_rows is not None:
-        shared = torch.arange(s_max, device=q.device)[None, :] < prefix_lens.to(q.device)[:, None]
-        shared = shared[:, :, None, None]
-        k = torch.where(shared, k_cache[prefix_rows.long()].float()[:, :, kv_head], k)
-        v = torch.where(shared, v_cache[prefix_rows.long()].float()[:, :, kv_head], v)
+    if block_table is not None:
+        k, v = _gather_pages(k_cache, block_table), _gather_pages(v_cache, block_table)
+        if prefix_rows is not None:  # with prefix_slots (checked): the slots' pages
+            table, lens = prefix_slots
+            pick = (prefix_rows.long()[:, None] == table[:, 0].long()[None, :]).long().argmax(1)
+            pk, pv = _gather_pages(k_cache, table[pick]), _gather_pages(v_cache, table[pick])
+            n = min(pk.shape[1], k.shape[1])
+            shared = torch.arange(n, device=q.device)[None, :] < prefix_lens[:, None]
+            k[:, :n] = torch.where(shared[:, :, None, None], pk[:, :n], k[:, :n])
+            v[:, :n] = torch.where(shared[:, :, None, None], pv[:, :n], v[:, :n])
+        k, v = k.float()[:, :, kv_head], v.float()[:, :, kv_head]
+    else:
+        picked = slice(0, batch) if rows is None else rows.long()
+        k = k_cache[picked].float()[:, :, kv_head]  # [B, S, n_q, hd]
+        v = v_cache[picked].float()[:, :, kv_head]
+        if prefix_rows is not None:
+            s_max = k_cache.shape[1]
+            shared = torch.arange(s_max, device=q.device)[None, :] < prefix_lens[:, None]
+            shared = shared[:, :, None, None]
+            k = torch.where(shared, k_cache[prefix_rows.long()].float()[:, :, kv_head], k)
+            v = torch.where(shared, v_cache[prefix_rows.long()].float()[:, :, kv_head], v)
     scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * scale
-    valid = torch.arange(s_max, device=q.device)[None, :] < cache_lens.to(q.device)[:, None]
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < cache_lens.to(q.device)[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no keys: all -inf -> 0
     y = torch.einsum("bhs,bshd->bhd", p, v).to(q.dtype)
@@ -473,3 +584,12 @@ def decode_attention_reference(
         return y
     out.copy_(y)
     return out
+
+
+def _gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``[B, W * page, n_kv, hd]``: each row's pages in order (pages past a row's keys may be
+    anything in range; a table entry outside the pool reads page 0, never used)."""
+    n_pages = cache.shape[0]
+    t = table.long()
+    t = torch.where((t >= 0) & (t < n_pages), t, 0)
+    return cache[t].flatten(1, 2)

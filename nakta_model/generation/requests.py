@@ -1,0 +1,78 @@
+"""What the generation engine takes and gives back, and its per-row bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nakta_model.generation.sampling import SamplingParams
+from nakta_model.generation.stops import StopStrings
+
+__all__ = ["GenerationRequest", "GenerationResult", "GenerationStats"]
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt (token ids, BOS included) and how to continue it."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: Sequence[int] = ()
+    stop: StopStrings | None = None
+
+
+@dataclass
+class GenerationResult:
+    """The continuation: ``tokens`` cut before a stop token (or the stop string's tokens are
+    kept and ``text`` is cut before the stop string), ``finish`` = ``"stop"``, ``"length"`` or
+    ``"error"`` (the request could never fit the KV pool: ``error`` says why, no tokens)."""
+
+    tokens: list[int]
+    text: str | None
+    finish: str
+    error: str | None = None
+
+
+@dataclass
+class _Held:
+    """A shared prefix held in pages of its own (one reference on each)."""
+
+    pages: list[int]
+    length: int
+    slot: int  # its slot in the decode step's cascade tables
+
+
+@dataclass
+class _Row:
+    index: int  # position of the request in the caller's list
+    request: GenerationRequest
+    shared: int = 0  # length of the prefix it shares with other requests (0: none)
+    held: _Held | None = None  # the held prefix it shares (read by the cascade while held)
+    pages: list[int] = field(default_factory=list)  # its block table
+    reserved: int = 0  # pages it may still take from the pool
+    done: int = 0  # prompt positions whose K/V is in its pages
+    seq: int = 0  # admission order (prefill pieces go oldest first)
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = None
+    finished: str | None = None
+    error: str | None = None
+
+    @property
+    def total(self) -> int:  # positions it may ever hold (the last token is never written)
+        return len(self.request.prompt) + self.request.max_new_tokens
+
+
+@dataclass
+class GenerationStats:
+    """Counters of the last :meth:`Generator.generate` call (benchmarks report them)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0  # graph replays (each decodes one token for every row of its bucket)
+    prefill_chunks: int = 0  # packed prefill forwards
+    generated_tokens: int = 0  # tokens kept in results
+    prefilled_tokens: int = 0  # prompt tokens run through the model (shared prefixes once)
+    prompt_tokens: int = 0  # prompt tokens asked for
+    peak_pages: int = 0  # most KV pages in use at once (held prefixes included)
+    first_token_s: list[float] = field(default_factory=list)  # per request, from the call's start

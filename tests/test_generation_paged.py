@@ -1,0 +1,181 @@
+"""The engine's paged KV pool and chunked prefill: greedy tokens equal Meta's loop (or the
+engine with a pool that never runs short) when pages run out and admissions wait, when
+prompts are split over several prefill chunks, with shared prefixes; every page goes back;
+a request no pool can hold gets an error result while the others finish."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_generation_engine import meta_greedy, shared_prompts, tiny_model
+
+from llama_org import Llama
+from nakta_model.generation import Generator, greedy_requests
+from nakta_model.generation.engine import max_rows
+from nakta_model.generation.kv_pages import PAGE_SIZE, PagePool
+from nakta_model.loading import load
+
+
+def long_prompts(n, lo, hi, seed=0, vocab=300):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_page_pool_counts_references():
+    pool = PagePool(5)
+    assert (pool.free_pages, pool.used_pages, pool.capacity) == (4, 0, 4)
+    a = pool.alloc(3)
+    assert 0 not in a and pool.free_pages == 1
+    pool.incref(a[:1])
+    pool.free(a)
+    assert pool.free_pages == 3 and pool.refs(a[0]) == 1  # still held once
+    pool.free(a[:1])
+    assert pool.free_pages == 4
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free(a[:1])
+    with pytest.raises(RuntimeError, match="5 pages asked"):
+        pool.alloc(5)
+    with pytest.raises(ValueError, match="n_pages must be an int >= 2"):
+        PagePool(1)
+
+
+def test_chunked_prefill_splits_prompts_and_decodes_metas_tokens():
+    """Prompts of 20-45 tokens through 9-token prefill chunks: each prompt's later pieces
+    attend to its earlier pages; tokens equal Meta's loop."""
+    model = tiny_model()
+    ps = long_prompts(5, 20, 40, seed=1)
+    want = meta_greedy(model, ps, 6)
+    gen = Generator(model, max_batch=3, max_seq_len=48, chunk=3, prefill_chunk=9)
+    got = gen.generate(greedy_requests(ps, 6, eos_id=2))
+    assert [r.tokens for r in got] == want
+    assert gen.stats.prefill_chunks >= -(-sum(map(len, ps)) // 9)
+    assert gen.stats.prefilled_tokens == sum(map(len, ps))
+    ttft = gen.stats.first_token_s
+    assert len(ttft) == 5 and all(0 <= t <= 60 for t in ttft)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_shared_prefixes_with_chunks_and_a_short_pool(kernels):
+    """Shared 70-token prefixes (one full page shared by reference, 6 positions copied), prompts
+    split over 13-token chunks, a pool too small for every row at once: the tokens of an
+    engine that never waits, and every page back afterwards but the held prefixes'."""
+    model = tiny_model(kernels=kernels)
+    ps = shared_prompts(per=3 if kernels == "reference" else 2)
+    n_new = 5 if kernels == "reference" else 2
+    want = Generator(model, max_batch=4, max_seq_len=96, prefix_rows=0).generate(
+        greedy_requests(ps, n_new, None)
+    )
+    # each row: 2 pages (76 + 5 positions); the held prefixes 2 each: 7 usable pages
+    gen = Generator(model, max_batch=4, max_seq_len=96, pages=8, prefill_chunk=13, chunk=2)
+    got = gen.generate(greedy_requests(ps, n_new, None))
+    assert [r.tokens for r in got] == [r.tokens for r in want]  # 6 rows x 2 + 2 x 2 > 7 pages
+    assert gen.pool.free_pages == gen.pool.capacity - gen.held_pages
+    again = gen.generate(greedy_requests(ps, n_new, None))  # the prefixes are still held
+    assert [r.tokens for r in again] == [r.tokens for r in want]
+    assert gen.pool.free_pages == gen.pool.capacity - gen.held_pages
+
+
+def test_pages_running_out_make_admissions_wait():
+    """A pool of 2 usable pages for rows of one page each: two rows in flight at most, not
+    max_batch = 4; same tokens as Meta's loop."""
+    model = tiny_model()
+    ps = long_prompts(5, 30, 45, seed=3)
+    want = meta_greedy(model, ps, 8)
+    in_flight = []
+    gen = Generator(model, max_batch=4, max_seq_len=48, pages=3, chunk=4)
+    running = set()
+
+    def on_tokens(i, tokens, finish):
+        running.add(i)
+        if finish is not None:
+            running.discard(i)
+        in_flight.append(len(running))
+
+    got = gen.generate(greedy_requests(ps, 8, eos_id=2), on_tokens=on_tokens)
+    assert [r.tokens for r in got] == want
+    assert max(in_flight) == 2 and gen.stats.peak_pages == 2
+    assert gen.pool.free_pages == gen.pool.capacity
+
+
+def test_a_request_no_pool_can_hold_gets_an_error_and_the_rest_finish():
+    model = tiny_model()
+    ps = long_prompts(3, 3, 8, seed=4)
+    too_long = [1] + [7] * 70  # 71 prompt + 30 new positions: 2 pages; the pool holds 1
+    gen = Generator(model, max_batch=2, max_seq_len=128, pages=2)
+    before = gen.pool.free_pages
+    res = gen.generate(greedy_requests(ps[:1] + [too_long] + ps[1:], 30, None))
+    assert res[1].finish == "error" and res[1].tokens == []
+    assert "requests[1] needs 2 KV pages" in res[1].error and "pool holds 1" in res[1].error
+    want = Generator(model, max_batch=2, max_seq_len=128).generate(greedy_requests(ps, 30, None))
+    assert [r.tokens for r in res[:1] + res[2:]] == [r.tokens for r in want]
+    assert gen.pool.free_pages == before
+
+
+def test_every_page_goes_back_after_an_error_midway():
+    """A caller's callback raising mid-run (an early stop): the rows' pages are freed."""
+    model = tiny_model()
+    gen = Generator(model, max_batch=3, max_seq_len=48, chunk=2)
+    before = gen.pool.free_pages
+
+    def stop(i, tokens, finish):
+        if len(tokens) >= 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(greedy_requests(long_prompts(4, 3, 9), 10, None), on_tokens=stop)
+    assert gen.pool.free_pages == before == gen.pool.capacity
+    res = gen.generate(greedy_requests(long_prompts(4, 3, 9), 4, None))  # still usable
+    assert all(len(r.tokens) == 4 for r in res) and gen.pool.free_pages == before
+
+
+def test_rows_past_a_page_and_past_twice_the_models_max_seq_len():
+    """Rows of 150 positions (3 pages; the model's max_seq_len is 48): the step's write slots
+    and reads cross pages; the engine with 8-token prefill chunks equals the one-chunk one."""
+    model = tiny_model()
+    ps = long_prompts(3, 60, 100, seed=5)
+    one = Generator(model, max_batch=3, max_seq_len=160, chunk=8).generate(
+        greedy_requests(ps, 40, None)
+    )
+    chunked = Generator(model, max_batch=2, max_seq_len=160, chunk=8, prefill_chunk=8, pages=7)
+    got = chunked.generate(greedy_requests(ps, 40, None))
+    assert [r.tokens for r in got] == [r.tokens for r in one]
+    assert all(len(r.tokens) == 40 for r in got)
+
+
+def test_stories260k_chunked_and_paged_equals_llama_org(shared_data):
+    ckpt = shared_data / "stories260K"
+    llama = Llama.build(
+        str(ckpt), str(ckpt / "tokenizer.model"), 128, 4, device="cpu", dtype=torch.float32
+    )
+    ps = [[1, 403, 407, 261, 378, 432, 383, 286, 261, 376], [1], [1, 376, 403, 407]]
+    want = [llama.generate([p], 40, temperature=0.0, eos_id=2)[0][0] for p in ps]
+    model = load(ckpt, "cpu", torch.float32)
+    gen = Generator(model, max_batch=2, max_seq_len=128, chunk=8, prefill_chunk=3, pages=3)
+    got = gen.generate(greedy_requests(ps, 40, eos_id=2))
+    assert [r.tokens for r in got] == want
+    assert gen.pool.free_pages == gen.pool.capacity
+
+
+@pytest.mark.skipif(
+    max_rows() < 128,
+    reason=f"the decode step takes at most {max_rows()} rows (decode_linear.MAX_BATCH); the "
+    "large-batch linear path raises it",
+)
+def test_more_than_64_rows_decode_the_same_tokens():
+    model = tiny_model()
+    ps = long_prompts(130, 0, 6, seed=6)
+    want = Generator(model, max_batch=8, max_seq_len=48, chunk=4).generate(
+        greedy_requests(ps, 3, None)
+    )
+    gen = Generator(model, max_batch=128, max_seq_len=48, chunk=4)
+    assert 128 in gen.buckets
+    got = gen.generate(greedy_requests(ps, 3, None))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+def test_page_size_and_buckets_stay_within_the_step():
+    gen = Generator(tiny_model(), max_batch=max_rows(), max_seq_len=48)
+    assert gen.buckets[-1] == max_rows() and PAGE_SIZE == 64
+    assert gen.buckets == [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_rows()]
