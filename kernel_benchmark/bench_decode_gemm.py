@@ -272,7 +272,7 @@ def bench_step(quant: str, rows_list, device, copy_gbps: float, context: int) ->
                 step = DecodeStep(model, rows, n + 2, sampling=False,
                                   graph_mode="cuda_graph" if on_gpu else "eager")  # fmt: skip
             buf = step.buffers
-            buf.rows.copy_(torch.arange(rows, dtype=torch.int32, device=device))
+            buf.block_table[:, 0].copy_(torch.arange(rows, dtype=torch.int32, device=device))
             buf.positions.fill_(context)
             if on_gpu:
                 step.capture()

@@ -4,7 +4,7 @@ Triton kernels against the reference path, FP8 models against their W8A8 forward
 parallelism over two gloo ranks.
 
 CPU: tiny models in fp32 (the reference path, and the Triton kernels in the interpreter at a few
-rows); the step is built directly (the engine's buckets stop at 64 on this branch).
+rows); the step is built directly (the engine at more than 64 rows: test_generation_paged).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def prefilled_step(model, ps: list[list[int]], chunk: int, graph_mode="eager") -
     buf = step.buffers
     buf.tokens.copy_(toks[:, -1])
     buf.positions.fill_(length - 1)
-    buf.rows.copy_(torch.arange(b, dtype=torch.int32))
+    buf.block_table[:, 0].copy_(torch.arange(b, dtype=torch.int32))
     return step
 
 
