@@ -79,6 +79,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--suite-limit", type=int, default=100, help="--limit of the suite runs")
     p.add_argument("--suite-hf", action="store_true", help="the suite with --model hf too")
     p.add_argument(
+        "--hf-batch-size",
+        default="auto",
+        help="--batch_size of hf's suite runs (lm-eval's own default is 1 row per forward, "
+        "unfairly slow; nakta keeps its default)",
+    )
+    p.add_argument(
         "--launchers", default="nakta,torchrun",
         help="how the dp runs start their ranks, in order: nakta (the entry's own, with dp=N) "
         "and/or torchrun; the summary holds the first one's runs",
@@ -106,6 +112,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--launchers: nakta and/or torchrun, got {a.launchers!r}")
     if a.gpus < 2:
         p.error("--gpus must be >= 2 (the dp runs)")
+    bs = a.hf_batch_size
+    tail = bs[len("auto:") :] if bs.startswith("auto:") else bs
+    if bs != "auto" and not (tail.isdigit() and int(tail) >= 1):
+        p.error(f"--hf-batch-size: auto, auto:N or an int >= 1, got {bs!r}")
     return a
 
 
@@ -132,11 +142,12 @@ def _weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Path, Path |
 
 def _command(
     a, model_args: str, model: str, tasks: str, shots, limit, gpus: int, out: Path,
-    launcher: str = "torchrun",
+    launcher: str = "torchrun", batch_size: str | None = None,
 ):  # fmt: skip
     """The child's command line. ``launcher`` for ``gpus > 1``: ``torchrun`` (``python -m
     torch.distributed.run --standalone``) or ``nakta`` (the entry starts its ``dp`` ranks
-    itself through ``nakta_model.spawn``: the same command as one GPU, with ``dp=N``)."""
+    itself through ``nakta_model.spawn``: the same command as one GPU, with ``dp=N``).
+    ``batch_size``: lm-eval's ``--batch_size`` (None: not passed)."""
     cmd = [sys.executable]
     if gpus > 1 and launcher == "torchrun":
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)]
@@ -147,6 +158,8 @@ def _command(
         cmd += ["--num_fewshot", str(shots)]
     if limit is not None:
         cmd += ["--limit", str(limit)]
+    if batch_size is not None:
+        cmd += ["--batch_size", str(batch_size)]
     return cmd
 
 
@@ -225,25 +238,29 @@ def measure_dp(a, runner: Runner, ckpt: Path) -> tuple[list[dict], dict]:
 
 
 def measure_suite(a, runner: Runner, ckpt: Path, hf: Path | None) -> list[dict]:
-    """The suite in one call, then one call per task; nakta, and hf when asked for."""
+    """The suite in one call, then one call per task; nakta (its default batch size), and hf
+    (at ``--hf-batch-size``) when asked for."""
     if not a.suite_tasks:
         return []
-    models = [("nakta", f"checkpoint={ckpt},dtype={a.dtype}")]
+    models = [("nakta", f"checkpoint={ckpt},dtype={a.dtype}", None)]
     if a.tokenizer:
-        models[0] = ("nakta", models[0][1] + f",tokenizer={Path(a.tokenizer).resolve()}")
+        models[0] = ("nakta", models[0][1] + f",tokenizer={Path(a.tokenizer).resolve()}", None)
     if a.suite_hf and hf is not None:
         dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-        models.append(("hf", f"pretrained={hf},tokenizer={hf},dtype={dtypes[a.dtype]}"))
+        margs = f"pretrained={hf},tokenizer={hf},dtype={dtypes[a.dtype]}"
+        models.append(("hf", margs, a.hf_batch_size))
     out = []
-    for model, margs in models:
+    for model, margs, batch_size in models:
         for mode in ("one_call", "one_by_one"):
             groups = [a.suite_tasks] if mode == "one_call" else [[t] for t in a.suite_tasks]
             rec = {"model": model, "mode": mode, "tasks": a.suite_tasks, "limit": a.suite_limit}
-            rec.update(wall_s=0.0, acc={}, error=None)
+            rec.update(batch_size=batch_size or "default", wall_s=0.0, acc={}, error=None)
             for tasks in groups:
                 name = f"suite_{model}_{mode}_{'+'.join(tasks) if len(tasks) == 1 else 'all'}"
                 res = runner.work / "runs" / name / "lm_eval"
-                cmd = _command(a, margs, model, ",".join(tasks), None, a.suite_limit, 1, res)
+                cmd = _command(
+                    a, margs, model, ",".join(tasks), None, a.suite_limit, 1, res, "", batch_size
+                )
                 got = runner.run(name, cmd)
                 rec["wall_s"] += got.get("wall_s") or 0.0
                 if got["error"]:

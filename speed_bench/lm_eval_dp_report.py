@@ -208,8 +208,8 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
             "",
             "A suite of tasks in one lm-eval call vs one call per task (same limit per task):",
             "",
-            "| model | how | tasks | limit | wall s | scores |",
-            "|---|---|---|---:|---:|---|",
+            "| model | batch size | how | tasks | limit | wall s | scores |",
+            "|---|---|---|---|---:|---:|---|",
         ]
         for s in suite:
             scores = ", ".join(
@@ -217,7 +217,8 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
             )
             err = f" FAILED: {s['error']}" if s.get("error") else ""
             lines.append(
-                f"| {s['model']} | {s['mode']} | {len(s['tasks'])} | {_fmt(s['limit'])} "
+                f"| {s['model']} | {s.get('batch_size') or 'default'} | {s['mode']} "
+                f"| {len(s['tasks'])} | {_fmt(s['limit'])} "
                 f"| {_fmt(s['wall_s'])} | {scores}{err} |"
             )
     return "\n".join(lines) + "\n"

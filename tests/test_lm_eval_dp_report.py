@@ -154,3 +154,38 @@ def test_driver_command_line():
     assert tmp in cmd
     one = lm_eval_dp._command(a, "checkpoint=c", "nakta", "t", None, None, 1, "o")
     assert one[1:3] == ["-m", "accuracy_test.lm_eval_cli"] and "--limit" not in one
+
+
+def test_suite_runs_hf_at_its_batch_size_and_nakta_at_its_default(tmp_path):
+    """lm-eval runs hf at 1 row per forward without ``--batch_size``: the suite passes
+    ``--hf-batch-size`` (default auto) to hf's runs only, and the table shows it."""
+    seen: list[list] = []
+
+    class FakeRunner:
+        work = tmp_path
+
+        def run(self, name, cmd):
+            seen.append(cmd)
+            return {"name": name, "error": None, "wall_s": 1.0}
+
+    argv = ["--checkpoint", "c", "--data", "d", "--suite", "a,b", "--suite-hf"]
+    a = lm_eval_dp.parse_args(argv)
+    a.device, a.dtype = "cpu", "fp32"
+    assert a.hf_batch_size == "auto"
+    suite = lm_eval_dp.measure_suite(a, FakeRunner(), tmp_path / "ckpt", tmp_path / "hf")
+    hf_cmds = [c for c in seen if c[c.index("--model") + 1] == "hf"]
+    nakta_cmds = [c for c in seen if c[c.index("--model") + 1] == "nakta"]
+    assert len(hf_cmds) == len(nakta_cmds) == 3  # one call + one per task
+    assert all(c[c.index("--batch_size") + 1] == "auto" for c in hf_cmds)
+    assert not any("--batch_size" in c for c in nakta_cmds)
+    assert [s["batch_size"] for s in suite] == ["default", "default", "auto", "auto"]
+    text = markdown({"device_name": "cpu", "gpus_available": 0, "runs": []}, {}, suite)
+    assert "| hf | auto | one_call | 2 |" in text and "| nakta | default | one_by_one | 2 |" in text
+    seen.clear()
+    a = lm_eval_dp.parse_args(argv + ["--hf-batch-size", "32"])
+    a.device, a.dtype = "cpu", "fp32"
+    lm_eval_dp.measure_suite(a, FakeRunner(), tmp_path / "ckpt", tmp_path / "hf")
+    assert {c[c.index("--batch_size") + 1] for c in seen if "--batch_size" in c} == {"32"}
+    for bad in ("0", "big", "auto:x"):
+        with pytest.raises(SystemExit):
+            lm_eval_dp.parse_args(argv + ["--hf-batch-size", bad])
