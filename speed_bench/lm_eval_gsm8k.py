@@ -92,7 +92,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also nakta on hf's --hf-limit docs (a measured ratio on the same docs)",
     )
     p.add_argument("--models", default="nakta,hf", help="comma-separated: nakta, hf")
-    p.add_argument("--run-timeout-s", type=float, default=300.0, help="each nakta run's limit")
+    p.add_argument("--run-timeout-s", type=float, default=300.0, help="nakta's full run's limit")
+    p.add_argument(
+        "--subset-timeout-s", type=float, default=120.0, help="nakta on hf's docs: its limit"
+    )
     p.add_argument("--hf-timeout-s", type=float, default=600.0, help="each hf run's limit")
     p.add_argument("--deadline-s", type=float, default=None, help="start no run past this")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
@@ -146,7 +149,7 @@ def plan(a: argparse.Namespace) -> list[Run]:
     if "hf" in a.model_list:
         runs += [Run("hf", bs, hf_limit, a.hf_timeout_s) for bs in a.hf_sizes]
     if a.nakta_on_hf_docs and "nakta" in a.model_list and hf_limit != a.limit:
-        runs.append(Run("nakta", DEFAULT, hf_limit, a.run_timeout_s))
+        runs.append(Run("nakta", DEFAULT, hf_limit, a.subset_timeout_s))
     return runs
 
 

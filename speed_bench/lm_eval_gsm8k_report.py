@@ -110,7 +110,7 @@ def _fmt(x: object, spec: str = ".1f") -> str:
 
 def _ratio_line(name: str, value: float | None, what: str) -> str:
     if value is None:
-        return f"- {name}: not measured ({what})"
+        return f"- {name}: - (no such pair of finished runs)"
     verdict = "meets" if value >= TARGET else "misses"
     return f"- {name}: **{value:.2f}x** ({what}; {verdict} the >= {TARGET:g}x target)"
 

@@ -108,7 +108,7 @@ def test_plan_nakta_first_then_hf_per_batch_size_then_nakta_on_hfs_docs():
         ("hf", "auto", 256),
         ("nakta", "default", 256),
     ]
-    assert [r.timeout_s for r in bench.plan(a)] == [300.0, 600.0, 600.0, 300.0]
+    assert [r.timeout_s for r in bench.plan(a)] == [300.0, 600.0, 600.0, 120.0]
     # --limit bounds every run; hf's subset never asks for more docs than that
     a = _args("--limit", "100", "--hf-limit", "256", "--nakta-on-hf-docs")
     assert [(r.model, r.limit) for r in bench.plan(a)] == [("nakta", 100), ("hf", 100)]
@@ -200,7 +200,7 @@ def test_extrapolation_and_ratios_keep_measured_and_extrapolated_apart(tmp_path)
     text = files[1].read_text()
     assert "| hf | 64 | 256 | 8 | 256 | 130.00 |" in text  # measured wall in its own column
     assert f"| {hf['extrapolated_full_wall_s']:.1f} |" in text
-    assert "measured, both on all docs: not measured" in text
+    assert "measured, both on all docs: - (no such pair of finished runs)" in text
     assert "measured, both on hf's subset: **4.33x**" in text and "misses" in text
     assert json.loads(files[0].read_text())["runs"][1]["docs"] == 256
     with pytest.raises(ValueError, match="schema"):
