@@ -217,7 +217,7 @@ class Runner:
 
     def record(self, run: Run) -> dict:
         rec = dict.fromkeys(RUN_KEYS)
-        full = self.a.limit or TASK_DOCS[self.a.task]
+        full = min(self.a.limit or TASK_DOCS[self.a.task], TASK_DOCS[self.a.task])
         rec.update(model=run.model, batch_size=run.batch_size, task=self.a.task)
         rec.update(full_docs=full, num_fewshot=self.a.num_fewshot, timeout_s=run.timeout_s)
         rec["max_gen_toks"] = self.a.max_gen_toks or TASK_MAX_GEN

@@ -144,6 +144,8 @@ def test_a_run_that_cannot_end_before_the_deadline_is_skipped(tmp_path):
     assert rec["wall_s"] is None and rec["log"] is None and list(rec) == list(report.RUN_KEYS)
     assert (rec["docs"], rec["full_docs"], rec["max_gen_toks"]) == (256, 1319, 256)
     assert runner.fits(40.0) and not runner.fits(60.0)
+    runner.a.limit = 5000  # more than the task has: all of it
+    assert runner.record(bench.Run("nakta", "default", 5000, 1.0))["full_docs"] == 1319
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 
