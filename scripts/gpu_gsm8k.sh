@@ -33,6 +33,7 @@ status=0
 DATA=.data
 [ -d "$DATA" ] || DATA=../shared/data
 R=$OUT/lm_eval_gsm8k_full
+rm -rf /tmp/gsm8k_work /tmp/gsm8k_smoke_work  # a warm machine's earlier weights: made afresh
 if [ -n "${GSM8K_SMOKE:-}" ]; then  # CPU: the same driver, tiny random model, tiny limits
   step lm_eval_gsm8k 300 python3 speed_bench/lm_eval_gsm8k.py --preset tiny --device cpu \
     --tokenizer "$DATA/stories260K/tokenizer.model" --limit 3 --max-gen-toks 8 \
