@@ -89,6 +89,7 @@ implemented and are refused, unless they hold their no-op value (``num_beams=1``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -168,6 +169,7 @@ class NaktaLM(ScoringLM):
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
         self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
+        self.generation_stats: dict[str, float] = {}  # the engine's counters, summed over calls
         self.parallel = ParallelContext()
         tp, dp = _positive_int("tp", tp), _positive_int("dp", dp)
         if tp * dp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -353,7 +355,10 @@ class NaktaLM(ScoringLM):
             )
         if not reqs:
             return []
-        results = self._generator(reqs).generate(reqs, progress=not disable_tqdm)
+        gen = self._generator(reqs)
+        results = gen.generate(reqs, progress=not disable_tqdm)
+        for key, value in dataclasses.asdict(gen.stats).items():
+            self.generation_stats[key] = self.generation_stats.get(key, 0) + value
         out = []
         for req, res in zip(requests, results):
             if res.finish == "error":  # a request the KV pool can never hold

@@ -20,17 +20,18 @@ Bad ``nakta`` / ``llama_org`` model_args or generation settings (``ModelArgsErro
 is one ``error:`` line and exit code 2, not a traceback after a long model load.
 
 ``NAKTA_LM_EVAL_TIMING=path.json`` (under torchrun rank N > 0 writes ``path.rankN.json``,
-every file with its ``rank`` and ``world_size``): the seconds spent constructing the model (``load_s``), in
-``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics) and inside the
-model's request methods (``requests_s``: the model's share of it) are written there at exit,
-for any model, with ``events`` (seconds since this module was imported, ``entry_unix``: the
-process start (negative), model start/end, evaluate start/end, first request, the end of the
-last request (``last_request_end``), exit; for nakta
+every file with its ``rank`` and ``world_size``): the seconds spent constructing the model
+(``load_s``), in ``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics)
+and inside the model's request methods (``requests_s``: the model's share of it; ``methods``:
+per method) are written there at exit, for any model, with ``events`` (seconds since this
+module was imported, ``entry_unix``: the process start (negative), model start/end, evaluate
+start/end, first request, the end of the last request (``last_request_end``), exit; for nakta
 also ``preload_start``, ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own
-``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them), and the project's adapters'
+``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them), the project's adapters'
 ``loglikelihood`` split into tokenizing and scoring (``loglikelihood``; under ``dp`` also
 choosing the shard, ``shard_s``, and gathering the answers, ``gather_s``, with ``items``: this
-replica's share).
+replica's share), and ``generate_until``'s answers with their tokens (``generate_until``; for
+nakta also its engine's counters, ``generate_until.engine``).
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
@@ -313,24 +314,49 @@ def _event(timings: dict, name: str) -> None:
 
 
 def _time_requests(lm: object, timings: dict) -> None:
-    """Add the seconds inside the model's request methods to ``requests_s`` (this instance's
-    methods only: lm-eval calls them by name on it)."""
+    """Add the seconds inside the model's request methods to ``requests_s`` and per method to
+    ``methods`` (this instance's methods only: lm-eval calls them by name on it); keep
+    ``generate_until``'s answers to count their tokens at exit."""
     for name in REQUEST_METHODS:
         method = getattr(lm, name, None)
         if method is None:
             continue
 
-        def timed(*a, _method=method, **kw):
+        def timed(*a, _method=method, _name=name, **kw):
             _event(timings, "first_request")
             t0 = time.perf_counter()
+            out = None
             try:
-                return _method(*a, **kw)
+                out = _method(*a, **kw)
+                return out
             finally:
                 _sync_cuda()
-                timings["requests_s"] += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                timings["requests_s"] += seconds
+                methods = timings.setdefault("methods", {})
+                methods[_name] = methods.get(_name, 0.0) + seconds
                 timings["events"]["last_request_end"] = time.time() - ENTRY_UNIX
+                if _name == "generate_until" and out is not None:
+                    timings.setdefault("_answers", []).extend(out)
 
         setattr(lm, name, timed)
+
+
+def _generated(lm: object, answers: list[str]) -> dict:
+    """``generate_until``'s answers: how many, and their tokens (each answer as returned,
+    after lm-eval's stop-string cut, encoded again by the model's tokenizer without BOS; the
+    same count for every model). Nakta's engine adds what it decoded (``engine``)."""
+    out: dict = {"answers": len(answers), "answer_tokens": None}
+    try:
+        out["answer_tokens"] = sum(
+            len(lm.tok_encode(a, add_special_tokens=False)) for a in answers if a
+        )
+    except (AttributeError, TypeError, ValueError) as e:  # no usable tok_encode: said why
+        out["answer_tokens_error"] = f"{type(e).__name__}: {e}"
+    stats = getattr(lm, "generation_stats", None)
+    if stats:
+        out["engine"] = dict(stats)
+    return out
 
 
 def process_start_unix() -> float | None:
@@ -392,6 +418,9 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
             timings["nakta_load"] = load
         if getattr(lm, "request_timings", None):  # loglikelihood: tokenizing vs scoring
             timings["loglikelihood"] = dict(lm.request_timings)
+        answers = timings.pop("_answers", None)
+        if answers is not None:  # generate_until ran: answers and their tokens
+            timings["generate_until"] = _generated(lm, answers)
         stats = getattr(lm, "score_stats", None)
         if stats is not None:  # nakta: tokens requested / unique / computed
             import dataclasses

@@ -1,7 +1,8 @@
 """End-to-end HellaSwag scoring speed: Nakta's engines against llama_org and HF transformers.
 
 CLIs: ``run_all`` (every engine), ``nakta_speed`` / ``llama_speed`` / ``hf_speed`` (one family
-each), ``lm_eval_speed`` (lm-eval itself, hf vs nakta), ``scaling`` (multi-GPU runs compared),
+each), ``lm_eval_speed`` (lm-eval itself, hf vs nakta), ``lm_eval_gsm8k`` (lm-eval's
+``generate_until`` on the full GSM8K-shaped task, hf vs nakta), ``scaling`` (multi-GPU runs compared),
 ``throughput`` (generation of many requests: nakta / hf / llama_org, its engines in
 ``throughput_engines``).
 Public modules, also used by ``model_profile``: ``engines`` (what an engine is, which exist,

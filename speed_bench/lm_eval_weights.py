@@ -131,8 +131,11 @@ def _sample_texts(data: str, n: int = 40) -> list[str]:
     return [d.query + " " + c for d in docs for c in d.choices]
 
 
-def prepare_weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Weights, dict]:
-    """The HF directory (given or made), its tokenizer dir and the converted Nakta copy."""
+def prepare_weights(
+    a: argparse.Namespace, work: Path, out: Path, texts: Sequence[str] | None = None
+) -> tuple[Weights, dict]:
+    """The HF directory (given or made), its tokenizer dir and the converted Nakta copy; the
+    two tokenizers are checked to agree on ``texts`` (default: HellaSwag's from ``a.data``)."""
     from nakta_model import Tokenizer
 
     n_words = Tokenizer(a.tokenizer).n_words
@@ -163,7 +166,7 @@ def prepare_weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Weigh
         meta["weights"] = f"{a.preset}-random-seed{a.seed}"
         meta["vocab_size"] = n_words
     hf_tok = write_hf_tokenizer(work / "hf_tokenizer", a.tokenizer, a.max_seq_len)
-    check_tokenizers_agree(hf_tok, a.tokenizer, _sample_texts(a.data))
+    check_tokenizers_agree(hf_tok, a.tokenizer, texts or _sample_texts(a.data))
     nakta_dir = work / "nakta"
     meta["convert_s"] = convert(hf_dir, nakta_dir, a.dtype, out / "logs" / "convert.log")
     sp = Path(a.tokenizer).resolve()

@@ -155,9 +155,14 @@ def test_generate_until_reproduces_stories260k_greedy_text(shared_data):
         )
         if cls is adapter.NaktaLM:  # rows as long as the requests need, as many as the cap
             assert (lm._gen.max_seq_len, lm._gen.max_batch) == (256, 2)
+            stats = lm.generation_stats  # the engine's counters (the timing hook reports them)
+            assert stats["generated_tokens"] == lm._gen.stats.generated_tokens > 12
+            assert stats["decode_steps"] > 0 and stats["prompt_tokens"] > 0
+            stats_before = stats["generated_tokens"]
             long = [Instance("generate_until", {}, ("Once", {"max_gen_toks": 300}), 0)]
             assert len(lm.generate_until(long, disable_tqdm=True)) == 1
             assert lm._gen.max_seq_len == 512
+            assert lm.generation_stats["generated_tokens"] > stats_before  # summed over calls
 
 
 def test_adapter_argument_errors(tiny):

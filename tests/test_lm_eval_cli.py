@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,44 @@ def test_the_command_exits_fast_after_writing_everything(tmp_path, shared_data, 
     assert (tmp_path / "thread").read_text() == "done"
     assert (tmp_path / "atexit").read_text() == "ran"
     assert ("not reached with a fast exit" in run.stdout) == (fast == "0")
+
+
+def test_timing_hook_times_generate_until_and_counts_its_answer_tokens():
+    """``methods`` splits ``requests_s`` by method; ``generate_until``'s answers are counted in
+    the model's own tokens (no BOS), with nakta's engine counters when the model has them."""
+
+    class FakeLM:
+        generation_stats = {"generated_tokens": 9, "decode_steps": 4}
+
+        def generate_until(self, requests, disable_tqdm=False):
+            time.sleep(0.01)
+            return [r.upper() for r in requests]
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            return [(0.0, True)] * len(requests)
+
+        def tok_encode(self, text, add_special_tokens=None):
+            assert add_special_tokens is False
+            return text.split()
+
+    lm = FakeLM()
+    timings = {"requests_s": 0.0, "events": {}}
+    lm_eval_cli._time_requests(lm, timings)
+    assert lm.generate_until(["a b c", ""]) == ["A B C", ""]
+    assert lm.generate_until(["d e"]) == ["D E"]
+    lm.loglikelihood(["x"])
+    methods = timings["methods"]
+    assert methods.keys() == {"generate_until", "loglikelihood"}
+    assert methods["generate_until"] >= 0.02
+    assert abs(sum(methods.values()) - timings["requests_s"]) < 1e-9
+    got = lm_eval_cli._generated(lm, timings["_answers"])
+    assert got == {
+        "answers": 3,
+        "answer_tokens": 5,
+        "engine": {"generated_tokens": 9, "decode_steps": 4},
+    }
+    no_tokenizer = lm_eval_cli._generated(object(), ["x"])
+    assert (
+        no_tokenizer["answer_tokens"] is None
+        and "AttributeError" in no_tokenizer["answer_tokens_error"]
+    )

@@ -9,7 +9,8 @@ pseudo-English with those shapes:
   LLaMA tokens, so a 5-shot prompt is ~500-700 tokens shared by every question of the subject.
 * BBH: a fixed 3-shot chain-of-thought prefix, then the question; generation stops at "\\n\\n".
 * GSM8K: a fixed 8-shot "Question: ... Answer: ..." prefix (~800 tokens), up to 256 new tokens,
-  stops at "Question:".
+  stops at "Question:"; ``GSM8K_TEST_SIZE`` (1,319) problems like GSM8K's test split, of which
+  any first ``n`` are the same whatever the count asked for.
 
 Accuracy on this data means nothing (the answers are random); the structure is what matters.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import random
 
 __all__ = [
+    "GSM8K_TEST_SIZE",
     "MMLU_SUBJECTS",
     "bbh_docs",
     "gsm8k_docs",
@@ -87,6 +89,7 @@ MMLU_SUBJECTS = [
     "world_religions",
 ]
 assert len(MMLU_SUBJECTS) == 57
+GSM8K_TEST_SIZE = 1319  # problems in GSM8K's test split
 
 _ONSETS = [
     "b",
