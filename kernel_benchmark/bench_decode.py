@@ -174,13 +174,13 @@ def attn_calls(case: AttnCase, t: dict, ctx: int, device) -> dict[str, Callable[
     if not gqa:  # MHA's CUDA-core path (fp32 throughout), forced: the default uses tl.dot
 
         def nakta_fma():
-            saved = dict(da_mod._TUNE)
-            da_mod._TUNE.update(USE_DOT=0)
+            saved = dict(da_mod._cfg._TUNE)
+            da_mod._cfg._TUNE.update(USE_DOT=0)
             try:
                 return nakta()
             finally:
-                da_mod._TUNE.clear()
-                da_mod._TUNE.update(saved)
+                da_mod._cfg._TUNE.clear()
+                da_mod._cfg._TUNE.update(saved)
 
         calls["nakta_fma"] = nakta_fma
     if device.type == "cuda":

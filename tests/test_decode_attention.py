@@ -180,7 +180,7 @@ def test_length_out_of_range_gives_nan_on_the_device_path(n_splits, device):
 @pytest.mark.parametrize("n_splits", [1, 2])
 def test_mha_on_the_cuda_cores(dtype, n_splits, device, monkeypatch):
     """The CUDA-core path (MHA, ``USE_DOT=0``: fp32 throughout) when asked (bench/tuning)."""
-    monkeypatch.setattr(da, "_TUNE", {"USE_DOT": 0})
+    monkeypatch.setattr(da._cfg, "_TUNE", {"USE_DOT": 0})
     q, k_cache, v_cache, lens = make_inputs(3, 4, 4, dtype, device)
     got = decode_attention(q, k_cache, v_cache, lens, n_splits=n_splits)
     ref = decode_attention_reference(q, k_cache, v_cache, lens)

@@ -51,10 +51,12 @@ outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 
+from nakta_model.kernels import _decode_attention_configs as _cfg
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -62,14 +64,19 @@ from nakta_model.kernels._checks import (
     check_index,
     check_ndim,
     check_no_overlap,
-    check_positive_int,
     check_same_device,
     check_tensor,
     check_triton_device,
     debug_checks,
+    dependent_launch,
     interpreter_enabled,
-    sm_count,
     tracing,
+)
+from nakta_model.kernels._decode_attention_configs import (
+    _config,
+    attention_workspace,
+    cascade_splits,
+    decode_splits,
 )
 from nakta_model.kernels._decode_attention_kernels import (
     _attn_combine_kernel,
@@ -83,80 +90,6 @@ LOG2E = 1.4426950408889634
 # 2. Launch configuration, checks and launcher (1., the @triton.jit kernels: in
 #    _decode_attention_kernels.py)
 # ------------------------------------------------------------------------------------------------
-
-# Defaults for an H100/H200, to be replaced by ``bench_decode.py`` results: the split rule
-# ("splits") and the split kernel's launch values by path, "dot" (tl.dot, the default) or
-# "fma" (MHA on the CUDA cores). ``_TUNE`` overrides any key, and USE_DOT=0/1 forces the
-# path (set by the benchmark and the tests only).
-_CONFIGS: dict[str, dict[str, int]] = {
-    "splits": dict(
-        PROGRAMS_PER_SM=2,  # split until B * n_kv * n_splits reaches this many programs per SM
-        MIN_SPLIT_KEYS=256,  # ... but no split of the full cache shorter than this
-        MAX_SPLITS=64,
-    ),
-    "fma": dict(BLOCK_S=32, num_warps=4, num_stages=3),  # BLOCK_S: keys per step
-    "dot": dict(BLOCK_S=64, num_warps=4, num_stages=3),
-    # the cascade's prefix kernel: BLOCK_Q (row, head) pairs per tile; its splits of a slot's
-    # prefix follow the split rule's shape with their own floor (not measured on a GPU yet)
-    "cascade": dict(
-        BLOCK_Q=64,
-        BLOCK_S=64,
-        num_warps=8,
-        num_stages=2,
-        PROGRAMS_PER_SM=2,
-        MIN_SPLIT_KEYS=128,
-        MAX_SPLITS=32,
-    ),  # fmt: skip
-}
-_TUNE: dict[str, int] = {}
-_DEFAULT_SMS = 132  # H100 SXM / H200; used off the GPU
-
-
-def _config(kind: str) -> dict[str, int]:
-    """The table entry ``kind`` ("splits", "fma" or "dot"), then ``_TUNE``."""
-    return {**_CONFIGS[kind], **_TUNE}
-
-
-def decode_splits(batch: int, n_kv_heads: int, max_seq: int, device: torch.device | str) -> int:
-    """The number of sequence splits ``decode_attention`` uses for these shapes: enough
-    programs to fill the GPU, no split of the full cache under ``MIN_SPLIT_KEYS`` keys.
-    Depends on shapes only, so a captured graph keeps its grid."""
-    for name, v in (("batch", batch), ("n_kv_heads", n_kv_heads), ("max_seq", max_seq)):
-        check_positive_int(name, v)
-    cfg = _config("splits")
-    target = cfg["PROGRAMS_PER_SM"] * sm_count(torch.device(device), _DEFAULT_SMS)
-    wanted = triton.cdiv(target, batch * n_kv_heads)
-    cap = min(cfg["MAX_SPLITS"], triton.cdiv(max_seq, cfg["MIN_SPLIT_KEYS"]))
-    return max(1, min(wanted, cap))
-
-
-def cascade_splits(
-    batch: int, n_q_heads: int, n_kv_heads: int, n_slots: int, max_seq: int, device
-) -> int:
-    """Splits of each slot's prefix keys in the cascade (``prefix_slots``): enough programs
-    (slots x KV heads x query tiles x splits) to fill the GPU, no split of a full-length
-    prefix under ``MIN_SPLIT_KEYS`` keys. Shapes only (graph capture keeps its grid); the
-    workspace then needs ``n_splits + n_slots * cascade_splits(...)`` partials."""
-    for name, v in (("batch", batch), ("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads),
-                    ("n_slots", n_slots), ("max_seq", max_seq)):  # fmt: skip
-        check_positive_int(name, v)
-    cfg = _config("cascade")
-    tiles = triton.cdiv(batch * (n_q_heads // n_kv_heads), cfg["BLOCK_Q"])
-    target = cfg["PROGRAMS_PER_SM"] * sm_count(torch.device(device), _DEFAULT_SMS)
-    wanted = triton.cdiv(target, n_slots * n_kv_heads * tiles)
-    cap = min(cfg["MAX_SPLITS"], triton.cdiv(max_seq, cfg["MIN_SPLIT_KEYS"]))
-    return max(1, min(wanted, cap))
-
-
-def attention_workspace(
-    batch: int, n_q_heads: int, head_dim: int, n_splits: int, device: torch.device | str
-) -> torch.Tensor:
-    """The fp32 partials buffer ``[batch, n_q_heads, n_splits, head_dim + 2]`` (output, max,
-    sum per split): allocate once, pass as ``workspace`` on every step."""
-    for name, v in (("batch", batch), ("n_q_heads", n_q_heads), ("head_dim", head_dim),
-                    ("n_splits", n_splits)):  # fmt: skip
-        check_positive_int(name, v)
-    return torch.empty(batch, n_q_heads, n_splits, head_dim + 2, dtype=torch.float32, device=device)
 
 
 def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
@@ -237,7 +170,7 @@ def _check_args(
         n_psplits = cascade_splits(batch, n_q, n_kv, slot_rows.shape[0], s_max, q.device)
     if paged and for_kernel and block_table.shape[1] > 1:
         page = k_cache.shape[1]
-        kinds = ("dot" if _TUNE.get("USE_DOT", 1) else "fma",) + (
+        kinds = ("dot" if _cfg._TUNE.get("USE_DOT", 1) else "fma",) + (
             ("cascade",) if prefix_slots is not None else ()
         )
         for kind in kinds:
@@ -397,6 +330,15 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
                 check_no_overlap("workspace", workspace, name, t)
 
 
+# Programmatic dependent launch at batch 1, as the decode GEMVs (``decode_linear``): the split
+# and combining kernels let the next kernel's blocks launch early, so the ``wo`` GEMV after them
+# streams its weights (``decode_linear``'s L2 prefetch) while attention runs, which at batch 1
+# and short contexts is latency, not bytes. ``NAKTA_ATTENTION_PDL=0`` at import turns it off
+# (``NAKTA_PDL=0`` turns off every dependent launch).
+PDL_MAX_BATCH = 1
+ATTENTION_PDL = os.environ.get("NAKTA_ATTENTION_PDL", "1") not in ("", "0")
+
+
 def _launch(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None,
     slots=None, n_psplits=0, block_table=None,
@@ -411,7 +353,7 @@ def _launch(
     elif rows is not None:
         table, stride_tb = rows, rows.stride(0)
     group = n_q // n_kv
-    use_dot = bool(_TUNE.get("USE_DOT", 1))
+    use_dot = bool(_cfg._TUNE.get("USE_DOT", 1))
     cfg = _config("dot" if use_dot else "fma")
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     if not use_dot and group > 1:
@@ -432,6 +374,10 @@ def _launch(
         ws = workspace.view(-1)[: batch * n_q * total * (head_dim + 2)]
         ws = ws.view(batch, n_q, total, head_dim + 2)
         ws_strides = ws.stride()[:3]
+    # PDL where the decode GEMVs use it (batch 1), not with the cascade (its prefix kernel
+    # is a plain launch between the split and combining kernels)
+    pdl = batch <= PDL_MAX_BATCH and ATTENTION_PDL and not cascade and dependent_launch(q.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _attn_split_kernel[(batch, n_kv, n_splits)](
         q, k_cache, v_cache, cache_lens, table, *(prefix or (cache_lens, cache_lens)), out, ws,
         s_max, page, n_splits, stride_tb, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -440,7 +386,7 @@ def _launch(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
     if cascade:
         cc = _config("cascade")
@@ -462,7 +408,8 @@ def _launch(
     _attn_combine_kernel[(batch, n_q)](
         ws, cache_lens, out, s_max, total, *ws_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp, num_warps=1,
+        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp, PDL=pdl, num_warps=1,
+        **launch,
     )  # fmt: skip
 
 
