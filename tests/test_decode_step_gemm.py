@@ -44,13 +44,13 @@ def prefilled_step(model, ps: list[list[int]], chunk: int, graph_mode="eager") -
     by the model's forward: the same cache layout, row r at slots r * MAX_SEQ + position)."""
     b, length = len(ps), len(ps[0])
     model.setup_cache(b, MAX_SEQ)
-    toks = torch.tensor(ps)
+    toks = torch.tensor(ps, device=model.device)
     model(toks[:, :-1], 0)
     step = DecodeStep(model, b, chunk, sampling=False, graph_mode=graph_mode)
     buf = step.buffers
     buf.tokens.copy_(toks[:, -1])
     buf.positions.fill_(length - 1)
-    buf.block_table[:, 0].copy_(torch.arange(b, dtype=torch.int32))
+    buf.block_table[:, 0].copy_(torch.arange(b, dtype=torch.int32, device=model.device))
     return step
 
 

@@ -169,8 +169,29 @@ def _config(
     out |= dict(USE_DOT=int(use_dot), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     f16 = use_dot and x_dtype == torch.bfloat16 and dtype == FP8_DTYPE and FP8_DOT_F16
     out["DOT_F16"] = int(bool(cfg.get("DOT_F16", 0)) and f16)
+    if use_dot:
+        out["num_stages"] = _stages_that_fit(out, x_dtype.itemsize, dtype.itemsize)
     _check_config(out, variant)
     return out
+
+
+# Shared memory a tensor-core program's pipeline may take (Hopper allows 227 KiB a block; the
+# rest is left for the epilogue's layout conversions). Derived entries (no tuned row for the
+# shape) at small batch buckets asked for 4 stages of a 128 x 256 weight tile: 288 KiB, which
+# Triton refuses at launch (an H200 run of the 7B LM head at 2, 4 and 16 rows); the tuned rows
+# that ran take at most 200 KiB.
+SMEM_BUDGET = 216 * 1024
+
+
+def _stages_that_fit(cfg: dict[str, int], x_bytes: int, w_bytes: int) -> int:
+    """``num_stages`` lowered (not below 2) until the pipelined x and weight tiles fit
+    :data:`SMEM_BUDGET`; one stage of the pipeline holds a ``BLOCK_M x BLOCK_K`` x tile and a
+    ``TILE_N x BLOCK_K`` weight tile."""
+    per_stage = cfg["BLOCK_K"] * (cfg["BLOCK_M"] * x_bytes + cfg["TILE_N"] * w_bytes)
+    stages = cfg["num_stages"]
+    while stages > 2 and stages * per_stage > SMEM_BUDGET:
+        stages -= 1
+    return stages
 
 
 # The escape hatch from fp16 MMA operands for FP8 weights (``_dot_loop``'s ``DOT_F16``):
