@@ -358,7 +358,8 @@ class NaktaLM(ScoringLM):
         gen = self._generator(reqs)
         results = gen.generate(reqs, progress=not disable_tqdm)
         for key, value in dataclasses.asdict(gen.stats).items():
-            self.generation_stats[key] = self.generation_stats.get(key, 0) + value
+            if isinstance(value, (int, float)):  # counters add up; per-request lists do not
+                self.generation_stats[key] = self.generation_stats.get(key, 0) + value
         out = []
         for req, res in zip(requests, results):
             if res.finish == "error":  # a request the KV pool can never hold

@@ -158,6 +158,7 @@ def test_generate_until_reproduces_stories260k_greedy_text(shared_data):
             stats = lm.generation_stats  # the engine's counters (the timing hook reports them)
             assert stats["generated_tokens"] == lm._gen.stats.generated_tokens > 12
             assert stats["decode_steps"] > 0 and stats["prompt_tokens"] > 0
+            assert "first_token_s" not in stats  # per-request latencies are not summed
             stats_before = stats["generated_tokens"]
             long = [Instance("generate_until", {}, ("Once", {"max_gen_toks": 300}), 0)]
             assert len(lm.generate_until(long, disable_tqdm=True)) == 1

@@ -227,12 +227,6 @@ def _variant(residual, swiglu: bool, rope) -> str:
 # the larger batches feel it).
 PDL_MAX_BATCH = 1
 
-# A dependent's blocks ask L2 for their weight rows before waiting for the previous kernel
-# (``_prefetch_rows``): the weights are no kernel's output, so the blocks scheduled early fill
-# the previous kernel's drain with useful reads. ``NAKTA_PDL_PREFETCH=0`` at import turns it off
-# (measured both ways: ``speed_bench/decode_speed.py`` under each setting).
-PDL_PREFETCH = os.environ.get("NAKTA_PDL_PREFETCH", "1") not in ("", "0")
-
 
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float | None,
@@ -267,8 +261,6 @@ def _launch(
     grid = (triton.cdiv(n_cols, cfg["BLOCK_N"]),)
     pdl = batch <= PDL_MAX_BATCH and dependent_launch(x.device)
     launch = {"launch_pdl": True} if pdl else {}
-    line = 128 // weight.element_size()  # elements per 128-byte line
-    pf_lines = triton.next_power_of_2(triton.cdiv(k, line)) if pdl and PDL_PREFETCH else 0
     _decode_linear_kernel[grid](
         x, weight, weight_scale if weight_scale is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
@@ -285,8 +277,7 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
-        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PF_LINES=pf_lines, PF_LINE=line,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
 
