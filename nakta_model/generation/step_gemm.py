@@ -67,11 +67,13 @@ __all__ = [
 
 MAX_ROWS = 256  # rows a decode step may hold (the engine's largest bucket)
 
-# Rows from which a step's linears run as GEMMs, per activation dtype / "fp8" (W8A8 models).
-# bf16/fp16/fp32: 64, decode_linear's last (untuned) bucket, until bench_decode_gemm measures
-# the crossover; fp8: 32, where issue 27 found decode_linear's FP8 tensor-core path streaming at
-# 39-53% of copy bandwidth (bench_decode_gemm's fp8 rows decide it).
-CROSSOVER: dict[str, int] = {"bfloat16": 64, "float16": 64, "float32": 64, "fp8": 32}
+# Rows from which a step's linears run as GEMMs, per activation dtype / "fp8" (W8A8 models),
+# from kernel_benchmark/bench_decode_gemm on an H200 (7B, the step's linears under CUDA graphs;
+# kernel_benchmark/results/nvidia-h200/decode_gemm): decode_linear wins at 1 row (bf16 3.65 vs
+# 3.96 ms, fp8 2.80 vs 4.11), the GEMMs from 8 rows on (bf16 1.19x at 8, 1.24x at 32, 2.33x at
+# 64; fp8 1.79x, 1.80x, 2.72x). Rows 2 and 4 were not measured and stay on decode_linear;
+# fp32 (tests, CPU) keeps 64.
+CROSSOVER: dict[str, int] = {"bfloat16": 8, "float16": 8, "float32": 64, "fp8": 8}
 _TUNE: dict[str, int] = {}  # overrides CROSSOVER (benchmarks and tests only)
 ENV_CROSSOVER = "NAKTA_DECODE_GEMM_ROWS"
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
