@@ -18,7 +18,7 @@ LOG=$OUT/log.txt
 status=0
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
 step throughput 300 python3 -m speed_bench.throughput --preset 7B --prompts 1000 \
-  --input-len 128 --output-len 128 --engines nakta,hf --max-batch 64,128,256 --hf-batches 64,32 \
+  --input-len 128 --output-len 128 --engines nakta,hf --max-batch 64,128,256 --hf-batches 128,64 \
   --out "$OUT/throughput"
 grep -v -E "it/s\]|s/it\]|run/s|s/run" "$LOG" | cut -c1-240 | tail -40
 cat "$OUT/throughput/throughput.md" 2>/dev/null

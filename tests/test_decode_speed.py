@@ -104,10 +104,10 @@ def test_the_rowwise_prefix_engine_is_opt_in_and_decodes_like_the_cascade(tmp_pa
     assert "nakta_rowwise" not in ds.parse_args([]).engines
     out = tmp_path / "rw"
     cmd = [sys.executable, str(REPO / "speed_bench" / "decode_speed.py"), "--preset", "tiny"]
-    cmd += ["--engines", "nakta,nakta_rowwise", "--batches", "2", "--lengths", "80:3"]
+    cmd += ["--engines", "nakta,nakta_rowwise", "--batches", "2", "--lengths", "80:12"]
     cmd += ["--shared-prefix", "70", "--no-budget", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads((out / "decode_summary.json").read_text())
     assert {r["engine"] for r in summary["runs"]} == {"nakta", "nakta_rowwise"}
-    assert list(summary["ratios"]) == ["nakta_vs_nakta_rowwise_b2_p80_g3"]
+    assert list(summary["ratios"]) == ["nakta_vs_nakta_rowwise_b2_p80_g12"]
