@@ -42,7 +42,7 @@ from speed_bench.lm_eval_dp_report import (  # noqa: E402
     summary_record,
     write_outputs,
 )
-from speed_bench.lm_eval_weights import UsageError  # noqa: E402
+from speed_bench.lm_eval_weights import UsageError, resolve_device  # noqa: E402
 
 TASK = "hellaswag_local"
 SUITE = "hellaswag_local,mmlu_shaped_local,gsm8k_shaped_local,bbh_shaped_local"
@@ -313,8 +313,7 @@ def _main(a: argparse.Namespace, started: float) -> int:
 
     from bench_common.ceilings import device_slug
 
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+    resolve_device(a)
     if not Path(a.data).is_file():
         raise UsageError(f"--data {a.data}: no such file")
     if a.preset and not a.tokenizer:

@@ -53,7 +53,7 @@ from speed_bench.lm_eval_gsm8k_report import (  # noqa: E402
     ratios,
     write_outputs,
 )
-from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights  # noqa: E402
+from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights, resolve_device  # noqa: E402
 
 TASK_DOCS = {"gsm8k_shaped_full_local": 1319, "gsm8k_shaped_local": 250}
 TASK_MAX_GEN = 256  # the tasks' max_gen_toks (gsm8k_shaped_local.yaml)
@@ -310,10 +310,7 @@ def _main(a: argparse.Namespace, started: float) -> int:
 
     from bench_common.ceilings import device_slug
 
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {a.device}: CUDA is not available")
-    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+    resolve_device(a)
     on_gpu = a.device.startswith("cuda")
     device_name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     gpus = torch.cuda.device_count() if on_gpu else 0

@@ -58,7 +58,7 @@ from speed_bench.lm_eval_children import (  # noqa: E402
     run_logged,
 )
 from speed_bench.lm_eval_report import DEFAULT, TASK, markdown, ratios, write_outputs  # noqa: E402
-from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights, prepare_weights  # noqa: E402
+from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights, prepare_weights, resolve_device  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
 MODELS = ("hf", "nakta")
@@ -384,14 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(a: argparse.Namespace) -> int:
-    import torch
 
     specs = plan(a)
     _check_inputs(a)
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {a.device}: CUDA is not available")
-    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+    resolve_device(a)
     meta = _environment(a)
     out = Path(a.out) if a.out else REPO / "speed_bench" / "results" / meta["device"]
     out.mkdir(parents=True, exist_ok=True)

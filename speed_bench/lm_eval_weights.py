@@ -23,6 +23,7 @@ __all__ = [
     "make_random_hf",
     "prepare_weights",
     "preset_args",
+    "resolve_device",
     "write_hf_tokenizer",
 ]
 
@@ -31,6 +32,17 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> t
 
 class UsageError(ValueError):
     """A bad command line or input file: one ``error:`` line, exit code 2."""
+
+
+def resolve_device(a) -> None:
+    """``a.device`` (default: cuda when there is one) and ``a.dtype`` (default: bf16 on cuda,
+    fp32 on the CPU) of a driver's arguments; a cuda device without CUDA is a UsageError."""
+    import torch
+
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {a.device}: CUDA is not available")
+    a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
