@@ -27,3 +27,12 @@ step() {  # step NAME SECONDS CMD...: run with a time limit into $LOG; a failure
   [ "$rc" -eq 0 ] || status=1
   return 0
 }
+
+lane() {  # lane N: this (sub)shell drives GPU N of a 2-GPU host on its half of the cores (a lane
+  # making weights on every core delayed the other lane's decode-graph launches), logging to
+  # $OUT/laneN.txt
+  local n=$1 half=$(($(nproc) / 2))
+  export CUDA_VISIBLE_DEVICES=$n LOG=$OUT/lane$n.txt OMP_NUM_THREADS=$half
+  taskset -cp "$((n * half))-$((n * half + half - 1))" $BASHPID >/dev/null 2>&1
+  : >"$LOG"
+}

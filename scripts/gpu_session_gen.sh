@@ -19,13 +19,9 @@ D=.data
 R=$OUT/gen_session
 mkdir -p "$R"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpus.txt"
-CORES=$(nproc)
-HALF=$((CORES / 2))
 
 lane0() {
-  export CUDA_VISIBLE_DEVICES=0 LOG=$OUT/lane0.txt OMP_NUM_THREADS=$HALF
-  taskset -cp "0-$((HALF - 1))" $BASHPID >/dev/null 2>&1
-  : >"$LOG"
+  lane 0
   step gpu_tests 110 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_decode_step_gemm.py tests/test_decode_attention.py tests/test_decode_linear.py \
     tests/test_generation_engine.py
@@ -40,9 +36,7 @@ lane0() {
 }
 
 lane1() {
-  export CUDA_VISIBLE_DEVICES=1 LOG=$OUT/lane1.txt OMP_NUM_THREADS=$HALF
-  taskset -cp "$HALF-$((CORES - 1))" $BASHPID >/dev/null 2>&1
-  : >"$LOG"
+  lane 1
   step lm_eval_gsm8k 400 python3 speed_bench/lm_eval_gsm8k.py --preset 7B \
     --tokenizer "$D/llama_tokenizer.model" --hf-batch-sizes 64 --hf-limit 256 \
     --nakta-on-hf-docs --run-timeout-s 180 --hf-timeout-s 180 --subset-timeout-s 75 \

@@ -11,19 +11,13 @@ source "$(dirname "$0")/gpu_env.sh"
 use_wheels
 R=$OUT/verify
 mkdir -p "$R"
-CORES=$(nproc)
-HALF=$((CORES / 2))
 lane0() {
-  export CUDA_VISIBLE_DEVICES=0 LOG=$OUT/lane0.txt OMP_NUM_THREADS=$HALF
-  taskset -cp "0-$((HALF - 1))" $BASHPID >/dev/null 2>&1
-  : >"$LOG"
+  lane 0
   step decode 90 python3 -m speed_bench.decode_speed --preset 7B --engines nakta,nakta_fp8 \
     --batches 1,8,32 --lengths 64:128 --no-budget --out "$R/decode"
 }
 lane1() {
-  export CUDA_VISIBLE_DEVICES=1 LOG=$OUT/lane1.txt OMP_NUM_THREADS=$HALF
-  taskset -cp "$HALF-$((CORES - 1))" $BASHPID >/dev/null 2>&1
-  : >"$LOG"
+  lane 1
   step throughput 120 python3 -m speed_bench.throughput --preset 7B --prompts 1000 \
     --input-len 128 --output-len 128 --engines nakta --max-batch 128,256 --out "$R/throughput"
 }

@@ -42,7 +42,7 @@ from speed_bench.lm_eval_dp_report import (  # noqa: E402
     summary_record,
     write_outputs,
 )
-from speed_bench.lm_eval_weights import UsageError, resolve_device  # noqa: E402
+from speed_bench.lm_eval_weights import UsageError, resolve_device, status_of  # noqa: E402
 
 TASK = "hellaswag_local"
 SUITE = "hellaswag_local,mmlu_shaped_local,gsm8k_shaped_local,bbh_shaped_local"
@@ -300,12 +300,7 @@ def _describe(row: dict, rec: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
-    a = parse_args(argv)
-    try:
-        return _main(a, started)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return status_of(lambda: _main(parse_args(argv), started))
 
 
 def _main(a: argparse.Namespace, started: float) -> int:

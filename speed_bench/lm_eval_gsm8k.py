@@ -53,7 +53,7 @@ from speed_bench.lm_eval_gsm8k_report import (  # noqa: E402
     ratios,
     write_outputs,
 )
-from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights, resolve_device  # noqa: E402
+from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights, resolve_device, status_of  # noqa: E402
 
 TASK_DOCS = {"gsm8k_shaped_full_local": 1319, "gsm8k_shaped_local": 250}
 TASK_MAX_GEN = 256  # the tasks' max_gen_toks (gsm8k_shaped_local.yaml)
@@ -297,12 +297,7 @@ def summarize(device_name: str, gpus: int, runs: list[dict], setup: dict) -> dic
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
-    try:
-        a = parse_args(argv)
-        return _main(a, started)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return status_of(lambda: _main(parse_args(argv), started))
 
 
 def _main(a: argparse.Namespace, started: float) -> int:

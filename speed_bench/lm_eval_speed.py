@@ -58,7 +58,14 @@ from speed_bench.lm_eval_children import (  # noqa: E402
     run_logged,
 )
 from speed_bench.lm_eval_report import DEFAULT, TASK, markdown, ratios, write_outputs  # noqa: E402
-from speed_bench.lm_eval_weights import DTYPES, UsageError, Weights, prepare_weights, resolve_device  # noqa: E402
+from speed_bench.lm_eval_weights import (  # noqa: E402
+    DTYPES,
+    UsageError,
+    Weights,
+    prepare_weights,
+    resolve_device,
+    status_of,
+)
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hellaswag_val_full.jsonl"
 MODELS = ("hf", "nakta")
@@ -375,12 +382,7 @@ def _environment(a: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = parse_args(argv)
-    try:
-        return _main(a)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return status_of(lambda: _main(parse_args(argv)))
 
 
 def _main(a: argparse.Namespace) -> int:

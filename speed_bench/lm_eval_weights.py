@@ -10,7 +10,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from speed_bench.lm_eval_children import REPO, child_env, run_logged
@@ -24,6 +24,7 @@ __all__ = [
     "prepare_weights",
     "preset_args",
     "resolve_device",
+    "status_of",
     "write_hf_tokenizer",
 ]
 
@@ -32,6 +33,16 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # ours -> t
 
 class UsageError(ValueError):
     """A bad command line or input file: one ``error:`` line, exit code 2."""
+
+
+def status_of(run: Callable[[], int]) -> int:
+    """``run()``'s exit status; a :class:`UsageError` is its ``error:`` line and status 2
+    (the drivers' ``main``)."""
+    try:
+        return run()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def resolve_device(a) -> None:
