@@ -7,9 +7,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 use_wheels() {  # install .whl/*.whl (fairscale, liger-kernel) into /tmp/site when carried
-  if ls .whl/*.whl >/dev/null 2>&1; then
+  if [ -f /tmp/site/.nakta_wheels ]; then  # done by an outer script: a second install under a
+    export PYTHONPATH=/tmp/site:$PWD  # running lane would swap files it is importing
+  elif ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
+    touch /tmp/site/.nakta_wheels
     export PYTHONPATH=/tmp/site:$PWD
   else
     export PYTHONPATH=$PWD

@@ -188,6 +188,10 @@ def _results_max_gen(output_dir: Path, task: str) -> int | None:
     return int(value) if value is not None else None
 
 
+ENGINE_KEYS = ("prefill_s", "decode_s", "decode_steps", "prefill_chunks", "prefilled_tokens",
+               "prompt_tokens", "peak_pages", "max_batch")  # fmt: skip
+
+
 def fill_from_child(rec: dict, timing: dict, results: dict) -> None:
     """The child's own numbers: timing hook (load, generate_until, tokens) and results."""
     rec["load_s"] = timing.get("load_s")
@@ -195,7 +199,12 @@ def fill_from_child(rec: dict, timing: dict, results: dict) -> None:
     rec["generate_s"] = methods.get("generate_until", timing.get("requests_s"))
     gen = timing.get("generate_until") or {}
     rec["answer_tokens"] = gen.get("answer_tokens")
-    rec["engine_tokens"] = (gen.get("engine") or {}).get("generated_tokens")
+    engine = gen.get("engine") or {}
+    rec["engine_tokens"] = engine.get("generated_tokens")
+    # where nakta's time goes (the engine's counters, the load's parts, the process's moments)
+    rec["engine"] = {k: engine.get(k) for k in ENGINE_KEYS if k in engine} or None
+    rec["nakta_load"] = timing.get("nakta_load")
+    rec["events"] = timing.get("events")
     rec["exact_match"] = results.get("exact_match")
     rec["docs"] = results.get("n") or gen.get("answers")
     if rec["docs"] and rec["generate_s"]:

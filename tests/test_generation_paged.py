@@ -179,3 +179,37 @@ def test_page_size_and_buckets_stay_within_the_step():
     gen = Generator(tiny_model(), max_batch=max_rows(), max_seq_len=48)
     assert gen.buckets[-1] == max_rows() and PAGE_SIZE == 64
     assert gen.buckets == [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_rows()]
+
+
+def _agree_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from nakta_model.generation.kv_pages import _agreed_over_tp
+    from nakta_model.parallel import ParallelContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = types.SimpleNamespace(
+            parallel=ParallelContext(rank, world), device=torch.device("cpu")
+        )
+        got = _agreed_over_tp(model, 100 + 7 * rank)  # free memory differs between GPUs
+        torch.save(got, f"{out_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two fresh interpreters: a few seconds
+def test_pool_size_is_the_smallest_over_tensor_parallel_ranks(tmp_path):
+    """Every rank of a replica admits the same rows at the same steps only with one pool size:
+    the ranks' own sizes (from their free memory) agree on the smallest."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "pages")
+    mp.start_processes(
+        _agree_worker, args=(2, str(tmp_path / "rdv"), out), nprocs=2, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    assert [torch.load(f"{out}.{r}") for r in range(2)] == [100, 100]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from nakta_model.cli import InputError
-from nakta_model.generation.engine import Generator, fitting_batch, max_rows
+from nakta_model.generation.engine import Generator, max_rows
 from nakta_model.generation.streaming import StreamTiming, TextStream, generate_streaming
 from nakta_model.parallel import ParallelContext, gather_objects, is_distributed
 
@@ -116,9 +116,10 @@ class GenerationSession:
 
     # ---------------------------------------------------------------------------- helpers
     def _generator(self, n_prompts: int, row_len: int) -> Generator:
-        rows = fitting_batch(self.model, row_len, cap=min(max_rows(), max(1, n_prompts)))
-        if n_prompts > 1 and is_distributed():  # free memory differs a little between ranks
-            rows = min(gather_objects(rows))
+        # every prompt in flight at once (up to the step's limit): a row takes only the pages its
+        # prompt and budget need, one the pool cannot hold yet waits (the pool's size is agreed
+        # over tensor-parallel ranks)
+        rows = min(max_rows(), max(1, n_prompts))
         key = (rows, row_len)
         if key not in self._generators:
             self._generators.clear()  # one KV cache at a time

@@ -92,4 +92,18 @@ def pool_pages(model, *, cap: int, fraction: float = 0.8) -> int:
     if k0 is not None:  # the current cache is given back before the pool is made
         held = 2 * len(model.layers) * k0.numel() * k0.element_size()
     free = torch.cuda.mem_get_info(model.device)[0] + held
-    return max(2, min(cap, int(fraction * free // (per_position * PAGE_SIZE))))
+    pages = max(2, min(cap, int(fraction * free // (per_position * PAGE_SIZE))))
+    return _agreed_over_tp(model, pages)
+
+
+def _agreed_over_tp(model, pages: int) -> int:
+    """The smallest pool of the model's tensor-parallel group: every rank of a replica must
+    admit the same rows at the same steps (free memory differs a little between GPUs)."""
+    parallel = getattr(model, "parallel", None)
+    if parallel is None or parallel.tp_size == 1:
+        return pages
+    import torch.distributed as dist
+
+    t = torch.tensor([pages], dtype=torch.int64, device=model.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parallel.tp_group)
+    return int(t.item())
