@@ -347,3 +347,35 @@ def test_gpu_cuda_graph_replay_follows_new_inputs(split, monkeypatch):
         want = fp8_decode_gemm_reference(xq, xs, wq, ws, residual=res)
         bound = 2 * error_bound(xq, xs, wq, ws, 4096, torch.bfloat16)
         assert_close_to(out, want, bound + ULP[torch.bfloat16] * res.abs().double())
+
+
+@pytest.mark.gpu
+def test_gpu_captured_fp8_step_at_32_rows(monkeypatch):
+    """An FP8 step of 32 rows on the GEMM path, through ``fp8_decode_gemm`` (counted): its CUDA
+    graph replays give the eager step's tokens, and its logits are cuBLASLt's (kernel off) up
+    to summation order."""
+    from nakta_model.config import ModelArgs
+    from nakta_model.loading import random_model
+
+    _gpu_fp8()
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                     multiple_of=64, max_seq_len=64)  # fmt: skip
+    model = random_model(args, "cuda", torch.bfloat16, seed=2, quant="fp8")
+    ps = equal_length_prompts(32, 6, seed=4)
+    calls = _counting(monkeypatch)
+    out = {}
+    for name, graph, tune in (("eager", False, {}), ("graph", True, {}),
+                              ("cublaslt", False, {"fp8_kernel_max": 0})):  # fmt: skip
+        monkeypatch.setattr(sg, "_TUNE", {"fp8": 8, **tune})
+        step = prefilled_step(model, ps, 8, "cuda_graph" if graph else "eager")
+        assert step.gemm
+        logits = step.logits().float()
+        if graph:
+            step.capture()
+        step.run(8)
+        out[name] = logits, step.buffers.history.clone()
+        model.clear_cache()
+    assert calls and set(calls) == {32}
+    assert torch.equal(out["eager"][1], out["graph"][1])
+    ref = out["cublaslt"][0]
+    assert (out["eager"][0] - ref).norm() / ref.norm() < 1e-2
