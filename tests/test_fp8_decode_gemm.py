@@ -301,10 +301,10 @@ def _gpu_fp8():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", SHAPES_7B)
-@pytest.mark.parametrize("rows", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("rows", [1, 8, 32, 64])
 def test_gpu_llama7b_shapes(n, k, rows):
-    """The 7B linears on the GPU, default/tuned configs and forced splits: within the exact
-    reference's bound, and cuBLASLt (fp8_matmul) within the same bound."""
+    """The 7B linears on the GPU with the table's config (tuned where the tuner ran): within
+    the exact reference's bound, as cuBLASLt (fp8_matmul) is; the residual epilogue too."""
     _gpu_fp8()
     xq, xs, wq, ws = make_inputs(rows, n, k, "cuda")
     want = fp8_decode_gemm_reference(xq, xs, wq, ws)
@@ -315,11 +315,22 @@ def test_gpu_llama7b_shapes(n, k, rows):
     got = fp8_decode_gemm(xq, xs, wq, ws, residual=res)
     want = fp8_decode_gemm_reference(xq, xs, wq, ws, residual=res)
     assert_close_to(got, want, 2 * bound + ULP[torch.bfloat16] * res.abs().double())
-    for tune in (dict(SPLIT_K=1), dict(SPLIT_K=4, BLOCK_N=128, num_warps=8)):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fdg, "_TUNE", tune)
-            assert_close_to(fp8_decode_gemm(xq, xs, wq, ws), fp8_decode_gemm_reference(
-                xq, xs, wq, ws), bound)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tune",
+    [dict(SPLIT_K=1), dict(SPLIT_K=2, BLOCK_K=128), dict(SPLIT_K=8, BLOCK_N=128, num_warps=8),
+     dict(SPLIT_K=4, BLOCK_K=512, num_stages=3)],
+)  # fmt: skip
+def test_gpu_forced_configs(tune, monkeypatch):
+    """wo at 32 rows under other tiles and split counts: the same result within the bound."""
+    _gpu_fp8()
+    monkeypatch.setattr(fdg, "_TUNE", tune)
+    xq, xs, wq, ws = make_inputs(32, 4096, 4096, "cuda")
+    want = fp8_decode_gemm_reference(xq, xs, wq, ws)
+    assert_close_to(fp8_decode_gemm(xq, xs, wq, ws), want, error_bound(xq, xs, wq, ws, 4096,
+                                                                        torch.bfloat16))  # fmt: skip
 
 
 @pytest.mark.gpu
