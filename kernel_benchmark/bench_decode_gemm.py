@@ -6,6 +6,11 @@ Why: ``decode_linear`` keeps the rows on the narrow side of its MMA and stops at
 some row count a decode linear is a GEMM and cuBLAS is the right tool. The crossover is where
 the GEMM path's step time drops below the GEMVs' (``step_gemm.CROSSOVER``, per dtype / fp8).
 
+Paths: ``decode_linear`` (the fused GEMVs, <= 64 rows); ``gemm`` (``step_gemm`` with cuBLAS, or
+cuBLASLt W8A8 for FP8 weights: ``fp8_decode_gemm`` turned off); for fp8 at <= 64 rows also
+``triton_fp8`` (``step_gemm`` with its FP8 GEMMs on ``kernels/fp8_decode_gemm``, the swap-AB
+Triton kernel, forced on at every measured rows; the LM head stays bf16 on cuBLAS).
+
 Sections (``--sections``):
 
 * ``blocks``: the step's five linears (``wqkv`` + norm + RoPE/KV write, ``wo`` + residual,
@@ -58,6 +63,7 @@ from kernel_benchmark.decode_shapes import (
 )
 from nakta_model.generation import step_gemm as sg
 from nakta_model.kernels import decode_linear as dl
+from nakta_model.kernels import fp8_decode_gemm as fdg
 from nakta_model.kernels.fp8_quant import QuantRows, dequantize_rows, quantize_rows, quantize_weight
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -100,8 +106,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------- blocks
-def paths_at(rows: int) -> tuple[str, ...]:
-    return ("decode_linear", "gemm") if rows <= dl.MAX_BATCH else ("gemm",)
+GEMM_PATHS = ("gemm", "triton_fp8")  # step_gemm, without / with fp8_decode_gemm
+# step_gemm overrides (its _TUNE) that make each path: fp8_decode_gemm off, or on at any rows
+PATH_TUNE = {
+    "gemm": {"fp8_kernel_min": 1, "fp8_kernel_max": 0},
+    "triton_fp8": {"fp8_kernel_min": 1, "fp8_kernel_max": fdg.MAX_ROWS},
+}
+
+
+def paths_at(rows: int, quant: str = "bf16") -> tuple[str, ...]:
+    paths = ("decode_linear", "gemm") if rows <= dl.MAX_BATCH else ("gemm",)
+    return paths + (("triton_fp8",) if quant == "fp8" and rows <= fdg.MAX_ROWS else ())
 
 
 def block_set(shape: LinearShape, rows: int, quant: str, device, seed: int) -> dict:
@@ -129,7 +144,12 @@ def block_call(shape: LinearShape, t: dict, path: str, reference: bool = False):
         return lambda: dl.decode_linear(t["x"], t["w"], **kw)
     fn = sg.decode_gemm_reference if reference else sg.decode_gemm
     x = t.get("xq", t["x"])
-    return lambda: fn(x, t["w"], out_dtype=DTYPE, **kw)
+
+    def call():
+        with tuned(sg, **PATH_TUNE[path]):
+            return fn(x, t["w"], out_dtype=DTYPE, **kw)
+
+    return call
 
 
 def weight_bytes(shape: LinearShape, quant: str) -> int:
@@ -154,11 +174,11 @@ def _as_float(y) -> torch.Tensor:
     return dequantize_rows(y.q, y.scale) if isinstance(y, QuantRows) else y.float()
 
 
-def rel_err(shape: LinearShape, t: dict) -> float:
-    """The GEMM path against its plain-PyTorch reference (each on its own call)."""
+def rel_err(shape: LinearShape, t: dict, path: str = "gemm") -> float:
+    """A GEMM path against its plain-PyTorch reference (each on its own call)."""
     with torch.no_grad():
-        got = _as_float(block_call(shape, t, "gemm")())
-        ref = _as_float(block_call(shape, t, "gemm", reference=True)())
+        got = _as_float(block_call(shape, t, path)())
+        ref = _as_float(block_call(shape, t, path, reference=True)())
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
@@ -182,9 +202,9 @@ def bench_block(shape, rows, quant, device, ceilings: dict) -> list[dict]:
     nb = weight_bytes(shape, quant)
     sets = [block_set(shape, rows, quant, device, seed=i) for i in range(input_sets(device, nb))]
     with torch.no_grad():
-        calls = {p: [block_call(shape, t, p) for t in sets] for p in paths_at(rows)}
+        calls = {p: [block_call(shape, t, p) for t in sets] for p in paths_at(rows, quant)}
         times, errors = time_calls(calls, device)
-    err = rel_err(shape, sets[0]) if "gemm" not in errors else float("nan")
+    err = {p: rel_err(shape, sets[0], p) for p in calls if p in GEMM_PATHS and p not in errors}
     total = block_bytes(shape, rows, quant)
     out = []
     for p in calls:
@@ -197,7 +217,7 @@ def bench_block(shape, rows, quant, device, ceilings: dict) -> list[dict]:
             "pct_copy_bw": 100 * total / us / 1e3 / ceilings["copy"],
         }
         row |= {"TFLOP/s": tflops, "pct_matmul": 100 * tflops / ceilings["matmul"]}
-        row |= {"rel_err": err if p == "gemm" else float("nan"), "input_sets": len(sets)}
+        row |= {"rel_err": err.get(p, float("nan")), "input_sets": len(sets)}
         row |= {"status": f"failed: {errors[p]}" if p in errors else "ok"}
         out.append(row)
     return out
@@ -227,8 +247,9 @@ def layer_table(blocks: pd.DataFrame) -> pd.DataFrame:
 
 
 def crossovers(layer: pd.DataFrame) -> dict:
-    """Per model and quant: the smallest measured rows from which the GEMM path is faster at
-    every measured rows up to decode_linear's 64 (65: never), with the timings it rests on."""
+    """Per model and quant: the smallest measured rows from which the GEMM path (the faster of
+    ``GEMM_PATHS`` at each rows) is faster at every measured rows up to decode_linear's 64
+    (65: never), with the timings it rests on."""
     out: dict = {}
     if not len(layer):
         return out
@@ -236,7 +257,8 @@ def crossovers(layer: pd.DataFrame) -> dict:
         piv = g.pivot_table(index="rows", columns="path", values="linears_us")
         if "decode_linear" not in piv or "gemm" not in piv:
             continue
-        both = piv.dropna().sort_index()
+        piv["gemm"] = piv[[p for p in GEMM_PATHS if p in piv]].min(axis=1)
+        both = piv[["decode_linear", "gemm"]].dropna().sort_index()
         cross = dl.MAX_BATCH + 1
         for r in reversed(both.index.tolist()):
             if both.loc[r, "gemm"] < both.loc[r, "decode_linear"]:
@@ -267,20 +289,21 @@ def bench_step(quant: str, rows_list, device, copy_gbps: float, context: int) ->
     for rows in rows_list:
         model.clear_cache()
         model.setup_cache(rows, context + n + 8)
-        for path in paths_at(rows):
-            with tuned(sg, **{key: 1 if path == "gemm" else dl.MAX_BATCH + 1}):
+        for path in paths_at(rows, quant):
+            over = {key: 1 if path in GEMM_PATHS else dl.MAX_BATCH + 1, **PATH_TUNE.get(path, {})}
+            with tuned(sg, **over):  # held while the step is built, captured and run
                 step = DecodeStep(model, rows, n + 2, sampling=False,
                                   graph_mode="cuda_graph" if on_gpu else "eager")  # fmt: skip
-            buf = step.buffers
-            buf.block_table[:, 0].copy_(torch.arange(rows, dtype=torch.int32, device=device))
-            buf.positions.fill_(context)
-            if on_gpu:
-                step.capture()
-            times = []
-            for _ in range(3 if on_gpu else 1):
+                buf = step.buffers
+                buf.block_table[:, 0].copy_(torch.arange(rows, dtype=torch.int32, device=device))
                 buf.positions.fill_(context)
-                buf.step.zero_()
-                times.append(_run_s(step, n, device))
+                if on_gpu:
+                    step.capture()
+                times = []
+                for _ in range(3 if on_gpu else 1):
+                    buf.positions.fill_(context)
+                    buf.step.zero_()
+                    times.append(_run_s(step, n, device))
             s = sorted(times)[len(times) // 2]
             floor_s = step_bytes(args, rows, context + n / 2, DTYPE.itemsize,
                                  quant=None if quant == "bf16" else quant) / (copy_gbps * 1e9)  # fmt: skip
@@ -346,7 +369,8 @@ def notes(slug: str, ceilings: dict) -> str:
         f"Device {slug}; activations bf16; copy bandwidth {ceilings['copy']:.0f} GB/s and bf16 "
         f"matmul {ceilings['matmul']:.0f} TFLOP/s measured in this run. decode_linear: the fused "
         "GEMVs (<= 64 rows); gemm: step_gemm (cuBLAS, or for fp8 cuBLASLt W8A8 with the "
-        "quantizing kernels) with the fused norm / SwiGLU / RoPE kernels. us: CUDA-graph replays "
+        "quantizing kernels) with the fused norm / SwiGLU / RoPE kernels; triton_fp8: the same "
+        "with the FP8 GEMMs on fp8_decode_gemm (swap-AB Triton, split-K). us: CUDA-graph replays "
         "over input copies larger than L2, paths in turn, median of 3 rounds."
     )
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from kernel_benchmark import bench_decode_gemm as bg
+from kernel_benchmark.common import tuned
 from kernel_benchmark.decode_shapes import MODELS, linear_shapes
+from nakta_model.generation import step_gemm as sg
 
 cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU smoke run; on a GPU the benchmark is the full sweep"
@@ -25,13 +27,33 @@ def test_smoke_blocks_both_quants_and_rows_above_64(tmp_path):
     blocks = pd.read_csv(tmp_path / "decode_gemm_blocks.csv")
     assert (blocks["status"] == "ok").all() and (blocks["us"] > 0).all()
     assert set(blocks[blocks["rows"] == 65]["path"]) == {"gemm"}  # decode_linear stops at 64
-    assert set(blocks[blocks["rows"] == 2]["path"]) == {"decode_linear", "gemm"}
-    gemm = blocks[blocks["path"] == "gemm"]
+    assert set(blocks[blocks["rows"] == 2]["path"]) == {"decode_linear", "gemm", "triton_fp8"}
+    gemm = blocks[blocks["path"].isin(bg.GEMM_PATHS)]
     assert (gemm["rel_err"] < 2e-2).all()  # FP8 SwiGLU codes compared dequantized
     cross = json.loads((tmp_path / "decode_gemm_crossover.json").read_text())
     assert set(cross["crossovers"]) == {"tiny/fp8"} == set(res["crossovers"])
     for name in ("decode_gemm_blocks_layer.md", "decode_gemm.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+@cpu_only
+def test_smoke_step_fp8_three_paths(tmp_path):
+    """FP8 at 8 rows: the GEMVs, cuBLASLt's path and the fp8_decode_gemm path each decode."""
+    bg.main(["--rows", "8", "--quants", "fp8", "--sections", "step", "--context", "4",
+             "--out", str(tmp_path)])  # fmt: skip
+    step = pd.read_csv(tmp_path / "decode_gemm_step.csv")
+    assert set(step["path"]) == {"decode_linear", "gemm", "triton_fp8"}
+    assert (step["tok_s"] > 0).all()
+
+
+def test_paths_turn_the_fp8_kernel_off_and_on():
+    assert bg.paths_at(8, "fp8") == ("decode_linear", "gemm", "triton_fp8")
+    assert bg.paths_at(8) == ("decode_linear", "gemm") and bg.paths_at(65, "fp8") == ("gemm",)
+    with tuned(sg, **bg.PATH_TUNE["gemm"]):
+        lo, hi = sg.fp8_kernel_rows()
+        assert lo > hi
+    with tuned(sg, **bg.PATH_TUNE["triton_fp8"]):
+        assert sg.fp8_kernel_rows() == (1, 64)
 
 
 @cpu_only

@@ -23,7 +23,10 @@ FP8 weights (an ``Fp8Linear``'s ``weight`` + ``weight_scale``) run W8A8 here, as
 SwiGLU before ``w2`` the quantizing SwiGLU (``swiglu_fp8``: :func:`decode_gemm` then returns
 its ``QuantRows``, which the ``w2`` call takes as ``x``), the attention output goes through
 ``quantize_rows``; the GEMM is ``fp8_matmul`` (row-wise scales, output in the model's dtype; on
-the CPU / interpreter its exact fp32 reference). Unlike ``decode_linear``'s FP8 path (e4m3
+the CPU / interpreter its exact fp32 reference), except at ``fp8_kernel_rows`` (8..64 by
+default): there the GEMM is ``fp8_decode_gemm`` (Triton, the weight on the MMA's wide side,
+split-K for narrow weights), with the RESIDUAL add fused into its epilogue at the same two
+roundings. Unlike ``decode_linear``'s FP8 path (e4m3
 weights, activations in the model's dtype: W8A16), activations are quantized per row, as in
 prefill and scoring: FP8 decoding above the crossover is the scorer's math.
 
@@ -31,7 +34,9 @@ The crossover (:func:`crossover`): rows at which a step's linears take this path
 (``"fp8"`` for FP8 models); a step of more than ``decode_linear.MAX_BATCH`` rows always does.
 The defaults (``CROSSOVER``) come from ``kernel_benchmark/bench_decode_gemm.py``; ``_TUNE``
 (benchmarks, tests) and ``NAKTA_DECODE_GEMM_ROWS`` (``"bfloat16=64,fp8=16"``) override them.
-Everything here is CUDA-graph capturable: no host syncs on CUDA, outputs from the caching
+``FP8_KERNEL_ROWS`` (rows range of ``fp8_decode_gemm``) is overridden the same way: ``_TUNE``
+keys ``fp8_kernel_min`` / ``fp8_kernel_max``, or ``NAKTA_FP8_DECODE_GEMM_ROWS`` (``"8-64"``,
+``"off"``). Everything here is CUDA-graph capturable: no host syncs on CUDA, outputs from the caching
 allocator (a captured graph's private pool), cuBLAS/cuBLASLt handles their own workspace.
 """
 
@@ -45,23 +50,27 @@ import torch
 import torch.nn.functional as F
 
 from nakta_model.kernels import decode_linear as _dl
+from nakta_model.kernels import fp8_decode_gemm as _fp8_small
 from nakta_model.kernels import fp8_gemm as _fp8_gemm
 from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
 from nakta_model.kernels import swiglu as _swiglu
-from nakta_model.kernels._checks import check_dtype, check_same_device, check_tensor
+from nakta_model.kernels._checks import check_dtype, check_same_device, check_tensor, fp8_mma
 from nakta_model.kernels.decode_linear import RopeArgs
 from nakta_model.kernels.fp8_quant import FP8_DTYPE, QuantRows
 
 __all__ = [
     "CROSSOVER",
     "ENV_CROSSOVER",
+    "ENV_FP8_KERNEL_ROWS",
+    "FP8_KERNEL_ROWS",
     "MAX_ROWS",
     "crossover",
     "crossover_key",
     "decode_gemm",
     "decode_gemm_reference",
+    "fp8_kernel_rows",
     "use_gemm",
 ]
 
@@ -74,7 +83,7 @@ MAX_ROWS = 256  # rows a decode step may hold (the engine's largest bucket)
 # 64; fp8 1.79x, 1.80x, 2.72x). Rows 2 and 4 were not measured and stay on decode_linear;
 # fp32 (tests, CPU) keeps 64.
 CROSSOVER: dict[str, int] = {"bfloat16": 8, "float16": 8, "float32": 64, "fp8": 8}
-_TUNE: dict[str, int] = {}  # overrides CROSSOVER (benchmarks and tests only)
+_TUNE: dict[str, int] = {}  # overrides CROSSOVER and FP8_KERNEL_ROWS (benchmarks, tests)
 ENV_CROSSOVER = "NAKTA_DECODE_GEMM_ROWS"
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -124,6 +133,48 @@ def crossover(dtype: torch.dtype, quant: str | None = None) -> int:
     return rows
 
 
+# Rows [lo, hi] at which an FP8 step's GEMMs run ``fp8_decode_gemm`` instead of cuBLASLt: at 8-64
+# rows cuBLASLt's row-wise scaled GEMMs stream the 7B weights at 25-49% of copy bandwidth (H200,
+# kernel_benchmark/results/nvidia-h200/decode_gemm/decode_gemm_blocks.md: wqkv 29 us, w13 44,
+# wo 17, w2 31 at 32 rows, where copy bandwidth allows ~12/21/4/11); the Triton kernel keeps the
+# weight on the MMA's wide side and splits K for the narrow ones. hi is at most the kernel's
+# MAX_ROWS (64). ``bench_decode_gemm``'s triton_fp8 path and ``tune_fp8_decode_gemm`` measure it.
+FP8_KERNEL_ROWS = (8, _fp8_small.MAX_ROWS)
+ENV_FP8_KERNEL_ROWS = "NAKTA_FP8_DECODE_GEMM_ROWS"
+
+
+def fp8_kernel_rows() -> tuple[int, int]:
+    """``(lo, hi)``: rows at which FP8 GEMMs take ``fp8_decode_gemm`` (``FP8_KERNEL_ROWS``, then
+    ``NAKTA_FP8_DECODE_GEMM_ROWS`` = ``"LO-HI"`` or ``"off"``, then ``_TUNE``'s
+    ``fp8_kernel_min`` / ``fp8_kernel_max``); ``lo > hi`` means never."""
+    lo, hi = FP8_KERNEL_ROWS
+    text = os.environ.get(ENV_FP8_KERNEL_ROWS, "").strip().lower()
+    if text in ("off", "0", "none"):
+        lo, hi = 1, 0
+    elif text:
+        try:
+            lo, hi = (int(v) for v in text.split("-"))
+        except ValueError as e:
+            raise ValueError(
+                f"{ENV_FP8_KERNEL_ROWS} must be LO-HI (rows, e.g. 8-64) or off, got {text!r}"
+            ) from e
+    lo, hi = _TUNE.get("fp8_kernel_min", lo), _TUNE.get("fp8_kernel_max", hi)
+    for name, v in (("min", lo), ("max", hi)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"fp8 kernel rows {name} must be an int >= 0, got {v!r}")
+    if hi > _fp8_small.MAX_ROWS:
+        raise ValueError(
+            f"fp8 kernel rows max must be <= {_fp8_small.MAX_ROWS} (fp8_decode_gemm's limit), "
+            f"got {hi}"
+        )
+    return lo, hi
+
+
+def _use_fp8_kernel(xq: torch.Tensor) -> bool:
+    lo, hi = fp8_kernel_rows()
+    return lo <= xq.shape[0] <= hi and fp8_mma(xq.device)
+
+
 def use_gemm(rows: int, dtype: torch.dtype, quant: str | None = None) -> bool:
     """Whether a step of ``rows`` runs its linears as GEMMs (:func:`crossover`)."""
     return rows >= crossover(dtype, quant)
@@ -141,16 +192,18 @@ class _Ops:
     quantize_rows: Callable
     rope_qkv_: Callable
     fp8_matmul: Callable
+    fp8_decode_gemm: Callable | None  # at fp8_kernel_rows (None: always fp8_matmul)
 
 
 _KERNELS = _Ops(
     _rmsnorm.rms_norm, _rmsnorm.rms_norm_fp8, _swiglu.swiglu, _swiglu.swiglu_fp8,
     _fp8.quantize_rows, _rope.apply_rope_qkv_, _fp8_gemm.fp8_matmul,
+    _fp8_small.fp8_decode_gemm,
 )  # fmt: skip
 _REFERENCE = _Ops(
     _rmsnorm.rms_norm_reference, _rmsnorm.rms_norm_fp8_reference, _swiglu.swiglu_reference,
     _swiglu.swiglu_fp8_reference, _fp8.quantize_rows_reference, _rope.apply_rope_qkv_reference,
-    _fp8_gemm.fp8_matmul_reference,
+    _fp8_gemm.fp8_matmul_reference, None,
 )  # fmt: skip
 
 
@@ -220,7 +273,14 @@ def _run(
             xq = ops.rms_norm_fp8(x, norm_weight, eps)
         else:
             xq = ops.quantize_rows(x)
-        y = ops.fp8_matmul(xq.q, xq.scale, weight, weight_scale, out_dtype)
+        if ops.fp8_decode_gemm is not None and _use_fp8_kernel(xq.q):
+            y = ops.fp8_decode_gemm(
+                xq.q, xq.scale, weight, weight_scale, out_dtype, residual=residual
+            )
+            if residual is not None:  # added in the kernel's epilogue
+                return y
+        else:
+            y = ops.fp8_matmul(xq.q, xq.scale, weight, weight_scale, out_dtype)
     else:
         h = x if norm_weight is None else ops.rms_norm(x, norm_weight, eps)
         if h.device.type == "cpu" and h.dtype == torch.bfloat16 and not h.is_contiguous():

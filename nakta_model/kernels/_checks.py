@@ -85,13 +85,29 @@ def dependent_launch(device: torch.device) -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+def fp8_mma(device: torch.device) -> bool:
+    """Whether Triton kernels on ``device`` may feed e4m3 operands to ``tl.dot``: CUDA devices
+    of compute capability 8.9 or later, or the CPU under the interpreter."""
+    if device.type == "cpu":
+        return interpreter_enabled()
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def mark_compile_constants() -> None:
     """Tell torch.compile that ``device_family`` and ``sm_count`` are constants (no graph break
     at every launch). Called by the compile path just before ``torch.compile``, not at import:
     the marking imports ``torch._dynamo`` (0.8 s on a fast CPU, seconds on a slow file system),
     which every lm-eval run would otherwise pay. The decorator marks and returns the function
     itself, so callers holding it see the mark."""
-    for fn in (device_family, sm_count, dependent_launch):
+    for fn in (device_family, sm_count, dependent_launch, fp8_mma):
         torch.compiler.assume_constant_result(fn)
 
 

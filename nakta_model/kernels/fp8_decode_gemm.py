@@ -1,0 +1,390 @@
+"""FP8 x FP8 GEMM for a decode step's linears at a few rows (up to 64): ``swap AB``, split-K.
+
+``out[rows, N] = round((xq[rows, K] @ wq[N, K]^T) * x_scale[rows, None] * w_scale[None, N])``,
+xq and wq e4m3 (``fp8_quant.FP8_DTYPE``), fp32 scales, the fp32 sum scaled in that order (as
+``fp8_gemm.fp8_matmul_reference``) and rounded once to the output dtype (bf16 / fp16, or fp32
+for tests). With ``residual [rows, N]`` (the decode step's RESIDUAL kind, ``step_gemm._run``):
+``out = round(residual + round(y))``, the two roundings of ``decode_linear``'s epilogue;
+``out=residual`` writes it in place (each element is read, then written, by one program).
+
+Why: at 8..64 rows a decode linear streams its weight (``N x K`` bytes) for a tiny ``M``;
+cuBLASLt's row-wise scaled FP8 GEMM streams the 7B weights at 25-49% of copy bandwidth there
+(``kernel_benchmark/results/nvidia-h200/decode_gemm/decode_gemm_blocks.md``). Here the weight
+tile is the MMA's M side (``BLOCK_N`` = 64/128 weight rows, wgmma on Hopper) and the rows are
+its N side (``BLOCK_R = max(16, next_pow2(rows))``), fp8 x fp8 ``tl.dot`` into an fp32
+accumulator, the weight stream pipelined (``num_stages``, loads evicted first). Narrow weights
+(``wo``: 4096 rows, 32-64 tiles on 132 SMs) split K (``SPLIT_K`` > 1): each split writes its
+fp32 partial sums into a workspace ``[SPLIT_K, rows, N]`` and a second small kernel adds them
+in split order, scales, rounds and applies the residual. Both launches are CUDA-graph
+capturable: no host sync, the workspace from the caching allocator, a grid of shapes only.
+
+Hopper's fp8 wgmma accumulates in reduced precision unless told otherwise; the sums are moved
+into the fp32 accumulator every ``PROMOTE_K`` (128) products, as cuBLASLt without fast
+accumulation does, so results differ from the exact fp32 reference by summation order only.
+
+Launch configs: ``_CONFIGS`` per (N, K, rows bucket) (empty: no measured rows yet),
+``_DEVICE_CONFIGS`` per device family from ``_fp8_decode_gemm_tuned.json`` (written by
+``kernel_benchmark/tune_fp8_decode_gemm.py``), a default derived from the shape (``_config``),
+and ``_TUNE`` over all (benchmarks and tests).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from nakta_model.kernels._checks import (
+    check_dtype,
+    check_ndim,
+    check_no_overlap,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    device_family,
+    interpreter_enabled,
+    sm_count,
+    tracing,
+)
+from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels.fp8_quant import FP8_DTYPE
+
+__all__ = [
+    "MAX_ROWS",
+    "OUT_DTYPES",
+    "fp8_decode_gemm",
+    "fp8_decode_gemm_reference",
+]
+
+MAX_ROWS = 64  # the rows side of the MMA tile: BLOCK_R <= 64
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PROMOTE_K = 128  # fp8 products summed by the MMA before they join the fp32 accumulator
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Kernels
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_decode_gemm_kernel(
+    X, W, XS, WS, R, OUT, PART,
+    n_rows, N, K, k_split,
+    stride_xr, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
+    stride_rr, stride_rn, stride_or, stride_on, stride_ps, stride_pr,
+    RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """Program (n tile, K split): ``W_tile [BLOCK_N, BLOCK_K] @ x_tile^T [BLOCK_K, BLOCK_R]``
+    over its ``k_split`` columns of K; with ``SPLIT`` the raw fp32 sums go to ``PART[split]``,
+    else the scaled, rounded (and residual-added) tile goes to ``OUT``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    n_ok = n < N
+    r_ok = r < n_rows
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = W + n.to(tl.int64)[:, None] * stride_wn + ks[None, :] * stride_wk
+    x_ptrs = X + r[:, None] * stride_xr + ks[None, :] * stride_xk
+    k_lo = pid_k * k_split
+    steps = tl.cdiv(tl.minimum(K - k_lo, k_split), BLOCK_K)
+    w_ptrs += k_lo * stride_wk
+    x_ptrs += k_lo * stride_xk
+    acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+    for i in tl.range(0, steps, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=r_ok[:, None], other=0.0)
+        else:
+            k_ok = k_lo + i * BLOCK_K + ks < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+            x = tl.load(x_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
+        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+    if SPLIT:
+        p_ptrs = PART + pid_k * stride_ps + r[None, :] * stride_pr + n[:, None]
+        tl.store(p_ptrs, acc, mask=n_ok[:, None] & r_ok[None, :])
+    else:
+        _epilogue(acc, XS, WS, R, OUT, n, r, n_ok, r_ok, stride_xs, stride_ws, stride_rr,
+                  stride_rn, stride_or, stride_on, RESIDUAL, EMULATE_RNE)  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    acc, XS, WS, R, OUT, n, r, n_ok, r_ok, stride_xs, stride_ws, stride_rr, stride_rn,
+    stride_or, stride_on, RESIDUAL: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """``acc [n, r]`` (fp32 sums) -> ``OUT[r, n]``: times x's scale, then w's (the reference's
+    order), rounded; with ``RESIDUAL`` the rounded product is added to ``R`` and rounded again."""
+    xs = tl.load(XS + r * stride_xs, mask=r_ok, other=0.0)
+    ws = tl.load(WS + n.to(tl.int64) * stride_ws, mask=n_ok, other=0.0)
+    acc = acc * xs[None, :] * ws[:, None]
+    dtype = OUT.dtype.element_ty
+    mask = n_ok[:, None] & r_ok[None, :]
+    y = round_to(acc, dtype, EMULATE_RNE)
+    if RESIDUAL:
+        res = tl.load(R + r[None, :] * stride_rr + n[:, None] * stride_rn, mask=mask, other=0.0)
+        y = round_to(res.to(tl.float32) + y.to(tl.float32), dtype, EMULATE_RNE)
+    tl.store(OUT + r[None, :] * stride_or + n[:, None] * stride_on, y, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    PART, XS, WS, R, OUT, n_rows, N, n_splits,
+    stride_ps, stride_pr, stride_xs, stride_ws, stride_rr, stride_rn, stride_or, stride_on,
+    RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """Program (n tile): the splits' partial sums added in split order, then the epilogue."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    n_ok = n < N
+    r_ok = r < n_rows
+    mask = n_ok[:, None] & r_ok[None, :]
+    ptrs = PART + r[None, :] * stride_pr + n[:, None]
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in range(1, n_splits):
+        acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
+    _epilogue(acc, XS, WS, R, OUT, n, r, n_ok, r_ok, stride_xs, stride_ws, stride_rr, stride_rn,
+              stride_or, stride_on, RESIDUAL, EMULATE_RNE)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Launch configuration
+# ------------------------------------------------------------------------------------------------
+
+KNOBS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+TUNED_JSON = Path(__file__).with_name("_fp8_decode_gemm_tuned.json")
+_DEFAULT_SMS = 132  # H100 SXM / H200; used off the GPU so interpreter runs pick GPU-like tiles
+SMEM_BUDGET = 200 * 1024  # pipelined weight + x tiles a program may hold (Hopper: 227 KiB)
+_REDUCE_BLOCK_N = 128  # output columns per program of the split-K reduce
+
+
+def rows_bucket(rows: int) -> int:
+    """The table's rows key: the next power of two (8, 16, 32, 64 for the tuned buckets)."""
+    return triton.next_power_of_2(rows)
+
+
+def tuned_key(n: int, k: int, bucket: int) -> str:
+    """The tuned JSON's key of one (N, K, rows bucket) row: ``"N/K/bucket"``."""
+    return f"{n}/{k}/{bucket}"
+
+
+def load_tuned(path: Path) -> dict[str, dict[tuple[int, int, int], dict[str, int]]]:
+    """``{family: {(N, K, bucket): config}}`` of a tuned JSON; {} when the file is absent.
+    Format: ``{"devices": {family: {"entries": {"N/K/bucket": {knob: int}}, ...}}}``."""
+    if not path.is_file():
+        return {}
+    try:
+        tables: dict[str, dict[tuple[int, int, int], dict[str, int]]] = {}
+        for family, block in json.loads(path.read_text())["devices"].items():
+            table = tables.setdefault(str(family), {})
+            for key, cfg in block["entries"].items():
+                n, k, bucket = (int(v) for v in key.split("/"))
+                if set(cfg) != set(KNOBS):
+                    raise ValueError(f"entry {key!r}: expected the knobs {KNOBS}")
+                table[(n, k, bucket)] = {name: int(cfg[name]) for name in KNOBS}
+    except (ValueError, KeyError, TypeError, AttributeError) as ex:
+        raise ValueError(f"{path}: not a tuned fp8_decode_gemm config file ({ex})") from ex
+    return tables
+
+
+# (N, K, rows bucket) -> config, any device; measured rows go to the tuned JSON per family.
+_CONFIGS: dict[tuple[int, int, int], dict[str, int]] = {}
+_DEVICE_CONFIGS = load_tuned(TUNED_JSON)
+_TUNE: dict[str, int] = {}
+
+
+def _default_config(n: int, k: int, bucket: int, sms: int) -> dict[str, int]:
+    """From the shape: 128-row weight tiles where they still give a tile per SM, else 64;
+    K split (a power of two, each split at least 4 K steps) until ~2 programs per SM; 256
+    bytes of each weight row per K step; as many stages as fit ``SMEM_BUDGET`` (at most 4)."""
+    block_n = 128 if triton.cdiv(n, 128) >= sms else 64
+    block_k = 256
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while triton.cdiv(n, block_n) * split * 2 < 2 * sms and steps // (split * 2) >= 4:
+        split *= 2
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=4)
+    cfg["num_stages"] = stages_that_fit(cfg, max(16, bucket))
+    return cfg
+
+
+def stages_that_fit(cfg: dict[str, int], block_r: int) -> int:
+    """``num_stages`` lowered (not below 2) until the pipelined tiles (one stage: a
+    ``BLOCK_N x BLOCK_K`` weight tile and a ``BLOCK_R x BLOCK_K`` x tile, one byte each) fit."""
+    per_stage = cfg["BLOCK_K"] * (cfg["BLOCK_N"] + block_r)
+    stages = cfg["num_stages"]
+    while stages > 2 and stages * per_stage > SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def _config(n: int, k: int, rows: int, device: torch.device) -> dict[str, int]:
+    """The launch config of one call: the shape's default, then ``_CONFIGS``, then this device
+    family's tuned row, then ``_TUNE``; ``BLOCK_K`` clipped to K (small test shapes), the
+    split count to the K steps there are."""
+    bucket = rows_bucket(rows)
+    cfg = _default_config(n, k, bucket, sm_count(device, _DEFAULT_SMS))
+    cfg.update(_CONFIGS.get((n, k, bucket), {}))
+    cfg.update(_DEVICE_CONFIGS.get(device_family(device), {}).get((n, k, bucket), {}))
+    cfg.update(_TUNE)
+    for key in KNOBS:
+        v = cfg[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"launch config {key} must be a positive int, got {v!r}")
+    for key in ("BLOCK_N", "BLOCK_K", "num_warps"):
+        if cfg[key] & (cfg[key] - 1) or cfg[key] < (1 if key == "num_warps" else 16):
+            raise ValueError(f"launch config {key} must be a power of two >= 16, got {cfg[key]}")
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(32, triton.next_power_of_2(k)))
+    cfg["SPLIT_K"] = min(cfg["SPLIT_K"], triton.cdiv(k, cfg["BLOCK_K"]))
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Checks and launcher
+# ------------------------------------------------------------------------------------------------
+
+
+def _check(xq, x_scale, wq, w_scale, out_dtype, residual, out, for_kernel: bool) -> torch.dtype:
+    """Every argument named when wrong; returns the output dtype."""
+    for name, t in (("xq", xq), ("x_scale", x_scale), ("wq", wq), ("w_scale", w_scale)):
+        check_tensor(name, t)
+    check_dtype("xq", xq, (FP8_DTYPE,))
+    check_dtype("wq", wq, (FP8_DTYPE,))
+    check_dtype("x_scale", x_scale, (torch.float32,))
+    check_dtype("w_scale", w_scale, (torch.float32,))
+    check_ndim("xq", xq, 2)
+    check_ndim("wq", wq, 2)
+    rows, k = xq.shape
+    n = wq.shape[0]
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"xq must have 1..{MAX_ROWS} rows (a decode step's), got {rows}")
+    if wq.shape[1] != k or k < 1 or n < 1:
+        raise ValueError(f"wq must be [N, K={k}] with N >= 1, got {tuple(wq.shape)}")
+    if x_scale.shape != (rows,):
+        raise ValueError(
+            f"x_scale must have shape ({rows},) (one per row), got {tuple(x_scale.shape)}"
+        )
+    if w_scale.shape != (n,):
+        raise ValueError(
+            f"w_scale must have shape ({n},) (one per weight row), got {tuple(w_scale.shape)}"
+        )
+    if residual is not None:
+        check_tensor("residual", residual)
+        out_dtype = out_dtype or residual.dtype
+        if residual.dtype != out_dtype:
+            raise TypeError(
+                f"residual must have the output dtype {out_dtype}, got {residual.dtype}"
+            )
+        if residual.shape != (rows, n):
+            raise ValueError(f"residual must have shape {(rows, n)}, got {tuple(residual.shape)}")
+    out_dtype = out_dtype or torch.bfloat16
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if out is not None:
+        check_tensor("out", out)
+        if out.dtype != out_dtype or out.shape != (rows, n):
+            raise ValueError(
+                f"out must be [{rows}, {n}] of {out_dtype}, got {tuple(out.shape)} of {out.dtype}"
+            )
+    check_same_device(xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale, residual=residual, out=out)
+    if out is not None and not tracing():
+        for name, t in (("xq", xq), ("x_scale", x_scale), ("wq", wq), ("w_scale", w_scale)):
+            check_no_overlap("out", out, name, t)
+        if residual is not None and not (
+            out.data_ptr() == residual.data_ptr() and out.stride() == residual.stride()
+        ):
+            check_no_overlap("out", out, "residual", residual)
+    if for_kernel:
+        check_triton_device("xq", xq)
+    return out_dtype
+
+
+def _launch(xq, x_scale, wq, w_scale, residual, out, cfg: dict[str, int]) -> None:
+    rows, k = xq.shape
+    n = wq.shape[0]
+    block_r = max(16, triton.next_power_of_2(rows))
+    block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    steps = triton.cdiv(k, block_k)
+    k_split = triton.cdiv(steps, split) * block_k  # columns of K per split, whole K steps
+    split = triton.cdiv(k, k_split)  # no empty split
+    interp = interpreter_enabled()
+    promote = min(PROMOTE_K, block_k)
+    r = residual if residual is not None else out
+    r_strides = (r.stride(0), r.stride(1))
+    part = torch.empty(split, rows, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    p_strides = (part.stride(0), part.stride(1)) if split > 1 else (0, 0)
+    stages = stages_that_fit(cfg, block_r)
+    _fp8_decode_gemm_kernel[(triton.cdiv(n, block_n), split)](
+        xq, wq, x_scale, w_scale, r, out, part, rows, n, k, k_split,
+        xq.stride(0), xq.stride(1), wq.stride(0), wq.stride(1), x_scale.stride(0),
+        w_scale.stride(0), *r_strides, out.stride(0), out.stride(1), *p_strides,
+        RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, PROMOTE=promote, NUM_STAGES=stages,
+        EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=stages,
+    )  # fmt: skip
+    if split > 1:
+        _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK_N),)](
+            part, x_scale, w_scale, r, out, rows, n, split, *p_strides, x_scale.stride(0),
+            w_scale.stride(0), *r_strides, out.stride(0), out.stride(1),
+            RESIDUAL=residual is not None, BLOCK_N=_REDUCE_BLOCK_N, BLOCK_R=block_r,
+            EMULATE_RNE=interp, num_warps=4,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Public function and reference
+# ------------------------------------------------------------------------------------------------
+
+
+def fp8_decode_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[rows, N]``: ``round((xq @ wq^T) * x_scale[:, None] * w_scale[None, :])`` (fp32 sums),
+    with ``residual`` ``round(residual + round(...))``; rows 1..``MAX_ROWS``. ``out_dtype``
+    defaults to the residual's dtype, else bf16; ``out`` (allocated when None) may be
+    ``residual`` itself for the in-place form. Any strides (xq's rows may be a strided view)."""
+    out_dtype = _check(xq, x_scale, wq, w_scale, out_dtype, residual, out, for_kernel=True)
+    if out is None:
+        out = torch.empty(xq.shape[0], wq.shape[0], dtype=out_dtype, device=xq.device)
+    cfg = _config(wq.shape[0], xq.shape[1], xq.shape[0], xq.device)
+    _launch(xq, x_scale, wq, w_scale, residual, out, cfg)
+    return out
+
+
+def fp8_decode_gemm_reference(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch, any device: the e4m3 codes in fp64 (products and sums exact at these
+    sizes), scaled in fp32 in the kernel's order, rounded, then the residual add."""
+    out_dtype = _check(xq, x_scale, wq, w_scale, out_dtype, residual, out, for_kernel=False)
+    acc = (xq.double() @ wq.double().t()).float()
+    y = (acc * x_scale[:, None] * w_scale[None, :]).to(out_dtype)
+    if residual is not None:
+        y = (residual.float() + y.float()).to(out_dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
