@@ -225,7 +225,8 @@ def score(
     context behind one copy of it, and computes a prefix shared by different contexts (a
     few-shot prompt) once: ``prefix_cache`` is a :class:`~nakta_model.prefix_cache.PrefixCache`
     to keep such prefixes across calls, ``None`` for one for this call when shared prefixes
-    exist (the model's KV cache is its pool; freed afterwards), ``False`` for none. Results
+    exist (its pages come from the model's KV pool, ``kv_pages``, and go back afterwards; the
+    pool's memory too when this call made it), ``False`` for none. Results
     equal ``use_cache=False`` up to the model dtype's rounding. ``token_budget`` (tokens per
     forward) bounds memory; ``max_rows`` optionally caps the rows (contexts with their
     continuations) per forward. ``stats`` (a :class:`ScoreStats`) receives token counts.
@@ -242,6 +243,7 @@ def score(
     vocab = _model_attr(model, ("vocab_size",))
     reqs = _check_requests(requests, vocab, max_length)
     rows, dup = build_rows(reqs, use_cache, max_length)
+    had_pool = getattr(getattr(model, "kv_pool", None), "n_pages", 0) > 0
     cache, own_cache = _prefix_cache_for(model, rows, use_cache, prefix_cache)
     plain = [r for r in rows if not r.prefix]
     if use_cache:  # contexts that begin alike: one tree, their shared tokens computed once
@@ -288,7 +290,7 @@ def score(
                 bar.update(b.n_real)
     finally:
         if own_cache:
-            model.clear_cache()
+            _drop_own(cache, had_pool)
     if stats is not None:
         stats.request_tokens += sum(len(c) + len(x) - 1 for c, x in reqs)
         if stats.count_unique:
@@ -298,6 +300,14 @@ def score(
         stats.computed_tokens += total + prefix_computed
         stats.prefixes += len({tuple(r.ctx[: r.prefix]) for r in rows if r.prefix})
     return _finish(sums, misses, len(reqs), dup)
+
+
+def _drop_own(cache, had_pool: bool) -> None:
+    """A call's own prefix cache gives its pages back to the model's KV pool; the pool's memory
+    goes too when the call made it (another user's pool stays as it is)."""
+    cache.clear()
+    if not had_pool:
+        cache.pool.release()
 
 
 def _prefix_cache_for(model, rows: list[Row], use_cache: bool, prefix_cache):
@@ -346,11 +356,12 @@ def warm_up(model, *, use_cache: bool = True, prefix: bool | None = None) -> flo
 
         shared = [(5 * i + 1) % vocab for i in range(MIN_PREFIX_TOKENS + 2)]
         few_shot = [(shared + [tok[0]], tok[1:3]), (shared + [tok[4]], tok[5:7])]
+        had_pool = getattr(getattr(model, "kv_pool", None), "n_pages", 0) > 0
         cache = PrefixCache(model, budget_tokens=2 * len(shared))
         try:
             score(model, few_shot, use_cache=True, max_rows=None, prefix_cache=cache)
         finally:
-            model.clear_cache()
+            _drop_own(cache, had_pool)
     return time.perf_counter() - t0
 
 

@@ -1,4 +1,5 @@
-"""The generation engine's KV pool: the model's KV cache as pages, handed out and counted.
+"""The model's one KV pool: its KV cache as pages, handed out and counted, shared by the
+generation engine and the scorer's prefix cache.
 
 Why pages: rows that reserve ``max_seq_len`` positions up front hold memory they never use
 (a 128-token prompt with 128 new tokens in a 2,048-position row uses 1/8 of it), which caps the
@@ -8,15 +9,24 @@ page, n_kv, hd]`` tensors the decode and prefill kernels address by slot), a row
 table of the pages it has written so far, and a page shared by several rows (a held few-shot
 prefix) carries a reference count. Page 0 is the scratch page: idle batch entries and the
 prefill stream's padding write there, nobody reads it.
+
+One pool per model (:func:`kv_pool`, kept as ``model.kv_pool``): the engine's rows and held
+prefixes and the scorer's cached prefixes all take pages from it and give back only their own,
+so switching between scoring and generating recomputes nothing. A user asks for room
+(:meth:`KVPool.make_room`); when the pool cannot give it besides what the others hold, or the
+model's cache was replaced by someone else (``setup_cache`` / ``clear_cache``), the pool is
+rebuilt, larger, never smaller, and its ``epoch`` goes up: every user compares the epoch it
+last saw and drops its page lists (and anything that holds the old cache's addresses, such as
+captured CUDA graphs) when it changed.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["PAGE_SIZE", "PagePool", "pool_pages"]
+__all__ = ["PAGE_SIZE", "SCRATCH_PAGE", "KVPool", "PagePool", "kv_pool", "pages_for", "pool_pages"]
 
-PAGE_SIZE = 64  # = prefix_cache.PAGE_SIZE; a multiple of every decode / packed attention tile
+PAGE_SIZE = 64  # a multiple of every decode / packed attention tile
 SCRATCH_PAGE = 0
 
 
@@ -71,6 +81,64 @@ class PagePool:
 
     def refs(self, page: int) -> int:
         return self._refs[page]
+
+
+class KVPool(PagePool):
+    """The model's KV cache (``setup_cache(n_pages, PAGE_SIZE)``) and its page allocator; empty
+    (no pages, ``epoch`` 0) until a user asks for room (module docstring)."""
+
+    def __init__(self, model):
+        self.model, self.epoch = model, 0
+        self.n_pages, self._free, self._refs = 0, [], []
+        self._cache_ptr: int | None = None
+
+    def _is_current(self) -> bool:
+        """The model's cache is still the one this pool set up."""
+        m = self.model
+        k0 = m.layers[0].attention.k_cache
+        return (
+            self.n_pages > 0
+            and k0 is not None
+            and k0.data_ptr() == self._cache_ptr
+            and (m.max_batch_size, m.max_seq_len) == (self.n_pages, PAGE_SIZE)
+        )
+
+    def make_room(self, pages: int, held: int = 0) -> None:
+        """Make sure a user that holds ``held`` pages of this epoch may hold ``pages`` at once
+        besides every other user's: rebuild the pool larger (new epoch, every page free) when
+        it cannot, or when the model's cache is not this pool's any more."""
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
+            raise ValueError(f"pages must be a positive int, got {pages!r}")
+        if not self._is_current():
+            self._rebuild(max(self.n_pages, 1 + pages))
+            return
+        others = self.used_pages - held
+        if self.capacity - others < pages:
+            self._rebuild(1 + pages + others)
+
+    def _rebuild(self, n_pages: int) -> None:
+        m = self.model
+        m.clear_cache()
+        m.setup_cache(n_pages, PAGE_SIZE)
+        self._cache_ptr = m.layers[0].attention.k_cache.data_ptr()
+        PagePool.__init__(self, n_pages)
+        self.epoch += 1
+
+    def release(self) -> None:
+        """Give the cache's memory back (the model's cache is cleared); a new epoch begins,
+        with no pages until someone asks for room again."""
+        if self._is_current():
+            self.model.clear_cache()
+        self.n_pages, self._free, self._refs, self._cache_ptr = 0, [], [], None
+        self.epoch += 1
+
+
+def kv_pool(model) -> KVPool:
+    """The model's one KV pool (``model.kv_pool``), made (empty) on first use."""
+    pool = getattr(model, "kv_pool", None)
+    if pool is None:
+        pool = model.kv_pool = KVPool(model)
+    return pool
 
 
 def pages_for(positions: int) -> int:
