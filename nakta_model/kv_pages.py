@@ -103,23 +103,25 @@ class KVPool(PagePool):
             and (m.max_batch_size, m.max_seq_len) == (self.n_pages, PAGE_SIZE)
         )
 
-    def make_room(self, pages: int, held: int = 0) -> None:
+    def make_room(self, pages: int, held: int = 0, size: int = 0) -> None:
         """Make sure a user that holds ``held`` pages of this epoch may hold ``pages`` at once
-        besides every other user's: rebuild the pool larger (new epoch, every page free) when
-        it cannot, or when the model's cache is not this pool's any more."""
+        besides every other user's, in a pool of at least ``size`` pages: rebuild the pool
+        larger (new epoch, every page free) when it is not, or when the model's cache is not
+        this pool's any more. A pool already larger is kept as it is."""
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
             raise ValueError(f"pages must be a positive int, got {pages!r}")
         if not self._is_current():
-            self._rebuild(max(self.n_pages, 1 + pages))
+            self._rebuild(max(self.n_pages, size, 1 + pages))
             return
         others = self.used_pages - held
-        if self.capacity - others < pages:
-            self._rebuild(1 + pages + others)
+        if self.n_pages < size or self.capacity - others < pages:
+            self._rebuild(max(size, 1 + pages + others))
 
     def _rebuild(self, n_pages: int) -> None:
         m = self.model
         m.clear_cache()
-        m.setup_cache(n_pages, PAGE_SIZE)
+        with torch.inference_mode(False):  # normal tensors: users in and out of inference mode
+            m.setup_cache(n_pages, PAGE_SIZE)
         self._cache_ptr = m.layers[0].attention.k_cache.data_ptr()
         PagePool.__init__(self, n_pages)
         self.epoch += 1

@@ -171,13 +171,14 @@ class Generator:
 
     # ---------------------------------------------------------------------------- steps
     def _ensure_cache(self) -> None:
-        """Room for this engine's ``_n_pages - 1`` pages in the model's KV pool besides the
-        other users' (``kv_pages.KVPool.make_room``; a larger pool is used as it is). When the
-        pool was rebuilt since (a new epoch), the captured steps (which hold the old cache's
-        addresses) and the held prefixes are dropped."""
+        """The model's KV pool, of at least ``_n_pages`` pages (a larger one is used as it is),
+        with room for a full row (at most ``_n_pages - 1``) besides the others' pages
+        (``KVPool.make_room``); rows wait for pages the others hold. When the pool was rebuilt
+        since (a new epoch), the captured steps (they hold the old cache's addresses) and the
+        held prefixes are dropped."""
         self.pool = kv_pool(self.model)
-        current = self._epoch == self.pool.epoch
-        self.pool.make_room(self._n_pages - 1, self.held_pages if current else 0)
+        held = self.held_pages if self._epoch == self.pool.epoch else 0
+        self.pool.make_room(min(self.row_pages, self._n_pages - 1), held, size=self._n_pages)
         if self._epoch != self.pool.epoch:
             self._steps.clear()
             self._held.clear()

@@ -1,0 +1,143 @@
+"""One KV pool per model: the scorer's prefix cache and the generation engine share it, each
+touching only its own pages; a pool too small for a user grows and the others see it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from checkpoint_factory import TINY_PARAMS, meta_state_dict
+
+from nakta_model import scoring
+from nakta_model.config import ModelArgs
+from nakta_model.generation import Generator, greedy_requests
+from nakta_model.kv_pages import kv_pool
+from nakta_model.loading import load
+from nakta_model.prefix_cache import PrefixCache
+from nakta_model.sources import state_dict_source
+
+
+def tiny():
+    args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=256)
+    return load(state_dict_source(meta_state_dict(TINY_PARAMS, seed=5), args), "cpu")
+
+
+def few_shot(prefix_len=80, n=3, seed=0):
+    """Scoring requests that share one few-shot prefix (each question with 2 choices)."""
+    rng = random.Random(seed)
+    prefix = [1] + [rng.randrange(3, 300) for _ in range(prefix_len - 1)]
+    reqs = []
+    for _ in range(n):
+        ctx = prefix + [rng.randrange(3, 300) for _ in range(rng.randint(4, 9))]
+        reqs += [(ctx, [rng.randrange(3, 300)]) for _ in range(2)]
+    return reqs
+
+
+def prompts(seed=1):
+    """Two prompts sharing a 70-token prefix (the engine holds it) and one of their own."""
+    rng = random.Random(seed)
+    shared = [1] + [rng.randrange(3, 300) for _ in range(69)]
+    ps = [shared + [rng.randrange(3, 300) for _ in range(rng.randint(3, 7))] for _ in range(2)]
+    return ps + [[1] + [rng.randrange(3, 300) for _ in range(9)]]
+
+
+def engine(model, **kw):
+    return Generator(model, max_batch=2, max_seq_len=160, chunk=4, prefix_rows=1,
+                     graph_mode="eager", **kw)  # fmt: skip
+
+
+def fresh_results(reqs, ps, new_tokens=6):
+    """Scores and greedy tokens on fresh models (no sharing)."""
+    model = tiny()
+    want_scores = scoring.score(model, reqs, prefix_cache=PrefixCache(model, 192))
+    gen = engine(tiny())
+    want_tokens = [r.tokens for r in gen.generate(greedy_requests(ps, new_tokens, None))]
+    return want_scores, want_tokens
+
+
+def test_scoring_and_generating_share_one_pool_without_rebuilds():
+    reqs, ps = few_shot(), prompts()
+    want_scores, want_tokens = fresh_results(reqs, ps)
+    model = tiny()
+    gen = engine(model)
+    pool = model.kv_pool
+    assert kv_pool(model) is pool and pool.n_pages == 10  # 1 + (2 rows + 1 prefix) x 3 pages
+    epoch = pool.epoch
+    cache = PrefixCache(model, budget_tokens=192)
+    assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
+    assert cache.computed_tokens == 80 and cache.held_pages == 2
+    free_scored = pool.free_pages
+    assert free_scored == pool.capacity - 2
+
+    res = gen.generate(greedy_requests(ps, 6, None))
+    assert [r.tokens for r in res] == want_tokens
+    assert gen.held_pages == 2 and pool.free_pages == free_scored - gen.held_pages  # no leak
+    steps, held = dict(gen._steps), dict(gen._held)
+    assert steps and held
+    assert model.kv_pool is pool and pool.epoch == epoch  # no rebuild
+
+    assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
+    assert cache.computed_tokens == 80  # its entry stayed valid: not recomputed
+    assert pool.free_pages == free_scored - gen.held_pages
+
+    prefilled = gen.stats.prefilled_tokens
+    res = gen.generate(greedy_requests(ps, 6, None))
+    assert [r.tokens for r in res] == want_tokens
+    assert gen.stats.prefilled_tokens < prefilled  # the held prefix was not computed again
+    assert all(gen._steps[k] is v for k, v in steps.items())  # steps kept
+    assert all(gen._held[k] is v for k, v in held.items())  # held prefixes kept
+    assert pool.epoch == epoch and pool.free_pages == free_scored - gen.held_pages
+
+
+def test_a_pool_too_small_grows_and_the_other_user_rebuilds():
+    reqs, ps = few_shot(), prompts()
+    want_scores, want_tokens = fresh_results(reqs, ps)
+    model = tiny()
+    gen = engine(model, pages=4)  # room for 3 pages: one row at a time
+    pool = model.kv_pool
+    assert pool.n_pages == 4
+    res = gen.generate(greedy_requests(ps, 6, None))
+    assert [r.tokens for r in res] == want_tokens and gen.held_pages == 2
+    epoch = pool.epoch
+
+    # the scorer needs 3 pages besides the engine's held prefix (2 of 3): the pool grows
+    cache = PrefixCache(model, budget_tokens=192)
+    assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
+    assert model.kv_pool is pool and pool.epoch == epoch + 1 and pool.n_pages == 6
+    assert pool.used_pages == cache.held_pages == 2
+
+    # the engine sees the new epoch: steps and held prefixes of the old pool are dropped
+    res = gen.generate(greedy_requests(ps, 6, None))
+    assert [r.tokens for r in res] == want_tokens
+    assert pool.epoch == epoch + 1 and gen._epoch == pool.epoch
+    assert pool.used_pages == cache.held_pages + gen.held_pages  # the scorer's pages kept
+    assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
+    assert cache.computed_tokens == 80
+
+    # a larger engine on the same model grows the pool again: the scorer recomputes
+    big = engine(model, pages=12)
+    assert pool.epoch == epoch + 2 and pool.n_pages == 12 and pool.used_pages == 0
+    assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
+    assert cache.computed_tokens == 160
+    assert [r.tokens for r in big.generate(greedy_requests(ps, 6, None))] == want_tokens
+    assert pool.epoch == epoch + 2
+    assert pool.used_pages == cache.held_pages + big.held_pages
+    # the first engine reads the new epoch too, and a smaller ask never shrinks the pool
+    assert [r.tokens for r in gen.generate(greedy_requests(ps, 6, None))] == want_tokens
+    assert pool.n_pages == 12 and pool.epoch == epoch + 2
+
+
+def test_a_cache_replaced_behind_the_pools_back_is_detected():
+    model = tiny()
+    reqs = few_shot()
+    cache = PrefixCache(model, budget_tokens=192)
+    first = scoring.score(model, reqs, prefix_cache=cache)
+    epoch = model.kv_pool.epoch
+    model.clear_cache()  # e.g. Meta's loop or a bench set up a cache of their own
+    model.setup_cache(2, 64)
+    assert scoring.score(model, reqs, prefix_cache=cache) == first
+    assert model.kv_pool.epoch == epoch + 1 and cache.computed_tokens == 160
+    with pytest.raises(ValueError, match="pages"):
+        model.kv_pool.make_room(0)
+    with pytest.raises(ValueError, match="page_size"):
+        PrefixCache(model, budget_tokens=64, page_size=32)
