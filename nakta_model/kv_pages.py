@@ -17,17 +17,51 @@ so switching between scoring and generating recomputes nothing. A user asks for 
 model's cache was replaced by someone else (``setup_cache`` / ``clear_cache``), the pool is
 rebuilt, larger, never smaller, and its ``epoch`` goes up: every user compares the epoch it
 last saw and drops its page lists (and anything that holds the old cache's addresses, such as
-captured CUDA graphs) when it changed.
+captured CUDA graphs) when it changed; users that hold such things register a callback
+(:meth:`KVPool.on_rebuild`) so they let go of the old cache before the new one is allocated.
+
+A cap while scoring. On CUDA the engine sizes the pool to ~80% of the free memory; the scorer's
+forwards need activation memory that such a pool would leave them short of (an lm-eval run mixes
+``loglikelihood`` and ``generate_until`` tasks in one process). So whenever scoring starts
+(:meth:`KVPool.room_for_scoring`, called by the prefix cache at the start of every ``score``
+call), the pool may hold at most ``cap`` pages (:meth:`KVPool.scoring_cap`: the ``scoring_cap``
+attribute when set, else on CUDA the pages that fit in :data:`SCORING_FRACTION` of the memory
+available to the pool, none on the CPU). A pool larger than the cap (grown for generation) is
+rebuilt at the scorer's need (its budget, at most ``cap - 1`` pages, plus the scratch page):
+a new epoch, every other user's pages dropped, the old storage given back to the driver
+(``torch.cuda.empty_cache()``). The scorer never grows the pool past the cap either: its
+budget is clipped to ``cap - 1`` pages. The engine grows the pool again (a new epoch) when it
+next generates. Trimming when scoring starts, not when ``generate()`` returns, keeps a run of
+``generate()`` calls (a console, a stream) from reallocating the pool and recapturing its
+graphs every call; a switch pays it once, and the pages it would keep die at the engine's next
+growth anyway.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["PAGE_SIZE", "SCRATCH_PAGE", "KVPool", "PagePool", "kv_pool", "pages_for", "pool_pages"]
+__all__ = [
+    "PAGE_SIZE",
+    "SCORING_FRACTION",
+    "SCRATCH_PAGE",
+    "KVPool",
+    "PagePool",
+    "kv_bytes_available",
+    "kv_pool",
+    "page_bytes",
+    "pages_for",
+    "pool_pages",
+]
 
 PAGE_SIZE = 64  # a multiple of every decode / packed attention tile
 SCRATCH_PAGE = 0
+# While scoring the pool holds at most this share of the memory available to it (the scorer's
+# default prefix budget is at most a quarter of the free memory too): the rest is the forwards'.
+SCORING_FRACTION = 0.25
 
 
 class PagePool:
@@ -85,12 +119,31 @@ class PagePool:
 
 class KVPool(PagePool):
     """The model's KV cache (``setup_cache(n_pages, PAGE_SIZE)``) and its page allocator; empty
-    (no pages, ``epoch`` 0) until a user asks for room (module docstring)."""
+    (no pages, ``epoch`` 0) until a user asks for room (module docstring). ``scoring_cap``:
+    the most pages the pool keeps while scoring (None: :data:`SCORING_FRACTION` of the memory
+    available on CUDA, no cap on the CPU)."""
 
     def __init__(self, model):
         self.model, self.epoch = model, 0
         self.n_pages, self._free, self._refs = 0, [], []
         self._cache_ptr: int | None = None
+        self.scoring_cap: int | None = None
+        self._watchers: list[weakref.WeakMethod] = []
+
+    def on_rebuild(self, method: Callable[[], None]) -> None:
+        """Call the bound ``method`` before the cache is replaced or freed (held weakly: a
+        user that is gone is not kept alive), so that whatever holds the old cache's addresses
+        (captured graphs) lets go of it before the new one is allocated."""
+        if not any(w() == method for w in self._watchers):
+            self._watchers.append(weakref.WeakMethod(method))
+
+    def _notify(self) -> None:
+        alive = [w for w in self._watchers if w() is not None]
+        self._watchers = alive
+        for w in alive:
+            fn = w()
+            if fn is not None:
+                fn()
 
     def _is_current(self) -> bool:
         """The model's cache is still the one this pool set up."""
@@ -117,9 +170,41 @@ class KVPool(PagePool):
         if self.n_pages < size or self.capacity - others < pages:
             self._rebuild(max(size, 1 + pages + others))
 
+    def scoring_cap_pages(self) -> int | None:
+        """The most pages the pool holds while scoring (class docstring), None for no cap."""
+        if self.scoring_cap is not None:
+            return self.scoring_cap
+        if self.model.device.type != "cuda":
+            return None
+        return int(SCORING_FRACTION * kv_bytes_available(self.model) // page_bytes(self.model))
+
+    def room_for_scoring(self, pages: int, held: int = 0) -> int:
+        """The pages the scorer may hold now (``pages``, its budget, at most the cap's
+        ``cap - 1``), with room for them made in a pool of at most the cap's size: a pool over
+        the cap is rebuilt at the scorer's need (module docstring: a new epoch, the old memory
+        given back); ``held``: the scorer's pages of this epoch."""
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
+            raise ValueError(f"pages must be a positive int, got {pages!r}")
+        cap = self.scoring_cap_pages()
+        if cap is None:
+            self.make_room(pages, held)
+            return pages
+        if isinstance(cap, bool) or not isinstance(cap, int):
+            raise ValueError(f"scoring_cap must be an int >= 2 or None, got {cap!r}")
+        cap = max(2, cap)
+        want = min(pages, cap - 1)
+        current = self._is_current()
+        if current and self.n_pages <= cap and self.capacity - (self.used_pages - held) >= want:
+            return want
+        if current and self.n_pages <= cap:  # room within the cap, the others' pages dropped
+            self._rebuild(min(cap, max(self.n_pages, 1 + want + self.used_pages - held)))
+        else:  # none yet, replaced, or over the cap (grown for generation): trimmed
+            self._rebuild(1 + want)
+        return want
+
     def _rebuild(self, n_pages: int) -> None:
         m = self.model
-        m.clear_cache()
+        self._drop_storage()
         with torch.inference_mode(False):  # normal tensors: users in and out of inference mode
             m.setup_cache(n_pages, PAGE_SIZE)
         self._cache_ptr = m.layers[0].attention.k_cache.data_ptr()
@@ -129,10 +214,19 @@ class KVPool(PagePool):
     def release(self) -> None:
         """Give the cache's memory back (the model's cache is cleared); a new epoch begins,
         with no pages until someone asks for room again."""
-        if self._is_current():
-            self.model.clear_cache()
+        self._drop_storage(clear=self._is_current())  # someone else's cache stays theirs
         self.n_pages, self._free, self._refs, self._cache_ptr = 0, [], [], None
         self.epoch += 1
+
+    def _drop_storage(self, clear: bool = True) -> None:
+        """The users let go of the cache, the model drops it (``clear``), and on CUDA the
+        memory goes back to the driver: the next pool is sized on it, and the scorer's
+        forwards or another process get what the pool gave back."""
+        self._notify()
+        if clear:
+            self.model.clear_cache()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def kv_pool(model) -> KVPool:
@@ -148,18 +242,36 @@ def pages_for(positions: int) -> int:
     return -(-positions // PAGE_SIZE)
 
 
+def page_bytes(model) -> int:
+    """Bytes of one page: K and V of ``PAGE_SIZE`` positions in every layer."""
+    per_position = sum(
+        2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in model.layers
+    )
+    return per_position * PAGE_SIZE * torch.empty((), dtype=model.dtype).element_size()
+
+
+def kv_bytes_available(model) -> int:
+    """CUDA: bytes a KV pool could take if the model's current cache were dropped: the
+    driver's free memory, what PyTorch's allocator caches unused (freed activations), and the
+    current cache's own bytes. Stable between scoring calls (unlike the driver's free memory,
+    which drops as the allocator caches a forward's activations)."""
+    dev = model.device
+    free = torch.cuda.mem_get_info(dev)[0]
+    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return free + max(0, cached) + _cache_bytes(model)
+
+
+def _cache_bytes(model) -> int:
+    """Bytes of the model's current KV cache (0: none)."""
+    k0 = model.layers[0].attention.k_cache
+    return 0 if k0 is None else 2 * len(model.layers) * k0.numel() * k0.element_size()
+
+
 def pool_pages(model, *, cap: int, fraction: float = 0.8) -> int:
     """Pages of the KV pool: ``cap`` on the CPU; on CUDA the most that fit in ``fraction`` of
     the device memory free once the model's current cache is dropped, at most ``cap``."""
     if model.device.type != "cuda":
         return cap
-    per_position = (
-        sum(2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in model.layers)
-        * torch.empty((), dtype=model.dtype).element_size()
-    )
-    held = 0
-    k0 = model.layers[0].attention.k_cache
-    if k0 is not None:  # the current cache is given back before the pool is made
-        held = 2 * len(model.layers) * k0.numel() * k0.element_size()
-    free = torch.cuda.mem_get_info(model.device)[0] + held
-    return max(2, min(cap, int(fraction * free // (per_position * PAGE_SIZE))))
+    # the current cache is given back before the pool is made
+    free = torch.cuda.mem_get_info(model.device)[0] + _cache_bytes(model)
+    return max(2, min(cap, int(fraction * free // page_bytes(model))))

@@ -71,7 +71,10 @@ class PrefixCache:
     that is not cached (the caller computes it in the stream instead). Entries are evicted least
     recently used, never while the current batch holds them (:meth:`acquire` pins them until
     the next call). They stay valid while the pool's epoch is the one they were made in; other
-    users of the pool (the generation engine) never touch their pages.
+    users of the pool (the generation engine) never touch their pages. :meth:`prepare` (the
+    scorer calls it at the start of every ``score`` call) applies the pool's cap while scoring
+    (``KVPool.room_for_scoring``): ``limit``, the pages it may hold this call, is the budget
+    clipped to the cap, and a pool grown past the cap for generation is trimmed.
     """
 
     def __init__(self, model, budget_tokens: int, page_size: int = PAGE_SIZE):
@@ -85,6 +88,7 @@ class PrefixCache:
             raise ValueError(f"page_size must be the KV pool's {PAGE_SIZE}, got {page_size!r}")
         self.model, self.page_size = model, page_size
         self.n_pages = -(-budget_tokens // page_size)
+        self.limit = self.n_pages  # pages it may hold now: the budget clipped to the pool's cap
         self.entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
         self.pool = kv_pool(model)
         self._epoch: int | None = None
@@ -95,12 +99,26 @@ class PrefixCache:
         """Pages this cache's entries hold in the pool."""
         return sum(len(e.pages) for e in self.entries.values())
 
+    def prepare(self) -> None:
+        """Scoring starts: room for the budget in the model's pool under its cap while scoring
+        (``limit``: the pages this cache may hold until the next ``prepare``; entries beyond
+        it are evicted, least recently used first)."""
+        self.pool = kv_pool(self.model)
+        held = self.held_pages if self._epoch == self.pool.epoch else 0
+        self.limit = self.pool.room_for_scoring(self.n_pages, held)
+        self._check_epoch()
+        self._make_room(0, keep=set())
+
     def _ensure_pool(self) -> None:
-        """Room for ``n_pages`` in the model's pool besides the other users' pages; when the
-        pool was rebuilt since (a new epoch) every entry is gone."""
+        """Room for ``limit`` in the model's pool besides the other users' pages (there is,
+        since :meth:`prepare`, unless the cache was replaced); when the pool was rebuilt
+        since (a new epoch) every entry is gone."""
         self.pool = kv_pool(self.model)
         current = self._epoch == self.pool.epoch
-        self.pool.make_room(self.n_pages, self.held_pages if current else 0)
+        self.pool.make_room(self.limit, self.held_pages if current else 0)
+        self._check_epoch()
+
+    def _check_epoch(self) -> None:
         if self._epoch != self.pool.epoch:
             self.entries.clear()
             self._epoch = self.pool.epoch
@@ -113,17 +131,15 @@ class PrefixCache:
         self.entries.clear()
 
     def fits(self, length: int) -> bool:
-        return -(-length // self.page_size) <= self.n_pages
+        return -(-length // self.page_size) <= self.limit
 
     def acquire(self, prefixes: Sequence[tuple[int, ...]]) -> list[_Entry]:
         """Entries for ``prefixes`` (each fits the budget, all together too): the missing ones
         computed now, in one packed prefill per budget-full of tokens."""
         self._ensure_pool()
         need = sum(-(-len(p) // self.page_size) for p in dict.fromkeys(prefixes))
-        if need > self.n_pages:
-            raise ValueError(
-                f"{need} pages of prefixes for one batch; the budget is {self.n_pages}"
-            )
+        if need > self.limit:
+            raise ValueError(f"{need} pages of prefixes for one batch; the limit is {self.limit}")
         wanted = set(prefixes)
         missing = [p for p in dict.fromkeys(prefixes) if p not in self.entries]
         for p in missing:
@@ -142,8 +158,8 @@ class PrefixCache:
         return [self.entries[p] for p in prefixes]
 
     def _make_room(self, pages: int, keep: set) -> None:
-        """Evict (into the pool) until ``pages`` more stay within the budget."""
-        while self.held_pages + pages > self.n_pages:
+        """Evict (into the pool) until ``pages`` more stay within the limit."""
+        while self.held_pages + pages > self.limit:
             victim = next((k for k in self.entries if k not in keep), None)
             if victim is None:  # only this batch's prefixes left: cannot happen (checked)
                 raise RuntimeError("prefix cache: no evictable entry")

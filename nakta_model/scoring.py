@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from nakta_model.kernels.logprobs import target_logprobs
+from nakta_model.kv_pages import SCORING_FRACTION, kv_bytes_available
 from nakta_model.score_batches import (
     MERGE_MAX_TOKENS,
     Packed,
@@ -192,7 +193,8 @@ def unique_tokens(reqs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
 
 def default_prefix_budget(model) -> int:
     """Pool tokens for a temporary prefix cache: 8,192, or less where memory is short (at most
-    a quarter of the free device memory)."""
+    ``kv_pages.SCORING_FRACTION``, a quarter, of the memory a KV pool could take: the free
+    memory and what the model's current pool holds, which scoring trims)."""
     args = getattr(model, "args", None)
     if args is None:
         return 8192
@@ -200,8 +202,8 @@ def default_prefix_budget(model) -> int:
     per_token = 2 * args.n_layers * (args.n_kv_heads // tp) * args.head_dim
     per_token *= torch.empty((), dtype=model.dtype).element_size()
     if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        return max(256, min(8192, int(free * 0.25) // per_token))
+        free = kv_bytes_available(model)
+        return max(256, min(8192, int(free * SCORING_FRACTION) // per_token))
     return 8192
 
 
@@ -251,7 +253,7 @@ def score(
     batches = [(b, False) for b in packed_batches(plain, token_budget, max_rows)]
     if cache is not None:
         shared = [r for r in rows if r.prefix]
-        pb = prefix_batches(shared, token_budget, max_rows, cache.n_pages, cache.page_size)
+        pb = prefix_batches(shared, token_budget, max_rows, cache.limit, cache.page_size)
         batches += [(b, True) for b in pb]
     device = _model_device(model)
     sums = torch.zeros(len(reqs), dtype=torch.float64, device=device)
@@ -325,6 +327,7 @@ def _prefix_cache_for(model, rows: list[Row], use_cache: bool, prefix_cache):
         raise TypeError(
             f"prefix_cache must be a PrefixCache, None or False, got {type(prefix_cache).__name__}"
         )
+    cache.prepare()  # the pool's cap while scoring: a pool grown for generation is trimmed
     for r, n in zip(rows, lengths):
         if n and cache.fits(n):
             r.prefix = n

@@ -139,12 +139,8 @@ class Generator:
             raise ValueError(f"pages must be an int >= 2 (page 0 is scratch), got {pages!r}")
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction!r}")
-        self.model, self.max_batch, self.max_seq_len, self.chunk = (
-            model,
-            max_batch,
-            max_seq_len,
-            chunk,
-        )
+        self.model, self.max_batch = model, max_batch
+        self.max_seq_len, self.chunk = max_seq_len, chunk
         self.prefill_chunk = prefill_chunk
         self.device = model.device
         if graph_mode is None:
@@ -177,14 +173,21 @@ class Generator:
         since (a new epoch), the captured steps (they hold the old cache's addresses) and the
         held prefixes are dropped."""
         self.pool = kv_pool(self.model)
+        self.pool.on_rebuild(self._forget_cache)
         held = self.held_pages if self._epoch == self.pool.epoch else 0
         self.pool.make_room(min(self.row_pages, self._n_pages - 1), held, size=self._n_pages)
         if self._epoch != self.pool.epoch:
-            self._steps.clear()
-            self._held.clear()
+            self._forget_cache()
             self._epoch = self.pool.epoch
         self.model._rope_tables(self.row_pages * PAGE_SIZE)  # rows may pass 2 x max_seq_len
         self._room = self.pool.capacity - (self.pool.used_pages - self.held_pages)
+
+    def _forget_cache(self) -> None:
+        """The pool's cache is being replaced or freed (the pool calls this first): drop what
+        holds its addresses or pages (the captured steps, the held prefixes), so its memory
+        can go before the next cache is allocated."""
+        self._steps.clear()
+        self._held.clear()
 
     @property
     def held_pages(self) -> int:
