@@ -3,7 +3,9 @@ touching only its own pages; a pool too small for a user grows and the others se
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 from checkpoint_factory import TINY_PARAMS, meta_state_dict
@@ -141,3 +143,91 @@ def test_a_cache_replaced_behind_the_pools_back_is_detected():
         model.kv_pool.make_room(0)
     with pytest.raises(ValueError, match="page_size"):
         PrefixCache(model, budget_tokens=64, page_size=32)
+
+
+# ------------------------------------------------------------------ the cap while scoring
+def cache_positions(model):
+    """Positions of the model's KV cache (its memory, in units of one position's K/V)."""
+    k = model.layers[0].attention.k_cache
+    return 0 if k is None else k.shape[0]
+
+
+def test_scoring_trims_a_pool_grown_for_generation_and_cycles_do_not_ratchet():
+    reqs, ps = few_shot(), prompts()
+    want_scores, want_tokens = fresh_results(reqs, ps)
+    model = tiny()
+    pool = kv_pool(model)
+    assert pool.scoring_cap_pages() is None  # the CPU default: no cap
+    pool.scoring_cap = 5
+    gen = engine(model)
+    gen_ref = weakref.ref(gen)
+    cache = PrefixCache(model, budget_tokens=192)  # 3 pages
+    seen = []
+    for _ in range(3):
+        res = gen.generate(greedy_requests(ps, 6, None))
+        assert [r.tokens for r in res] == want_tokens
+        assert pool.n_pages == 10 and cache_positions(model) == 10 * 64  # the engine's size
+        assert pool.used_pages == gen.held_pages == 2  # no leak: only its held prefix
+        assert gen._steps
+        epoch = pool.epoch
+
+        assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
+        # trimmed to the scorer's need (1 scratch + 3 pages <= cap 5): a new epoch, the
+        # engine dropped its steps and held prefix at once (their pages are gone)
+        assert pool.n_pages == 4 and cache_positions(model) == 4 * 64
+        assert pool.epoch == epoch + 1 and cache.limit == 3
+        assert not gen._steps and not gen._held and gen.held_pages == 0
+        assert pool.used_pages == cache.held_pages == 2
+        assert scoring.score(model, reqs, prefix_cache=cache) == want_scores  # within the cap
+        assert pool.epoch == epoch + 1 and pool.n_pages == 4
+        seen.append((pool.n_pages, pool.epoch - epoch, cache.computed_tokens))
+    # every cycle the same sizes (no ratchet); the scorer computes its prefix once per cycle
+    assert [s[:2] for s in seen] == [(4, 1)] * 3
+    assert [s[2] for s in seen] == [80, 160, 240]
+    del gen, res
+    gc.collect()
+    assert gen_ref() is None  # the pool's rebuild callback does not keep the engine alive
+    assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
+
+
+def test_the_scorer_never_grows_the_pool_past_the_cap():
+    reqs = few_shot()
+    model = tiny()
+    want = scoring.score(model, reqs, prefix_cache=PrefixCache(model, 192))
+    model.kv_pool.release()
+
+    # cap 3: the budget of 3 pages is clipped to 2 (the 80-token prefix still fits)
+    model.kv_pool.scoring_cap = 3
+    cache = PrefixCache(model, budget_tokens=192)
+    assert scoring.score(model, reqs, prefix_cache=cache) == want
+    assert cache.limit == 2 and model.kv_pool.n_pages == 3 and cache.computed_tokens == 80
+
+    # cap 2: one page, the prefix does not fit: computed in the stream, the pool not grown
+    model.kv_pool.scoring_cap = 2
+    got = scoring.score(model, reqs, prefix_cache=cache)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [x for x, _ in got] == pytest.approx([x for x, _ in want], rel=1e-5, abs=1e-5)
+    assert cache.limit == 1 and model.kv_pool.n_pages == 2 and cache.computed_tokens == 80
+    assert model.kv_pool.used_pages == cache.held_pages == 0
+
+    # another user's pages within the cap: the pool is rebuilt within it (no further)
+    ps = prompts()
+    model.kv_pool.scoring_cap = None
+    gen = engine(model, pages=4)
+    gen.generate(greedy_requests(ps, 6, None))
+    assert model.kv_pool.n_pages == 4 and gen.held_pages == 2
+    model.kv_pool.scoring_cap = 6
+    epoch = model.kv_pool.epoch
+    assert scoring.score(model, reqs, prefix_cache=cache) == want
+    assert model.kv_pool.n_pages == 6 and model.kv_pool.epoch == epoch + 1
+    assert model.kv_pool.used_pages == cache.held_pages == 2
+
+
+@pytest.mark.parametrize("cap", ["4", True, 2.5])
+def test_a_bad_scoring_cap_is_refused(cap):
+    model = tiny()
+    model.kv_pool = None
+    pool = kv_pool(model)
+    pool.scoring_cap = cap
+    with pytest.raises(ValueError, match="scoring_cap"):
+        pool.room_for_scoring(3)
