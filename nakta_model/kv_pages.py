@@ -23,13 +23,14 @@ captured CUDA graphs) when it changed; users that hold such things register a ca
 A cap while scoring. On CUDA the engine sizes the pool to ~80% of the free memory; the scorer's
 forwards need activation memory that such a pool would leave them short of (an lm-eval run mixes
 ``loglikelihood`` and ``generate_until`` tasks in one process). So whenever scoring starts
-(:meth:`KVPool.room_for_scoring`, called by the prefix cache at the start of every ``score``
-call), the pool may hold at most ``cap`` pages (:meth:`KVPool.scoring_cap`: the ``scoring_cap``
-attribute when set, else on CUDA the pages that fit in :data:`SCORING_FRACTION` of the memory
-available to the pool, none on the CPU). A pool larger than the cap (grown for generation) is
-rebuilt at the scorer's need (its budget, at most ``cap - 1`` pages, plus the scratch page):
-a new epoch, every other user's pages dropped, the old storage given back to the driver
-(``torch.cuda.empty_cache()``). The scorer never grows the pool past the cap either: its
+(:meth:`KVPool.trim_for_scoring`, at the start of every ``score`` call, with or without a
+prefix cache), the pool may hold at most ``cap`` pages (:meth:`KVPool.scoring_cap_pages`: the
+``scoring_cap`` attribute when set, else on CUDA the pages that fit in
+:data:`SCORING_FRACTION` of the memory available to the pool, none on the CPU). A pool larger
+than the cap (grown for generation) is freed: a new epoch, every user's pages dropped, the
+memory given back to the driver (``torch.cuda.empty_cache()``); a prefix cache then makes it
+again at its own need (:meth:`KVPool.room_for_scoring`: its budget, at most ``cap - 1``
+pages, plus the scratch page). The scorer never grows the pool past the cap either: its
 budget is clipped to ``cap - 1`` pages. The engine grows the pool again (a new epoch) when it
 next generates. Trimming when scoring starts, not when ``generate()`` returns, keeps a run of
 ``generate()`` calls (a console, a stream) from reallocating the pool and recapturing its
@@ -178,28 +179,38 @@ class KVPool(PagePool):
             return None
         return int(SCORING_FRACTION * kv_bytes_available(self.model) // page_bytes(self.model))
 
-    def room_for_scoring(self, pages: int, held: int = 0) -> int:
-        """The pages the scorer may hold now (``pages``, its budget, at most the cap's
-        ``cap - 1``), with room for them made in a pool of at most the cap's size: a pool over
-        the cap is rebuilt at the scorer's need (module docstring: a new epoch, the old memory
-        given back); ``held``: the scorer's pages of this epoch."""
-        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
-            raise ValueError(f"pages must be a positive int, got {pages!r}")
+    def trim_for_scoring(self) -> int | None:
+        """Scoring starts: a pool larger than the cap (grown for generation) is freed (a new
+        epoch, the memory given back; users that need pages ask again); the cap, None for
+        none."""
         cap = self.scoring_cap_pages()
         if cap is None:
-            self.make_room(pages, held)
-            return pages
+            return None
         if isinstance(cap, bool) or not isinstance(cap, int):
             raise ValueError(f"scoring_cap must be an int >= 2 or None, got {cap!r}")
         cap = max(2, cap)
+        if self.n_pages > cap:
+            self.release()
+        return cap
+
+    def room_for_scoring(self, pages: int, held: int = 0) -> int:
+        """The pages the scorer may hold now (``pages``, its budget, at most the cap's
+        ``cap - 1``), with room for them made in a pool of at most the cap's size (module
+        docstring; :meth:`trim_for_scoring` first); ``held``: the scorer's pages of this
+        epoch."""
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 1:
+            raise ValueError(f"pages must be a positive int, got {pages!r}")
+        cap = self.trim_for_scoring()
+        if cap is None:
+            self.make_room(pages, held)
+            return pages
         want = min(pages, cap - 1)
         current = self._is_current()
-        if current and self.n_pages <= cap and self.capacity - (self.used_pages - held) >= want:
-            return want
-        if current and self.n_pages <= cap:  # room within the cap, the others' pages dropped
-            self._rebuild(min(cap, max(self.n_pages, 1 + want + self.used_pages - held)))
-        else:  # none yet, replaced, or over the cap (grown for generation): trimmed
+        others = self.used_pages - held if current else 0
+        if not current:  # none yet (or trimmed), or replaced: the scorer's need
             self._rebuild(1 + want)
+        elif self.capacity - others < want:  # room within the cap, the others' pages dropped
+            self._rebuild(min(cap, max(self.n_pages, 1 + want + others)))
         return want
 
     def _rebuild(self, n_pages: int) -> None:

@@ -245,7 +245,10 @@ def score(
     vocab = _model_attr(model, ("vocab_size",))
     reqs = _check_requests(requests, vocab, max_length)
     rows, dup = build_rows(reqs, use_cache, max_length)
-    had_pool = getattr(getattr(model, "kv_pool", None), "n_pages", 0) > 0
+    pool = getattr(model, "kv_pool", None)
+    if pool is not None:  # a pool grown past its cap for generation: freed for the forwards
+        pool.trim_for_scoring()
+    had_pool = getattr(pool, "n_pages", 0) > 0
     cache, own_cache = _prefix_cache_for(model, rows, use_cache, prefix_cache)
     plain = [r for r in rows if not r.prefix]
     if use_cache:  # contexts that begin alike: one tree, their shared tokens computed once

@@ -172,17 +172,17 @@ def test_scoring_trims_a_pool_grown_for_generation_and_cycles_do_not_ratchet():
         epoch = pool.epoch
 
         assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
-        # trimmed to the scorer's need (1 scratch + 3 pages <= cap 5): a new epoch, the
-        # engine dropped its steps and held prefix at once (their pages are gone)
+        # freed (a new epoch: the engine dropped its steps and held prefix at once, their
+        # pages are gone), then made at the scorer's need (1 scratch + 3 pages <= cap 5)
         assert pool.n_pages == 4 and cache_positions(model) == 4 * 64
-        assert pool.epoch == epoch + 1 and cache.limit == 3
+        assert pool.epoch == epoch + 2 and cache.limit == 3
         assert not gen._steps and not gen._held and gen.held_pages == 0
         assert pool.used_pages == cache.held_pages == 2
         assert scoring.score(model, reqs, prefix_cache=cache) == want_scores  # within the cap
-        assert pool.epoch == epoch + 1 and pool.n_pages == 4
+        assert pool.epoch == epoch + 2 and pool.n_pages == 4
         seen.append((pool.n_pages, pool.epoch - epoch, cache.computed_tokens))
     # every cycle the same sizes (no ratchet); the scorer computes its prefix once per cycle
-    assert [s[:2] for s in seen] == [(4, 1)] * 3
+    assert [s[:2] for s in seen] == [(4, 2)] * 3
     assert [s[2] for s in seen] == [80, 160, 240]
     del gen, res
     gc.collect()
@@ -223,6 +223,26 @@ def test_the_scorer_never_grows_the_pool_past_the_cap():
     assert model.kv_pool.used_pages == cache.held_pages == 2
 
 
+def test_scoring_without_a_prefix_cache_frees_a_pool_over_the_cap():
+    reqs, ps = few_shot(), prompts()
+    want_scores, want_tokens = fresh_results(reqs, ps)
+    model = tiny()
+    gen = engine(model)
+    gen.generate(greedy_requests(ps, 6, None))
+    pool = model.kv_pool
+    epoch, pool.scoring_cap = pool.epoch, 10  # the engine's size: within the cap, kept
+    plain = scoring.score(model, reqs, prefix_cache=False)
+    assert pool.n_pages == 10 and pool.epoch == epoch and gen.held_pages == 2
+    pool.scoring_cap = 9
+    assert scoring.score(model, reqs, prefix_cache=False) == plain
+    assert pool.n_pages == 0 and cache_positions(model) == 0 and pool.epoch == epoch + 1
+    assert not gen._steps and not gen._held
+    assert [x for x, _ in plain] == pytest.approx([x for x, _ in want_scores], abs=1e-5)
+    res = gen.generate(greedy_requests(ps, 6, None))  # the engine makes it again
+    assert [r.tokens for r in res] == want_tokens
+    assert pool.n_pages == 10 and pool.epoch == epoch + 2 and pool.used_pages == gen.held_pages
+
+
 @pytest.mark.parametrize("cap", ["4", True, 2.5])
 def test_a_bad_scoring_cap_is_refused(cap):
     model = tiny()
@@ -231,3 +251,5 @@ def test_a_bad_scoring_cap_is_refused(cap):
     pool.scoring_cap = cap
     with pytest.raises(ValueError, match="scoring_cap"):
         pool.room_for_scoring(3)
+    with pytest.raises(ValueError, match="scoring_cap"):
+        scoring.score(model, few_shot(), prefix_cache=False)
