@@ -382,8 +382,9 @@ def _sync_cuda() -> None:
 
 def _note_cuda_peaks(timings: dict, method: str | None = None, reset: bool = False) -> None:
     """Fold the CUDA allocator's peaks since its last reset into ``cuda_memory`` (the run's
-    ``max_allocated`` / ``max_reserved`` bytes, and ``methods[method]``'s); ``reset`` starts a
-    new window. Nothing without CUDA in use."""
+    ``max_allocated`` / ``max_reserved`` bytes, and ``methods[method]``'s with
+    ``allocated_after``, the bytes allocated when it returned); ``reset`` starts a new window.
+    Nothing without CUDA in use."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return
@@ -393,9 +394,12 @@ def _note_cuda_peaks(timings: dict, method: str | None = None, reset: bool = Fal
         torch.cuda.reset_peak_memory_stats()
     mem = timings.setdefault("cuda_memory", {"max_allocated": 0, "max_reserved": 0})
     targets = [mem] + ([mem.setdefault("methods", {}).setdefault(method, {})] if method else [])
+    if method:  # what the method left allocated (a KV pool it grew or trimmed)
+        peaks["allocated_after"] = torch.cuda.memory_allocated()
     for target in targets:
         for key, value in peaks.items():
             target[key] = max(target.get(key, 0), value)
+    mem.pop("allocated_after", None)
 
 
 @contextlib.contextmanager

@@ -370,6 +370,9 @@ def test_cuda_peaks_fold_into_the_run_and_the_method(monkeypatch):
         def max_memory_reserved(self):
             return self.peaks[self.resets][1]
 
+        def memory_allocated(self):
+            return 7
+
         def reset_peak_memory_stats(self):
             self.resets += 1
 
@@ -383,7 +386,9 @@ def test_cuda_peaks_fold_into_the_run_and_the_method(monkeypatch):
     assert timings["cuda_memory"] == {
         "max_allocated": 9,
         "max_reserved": 12,
-        "methods": {"generate_until": {"max_allocated": 9, "max_reserved": 12}},
+        "methods": {
+            "generate_until": {"max_allocated": 9, "max_reserved": 12, "allocated_after": 7}
+        },
     }
     cuda.is_initialized = lambda: False
     other: dict = {}
