@@ -372,7 +372,7 @@ class NaktaLM(ScoringLM):
         return out
 
     def _generator(self, reqs):
-        """The generation engine (it owns the model's KV cache), built on first use and again
+        """The generation engine (pages from the model's KV pool), built on first use and again
         when requests need longer rows: rows as long as the longest prompt + budget asks
         (rounded up to 256, at most ``max_length``), up to the decode step's ``max_rows()`` of
         them in flight (or the ``--batch_size`` cap). Not fewer to fit full-length rows in
@@ -386,8 +386,7 @@ class NaktaLM(ScoringLM):
         gen = getattr(self, "_gen", None)
         if gen is None or gen.max_seq_len < need:
             row_len = min(self.max_length, -(-need // 256) * 256)
-            self._gen = None
-            self.model.clear_cache()  # the old rows go before the new ones are sized
+            self._gen = None  # the model's KV pool is kept (scorer's pages too); it grows if needed
             rows = min(self.rows or max_rows(), max_rows())
             self._gen = Generator(self.model, max_batch=rows, max_seq_len=row_len)
         return self._gen

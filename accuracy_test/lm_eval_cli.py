@@ -31,7 +31,8 @@ also ``preload_start``, ``load_build_start``, ``load_read_end``, ``load_ready``)
 ``loglikelihood`` split into tokenizing and scoring (``loglikelihood``; under ``dp`` also
 choosing the shard, ``shard_s``, and gathering the answers, ``gather_s``, with ``items``: this
 replica's share), and ``generate_until``'s answers with their tokens (``generate_until``; for
-nakta also its engine's counters, ``generate_until.engine``).
+nakta also its engine's counters, ``generate_until.engine``); on CUDA ``cuda_memory``: the
+allocator's peak allocated / reserved bytes over the run and per request method.
 
 Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
@@ -324,6 +325,7 @@ def _time_requests(lm: object, timings: dict) -> None:
 
         def timed(*a, _method=method, _name=name, **kw):
             _event(timings, "first_request")
+            _note_cuda_peaks(timings, reset=True)  # the method's own window starts
             t0 = time.perf_counter()
             out = None
             try:
@@ -331,6 +333,7 @@ def _time_requests(lm: object, timings: dict) -> None:
                 return out
             finally:
                 _sync_cuda()
+                _note_cuda_peaks(timings, _name, reset=True)
                 seconds = time.perf_counter() - t0
                 timings["requests_s"] += seconds
                 methods = timings.setdefault("methods", {})
@@ -377,6 +380,28 @@ def _sync_cuda() -> None:
         torch.cuda.synchronize()
 
 
+def _note_cuda_peaks(timings: dict, method: str | None = None, reset: bool = False) -> None:
+    """Fold the CUDA allocator's peaks since its last reset into ``cuda_memory`` (the run's
+    ``max_allocated`` / ``max_reserved`` bytes, and ``methods[method]``'s with
+    ``allocated_after``, the bytes allocated when it returned); ``reset`` starts a new window.
+    Nothing without CUDA in use."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    peaks = {"max_allocated": torch.cuda.max_memory_allocated(),
+             "max_reserved": torch.cuda.max_memory_reserved()}  # fmt: skip
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    mem = timings.setdefault("cuda_memory", {"max_allocated": 0, "max_reserved": 0})
+    targets = [mem] + ([mem.setdefault("methods", {}).setdefault(method, {})] if method else [])
+    if method:  # what the method left allocated (a KV pool it grew or trimmed)
+        peaks["allocated_after"] = torch.cuda.memory_allocated()
+    for target in targets:
+        for key, value in peaks.items():
+            target[key] = max(target.get(key, 0), value)
+    mem.pop("allocated_after", None)
+
+
 @contextlib.contextmanager
 def timing(path: str | os.PathLike) -> Iterator[dict]:
     """Time model construction and ``evaluate`` without changing lm-eval; JSON at exit."""
@@ -410,6 +435,7 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
         registry.get_model, evaluator.evaluate = get_model, evaluate
         timings["total_s"] = time.perf_counter() - t_start
         _event(timings, "exit")
+        _note_cuda_peaks(timings)
         lm = timings.pop("_lm", None)
         if getattr(lm, "load_timings", None):
             load = dict(lm.load_timings)

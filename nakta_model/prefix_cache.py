@@ -9,11 +9,11 @@ prompts share a fixed few-shot prefix too. Recomputing it per question multiplie
   into groups wherever neighbours share fewer than ``min_tokens`` tokens; a group of two or more
   contexts shares its common prefix (capped one token short of its shortest context, whose last
   token must still run in the stream: it predicts the continuation);
-* :class:`PrefixCache` keeps their K/V in the model's KV cache used as a pool of pages
-  (``setup_cache(n_pages, page_size)``): a prefix is computed once (a packed prefill writes its
-  K/V into free pages), kept under a token budget and evicted least-recently-used; packed
-  tokens then attend to it through a page table (``kernels/packed_attention.PrefixKV``), with
-  no copies.
+* :class:`PrefixCache` keeps their K/V in pages of the model's one KV pool (``kv_pages``,
+  shared with the generation engine): a prefix is computed once (a packed prefill writes its
+  K/V into pages it takes from the pool), kept under a token budget (a cap on the pages it
+  holds) and evicted least-recently-used into the pool; packed tokens then attend to it
+  through a page table (``kernels/packed_attention.PrefixKV``), with no copies.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from nakta_model.kv_pages import PAGE_SIZE, kv_pool
 from nakta_model.score_batches import common_prefix_len
 
 __all__ = ["MIN_PREFIX_TOKENS", "PrefixCache", "shared_prefixes"]
 
 MIN_PREFIX_TOKENS = 64  # shorter shared beginnings are not worth a cache entry
-PAGE_SIZE = 64  # a multiple of every packed-attention key block
 
 
 def shared_prefixes(
@@ -65,12 +65,16 @@ class _Entry:
 
 
 class PrefixCache:
-    """K/V of shared prefixes in the model's KV cache used as a page pool (module docstring).
+    """K/V of shared prefixes in pages of the model's KV pool (module docstring).
 
-    ``budget_tokens`` bounds the pool (rounded up to whole pages); a prefix longer than the pool
-    is not cached (the caller computes it in the stream instead). Entries are evicted least
+    ``budget_tokens`` caps the pages held (rounded up to whole pages); a prefix longer than
+    that is not cached (the caller computes it in the stream instead). Entries are evicted least
     recently used, never while the current batch holds them (:meth:`acquire` pins them until
-    the next call).
+    the next call). They stay valid while the pool's epoch is the one they were made in; other
+    users of the pool (the generation engine) never touch their pages. :meth:`prepare` (the
+    scorer calls it at the start of every ``score`` call) applies the pool's cap while scoring
+    (``KVPool.room_for_scoring``): ``limit``, the pages it may hold this call, is the budget
+    clipped to the cap, and a pool grown past the cap for generation is trimmed.
     """
 
     def __init__(self, model, budget_tokens: int, page_size: int = PAGE_SIZE):
@@ -80,59 +84,86 @@ class PrefixCache:
             or budget_tokens < 1
         ):
             raise ValueError(f"budget_tokens must be a positive int, got {budget_tokens!r}")
+        if page_size != PAGE_SIZE:
+            raise ValueError(f"page_size must be the KV pool's {PAGE_SIZE}, got {page_size!r}")
         self.model, self.page_size = model, page_size
         self.n_pages = -(-budget_tokens // page_size)
+        self.limit = self.n_pages  # pages it may hold now: the budget clipped to the pool's cap
         self.entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
-        self.free: list[int] = []
-        self._pool_id: int | None = None
+        self.pool = kv_pool(model)
+        self._epoch: int | None = None
         self.computed_tokens = 0  # prefix tokens run through the model (stats)
 
+    @property
+    def held_pages(self) -> int:
+        """Pages this cache's entries hold in the pool."""
+        return sum(len(e.pages) for e in self.entries.values())
+
+    def prepare(self) -> None:
+        """Scoring starts: room for the budget in the model's pool under its cap while scoring
+        (``limit``: the pages this cache may hold until the next ``prepare``; entries beyond
+        it are evicted, least recently used first)."""
+        self.pool = kv_pool(self.model)
+        held = self.held_pages if self._epoch == self.pool.epoch else 0
+        self.limit = self.pool.room_for_scoring(self.n_pages, held)
+        self._check_epoch()
+        self._make_room(0, keep=set())
+
     def _ensure_pool(self) -> None:
-        """(Re)allocate the pool when the model's cache is not ours any more (e.g. the
-        generation engine set up its own): every entry is then gone."""
-        m = self.model
-        k0 = m.layers[0].attention.k_cache
-        if (
-            self._pool_id is not None
-            and k0 is not None
-            and id(k0) == self._pool_id
-            and (m.max_batch_size, m.max_seq_len) == (self.n_pages, self.page_size)
-        ):
-            return
-        m.clear_cache()
-        m.setup_cache(self.n_pages, self.page_size)
-        self._pool_id = id(m.layers[0].attention.k_cache)
+        """Room for ``limit`` in the model's pool besides the other users' pages (there is,
+        since :meth:`prepare`, unless the cache was replaced); when the pool was rebuilt
+        since (a new epoch) every entry is gone."""
+        self.pool = kv_pool(self.model)
+        current = self._epoch == self.pool.epoch
+        self.pool.make_room(self.limit, self.held_pages if current else 0)
+        self._check_epoch()
+
+    def _check_epoch(self) -> None:
+        if self._epoch != self.pool.epoch:
+            self.entries.clear()
+            self._epoch = self.pool.epoch
+
+    def clear(self) -> None:
+        """Give every entry's pages back to the pool."""
+        if self._epoch == self.pool.epoch:
+            for e in self.entries.values():
+                self.pool.free(e.pages)
         self.entries.clear()
-        self.free = list(range(self.n_pages))
 
     def fits(self, length: int) -> bool:
-        return -(-length // self.page_size) <= self.n_pages
+        return -(-length // self.page_size) <= self.limit
 
     def acquire(self, prefixes: Sequence[tuple[int, ...]]) -> list[_Entry]:
-        """Entries for ``prefixes`` (each fits the pool, all together too): the missing ones
+        """Entries for ``prefixes`` (each fits the budget, all together too): the missing ones
         computed now, in one packed prefill per budget-full of tokens."""
         self._ensure_pool()
         need = sum(-(-len(p) // self.page_size) for p in dict.fromkeys(prefixes))
-        if need > self.n_pages:
-            raise ValueError(f"{need} pages of prefixes for one batch; the pool has {self.n_pages}")
+        if need > self.limit:
+            raise ValueError(f"{need} pages of prefixes for one batch; the limit is {self.limit}")
         wanted = set(prefixes)
         missing = [p for p in dict.fromkeys(prefixes) if p not in self.entries]
         for p in missing:
-            self._make_room(-(-len(p) // self.page_size), keep=wanted)
-            pages = [self.free.pop() for _ in range(-(-len(p) // self.page_size))]
-            self.entries[p] = _Entry(pages, len(p))
+            n = -(-len(p) // self.page_size)
+            self._make_room(n, keep=wanted)
+            self.entries[p] = _Entry(self.pool.alloc(n), len(p))
         if missing:
-            self._compute(missing)
+            try:
+                self._compute(missing)
+            except BaseException:  # half-written pages are no entries
+                for p in missing:
+                    self.pool.free(self.entries.pop(p).pages)
+                raise
         for p in prefixes:
             self.entries.move_to_end(p)  # most recently used
         return [self.entries[p] for p in prefixes]
 
     def _make_room(self, pages: int, keep: set) -> None:
-        while len(self.free) < pages:
+        """Evict (into the pool) until ``pages`` more stay within the limit."""
+        while self.held_pages + pages > self.limit:
             victim = next((k for k in self.entries if k not in keep), None)
             if victim is None:  # only this batch's prefixes left: cannot happen (checked)
                 raise RuntimeError("prefix cache: no evictable entry")
-            self.free.extend(self.entries.pop(victim).pages)
+            self.pool.free(self.entries.pop(victim).pages)
 
     def _compute(self, prefixes: list[tuple[int, ...]]) -> None:
         """K/V of new prefixes into their pages: causal packed prefills (the logits are not

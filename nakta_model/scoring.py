@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from nakta_model.kernels.logprobs import target_logprobs
+from nakta_model.kv_pages import SCORING_FRACTION, kv_bytes_available
 from nakta_model.score_batches import (
     MERGE_MAX_TOKENS,
     Packed,
@@ -192,7 +193,8 @@ def unique_tokens(reqs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
 
 def default_prefix_budget(model) -> int:
     """Pool tokens for a temporary prefix cache: 8,192, or less where memory is short (at most
-    a quarter of the free device memory)."""
+    ``kv_pages.SCORING_FRACTION``, a quarter, of the memory a KV pool could take: the free
+    memory and what the model's current pool holds, which scoring trims)."""
     args = getattr(model, "args", None)
     if args is None:
         return 8192
@@ -200,8 +202,8 @@ def default_prefix_budget(model) -> int:
     per_token = 2 * args.n_layers * (args.n_kv_heads // tp) * args.head_dim
     per_token *= torch.empty((), dtype=model.dtype).element_size()
     if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        return max(256, min(8192, int(free * 0.25) // per_token))
+        free = kv_bytes_available(model)
+        return max(256, min(8192, int(free * SCORING_FRACTION) // per_token))
     return 8192
 
 
@@ -225,7 +227,8 @@ def score(
     context behind one copy of it, and computes a prefix shared by different contexts (a
     few-shot prompt) once: ``prefix_cache`` is a :class:`~nakta_model.prefix_cache.PrefixCache`
     to keep such prefixes across calls, ``None`` for one for this call when shared prefixes
-    exist (the model's KV cache is its pool; freed afterwards), ``False`` for none. Results
+    exist (its pages come from the model's KV pool, ``kv_pages``, and go back afterwards; the
+    pool's memory too when this call made it), ``False`` for none. Results
     equal ``use_cache=False`` up to the model dtype's rounding. ``token_budget`` (tokens per
     forward) bounds memory; ``max_rows`` optionally caps the rows (contexts with their
     continuations) per forward. ``stats`` (a :class:`ScoreStats`) receives token counts.
@@ -242,6 +245,10 @@ def score(
     vocab = _model_attr(model, ("vocab_size",))
     reqs = _check_requests(requests, vocab, max_length)
     rows, dup = build_rows(reqs, use_cache, max_length)
+    pool = getattr(model, "kv_pool", None)
+    if pool is not None:  # a pool grown past its cap for generation: freed for the forwards
+        pool.trim_for_scoring()
+    had_pool = getattr(pool, "n_pages", 0) > 0
     cache, own_cache = _prefix_cache_for(model, rows, use_cache, prefix_cache)
     plain = [r for r in rows if not r.prefix]
     if use_cache:  # contexts that begin alike: one tree, their shared tokens computed once
@@ -249,7 +256,7 @@ def score(
     batches = [(b, False) for b in packed_batches(plain, token_budget, max_rows)]
     if cache is not None:
         shared = [r for r in rows if r.prefix]
-        pb = prefix_batches(shared, token_budget, max_rows, cache.n_pages, cache.page_size)
+        pb = prefix_batches(shared, token_budget, max_rows, cache.limit, cache.page_size)
         batches += [(b, True) for b in pb]
     device = _model_device(model)
     sums = torch.zeros(len(reqs), dtype=torch.float64, device=device)
@@ -288,7 +295,7 @@ def score(
                 bar.update(b.n_real)
     finally:
         if own_cache:
-            model.clear_cache()
+            _drop_own(cache, had_pool)
     if stats is not None:
         stats.request_tokens += sum(len(c) + len(x) - 1 for c, x in reqs)
         if stats.count_unique:
@@ -298,6 +305,14 @@ def score(
         stats.computed_tokens += total + prefix_computed
         stats.prefixes += len({tuple(r.ctx[: r.prefix]) for r in rows if r.prefix})
     return _finish(sums, misses, len(reqs), dup)
+
+
+def _drop_own(cache, had_pool: bool) -> None:
+    """A call's own prefix cache gives its pages back to the model's KV pool; the pool's memory
+    goes too when the call made it (another user's pool stays as it is)."""
+    cache.clear()
+    if not had_pool:
+        cache.pool.release()
 
 
 def _prefix_cache_for(model, rows: list[Row], use_cache: bool, prefix_cache):
@@ -315,6 +330,7 @@ def _prefix_cache_for(model, rows: list[Row], use_cache: bool, prefix_cache):
         raise TypeError(
             f"prefix_cache must be a PrefixCache, None or False, got {type(prefix_cache).__name__}"
         )
+    cache.prepare()  # the pool's cap while scoring: a pool grown for generation is trimmed
     for r, n in zip(rows, lengths):
         if n and cache.fits(n):
             r.prefix = n
@@ -346,11 +362,12 @@ def warm_up(model, *, use_cache: bool = True, prefix: bool | None = None) -> flo
 
         shared = [(5 * i + 1) % vocab for i in range(MIN_PREFIX_TOKENS + 2)]
         few_shot = [(shared + [tok[0]], tok[1:3]), (shared + [tok[4]], tok[5:7])]
+        had_pool = getattr(getattr(model, "kv_pool", None), "n_pages", 0) > 0
         cache = PrefixCache(model, budget_tokens=2 * len(shared))
         try:
             score(model, few_shot, use_cache=True, max_rows=None, prefix_cache=cache)
         finally:
-            model.clear_cache()
+            _drop_own(cache, had_pool)
     return time.perf_counter() - t0
 
 

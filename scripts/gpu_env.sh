@@ -10,7 +10,9 @@ use_wheels() {  # install .whl/*.whl (fairscale, liger-kernel) into /tmp/site wh
   if [ -f /tmp/site/.nakta_wheels ]; then  # done by an outer script: a second install under a
     export PYTHONPATH=/tmp/site:$PWD  # running lane would swap files it is importing
   elif ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    # bytecode compiled at install, as a user's pip install does: without it a machine's first
+    # lm-eval run compiled lm-eval's and its deps' modules on import (seconds in its wall)
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
     touch /tmp/site/.nakta_wheels
     export PYTHONPATH=/tmp/site:$PWD
@@ -31,11 +33,14 @@ step() {  # step NAME SECONDS CMD...: run with a time limit into $LOG; a failure
   return 0
 }
 
-lane() {  # lane N: this (sub)shell drives GPU N of a 2-GPU host on its half of the cores (a lane
-  # making weights on every core delayed the other lane's decode-graph launches), logging to
-  # $OUT/laneN.txt
-  local n=$1 half=$(($(nproc) / 2))
-  export CUDA_VISIBLE_DEVICES=$n LOG=$OUT/lane$n.txt OMP_NUM_THREADS=$half
-  taskset -cp "$((n * half))-$((n * half + half - 1))" $BASHPID >/dev/null 2>&1
+lane() {  # lane N: this (sub)shell drives GPU N of the host on its share of the cores (cores /
+  # GPUs: a lane making weights on every core delayed another lane's decode-graph launches),
+  # logging to $OUT/laneN.txt
+  local n=$1 gpus share
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "$gpus" -ge 1 ] || gpus=1
+  share=$(($(nproc) / gpus))
+  export CUDA_VISIBLE_DEVICES=$n LOG=$OUT/lane$n.txt OMP_NUM_THREADS=$share
+  taskset -cp "$((n * share))-$((n * share + share - 1))" $BASHPID >/dev/null 2>&1
   : >"$LOG"
 }

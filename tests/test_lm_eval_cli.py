@@ -348,3 +348,49 @@ def test_timing_hook_times_generate_until_and_counts_its_answer_tokens():
         no_tokenizer["answer_tokens"] is None
         and "AttributeError" in no_tokenizer["answer_tokens_error"]
     )
+
+
+def test_cuda_peaks_fold_into_the_run_and_the_method(monkeypatch):
+    """The timing hook's ``cuda_memory``: each window's peaks (reset after reading) add up to
+    the run's maximum and the method's; nothing when CUDA is not in use."""
+
+    class FakeCuda:
+        def __init__(self):
+            self.peaks, self.resets = [(5, 8), (9, 12), (3, 4)], 0
+
+        def is_available(self):
+            return True
+
+        def is_initialized(self):
+            return True
+
+        def max_memory_allocated(self):
+            return self.peaks[self.resets][0]
+
+        def max_memory_reserved(self):
+            return self.peaks[self.resets][1]
+
+        def memory_allocated(self):
+            return 7
+
+        def reset_peak_memory_stats(self):
+            self.resets += 1
+
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", argparse.Namespace(cuda=cuda))
+    timings: dict = {}
+    lm_eval_cli._note_cuda_peaks(timings, reset=True)  # before the method: load's peak
+    lm_eval_cli._note_cuda_peaks(timings, "generate_until", reset=True)
+    lm_eval_cli._note_cuda_peaks(timings)  # at exit
+    assert cuda.resets == 2
+    assert timings["cuda_memory"] == {
+        "max_allocated": 9,
+        "max_reserved": 12,
+        "methods": {
+            "generate_until": {"max_allocated": 9, "max_reserved": 12, "allocated_after": 7}
+        },
+    }
+    cuda.is_initialized = lambda: False
+    other: dict = {}
+    lm_eval_cli._note_cuda_peaks(other, "loglikelihood")
+    assert other == {}

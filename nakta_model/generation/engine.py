@@ -1,8 +1,9 @@
 """Batched generation with continuous batching over a paged KV cache: chunked prefill,
 graph-replayed decode, stops.
 
-The engine owns the model's KV cache as a pool of pages (``kv_pages``: ``PAGE_SIZE``
-positions each, sized from free device memory or ``pages=``). A row holds a block table of the
+The engine takes its pages from the model's one KV pool (``nakta_model.kv_pages``: ``PAGE_SIZE``
+positions each; shared with the scorer's prefix cache, each touching only its own pages; made
+or grown to ``pages=`` or what fits in free device memory). A row holds a block table of the
 pages it has written; pages are handed out as it grows and go back when it finishes.
 Requests wait in a queue; one is admitted (FIFO) into a free batch entry while the pool can
 cover its prompt + ``max_new_tokens`` (pages are counted as reserved at admission and handed
@@ -44,7 +45,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from nakta_model.generation.kv_pages import PAGE_SIZE, PagePool, pages_for, pool_pages
 from nakta_model.generation.prefill_stream import PrefillStream
 from nakta_model.generation.requests import (
     GenerationRequest,
@@ -55,6 +55,7 @@ from nakta_model.generation.requests import (
 )
 from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.generation.step import DecodeStep, batch_limit, check_graph_mode
+from nakta_model.kv_pages import PAGE_SIZE, kv_pool, pages_for, pool_pages
 
 __all__ = [
     "GenerationRequest",
@@ -88,9 +89,10 @@ class Generator:
     ``max_batch`` rows decode at once (at most :func:`max_rows`, the decode step's limit);
     ``max_seq_len`` bounds prompt + continuation per row (default: the model's); ``chunk``
     tokens are decoded between host checks; ``prefill_chunk`` bounds the prompt tokens of one
-    prefill forward (:data:`PREFILL_CHUNK`). ``pages``: the KV pool's size in pages of ``PAGE_SIZE`` positions
-    (default: enough for ``max_batch`` full rows and the held prefixes, on CUDA at most what
-    fits in ``memory_fraction`` of the free memory). ``prefix_rows``: how many shared prefixes
+    prefill forward (:data:`PREFILL_CHUNK`). ``pages``: the pages of ``PAGE_SIZE`` positions it
+    asks of the model's KV pool (a larger pool is used as it is; default: enough for
+    ``max_batch`` full rows and the held prefixes, on CUDA at most what fits in
+    ``memory_fraction`` of the free memory). ``prefix_rows``: how many shared prefixes
     are held at once. ``graphs`` captures the decode step per batch bucket in CUDA graphs
     (default: on CUDA); ``graph_mode`` (instead of ``graphs``) names how the step runs:
     ``"cuda_graph"``, ``"compile"`` (``torch.compile(mode="reduce-overhead")``) or ``"eager"``.
@@ -137,12 +139,8 @@ class Generator:
             raise ValueError(f"pages must be an int >= 2 (page 0 is scratch), got {pages!r}")
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction!r}")
-        self.model, self.max_batch, self.max_seq_len, self.chunk = (
-            model,
-            max_batch,
-            max_seq_len,
-            chunk,
-        )
+        self.model, self.max_batch = model, max_batch
+        self.max_seq_len, self.chunk = max_seq_len, chunk
         self.prefill_chunk = prefill_chunk
         self.device = model.device
         if graph_mode is None:
@@ -162,32 +160,34 @@ class Generator:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self._steps: dict[tuple[int, bool, bool], DecodeStep] = {}
         self._held: OrderedDict[tuple[int, ...], _Held] = OrderedDict()  # LRU order
-        self._cache_ptr: int | None = None
-        self.pool = PagePool(self._n_pages)
+        self._epoch: int | None = None
         self._ensure_cache()
         self.stats = GenerationStats()
         self._on_tokens: TokenCallback | None = None
 
     # ---------------------------------------------------------------------------- steps
     def _ensure_cache(self) -> None:
-        """The model's KV cache as this engine's page pool. Anyone else may have replaced it
-        (the scorer's prefix pool does): then it is set up again, and the captured steps (which
-        hold the old cache's addresses) and the held prefixes are dropped."""
-        m = self.model
-        k0 = m.layers[0].attention.k_cache
-        if (
-            k0 is not None
-            and k0.data_ptr() == self._cache_ptr
-            and (m.max_batch_size, m.max_seq_len) == (self._n_pages, PAGE_SIZE)
-        ):
-            return
-        m.clear_cache()
-        m.setup_cache(self._n_pages, PAGE_SIZE)
-        m._rope_tables(self.row_pages * PAGE_SIZE)  # rows may run past 2 x args.max_seq_len
-        self._cache_ptr = m.layers[0].attention.k_cache.data_ptr()
+        """The model's KV pool, of at least ``_n_pages`` pages (a larger one is used as it is),
+        with room for a full row (at most ``_n_pages - 1``) besides the others' pages
+        (``KVPool.make_room``); rows wait for pages the others hold. When the pool was rebuilt
+        since (a new epoch), the captured steps (they hold the old cache's addresses) and the
+        held prefixes are dropped."""
+        self.pool = kv_pool(self.model)
+        self.pool.on_rebuild(self._forget_cache)
+        held = self.held_pages if self._epoch == self.pool.epoch else 0
+        self.pool.make_room(min(self.row_pages, self._n_pages - 1), held, size=self._n_pages)
+        if self._epoch != self.pool.epoch:
+            self._forget_cache()
+            self._epoch = self.pool.epoch
+        self.model._rope_tables(self.row_pages * PAGE_SIZE)  # rows may pass 2 x max_seq_len
+        self._room = self.pool.capacity - (self.pool.used_pages - self.held_pages)
+
+    def _forget_cache(self) -> None:
+        """The pool's cache is being replaced or freed (the pool calls this first): drop what
+        holds its addresses or pages (the captured steps, the held prefixes), so its memory
+        can go before the next cache is allocated."""
         self._steps.clear()
         self._held.clear()
-        self.pool = PagePool(self._n_pages)
 
     @property
     def held_pages(self) -> int:
@@ -289,13 +289,13 @@ class Generator:
         while queue and free:
             r = queue[0]
             need = pages_for(self._positions(r))
-            if need > self.pool.capacity:
+            if need > self._room:  # the pool's pages but the other users'
                 queue.popleft()
                 r.finished = "error"
                 r.error = (
                     f"requests[{r.index}] needs {need} KV pages ({len(r.request.prompt)} prompt "
                     f"tokens + max_new_tokens={r.request.max_new_tokens}, pages of {PAGE_SIZE} "
-                    f"positions) but the pool holds {self.pool.capacity}"
+                    f"positions) but the pool holds {self._room} for it"
                 )
                 self.stats.first_token_s[r.index] = time.perf_counter() - self._t0
                 if self._on_tokens is not None:

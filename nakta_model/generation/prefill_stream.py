@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from nakta_model.generation.kv_pages import PAGE_SIZE, SCRATCH_PAGE
 from nakta_model.kernels.packed_attention import PREFIX_ALIGN
+from nakta_model.kv_pages import PAGE_SIZE, SCRATCH_PAGE
 
 __all__ = ["PrefillStream"]
 
