@@ -6,10 +6,12 @@ bytes per element, so per byte it needs twice the instructions. This counts, per
 and ``CVT`` (e4m3 -> fp32 by cvt instructions, 0, or by integer ops, 1), the SASS of the loop
 that loads the weight (the loop holding the ``evict_first`` loads), by opcode, divided by the
 weight elements one thread handles per iteration (``TILE_N * BLOCK_K / threads``), and the
-registers per thread. Launches are captured as ``sass_fingerprint`` does (stand-in sm_90
-driver), compiled with Triton's ptxas and read back with nvdisasm.
+registers per thread; ``--tune`` sets any ``_TUNE`` knobs. Launches are captured as
+``sass_fingerprint`` does (stand-in sm_90 driver), compiled with Triton's ptxas and read back
+with nvdisasm.
 
-    python -m kernel_benchmark.sass_loop_counts [--family h100] [--cvt 0,1] [--kinds wqkv,w2]
+    python -m kernel_benchmark.sass_loop_counts [--family h100] [--kinds wqkv,w2]
+        [--tune "CVT=0;CVT=1;BLOCK_K=512,CVT=1"]
 
 ``--family`` takes that device family's tuned rows (``_decode_linear_fp8_tuned.json``); the
 default is the tables' generic rows. Run in a fresh process (it sets ``TRITON_INTERPRET=0``).
@@ -92,12 +94,19 @@ def group(counts: collections.Counter) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", default="", help="device family whose tuned rows to use")
-    p.add_argument("--cvt", default="0,1", help="CVT values to compile")
+    p.add_argument("--weight", choices=("fp8", "bf16"), default="fp8",
+                   help="weight dtype (bf16: the same loop for comparison, per element)")  # fmt: skip
+    p.add_argument("--tune", default="CVT=0;CVT=1", help="knob sets (;-separated K=V,K=V)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"subset of {','.join(KINDS)}")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if set(kinds) - set(KINDS):
         p.error(f"--kinds must be a subset of {','.join(KINDS)}")
+    try:
+        tunes = [{k: int(v) for k, v in (kv.split("=") for kv in t.split(",") if kv)}
+                 for t in args.tune.split(";")]  # fmt: skip
+    except ValueError:
+        p.error(f"--tune takes K=V,K=V;K=V..., got {args.tune!r}")
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
 
@@ -110,15 +119,16 @@ def main(argv: list[str] | None = None) -> int:
 
     dl.device_family = lambda device: args.family
     bf16 = torch.bfloat16
-    print(f"sm_90 SASS, FP8 batch 1, family {args.family or '(generic rows)'}: instructions "
+    print(f"sm_90 SASS, {args.weight} weights, batch 1, family {args.family or '(generic rows)'}: instructions "
           "per weight element in the weight loop")  # fmt: skip
     head = ["kind", "CVT", "BLOCK_N", "BLOCK_K", "warps", "regs", "all", *GROUPS, "other"]
     print(" | ".join(head))
     for kind in kinds:
         n, k, variant = KINDS[kind]
         x, nw = torch.randn(1, k).to(bf16), torch.randn(k).to(bf16)
-        w, ws = torch.empty(n, k, dtype=FP8_DTYPE), torch.ones(n)
-        kw: dict = {"weight_scale": ws}
+        w_dtype = FP8_DTYPE if args.weight == "fp8" else bf16
+        w = torch.empty(n, k, dtype=w_dtype)
+        kw: dict = {"weight_scale": torch.ones(n)} if args.weight == "fp8" else {}
         if variant == "rope":
             cos, sin = build_rope_cache(64, 128)
             rows, cache = torch.zeros(1, dtype=torch.long), torch.zeros(4, 32, 128, dtype=bf16)
@@ -129,16 +139,23 @@ def main(argv: list[str] | None = None) -> int:
             kw["residual"] = torch.randn(1, n).to(bf16)
         if variant != "residual":
             kw |= {"norm_weight": nw, "eps": 1e-5}
-        for cvt in [int(c) for c in args.cvt.split(",")]:
-            dl._TUNE = {"CVT": cvt}
+        for tune in tunes:
+            dl._TUNE = tune
             cfg = dl._config(bf16, 1, n // 2 if variant == "swiglu" else n, k, variant,
-                             torch.device("cpu"), FP8_DTYPE)  # fmt: skip
+                             torch.device("cpu"), w_dtype)  # fmt: skip
             capture.launches.clear()
             dl.decode_linear(x, w, **kw)
             sass, regs = _compile(capture.launches[-1][1], capture.target)
             g = group(weight_loop(sass))
             per = cfg["TILE_N"] * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
-            cells = [kind, cvt, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], regs]
+            cells = [
+                kind,
+                cfg.get("CVT", 0),
+                cfg["BLOCK_N"],
+                cfg["BLOCK_K"],
+                cfg["num_warps"],
+                regs,
+            ]
             cells += [f"{g[key] / per:.2f}" for key in ("all", *GROUPS, "other")]
             print(" | ".join(map(str, cells)), flush=True)
     return 0
