@@ -39,11 +39,11 @@ lane2() {
   lane $((2 % GPUS))
   LOG=$OUT/lane2.txt
   : >"$LOG"
-  step gsm8k 450 python3 speed_bench/lm_eval_gsm8k.py --preset 7B \
-    --tokenizer "$D/llama_tokenizer.model" --hf-batch-sizes 64 --run-timeout-s 110 \
-    --hf-timeout-s 370 --deadline-s 445 --out "$R/lm_eval_gsm8k_full" --work /tmp/gsm8k_work
-  step gsm8k_warm 90 python3 speed_bench/lm_eval_gsm8k.py --checkpoint /tmp/gsm8k_work/nakta \
-    --tokenizer "$D/llama_tokenizer.model" --models nakta --run-timeout-s 85 \
+  step gsm8k 460 python3 speed_bench/lm_eval_gsm8k.py --preset 7B \
+    --tokenizer "$D/llama_tokenizer.model" --hf-batch-sizes 64 --run-timeout-s 100 \
+    --hf-timeout-s 340 --out "$R/lm_eval_gsm8k_full" --work /tmp/gsm8k_work
+  step gsm8k_warm 85 python3 speed_bench/lm_eval_gsm8k.py --checkpoint /tmp/gsm8k_work/nakta \
+    --tokenizer "$D/llama_tokenizer.model" --models nakta --run-timeout-s 80 \
     --out "$R/lm_eval_gsm8k_full_warm" --work /tmp/gsm8k_work_warm
   echo "lane2 status=$status" >>"$LOG"
 }
