@@ -104,88 +104,14 @@ def _dot_loop(
     return acc
 
 
-# CVT=1 (``_e4m3_scaled``): the e4m3 codes become fp32 ``w * 2^-120`` by integer ops, x is
-# multiplied by ``2^100`` and the sums by ``2^20`` after the K loop; see ``_fma_loop``.
-E4M3_BITS_MASK = tl.constexpr(-0x78100000)  # 0x87F00000 as int32: fp32 sign, bits 26..20
-X_SCALE = tl.constexpr(2.0**100)
-ACC_SCALE = tl.constexpr(2.0**20)
-# The compiled form, four codes (one 32-bit word, code i in byte i) at a time, 10 instructions:
-# prmt builds [b3, sx(b1), b1, 0] and [b2, sx(b0), b0, 0] (sx: the code's sign in all 8 bits),
-# an arithmetic shift by 4 puts b3 (b2) in bits 26..20 with its sign in 31..27 and b1 (b0) in
-# bits 10..4 with its sign in 15..11; the mask takes the high code, a shift by 16 and the mask
-# the low one. Per code: 2.5 integer instructions (vs one cvt per pair and one f16 -> f32).
-E4M3X4_PRMT = (0x2804, 0x3914)  # prmt selectors of the (b2, b0) and (b3, b1) words
-E4M3X4_ASM = tl.constexpr(f"""{{
-.reg .b32 lo, hi;
-prmt.b32 lo, $4, 0, {E4M3X4_PRMT[0]:#x};
-prmt.b32 hi, $4, 0, {E4M3X4_PRMT[1]:#x};
-shr.s32 lo, lo, 4;
-shr.s32 hi, hi, 4;
-and.b32 $2, lo, 0x87F00000;
-and.b32 $3, hi, 0x87F00000;
-shl.b32 lo, lo, 16;
-shl.b32 hi, hi, 16;
-and.b32 $0, lo, 0x87F00000;
-and.b32 $1, hi, 0x87F00000;
-}}""")
-
-
-@triton.jit
-def _e4m3_scaled(w, EMULATE: tl.constexpr):
-    """e4m3 codes -> fp32 ``value * 2^-120``, exactly, by integer ops (no cvt).
-
-    The code ``s eeee mmm`` sign-extended to int32 and shifted left by 20 has ``eeee mmm`` in
-    fp32 bits 26..20 (the low four exponent bits and the top three mantissa bits) and copies
-    of ``s`` in bits 31..27; the mask keeps bit 31 and bits 26..20. Exponent field ``eeee``
-    read with fp32's bias 127 instead of e4m3's 7 is the value times 2^-120: the subnormal
-    codes (``eeee = 0``: ``mmm * 2^-9``) land on the fp32 subnormals ``mmm * 2^-129``, +-0 on
-    +-0, and the NaN codes 0x7F / 0xFF on +-480 * 2^-120 (see ``_fma_loop``). Compiled: the
-    same bits by ``E4M3X4_ASM``, four codes a word; ``EMULATE`` (the interpreter, which runs
-    no PTX): by Triton integer ops."""
-    if EMULATE:
-        bits = (w.to(tl.int8, bitcast=True).to(tl.int32) << 20) & E4M3_BITS_MASK
-        return bits.to(tl.float32, bitcast=True)
-    return tl.inline_asm_elementwise(
-        E4M3X4_ASM, "=r,=r,=r,=r,r", [w.to(tl.int8, bitcast=True)], dtype=tl.float32,
-        is_pure=True, pack=4,
-    )  # fmt: skip
-
-
-@triton.jit
-def _w_f32(w, CVT: tl.constexpr, EMULATE: tl.constexpr):
-    """The weight tile as fp32 products' operand: ``.to(float32)`` (CVT=0), or for e4m3 codes
-    with CVT=1 their value times 2^-120 (``_e4m3_scaled``)."""
-    if CVT:
-        return _e4m3_scaled(w, EMULATE)
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _x_f32(x, CVT: tl.constexpr):
-    """x as fp32; with CVT=1 times 2^100 (exact for ``|x| < 2^28``), so each product
-    ``(x * 2^100) * (w * 2^-120)`` is ``x * w * 2^-20`` exactly inside the FMA."""
-    x = x.to(tl.float32)
-    if CVT:
-        x = x * X_SCALE
-    return x
-
-
 @triton.jit
 def _fma_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr, CVT: tl.constexpr = 0,
+    BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
     """``W_tile @ x^T`` on the CUDA cores: fp32 products accumulated per K lane, reduced over
-    K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``.
-
-    ``CVT`` (FP8 weights only): 0 converts the codes with ``.to(float32)`` (sm90: one
-    ``cvt.rn.f16x2.e4m3x2`` per pair and one f16 -> f32 per code); 1 by integer ops
-    (``_e4m3_scaled``: shift and mask, no conversion instruction), the 2^-120 of the codes
-    made up by x times 2^100 and the sums times 2^20. Every FMA then sees the same exact
-    product scaled by 2^-20 and every partial sum is the CVT=0 one times 2^-20, so the result
-    is bit for bit CVT=0's while no partial sum is nonzero below 2^-106 in magnitude (they
-    would be fp32 subnormals here, rounded more coarsely) and ``|x| < 2^28``."""
+    K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``."""
     ks = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
         acc2 = tl.zeros([TILE_N, BLOCK_K], dtype=tl.float32)
@@ -195,7 +121,7 @@ def _fma_loop(
             x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
                         EMULATE_RNE)  # fmt: skip
             w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
-            acc2 += _w_f32(w, CVT, EMULATE_RNE) * _x_f32(x, CVT)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
         acc = tl.sum(acc2, axis=1)[:, None]
     else:
         acc3 = tl.zeros([TILE_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -205,10 +131,8 @@ def _fma_loop(
             x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
                         EMULATE_RNE)  # fmt: skip
             w = _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K)
-            acc3 += _w_f32(w, CVT, EMULATE_RNE)[:, None, :] * _x_f32(x, CVT)[None, :, :]
+            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
         acc = tl.sum(acc3, axis=2)
-    if CVT:
-        acc = acc * ACC_SCALE
     return acc
 
 
@@ -289,7 +213,6 @@ def _decode_linear_kernel(
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, PDL: tl.constexpr, DOT_F16: tl.constexpr = False,
-    CVT: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
@@ -327,7 +250,7 @@ def _decode_linear_kernel(
                         W_FP8, DOT_F16)  # fmt: skip
     else:
         acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
-                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE, CVT)  # fmt: skip
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
     if W_FP8:  # dequantize the sums: each weight row's scale, before any rounding
         ws = tl.load(WS + w_rows.to(tl.int64) * stride_ws, mask=w_ok, other=0.0)
         acc = acc * ws[:, None]

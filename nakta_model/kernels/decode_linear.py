@@ -31,10 +31,7 @@ kernel that also does the small elementwise work around it:
   are exact in fp16/bf16/fp32), accumulated in fp32, and each column's sum is multiplied by
   its row's scale before the epilogue's first rounding; so the result is the same chain run
   on the fp32 dequantized weight ``weight.float() * weight_scale[:, None]`` up to summation
-  order (``decode_linear_reference`` with ``weight_scale``). A ``CVT=1`` launch config converts
-  the codes by integer ops instead (``_fma_loop``): bit for bit the same while ``|x| < 2^28``,
-  except the NaN codes 0x7F / 0xFF, read as +-480 (``quantize_weight`` emits them only with a
-  NaN / inf row scale, so the row stays non-finite; ``NAKTA_DEBUG=1`` refuses them).
+  order (``decode_linear_reference`` with ``weight_scale``).
 
 Kernel (in ``_decode_linear_kernels.py``): each program owns ``BLOCK_N`` output columns
 (``2 * BLOCK_N`` weight rows with SWIGLU) for every batch row and walks K in ``BLOCK_K`` tiles;
@@ -148,8 +145,7 @@ def _config(
     then ``_TUNE``; block sizes not set there are derived from the shape. ``dtype`` is x's;
     an FP8 ``weight_dtype`` looks up the FP8 rows instead (``_decode_linear_configs.py``).
     ``DOT_F16`` (fp16 MMA operands, ``_dot_loop``) holds only for FP8 weights, bf16 x and
-    ``USE_DOT``, where a table row or ``_TUNE`` asks and ``NAKTA_FP8_DOT_F16`` is not 0;
-    ``CVT`` (integer e4m3 -> fp32, ``_fma_loop``) only for FP8 weights without ``USE_DOT``."""
+    ``USE_DOT``, where a table row or ``_TUNE`` asks and ``NAKTA_FP8_DOT_F16`` is not 0."""
     bucket = triton.next_power_of_2(batch)
     x_dtype = dtype
     if weight_dtype == FP8_DTYPE:
@@ -173,7 +169,6 @@ def _config(
     out |= dict(USE_DOT=int(use_dot), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     f16 = use_dot and x_dtype == torch.bfloat16 and dtype == FP8_DTYPE and FP8_DOT_F16
     out["DOT_F16"] = int(bool(cfg.get("DOT_F16", 0)) and f16)
-    out["CVT"] = int(bool(cfg.get("CVT", 0)) and not use_dot and dtype == FP8_DTYPE)
     if use_dot:
         out["num_stages"] = _stages_that_fit(out, x_dtype.itemsize, dtype.itemsize)
     _check_config(out, variant)
@@ -243,9 +238,6 @@ def _launch(
     variant = _variant(residual, swiglu, rope)
     n_cols = n_w_rows // 2 if swiglu else n_w_rows
     cfg = _config(x.dtype, batch, n_cols, k, variant, x.device, weight.dtype)
-    if cfg["CVT"] and debug_checks() and ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():
-        raise ValueError("weight holds e4m3 NaN codes (0x7F / 0xFF), which a CVT=1 launch "
-                         "config reads as +-480: fix the weight, or tune without CVT")  # fmt: skip
     interp = interpreter_enabled()
     upcast = interp and x.dtype == torch.bfloat16
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else None
@@ -285,7 +277,7 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
-        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), CVT=cfg["CVT"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
 
