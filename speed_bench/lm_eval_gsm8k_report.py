@@ -48,6 +48,9 @@ RUN_KEYS = (
     "timeout_s",
     "log",
     "error",  # None, the failure, or "skipped: ..." (not started: --deadline-s)
+    "engine",  # nakta: the engine's counters (prefill_s, decode_s, decode_steps, max_batch...)
+    "nakta_load",  # nakta: the load's parts (read_s, warm_up_s, prefetched)
+    "events",  # the child's moments, seconds from its entry (process start, model, requests)
 )
 SUMMARY_KEYS = (
     "device_name",

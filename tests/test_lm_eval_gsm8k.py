@@ -65,6 +65,11 @@ def test_end_to_end_tiny_cpu_nakta_and_hf(shared_data, tmp_path):
         assert (out / r["log"]).is_file()
     nakta, hf, nakta_sub = runs
     assert 0 < nakta["engine_tokens"] <= 3 * 8 and hf["engine_tokens"] is None
+    # where nakta's time went: the engine's counters, the load's parts, the child's moments
+    assert nakta["engine"]["decode_steps"] > 0 and nakta["engine"]["max_batch"] >= 1
+    assert 0 < nakta["engine"]["prefilled_tokens"] <= nakta["engine"]["prompt_tokens"]
+    assert nakta["nakta_load"]["read_s"] >= 0 and "first_request" in nakta["events"]
+    assert hf["engine"] is None and hf["nakta_load"] is None
     assert nakta["extrapolated_full_wall_s"] is None is nakta_sub["extrapolated_full_wall_s"]
     assert hf["extrapolated_full_wall_s"] == pytest.approx(
         hf["wall_s"] + hf["generate_s"] * (3 / 2 - 1)
