@@ -81,14 +81,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) families: 64- and 128-row weight tiles, 128..512
 # bytes of each weight row per K step, one or two warpgroups on the 128-row tile, 3-4 stages
-TILES = (
+TILES = (  # (BLOCK_N, BLOCK_K, num_warps, num_stages); stages lowered to what fits
     (64, 128, 4, 4),
+    (64, 128, 4, 8),  # deeper pipelines: more weight bytes in flight per SM
     (64, 256, 4, 3),
     (64, 256, 4, 4),
+    (64, 256, 4, 6),
+    (64, 256, 8, 6),
     (64, 512, 4, 3),
     (128, 128, 4, 4),
+    (128, 128, 8, 8),
     (128, 256, 4, 4),
     (128, 256, 8, 4),
+    (128, 256, 8, 6),
 )
 
 
