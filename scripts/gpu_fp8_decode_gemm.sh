@@ -39,8 +39,8 @@ step fp8_decode_gemm_gpu_tests 100 python3 -m pytest -q -m gpu -p no:cacheprovid
   tests/test_fp8_decode_gemm.py
 step decode_gemm_blocks_fp8 100 python3 -m kernel_benchmark.bench_decode_gemm --models 7B \
   --quants fp8 --rows 1,8,32,64 --sections blocks --out "$OUT/decode_gemm_fp8"
-step decode_e2e 55 python3 -m speed_bench.decode_speed --preset 7B --engines nakta,nakta_fp8 \
-  --batches 8,32 --lengths 64:128 --no-budget --out "$OUT/fp8_decode"
+step decode_e2e 75 python3 -m speed_bench.decode_speed --preset 7B --engines nakta,nakta_fp8 \
+  --batches 1,8,32 --lengths 64:128 --no-budget --out "$OUT/fp8_decode"
 grep -v -E "it/s\]|%\|" "$LOG" | cut -c1-220 | tail -40
 cut -c1-200 "$OUT/decode_gemm_fp8/decode_gemm_blocks_layer.md" "$OUT/fp8_decode/decode.md" \
   2>/dev/null
