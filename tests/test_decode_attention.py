@@ -434,3 +434,18 @@ def test_cascade_workspace_and_arguments_are_checked():
     assert da.cascade_splits(64, 32, 32, 2, 1280, "cpu") >= 1
     with pytest.raises(ValueError, match="n_slots must be a positive int"):
         da.cascade_splits(64, 32, 32, 0, 1280, "cpu")
+
+
+def test_env_override_of_the_launch_config_reaches_the_split_rule(monkeypatch):
+    """A benchmark tries another split rule in a fresh process through the environment."""
+    from nakta_model.kernels import _decode_attention_configs as cfg
+
+    base = decode_splits(1, 32, 256, "cpu")
+    monkeypatch.setenv(cfg.ENV_TUNE, "MIN_SPLIT_KEYS=64")
+    assert base == 1 and decode_splits(1, 32, 256, "cpu") == 4  # 256 keys in splits of 64
+    monkeypatch.setenv(cfg.ENV_TUNE, "MIN_SPLIT_KEYS=64, MAX_SPLITS=2")
+    assert decode_splits(1, 32, 256, "cpu") == 2
+    for bad in ("MIN_SPLIT_KEYS", "NOPE=3", "MIN_SPLIT_KEYS=0", "BLOCK_S=x"):
+        monkeypatch.setenv(cfg.ENV_TUNE, bad)
+        with pytest.raises(ValueError, match=cfg.ENV_TUNE):
+            decode_splits(1, 32, 256, "cpu")

@@ -9,6 +9,9 @@ and the tests set it).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 
@@ -40,11 +43,30 @@ _CONFIGS: dict[str, dict[str, int]] = {
 }
 _TUNE: dict[str, int] = {}
 _DEFAULT_SMS = 132  # H100 SXM / H200; used off the GPU
+# A benchmark's override in a fresh process, e.g. "MIN_SPLIT_KEYS=64,BLOCK_S=32": read at each
+# launch (a process's captured graphs keep what they were captured with), applied before _TUNE
+ENV_TUNE = "NAKTA_DECODE_ATTENTION_TUNE"
+_KEYS = frozenset(k for table in _CONFIGS.values() for k in table)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_env(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or key not in _KEYS or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(
+                f"{ENV_TUNE}: expected KEY=positive int pairs with KEY in {sorted(_KEYS)}, "
+                f"got {part!r}"
+            )
+        out[key] = int(value)
+    return out
 
 
 def _config(kind: str) -> dict[str, int]:
-    """The table entry ``kind`` ("splits", "fma" or "dot"), then ``_TUNE``."""
-    return {**_CONFIGS[kind], **_TUNE}
+    """The table entry ``kind`` ("splits", "fma", "dot" or "cascade"), then ``ENV_TUNE``'s
+    keys, then ``_TUNE``."""
+    return {**_CONFIGS[kind], **_parse_env(os.environ.get(ENV_TUNE, "")), **_TUNE}
 
 
 def decode_splits(batch: int, n_kv_heads: int, max_seq: int, device: torch.device | str) -> int:
