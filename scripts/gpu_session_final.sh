@@ -25,9 +25,9 @@ GPUS=$(nvidia-smi -L | grep -c '^GPU')
 
 lane0() {
   lane 0
-  step gsm8k 440 python3 speed_bench/lm_eval_gsm8k.py --preset 7B \
+  step gsm8k 420 python3 speed_bench/lm_eval_gsm8k.py --preset 7B \
     --tokenizer "$D/llama_tokenizer.model" --hf-batch-sizes 128 --run-timeout-s 90 \
-    --hf-timeout-s 320 --out "$R/lm_eval_gsm8k_full" --work /tmp/gsm8k_work
+    --hf-timeout-s 300 --out "$R/lm_eval_gsm8k_full" --work /tmp/gsm8k_work
   echo "lane0 status=$status" >>"$LOG"
 }
 
@@ -61,7 +61,7 @@ lane2() {
 
 lane3() {
   lane $((3 % GPUS))
-  step gpu_tests 420 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/
+  step gpu_tests 380 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/
   echo "lane3 status=$status" >>"$LOG"
 }
 
