@@ -26,9 +26,8 @@ default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
 ``kernels``/``tp``/``dp`` (nakta), ``background_load`` (nakta, default false; see Loading).
 
 Loading (``nakta``). The constructor reads the checkpoint's params and checks the tokenizer and
-``max_length`` against them at once, then loads the weights; the scorer's kernels compile
-(``scoring.warm_up``) right before its first batch, so that batch pays no compilation and a run
-that only generates never compiles them. Through ``lm_eval_cli`` the
+``max_length`` against them at once, then loads the weights and compiles the scorer's kernels
+(``scoring.warm_up``), so the first batch pays no compilation. Through ``lm_eval_cli`` the
 weights of a single-GPU Nakta checkpoint are already on their way: their read started when
 lm-eval's command line was parsed (``lm_eval_preload``) and overlapped lm-eval's start-up, and
 the load takes them. ``background_load=true`` does the load on a worker thread instead, the
@@ -36,7 +35,7 @@ first request waiting for what is left (and raising a failed load's error); it i
 default because under the GIL that thread only takes turns with lm-eval's own Python work: on
 the H200 host it made no run faster (``speed_bench/results/nvidia-h200/lm_eval_load_matrix``).
 Any ``torchrun`` grid loads in the constructor (its loads go through collectives).
-``load_timings`` holds ``read_s``, ``warm_up_s`` (None until the first scoring call), ``prefetched`` (whether the load took a
+``load_timings`` holds ``read_s``, ``warm_up_s``, ``prefetched`` (whether the load took a
 prefetched shard), ``wait_s`` (background only: what the first request still waited) and the
 wall-clock moments ``build_start_unix``, ``read_end_unix``, ``ready_unix`` (the timing hook of
 ``lm_eval_cli`` turns them into events).
@@ -209,16 +208,9 @@ class NaktaLM(ScoringLM):
         t["read_s"] = time.perf_counter() - t0
         t["prefetched"] = prefetch.handed_out > taken
         t["read_end_unix"] = time.time()
-        t["warm_up_s"] = None  # the scorer's kernels compile before its first batch (_warm)
+        t["warm_up_s"] = scoring.warm_up(model, use_cache=self.use_cache)
         t["ready_unix"] = time.time()
         return model
-
-    def _warm(self) -> None:
-        """Compile the scorer's kernels (``scoring.warm_up``) before its first batch, once: the
-        first batch pays no compilation, and a run that only generates (GSM8K-shaped) never
-        pays for the scorer's (2.9 s of a fresh machine's first run on an H200)."""
-        if self.load_timings.get("warm_up_s") is None:
-            self.load_timings["warm_up_s"] = scoring.warm_up(self.model, use_cache=self.use_cache)
 
     @property
     def model(self):
@@ -259,7 +251,6 @@ class NaktaLM(ScoringLM):
 
     def _score_local(self, reqs, progress):
         """This replica's token requests through the shared-context engine."""
-        self._warm()
         return scoring.score(
             self.model,
             reqs,

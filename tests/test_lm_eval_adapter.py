@@ -212,8 +212,7 @@ def test_default_batch_size_scores_with_the_token_budget_alone(tiny, monkeypatch
     real = scoring.score
     kw = dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
     lm = adapter.NaktaLM(**kw, batch_size=1)
-    assert lm.model is not None
-    lm._warm()  # the scorer's warm-up batches, not counted
+    assert lm.model is not None  # the background load and its warm-up batches, not counted
     monkeypatch.setattr(
         scoring, "score", lambda *a, **kw: seen.append(kw["max_rows"]) or real(*a, **kw)
     )
@@ -492,24 +491,3 @@ def test_bad_tp_dp_is_one_model_args_error(tiny, monkeypatch):
         adapter.NaktaLM(**kw, dp=0)
     with pytest.raises(adapter.ModelArgsError, match=r"dp=2: world size 1 != tp 1 x dp 2"):
         adapter.NaktaLM(**kw, dp="2")
-
-
-def test_the_scorer_warms_up_once_before_its_first_batch_and_never_for_generation(
-    tiny, monkeypatch
-):
-    """Compiling the scorer's kernels at load cost a generation-only run (GSM8K-shaped) 2.9 s of
-    a fresh machine's first run: they compile before the first scoring batch instead, once."""
-    ckpt, tok = tiny
-    calls = []
-    real = scoring.warm_up
-    monkeypatch.setattr(scoring, "warm_up", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    lm = adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu")
-    assert lm.model is not None and calls == [] and lm.load_timings["warm_up_s"] is None
-    lm.generate_until(
-        [Instance("generate_until", {}, ("a cat", {"until": ["."], "max_gen_toks": 2}), 0)],
-        disable_tqdm=True,
-    )
-    assert calls == []  # generation alone: no scorer warm-up
-    for _ in range(2):
-        lm.loglikelihood([Instance("loglikelihood", {}, ("a cat", " sat"), 0)], disable_tqdm=True)
-    assert calls == [1] and lm.load_timings["warm_up_s"] >= 0
