@@ -21,12 +21,9 @@ loads (commit it; ``--no-write-configs`` leaves it alone). GPU only.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from pathlib import Path
 
 if not __package__:  # run by path: import from the repo root, not from this script's folder
@@ -35,6 +32,7 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 import pandas as pd
 import torch
 
+from kernel_benchmark import tuning
 from nakta_model.kernels import _decode_linear_configs as cfgs
 
 KNOBS = cfgs.FP8_KNOBS  # USE_DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, DOT_F16
@@ -173,20 +171,7 @@ def precompile(points, jobs: int, deadline: float) -> None:
         seen.add(compile_class)
         for i in range(0, len(cands), 4):
             tasks.append((shape.kind, batch, cands[i : i + 4]))
-    t0 = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
-    try:
-        futures = [pool.submit(_warm, *t) for t in tasks]
-        done, pending = wait(futures, timeout=max(1.0, deadline - time.perf_counter()),
-                             return_when=FIRST_EXCEPTION)  # fmt: skip
-        n = sum(f.result() for f in done if f.exception() is None)
-        failed = [f.exception() for f in done if f.exception() is not None]
-        print(f"precompile: {n} configs in {time.perf_counter() - t0:.0f}s with {jobs} jobs"
-              f"{f', {len(pending)} tasks left' if pending else ''}"
-              f"{f', worker error: {failed[0]}' if failed else ''}", flush=True)  # fmt: skip
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # no worker left on the GPU while timing
+    tuning.precompile(_warm, tasks, jobs, deadline)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -279,30 +264,18 @@ def best_per_point(df: pd.DataFrame) -> list[dict]:
 def update_configs(path: Path, family: str, device_name: str, best: list[dict]) -> dict:
     """Put ``best`` under ``family`` in the tuned-config JSON (other families kept, this
     family's rows of the tuned points replaced); returns the document written."""
-    from nakta_model.io_utils import atomic_write_text
-
-    doc = {"devices": {}}
-    if path.is_file():
-        cfgs.load_fp8_tuned(path)  # a malformed file stops here, not overwritten
-        doc = json.loads(path.read_text())
-    block = doc["devices"].setdefault(family, {"entries": {}})
-    entries, measured = block.setdefault("entries", {}), block.setdefault("measured", {})
+    rows = {}
     for b in best:
         n_cols = b["N"] // 2 if b["variant"] == "swiglu" else b["N"]
         bucket = 1 << (b["batch"] - 1).bit_length()
-        key = cfgs.fp8_tuned_key(bucket, b["variant"], n_cols, b["K"])
-        entries[key] = b["config"]
-        measured[key] = {k: round(b[k], 3) for k in ("pct_copy_bw", "default_pct_copy_bw",
-                                                      "bf16_pct_copy_bw", "speedup_vs_bf16")}  # fmt: skip
-    block["device_name"] = device_name
-    block["versions"] = f"torch {torch.__version__}"
-    doc["about"] = ("decode_linear FP8-weight launch configs per device family, written by "
-                    "kernel_benchmark/tune_fp8_decode.py; loaded by _decode_linear_configs.py")  # fmt: skip
-    doc["devices"] = dict(sorted(doc["devices"].items()))
-    block["entries"] = dict(sorted(entries.items()))
-    atomic_write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    cfgs.load_fp8_tuned(path)  # what was written loads
-    return doc
+        figures = ("pct_copy_bw", "default_pct_copy_bw", "bf16_pct_copy_bw", "speedup_vs_bf16")
+        rows[cfgs.fp8_tuned_key(bucket, b["variant"], n_cols, b["K"])] = (
+            b["config"],
+            {k: round(b[k], 3) for k in figures},
+        )
+    about = ("decode_linear FP8-weight launch configs per device family, written by "
+             "kernel_benchmark/tune_fp8_decode.py; loaded by _decode_linear_configs.py")  # fmt: skip
+    return tuning.write_family(path, family, device_name, rows, about, cfgs.load_fp8_tuned)
 
 
 def main(argv: list[str] | None = None) -> int:

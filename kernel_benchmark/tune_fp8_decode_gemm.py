@@ -21,12 +21,9 @@ device's family, into ``nakta_model/kernels/_fp8_decode_gemm_tuned.json``, which
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from pathlib import Path
 
 if not __package__:  # run by path: import from the repo root, not from this script's folder
@@ -35,6 +32,7 @@ if not __package__:  # run by path: import from the repo root, not from this scr
 import pandas as pd
 import torch
 
+from kernel_benchmark import tuning
 from nakta_model.kernels import fp8_decode_gemm as fdg
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
 
@@ -196,19 +194,7 @@ def precompile(points, jobs: int, deadline: float) -> None:
     cache then serves the timing process), until ``deadline``; what is left compiles later."""
     tasks = [(kind, rows, cands[i : i + 4]) for kind, rows, cands in points
              for i in range(0, len(cands), 4)]  # fmt: skip
-    t0 = time.perf_counter()
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        futures = [pool.submit(_warm, *t) for t in tasks]
-        done, pending = wait(futures, timeout=max(1.0, deadline - time.perf_counter()),
-                             return_when=FIRST_EXCEPTION)  # fmt: skip
-        n = sum(f.result() for f in done if f.exception() is None)
-        failed = [f.exception() for f in done if f.exception() is not None]
-        print(f"precompile: {n} configs in {time.perf_counter() - t0:.0f}s with {jobs} jobs"
-              f"{f', {len(pending)} tasks left' if pending else ''}"
-              f"{f', worker error: {failed[0]}' if failed else ''}", flush=True)  # fmt: skip
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # no worker left on the GPU while timing
+    tuning.precompile(_warm, tasks, jobs, deadline)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -268,30 +254,17 @@ def best_per_point(df: pd.DataFrame) -> list[dict]:
 def update_configs(path: Path, family: str, device_name: str, best: list[dict]) -> dict:
     """Put ``best`` under ``family`` in the tuned-config JSON (other families kept, this
     family's rows of the tuned points replaced); returns the document written."""
-    from nakta_model.io_utils import atomic_write_text
-
-    doc: dict = {"devices": {}}
-    if path.is_file():
-        fdg.load_tuned(path)  # a malformed file stops here, not overwritten
-        doc = json.loads(path.read_text())
-    block = doc["devices"].setdefault(family, {"entries": {}})
-    entries, measured = block.setdefault("entries", {}), block.setdefault("measured", {})
-    for b in best:
-        key = fdg.tuned_key(b["N"], b["K"], fdg.rows_bucket(b["rows"]))
-        entries[key] = b["config"]
-        measured[key] = {k: round(b[k], 3) for k in ("pct_copy_bw", "default_pct_copy_bw",
-                                                      "cublaslt_pct_copy_bw",
-                                                      "speedup_vs_cublaslt")}  # fmt: skip
-    block["device_name"] = device_name
-    block["versions"] = f"torch {torch.__version__}"
-    doc["about"] = ("fp8_decode_gemm launch configs per device family (keys N/K/rows bucket), "
-                    "written by kernel_benchmark/tune_fp8_decode_gemm.py; loaded by "
-                    "fp8_decode_gemm.py")  # fmt: skip
-    doc["devices"] = dict(sorted(doc["devices"].items()))
-    block["entries"] = dict(sorted(entries.items()))
-    atomic_write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    fdg.load_tuned(path)  # what was written loads
-    return doc
+    figures = ("pct_copy_bw", "default_pct_copy_bw", "cublaslt_pct_copy_bw", "speedup_vs_cublaslt")
+    rows = {
+        fdg.tuned_key(b["N"], b["K"], fdg.rows_bucket(b["rows"])): (
+            b["config"],
+            {k: round(b[k], 3) for k in figures},
+        )
+        for b in best
+    }
+    about = ("fp8_decode_gemm launch configs per device family (keys N/K/rows bucket), "
+             "written by kernel_benchmark/tune_fp8_decode_gemm.py; loaded by fp8_decode_gemm.py")  # fmt: skip
+    return tuning.write_family(path, family, device_name, rows, about, fdg.load_tuned)
 
 
 def main(argv: list[str] | None = None) -> int:
