@@ -33,14 +33,33 @@ step() {  # step NAME SECONDS CMD...: run with a time limit into $LOG; a failure
   return 0
 }
 
-lane() {  # lane N: this (sub)shell drives GPU N of the host on its share of the cores (cores /
-  # GPUs: a lane making weights on every core delayed another lane's decode-graph launches),
-  # logging to $OUT/laneN.txt
-  local n=$1 gpus share
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-  [ "$gpus" -ge 1 ] || gpus=1
+gpu_count() {  # GPUs this host shows (1 where nvidia-smi shows none)
+  local n
+  n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "$n" -ge 1 ] && echo "$n" || echo 1
+}
+
+lane() {  # lane N: this (sub)shell drives GPU N (N mod the host's GPUs, so a session written
+  # for 4 GPUs runs on 2 in waves: run_lanes) on that GPU's share of the cores (cores / GPUs: a
+  # lane making weights on every core delayed another lane's decode-graph launches), logging
+  # to $OUT/laneN.txt
+  local n=$1 gpus gpu share
+  gpus=$(gpu_count)
+  gpu=$((n % gpus))
   share=$(($(nproc) / gpus))
-  export CUDA_VISIBLE_DEVICES=$n LOG=$OUT/lane$n.txt OMP_NUM_THREADS=$share
-  taskset -cp "$((n * share))-$((n * share + share - 1))" $BASHPID >/dev/null 2>&1
+  export CUDA_VISIBLE_DEVICES=$gpu LOG=$OUT/lane$n.txt OMP_NUM_THREADS=$share
+  taskset -cp "$((gpu * share))-$((gpu * share + share - 1))" $BASHPID >/dev/null 2>&1
   : >"$LOG"
+}
+
+run_lanes() {  # run_lanes FN...: each function in the background, as many at once as the host
+  # has GPUs (lane k of a wave on GPU k), the next wave when one ends
+  local gpus i=0 fn
+  gpus=$(gpu_count)
+  for fn in "$@"; do
+    "$fn" &
+    i=$((i + 1))
+    [ $((i % gpus)) -eq 0 ] && wait
+  done
+  wait
 }

@@ -11,7 +11,8 @@
 #       tile variants (default BLOCK_S=64 / 4 warps / 3 stages, then BLOCK_S=32, 8 warps, 4 stages)
 #   lane 3: every GPU test (pytest -m gpu) of the merged tree
 # Run from the repo root with .data/ and .whl/ carried: bash scripts/gpu_session_final.sh
-# Everything comes back in $OUT/final.tar.gz plus the lane logs.
+# Everything comes back in $OUT/final.tar.gz plus the lane logs. On a 2-GPU host lanes 2 and 3
+# wait for lanes 0 and 1 (run_lanes; a longer call).
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
 # shellcheck source=scripts/gpu_env.sh
@@ -21,7 +22,6 @@ D=.data
 R=$OUT/final
 mkdir -p "$R"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpus.txt"
-GPUS=$(nvidia-smi -L | grep -c '^GPU')
 
 lane0() {
   lane 0
@@ -46,7 +46,7 @@ lane1() {
 }
 
 lane2() {
-  lane $((2 % GPUS))
+  lane 2
   local i=0 v
   for v in "" "BLOCK_S=32" "num_warps=8" "num_stages=4"; do
     echo "variant $i: NAKTA_DECODE_ATTENTION_TUNE='$v'" >>"$LOG"
@@ -60,21 +60,13 @@ lane2() {
 }
 
 lane3() {
-  lane $((3 % GPUS))
+  lane 3
   step gpu_tests 380 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/
   echo "lane3 status=$status" >>"$LOG"
 }
 
 status=0
-if [ "$GPUS" -ge 4 ]; then
-  lane0 & lane1 & lane2 & lane3 &
-  wait
-else
-  lane0 & lane1 &
-  wait
-  lane2 &
-  wait
-fi
+run_lanes lane0 lane1 lane2 lane3
 for f in lane0 lane1 lane2 lane3; do
   echo "##### $f"
   grep -v -E "it/s\]|s/it\]|%\|" "$OUT/$f.txt" 2>/dev/null | grep -E "^\[|^===|variant|passed|FAILED|rror|wall|tok/s" | cut -c1-220 | tail -40

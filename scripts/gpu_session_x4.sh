@@ -23,7 +23,6 @@ D=.data
 R=$OUT/x4
 mkdir -p "$R"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpus.txt"
-GPUS=$(nvidia-smi -L | grep -c '^GPU')
 
 lane0() {
   lane 0
@@ -41,9 +40,7 @@ lane1() {
 }
 
 lane2() {
-  lane $((2 % GPUS))
-  LOG=$OUT/lane2.txt
-  : >"$LOG"
+  lane 2
   step gsm8k 460 python3 speed_bench/lm_eval_gsm8k.py --preset 7B \
     --tokenizer "$D/llama_tokenizer.model" --hf-batch-sizes 64 --run-timeout-s 100 \
     --hf-timeout-s 340 --out "$R/lm_eval_gsm8k_full" --work /tmp/gsm8k_work
@@ -54,9 +51,7 @@ lane2() {
 }
 
 lane3() {
-  lane $((3 % GPUS))
-  LOG=$OUT/lane3.txt
-  : >"$LOG"
+  lane 3
   step gsm8k_hf128 460 python3 speed_bench/lm_eval_gsm8k.py --preset 7B \
     --tokenizer "$D/llama_tokenizer.model" --models hf --hf-batch-sizes 128 \
     --hf-timeout-s 370 --out "$R/lm_eval_gsm8k_full_hf128" --work /tmp/gsm8k_work_hf128
@@ -64,15 +59,7 @@ lane3() {
 }
 
 status=0
-if [ "$GPUS" -ge 4 ]; then
-  lane0 & lane1 & lane2 & lane3 &
-  wait
-else
-  lane0 & lane1 &
-  wait
-  lane2 & lane3 &
-  wait
-fi
+run_lanes lane0 lane1 lane2 lane3
 for f in lane0 lane1 lane2 lane3; do
   echo "##### $f"
   grep -v -E "it/s\]|s/it\]|%\|" "$OUT/$f.txt" | cut -c1-220 | tail -30
