@@ -366,30 +366,6 @@ def test_more_prefixes_than_prefix_rows_and_a_scorer_in_between():
     assert [r.tokens for r in gen.generate(greedy_requests(ps, 4, None))] == want
 
 
-def test_fitting_batch_on_the_cpu_is_the_cap_and_checks_its_arguments():
-    from nakta_model.generation import fitting_batch
-
-    model = tiny_model()
-    assert fitting_batch(model, 128) == max_rows() and fitting_batch(model, 128, cap=7) == 7
-    with pytest.raises(ValueError, match="cap must be an int in"):
-        fitting_batch(model, 128, cap=max_rows() + 1)
-    with pytest.raises(ValueError, match="max_seq_len must be an int >= 2"):
-        fitting_batch(model, 1)
-
-
-@pytest.mark.gpu
-def test_gpu_fitting_batch_follows_free_memory():
-    """Rows of a longer cache fit fewer times; a cap wins when memory allows more."""
-    from nakta_model.generation import fitting_batch
-
-    model = tiny_model(kernels="triton", device="cuda")
-    assert fitting_batch(model, 256, cap=3) == 3
-    free = torch.cuda.mem_get_info()[0]
-    per_row = 2 * sum(a.n_kv_heads * a.head_dim for a in (x.attention for x in model.layers))
-    huge = int(free // (per_row * model.dtype.itemsize)) // 64 * 64  # one row ~ all free memory
-    assert fitting_batch(model, huge) == 1
-
-
 def test_the_cascade_step_runs_only_while_a_held_prefix_is_read(monkeypatch):
     """A batch with no shared prefix decodes with the plain step (no cascade launches), even
     in an engine with prefix rows; the cascade's step is a graph of its own."""

@@ -11,7 +11,6 @@ from nakta_model.generation.engine import (
     GenerationRequest,
     GenerationResult,
     Generator,
-    fitting_batch,
     greedy_requests,
 )
 from nakta_model.generation.meta_loop import generate, generate_tokens, sample_top_p
@@ -27,7 +26,6 @@ __all__ = [
     "StopStrings",
     "StreamTiming",
     "TextStream",
-    "fitting_batch",
     "generate",
     "generate_streaming",
     "generate_tokens",

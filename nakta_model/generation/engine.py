@@ -62,7 +62,6 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "Generator",
-    "fitting_batch",
     "max_rows",
 ]
 
@@ -563,28 +562,6 @@ class Generator:
                 raise ValueError(f"requests[{i}].max_new_tokens must be an int >= 1")
             if not isinstance(r.sampling, SamplingParams):
                 raise TypeError(f"requests[{i}].sampling must be a SamplingParams")
-
-
-def fitting_batch(
-    model, max_seq_len: int, *, cap: int | None = None, prefix_rows: int = 2,
-    fraction: float = 0.8,
-) -> int:  # fmt: skip
-    """The most rows (<= ``cap``, default :func:`max_rows`) that can all hold ``max_seq_len``
-    positions at once, with ``prefix_rows`` held prefixes as long, in a KV pool of
-    ``fraction`` of the device memory free once the model's current cache is dropped (CPU:
-    ``cap``): a ``max_batch`` whose rows never wait for pages. Rows take pages as they grow, so
-    more rows than this run at once when prompts and continuations are shorter."""
-    limit = max_rows()
-    cap = limit if cap is None else cap
-    if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= limit:
-        raise ValueError(f"cap must be an int in [1, {limit}], got {cap!r}")
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
-    if model.device.type != "cuda":
-        return cap
-    width = pages_for(max_seq_len)
-    pages = pool_pages(model, cap=1 << 40, fraction=fraction)
-    return max(1, min(cap, (pages - 1) // width - prefix_rows))
 
 
 def greedy_requests(
