@@ -8,7 +8,9 @@ its machine code. Per kind and launch-knob set (``--tune``, any ``_TUNE`` knobs:
 the ``evict_first`` loads), its SASS by opcode divided by the weight elements one thread
 handles per iteration (``TILE_N * BLOCK_K / threads``), the registers per thread, the
 programs an SM holds by registers and shared memory, the weight loads per iteration and
-the weight bytes one SM has asked for at most (programs x tile bytes). Launches are
+the weight bytes one SM has asked for at most (programs x tile bytes), from the TTGIR the
+elements the loop moves between layouts per iteration (through shared memory) and the
+layout its K lanes are summed in (same layout, same order, same bits). Launches are
 captured as ``sass_fingerprint`` does (stand-in sm_90 driver), compiled with Triton's ptxas
 and read back with nvdisasm; ``--dump DIR`` writes each one's TTGIR, PTX and SASS there.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import subprocess
@@ -120,6 +123,46 @@ def weight_loads(counts: collections.Counter) -> tuple[int, int]:
     return n, nbytes
 
 
+def _layouts(ttgir: str) -> dict[str, str]:
+    """``#name`` -> its definition, from a TTGIR module's header."""
+    return dict(re.findall(r"^(#\w+) = (.*)$", ttgir, flags=re.M))
+
+
+def loop_conversions(ttgir: str) -> int:
+    """Elements moved between layouts per iteration of the loop holding the weight's
+    ``evict_first`` loads (``ttg.convert_layout`` in its body; shared memory on sm_90)."""
+    lines = ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        end = next(j for j in range(i + 1, len(lines))
+                   if lines[j].strip().startswith("}") and len(lines[j]) - len(lines[j].lstrip()) == indent)  # fmt: skip
+        body = lines[i + 1 : end]
+        if not any("evict_first" in b for b in body):
+            continue
+        moved = 0
+        for b in body:
+            if "ttg.convert_layout" in b and (m := re.search(r": tensor<([\dx]+)x\w+,", b)):
+                moved += math.prod(int(d) for d in m.group(1).split("x"))
+        return moved
+    raise ValueError("no loop with evict_first weight loads in the TTGIR")
+
+
+def reduce_layout(ttgir: str) -> str:
+    """The layout of the first 2-D fp32 ``tt.reduce`` operand after the weight loop (the K
+    lanes' sum): equal layouts reduce in the same order, so give the same bits."""
+    loop = ttgir.index("evict_first")
+    m = re.search(r"\}\) : \(tensor<\d+x\d+xf32, (#\w+)>\)", ttgir[loop:])
+    if not m:
+        raise ValueError("no 2-D fp32 reduction after the weight loop in the TTGIR")
+    text = _layouts(ttgir)[m.group(1)]
+    keys = ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")
+    return "/".join(
+        re.search(rf"{k} = \[([\d, ]+)\]", text).group(1).replace(" ", "") for k in keys
+    )
+
+
 def _call_args(dl, kind: str, weight: str) -> tuple:
     """(x, weight, kwargs) of one kind's batch-1 ``decode_linear`` call (values do not matter)."""
     import torch
@@ -146,7 +189,37 @@ def _call_args(dl, kind: str, weight: str) -> tuple:
 
 
 HEAD = ["kind", "knobs", "BLOCK_N", "BLOCK_K", "warps", "regs", "progs/SM", "LDG/iter",
-        "B/thread/iter", "KB/SM asked", "all", *GROUPS, "other"]  # fmt: skip
+        "B/thread/iter", "KB/SM asked", "moved/iter", "reduce layout", "all", *GROUPS,
+        "other"]  # fmt: skip
+
+
+def twins_differ(rows: list[dict]) -> list[str]:
+    """Lines naming each ``PREFETCH=1`` row whose reduce layout or moved elements differ from
+    its ``PREFETCH=0`` twin's (same kind and other knobs); empty: every pair agrees."""
+    base = {(r["kind"], r["key"]): r for r in rows if not r["tune"].get("PREFETCH")}
+    out = []
+    for r in rows:
+        twin = base.get((r["kind"], r["key"])) if r["tune"].get("PREFETCH") else None
+        if twin and (twin["reduce"], twin["moved"]) != (r["reduce"], r["moved"]):
+            out.append(f"{r['kind']} {r['tune']}: reduce {r['reduce']} moved {r['moved']} vs "
+                       f"PREFETCH=0's {twin['reduce']} moved {twin['moved']}")  # fmt: skip
+    return out
+
+
+def _knob_sets(args, p, kind: str) -> list[dict[str, int]]:
+    """``--tune``'s knob sets, or with ``--grid`` the tuner's batch-1 CUDA-core candidates."""
+    if args.grid:
+        from kernel_benchmark.tune_fp8_decode import candidates
+
+        return [c for c in candidates(KINDS[kind][2], 1) if not c["USE_DOT"]]
+    try:
+        return [{k: int(v) for k, v in (kv.split("=") for kv in t.split(",") if kv)}
+                for t in args.tune.split(";")]  # fmt: skip
+    except ValueError:
+        p.error(f"--tune takes K=V,K=V;K=V..., got {args.tune!r}")
+
+
+SHOWN = ("BLOCK_N", "BLOCK_K", "num_warps", "USE_DOT", "DOT_F16", "num_stages")  # not in labels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,16 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune", default="PREFETCH=0;PREFETCH=1",
                    help="knob sets (;-separated K=V,K=V)")  # fmt: skip
     p.add_argument("--kinds", default=",".join(KINDS), help=f"subset of {','.join(KINDS)}")
+    p.add_argument("--grid", action="store_true",
+                   help="the tuner's batch-1 CUDA-core candidates instead of --tune")  # fmt: skip
     p.add_argument("--dump", type=Path, default=None, help="write TTGIR / PTX / SASS here")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if set(kinds) - set(KINDS):
         p.error(f"--kinds must be a subset of {','.join(KINDS)}")
-    try:
-        tunes = [{k: int(v) for k, v in (kv.split("=") for kv in t.split(",") if kv)}
-                 for t in args.tune.split(";")]  # fmt: skip
-    except ValueError:
-        p.error(f"--tune takes K=V,K=V;K=V..., got {args.tune!r}")
+    rows = []
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
 
@@ -181,14 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         x, w, kw = _call_args(dl, kind, args.weight)
         n, k, variant = KINDS[kind]
-        for tune in tunes:
+        for tune in _knob_sets(args, p, kind):
             dl._TUNE = tune
             cfg = dl._config(torch.bfloat16, 1, n // 2 if variant == "swiglu" else n, k, variant,
                              torch.device("cpu"), w.dtype)  # fmt: skip
             capture.launches.clear()
             dl.decode_linear(x, w, **kw)
             texts, regs, smem = _compile(capture.launches[-1][1], capture.target)
-            label = ",".join(f"{a}={b}" for a, b in tune.items()) or "tables"
+            label = ",".join(f"{a}={b}" for a, b in tune.items() if a not in SHOWN) or "tables"
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 for ext, text in texts.items():
@@ -200,11 +271,18 @@ def main(argv: list[str] | None = None) -> int:
             n_ldg, ldg_bytes = weight_loads(counts)
             progs = programs_per_sm(regs, threads, smem)
             asked_kb = progs * threads * ldg_bytes / 1024
+            moved, reduce = loop_conversions(texts["ttgir"]), reduce_layout(texts["ttgir"])
+            key = tuple(sorted((a, b) for a, b in tune.items() if a != "PREFETCH"))
+            rows.append(dict(kind=kind, tune=tune, key=key, moved=moved, reduce=reduce))
             cells = [kind, label, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], regs, progs,
-                     n_ldg, ldg_bytes, f"{asked_kb:.0f}"]  # fmt: skip
+                     n_ldg, ldg_bytes, f"{asked_kb:.0f}", moved, reduce]  # fmt: skip
             cells += [f"{g[key] / per:.2f}" for key in ("all", *GROUPS, "other")]
             print(" | ".join(map(str, cells)), flush=True)
-    return 0
+    differ = twins_differ(rows)
+    pairs = sum(1 for r in rows if r["tune"].get("PREFETCH"))
+    print("\n".join(differ) or f"PREFETCH=1 vs its PREFETCH=0 twin: {pairs} launches, the same "
+          "reduce layout and moved elements in every one")  # fmt: skip
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
