@@ -6,8 +6,8 @@ K loop is issue-bound (instructions per byte) or latency-bound (bytes in flight)
 its machine code. Per kind and launch-knob set (``--tune``, any ``_TUNE`` knobs: ``PREFETCH``,
 ``BLOCK_K``...) this prints, for the loop that loads the weight (the backward branch holding
 the ``evict_first`` loads), its SASS by opcode divided by the weight elements one thread
-handles per iteration (``TILE_N * BLOCK_K / threads``), the registers per thread, the
-programs an SM holds by registers and shared memory, the weight loads per iteration and
+handles per iteration (``TILE_N * BLOCK_K / threads``), the registers and spill stack per
+thread, the programs an SM holds by registers and shared memory, the weight loads per iteration and
 the weight bytes one SM has asked for at most (programs x tile bytes), from the TTGIR the
 elements the loop moves between layouts per iteration (through shared memory) and the
 layout its K lanes are summed in (same layout, same order, same bits). Launches are
@@ -51,8 +51,9 @@ def _bin(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def _compile(entry: dict, target) -> tuple[dict[str, str], int, int]:
-    """({"ttgir", "ptx", "sass"} texts, registers per thread, shared bytes) of one launch."""
+def _compile(entry: dict, target) -> tuple[dict[str, str], int, int, int]:
+    """({"ttgir", "ptx", "sass"} texts, registers a thread, stack (spill) bytes a thread,
+    shared bytes) of one launch."""
     import triton
     from triton.compiler import ASTSource
 
@@ -68,8 +69,8 @@ def _compile(entry: dict, target) -> tuple[dict[str, str], int, int]:
         usage = subprocess.check_output([_bin("cuobjdump"), "--dump-resource-usage", f.name],
                                         text=True)  # fmt: skip
     texts = {"ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"], "sass": sass}
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    return texts, regs, int(kernel.metadata.shared)
+    regs, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
+    return texts, regs, stack, int(kernel.metadata.shared)
 
 
 # sm_90 limits per SM: registers, threads, resident blocks, shared memory a kernel may take
@@ -188,7 +189,7 @@ def _call_args(dl, kind: str, weight: str) -> tuple:
     return x, w, kw
 
 
-HEAD = ["kind", "knobs", "BLOCK_N", "BLOCK_K", "warps", "regs", "progs/SM", "LDG/iter",
+HEAD = ["kind", "knobs", "BLOCK_N", "BLOCK_K", "warps", "regs", "stack", "progs/SM", "LDG/iter",
         "B/thread/iter", "KB/SM asked", "moved/iter", "reduce layout", "all", *GROUPS,
         "other"]  # fmt: skip
 
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                              torch.device("cpu"), w.dtype)  # fmt: skip
             capture.launches.clear()
             dl.decode_linear(x, w, **kw)
-            texts, regs, smem = _compile(capture.launches[-1][1], capture.target)
+            texts, regs, stack, smem = _compile(capture.launches[-1][1], capture.target)
             label = ",".join(f"{a}={b}" for a, b in tune.items() if a not in SHOWN) or "tables"
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             moved, reduce = loop_conversions(texts["ttgir"]), reduce_layout(texts["ttgir"])
             key = tuple(sorted((a, b) for a, b in tune.items() if a != "PREFETCH"))
             rows.append(dict(kind=kind, tune=tune, key=key, moved=moved, reduce=reduce))
-            cells = [kind, label, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], regs, progs,
+            cells = [kind, label, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], regs, stack,
+                     progs,
                      n_ldg, ldg_bytes, f"{asked_kb:.0f}", moved, reduce]  # fmt: skip
             cells += [f"{g[key] / per:.2f}" for key in ("all", *GROUPS, "other")]
             print(" | ".join(map(str, cells)), flush=True)
