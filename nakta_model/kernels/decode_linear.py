@@ -146,8 +146,7 @@ def _config(
     an FP8 ``weight_dtype`` looks up the FP8 rows instead (``_decode_linear_configs.py``).
     ``DOT_F16`` (fp16 MMA operands, ``_dot_loop``) holds only for FP8 weights, bf16 x and
     ``USE_DOT``, where a table row or ``_TUNE`` asks and ``NAKTA_FP8_DOT_F16`` is not 0;
-    ``PREFETCH`` (next K tile loaded ahead, ``_fma_prefetch_loop``) only for FP8 weights on the
-    CUDA-core path at batch 1 (``_launch`` drops it where the int32 view is impossible)."""
+    ``PREFETCH`` (``_fma_prefetch_loop``) only for FP8 weights, CUDA cores, batch 1."""
     bucket = triton.next_power_of_2(batch)
     x_dtype = dtype
     if weight_dtype == FP8_DTYPE:
@@ -218,10 +217,11 @@ def _check_config(cfg: dict[str, int], variant: str) -> None:
 
 
 def weight_words(weight: torch.Tensor) -> torch.Tensor | None:
-    """The e4m3 weight as int32 words of four codes (``PREFETCH``), or None where no such view
-    exists (K, the row stride or the start not a multiple of 4): the launch then runs
-    ``PREFETCH=0``, whose sums are the same bit for bit."""
-    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.storage_offset() % 4:
+    """The e4m3 weight as int32 words of four codes (``PREFETCH``, sm_89+'s e4m3x2 cvt), or
+    None where there is none (K, row stride or start not a multiple of 4; an older GPU): the
+    launch then runs ``PREFETCH=0``, the same sums bit for bit."""
+    old = weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9)
+    if old or weight.shape[1] % 4 or weight.stride(0) % 4 or weight.storage_offset() % 4:
         return None
     return weight.view(torch.int32)
 
