@@ -35,7 +35,7 @@ import torch
 from kernel_benchmark import tuning
 from nakta_model.kernels import _decode_linear_configs as cfgs
 
-KNOBS = cfgs.FP8_KNOBS  # USE_DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, DOT_F16
+KNOBS = cfgs.FP8_KNOBS  # USE_DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, DOT_F16, PREFETCH
 KINDS = ("wqkv", "wo", "w13", "w2")  # the LM head stays bf16 (not FP8): not tuned here
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ORDER = (1, 32, 64, 16, 8, 4, 2)  # the targets' batches first when the budget runs short
@@ -77,18 +77,19 @@ def candidates(variant: str, batch: int) -> list[dict[str, int]]:
     per program, twice ``BLOCK_N`` with SwiGLU; ROPE needs ``BLOCK_N >= 2``).
 
     Batch 1, CUDA cores: ``TILE_N x BLOCK_K`` fp32 accumulators up to ``FMA_ACC_MAX`` (more
-    spills), every thread owning at least one 16-byte load (16 e4m3 codes); plus a few
-    ``tl.dot`` tiles with fp16 operands (the MMA does the FMAs; e4m3 -> fp16 is one cvt per
-    pair). Batches >= 2, ``tl.dot``: tiles of 16..128 weight rows, ``BLOCK_K`` 64..256 so the
+    spills), every thread owning at least one 16-byte load (16 e4m3 codes), each with and
+    without ``PREFETCH`` (the next K tile loaded ahead as int32 words, ``_fma_prefetch_loop``);
+    plus a few ``tl.dot`` tiles with fp16 operands (the MMA does the FMAs; e4m3 -> fp16 is
+    one cvt per pair). Batches >= 2, ``tl.dot``: tiles of 16..128 weight rows, ``BLOCK_K`` 64..256 so the
     pipelined weight + bf16 x tiles (``BLOCK_K x (TILE_N + 2 BLOCK_M)`` bytes a stage) leave
     room for two programs per SM, both operand conversions (``DOT_F16``), warps by tile."""
     r = 2 if variant == "swiglu" else 1
     out: list[dict[str, int]] = []
 
-    def add(use_dot, tile_rows, bk, warps, stages, f16):
+    def add(use_dot, tile_rows, bk, warps, stages, f16, prefetch=0):
         bn = max(2, tile_rows // r)
         out.append(dict(USE_DOT=use_dot, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                        num_stages=stages, DOT_F16=f16))  # fmt: skip
+                        num_stages=stages, DOT_F16=f16, PREFETCH=prefetch))  # fmt: skip
 
     if batch == 1:
         for tile_rows in (8, 16, 32, 64):
@@ -98,7 +99,8 @@ def candidates(variant: str, batch: int) -> list[dict[str, int]]:
                     continue
                 for warps in (2, 4, 8):
                     if warps * 32 * 16 <= elems:
-                        add(0, tile_rows, bk, warps, 3, 0)
+                        for prefetch in (0, 1):
+                            add(0, tile_rows, bk, warps, 3, 0, prefetch)
         for tile_rows, bk in ((16, 256), (32, 256), (64, 128)):
             add(1, tile_rows, bk, 4, 3, 1)
         return out

@@ -176,7 +176,12 @@ def test_fp8_tuned_file_loads_and_rejects_bad_rows(tmp_path):
     key = cfgs.fp8_tuned_key(32, "swiglu", 11008, 4096)
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps({"devices": {"h100": {"entries": {key: row}}}}))
-    assert cfgs.load_fp8_tuned(path) == {"h100": {(FP8_DTYPE_NAME, 32, "swiglu", 11008, 4096): row}}
+    loaded = {"h100": {(FP8_DTYPE_NAME, 32, "swiglu", 11008, 4096): {**row, "PREFETCH": 0}}}
+    assert cfgs.load_fp8_tuned(path) == loaded  # a row without PREFETCH (older files): 0
+    path.write_text(json.dumps({"devices": {"h100": {"entries": {key: {**row, "PREFETCH": 1}}}}}))
+    assert cfgs.load_fp8_tuned(path)["h100"][(FP8_DTYPE_NAME, 32, "swiglu", 11008, 4096)] == {
+        **row, "PREFETCH": 1
+    }  # fmt: skip
     for bad in ({**row, "BLOCK_M": 16}, {k: v for k, v in row.items() if k != "DOT_F16"}):
         path.write_text(json.dumps({"devices": {"h100": {"entries": {key: bad}}}}))
         with pytest.raises(ValueError, match="tuned.json"):

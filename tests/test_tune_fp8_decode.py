@@ -37,11 +37,13 @@ def test_grid_configs_resolve_unchanged(kind, batch, monkeypatch):
 
 @pytest.mark.parametrize("batch", [1, 16])
 def test_grid_configs_run_correctly(batch, device, monkeypatch):
-    """A sample of the grid (first, middle, last, a DOT_F16 one) runs and matches the
-    reference at a small K (the interpreter clips BLOCK_K to K)."""
+    """A sample of the grid (first, middle, last, a DOT_F16 one, a PREFETCH one) runs and
+    matches the reference at a small K (the interpreter clips BLOCK_K to K)."""
     cands = tf.candidates("residual", batch)
     f16 = [c for c in cands if c["DOT_F16"]]
-    for cand in [cands[0], cands[len(cands) // 2], cands[-1], *f16[:1]]:
+    prefetch = [c for c in cands if c["PREFETCH"]]
+    assert bool(prefetch) == (batch == 1)  # the batch-1 CUDA-core loop only
+    for cand in [cands[0], cands[len(cands) // 2], cands[-1], *f16[:1], *prefetch[:1]]:
         monkeypatch.setattr(dl, "_TUNE", cand)
         x, wq, kw, ref_kw, _ = fp8_case("residual", 3 if batch > 1 else 1, torch.bfloat16,
                                         device, k=96)  # fmt: skip

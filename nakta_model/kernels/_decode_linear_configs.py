@@ -135,9 +135,11 @@ for _table in _DEVICE_CONFIGS.values():
 # ``kernel_benchmark/tune_fp8_decode.py`` writes its winners, per device family, to this file
 # beside the module; when present its rows go over the derived FP8 rows above (committing the
 # file is the whole step). Format: {"devices": {family: {"entries": {"dtype/bucket/variant/N/K":
-# {knob: int}}, ...}}}; anything else raises here, naming the file.
+# {knob: int}}, ...}}}; a row written before a knob existed takes its FP8_KNOB_DEFAULTS value
+# (a row without PREFETCH: 0); anything else raises here, naming the file.
 FP8_TUNED_JSON = Path(__file__).with_name("_decode_linear_fp8_tuned.json")
-FP8_KNOBS = ("USE_DOT", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "DOT_F16")
+FP8_KNOBS = ("USE_DOT", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "DOT_F16", "PREFETCH")
+FP8_KNOB_DEFAULTS = {"PREFETCH": 0}  # knobs added after rows were written: a row without one
 
 
 def fp8_tuned_key(bucket: int, variant: str, n_cols: int, k: int) -> str:
@@ -156,6 +158,7 @@ def load_fp8_tuned(path: Path) -> dict[str, dict[tuple, dict[str, int]]]:
             table = tables.setdefault(str(family), {})
             for key, cfg in block["entries"].items():
                 dtype, bucket, variant, n, k = key.split("/")
+                cfg = {**FP8_KNOB_DEFAULTS, **cfg}
                 if dtype != _FP8 or set(cfg) != set(FP8_KNOBS):
                     raise ValueError(f"entry {key!r}: expected {_FP8} rows with {FP8_KNOBS}")
                 entry = {name: int(cfg[name]) for name in FP8_KNOBS}

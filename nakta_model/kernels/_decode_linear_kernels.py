@@ -105,15 +105,160 @@ def _dot_loop(
 
 
 @triton.jit
+def _x_raw(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, NORM: tl.constexpr,
+           EVEN_K: tl.constexpr):  # fmt: skip
+    """``_x_tile``'s loads alone (x and, with ``NORM``, the norm weight, same masks), for
+    ``_x_norm`` to finish an iteration later."""
+    if EVEN_K:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & k_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+    if NORM:
+        nw = tl.load(NW + k * stride_nw, mask=k_ok, other=0.0)
+    else:
+        nw = x
+    return x, nw
+
+
+@triton.jit
+def _x_norm(x, nw, rstd, dtype: tl.constexpr, NORM: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``_x_tile``'s arithmetic on loaded tiles: the same roundings in the same order."""
+    if NORM:
+        n = round_to(x.to(tl.float32) * rstd[:, None], dtype, EMULATE_RNE).to(tl.float32)
+        x = round_to(n * nw.to(tl.float32)[None, :], dtype, EMULATE_RNE)
+    return x
+
+
+# One int32 word of four e4m3 codes (code j in byte j) -> four fp32, as Triton converts an
+# e4m3 pair: one cvt.rn.f16x2.e4m3x2 per 16-bit half (sm_89+: F2FP.F16.E4M3.UNPACK_B), one
+# cvt.f32.f16 per code (HADD2.F32); no byte extraction or re-pairing around them.
+E4M3X4_ASM = tl.constexpr("""{
+.reg .b16 lo, hi, f0, f1, f2, f3;
+.reg .b32 h01, h23;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 h01, lo;
+cvt.rn.f16x2.e4m3x2 h23, hi;
+mov.b32 {f0, f1}, h01;
+mov.b32 {f2, f3}, h23;
+cvt.f32.f16 $0, f0;
+cvt.f32.f16 $1, f1;
+cvt.f32.f16 $2, f2;
+cvt.f32.f16 $3, f3;
+}""")
+
+
+@triton.jit
+def _e4m3_code(words, SHIFT: tl.constexpr):
+    """Byte ``SHIFT / 8`` of each int32 word read as an e4m3 code, as fp32 (exact)."""
+    code = ((words >> SHIFT) & 0xFF).to(tl.uint8)
+    return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3x4(words, EMULATE: tl.constexpr):
+    """Each int32 word's four e4m3 codes as fp32 (exact): ``E4M3X4_ASM`` compiled;
+    ``EMULATE`` (the interpreter, which runs no PTX) by Triton bit ops and casts."""
+    if EMULATE:
+        return (_e4m3_code(words, 0), _e4m3_code(words, 8), _e4m3_code(words, 16),
+                _e4m3_code(words, 24))  # fmt: skip
+    return tl.inline_asm_elementwise(
+        E4M3X4_ASM, "=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 4, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _split4(x, KW: tl.constexpr):
+    """``[1, 4 KW]`` -> four ``[1, KW]``: columns ``4 i + j`` for ``j`` = 0..3 (the order of an
+    int32 word's codes)."""
+    even, odd = tl.split(tl.reshape(x, (1, KW, 2, 2)))  # [.., i, q, p]: column 4 i + 2 q + p
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _join4(a0, a1, a2, a3, TILE_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_split4`` undone: four ``[TILE_N, KW]`` -> ``[TILE_N, 4 KW]``, ``a_j[:, i]`` at column
+    ``4 i + j`` (``[.., i, q, p]`` holds ``a(2 q + p)``)."""
+    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (TILE_N, BLOCK_K))
+
+
+@triton.jit
+def _w_words(W, w_rows, w_ok, kw, kw_ok, stride_wn, EVEN_K: tl.constexpr):
+    """``[TILE_N, BLOCK_K / 4]`` int32 words of the weight (``W`` its int32 view, ``stride_wn``
+    in words): ``_w_tile`` four codes a word."""
+    ptrs = W + w_rows.to(tl.int64)[:, None] * stride_wn + kw[None, :]
+    if EVEN_K:
+        mask = w_ok[:, None]
+    else:
+        mask = w_ok[:, None] & kw_ok[None, :]
+    return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _fma_prefetch_loop(
+    X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
+    NORM: tl.constexpr, EVEN_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """``_fma_loop`` at batch 1 for an e4m3 weight read as int32 words (``PREFETCH``), the next
+    K tile's loads (weight words, x, norm weight) issued before the current tile's FMAs: a
+    hand-written two-stage pipeline (Triton pipelines ``tl.dot`` loops only), so each warp
+    has its next tile in flight while it computes. Words carry four codes a register across
+    the iteration (an e4m3 tile carried so takes one a register). The last tile is peeled off
+    the loop, so the loads keep ``_fma_loop``'s masks. Same products, same order per K lane,
+    same final reduction: ``_fma_loop``'s sums bit for bit. fp32 ``[TILE_N, 1]``."""
+    KW: tl.constexpr = BLOCK_K // 4
+    dtype = X.dtype.element_ty
+    ks = tl.arange(0, BLOCK_K)
+    kws = tl.arange(0, KW)
+    k_words = K // 4
+    # x before the weight, here and in the loop: Triton's layout propagation takes the layout
+    # of the last load in program order where two meet, and the products must keep the
+    # weight's (else every weight tile is moved through shared memory instead of x's)
+    x_next, nw_next = _x_raw(X, NW, rows, row_ok, ks, ks < K, stride_xm, stride_nw, NORM, EVEN_K)
+    w_next = _w_words(W, w_rows, w_ok, kws, kws < k_words, stride_wn, EVEN_K)
+    acc0 = tl.zeros([TILE_N, KW], dtype=tl.float32)
+    acc1 = tl.zeros([TILE_N, KW], dtype=tl.float32)
+    acc2 = tl.zeros([TILE_N, KW], dtype=tl.float32)
+    acc3 = tl.zeros([TILE_N, KW], dtype=tl.float32)
+    for k1 in range(BLOCK_K, K, BLOCK_K):  # k1: the tile loaded ahead
+        w, x_cur, nw_cur = w_next, x_next, nw_next
+        k = k1 + ks
+        x_next, nw_next = _x_raw(X, NW, rows, row_ok, k, k < K, stride_xm, stride_nw, NORM,
+                                 EVEN_K)  # fmt: skip
+        kw = k1 // 4 + kws
+        w_next = _w_words(W, w_rows, w_ok, kw, kw < k_words, stride_wn, EVEN_K)
+        x0, x1, x2, x3 = _split4(_x_norm(x_cur, nw_cur, rstd, dtype, NORM, EMULATE_RNE), KW)
+        c0, c1, c2, c3 = _e4m3x4(w, EMULATE_RNE)
+        acc0 += c0 * x0.to(tl.float32)
+        acc1 += c1 * x1.to(tl.float32)
+        acc2 += c2 * x2.to(tl.float32)
+        acc3 += c3 * x3.to(tl.float32)
+    x0, x1, x2, x3 = _split4(_x_norm(x_next, nw_next, rstd, dtype, NORM, EMULATE_RNE), KW)
+    c0, c1, c2, c3 = _e4m3x4(w_next, EMULATE_RNE)
+    acc0 += c0 * x0.to(tl.float32)
+    acc1 += c1 * x1.to(tl.float32)
+    acc2 += c2 * x2.to(tl.float32)
+    acc3 += c3 * x3.to(tl.float32)
+    return tl.sum(_join4(acc0, acc1, acc2, acc3, TILE_N, BLOCK_K), axis=1)[:, None]
+
+
+@triton.jit
 def _fma_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """``W_tile @ x^T`` on the CUDA cores: fp32 products accumulated per K lane, reduced over
-    K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``."""
+    K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``.
+    ``PREFETCH`` (batch 1, ``W`` the e4m3 weight's int32 view): ``_fma_prefetch_loop``."""
     ks = tl.arange(0, BLOCK_K)
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and PREFETCH:
+        acc = _fma_prefetch_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn,
+                                 stride_nw, rstd, NORM, EVEN_K, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
+    elif BLOCK_M == 1:
         acc2 = tl.zeros([TILE_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
@@ -213,6 +358,7 @@ def _decode_linear_kernel(
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, PDL: tl.constexpr, DOT_F16: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
@@ -222,6 +368,8 @@ def _decode_linear_kernel(
     ``RESIDUAL`` / ``SWIGLU``
     (the tile holds ``TILE_N = 2 * BLOCK_N`` rows: gate rows, then the matching up rows) /
     ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask;
+    ``PREFETCH`` (FP8, batch 1, CUDA cores: ``W`` is the weight's int32 view, ``stride_wn`` in
+    words) loads each K tile an iteration ahead (``_fma_prefetch_loop``);
     ``PDL`` (launched as a programmatic dependent): let the next kernel's blocks launch now,
     and wait for the previous kernel's results before the first load or store.
     The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
@@ -250,7 +398,7 @@ def _decode_linear_kernel(
                         W_FP8, DOT_F16)  # fmt: skip
     else:
         acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
-                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE, PREFETCH)  # fmt: skip
     if W_FP8:  # dequantize the sums: each weight row's scale, before any rounding
         ws = tl.load(WS + w_rows.to(tl.int64) * stride_ws, mask=w_ok, other=0.0)
         acc = acc * ws[:, None]

@@ -145,7 +145,8 @@ def _config(
     then ``_TUNE``; block sizes not set there are derived from the shape. ``dtype`` is x's;
     an FP8 ``weight_dtype`` looks up the FP8 rows instead (``_decode_linear_configs.py``).
     ``DOT_F16`` (fp16 MMA operands, ``_dot_loop``) holds only for FP8 weights, bf16 x and
-    ``USE_DOT``, where a table row or ``_TUNE`` asks and ``NAKTA_FP8_DOT_F16`` is not 0."""
+    ``USE_DOT``, where a table row or ``_TUNE`` asks and ``NAKTA_FP8_DOT_F16`` is not 0;
+    ``PREFETCH`` (``_fma_prefetch_loop``) only for FP8 weights, CUDA cores, batch 1."""
     bucket = triton.next_power_of_2(batch)
     x_dtype = dtype
     if weight_dtype == FP8_DTYPE:
@@ -169,6 +170,8 @@ def _config(
     out |= dict(USE_DOT=int(use_dot), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     f16 = use_dot and x_dtype == torch.bfloat16 and dtype == FP8_DTYPE and FP8_DOT_F16
     out["DOT_F16"] = int(bool(cfg.get("DOT_F16", 0)) and f16)
+    fma_fp8 = not use_dot and block_m == 1 and dtype == FP8_DTYPE
+    out["PREFETCH"] = int(bool(cfg.get("PREFETCH", 0)) and fma_fp8)
     if use_dot:
         out["num_stages"] = _stages_that_fit(out, x_dtype.itemsize, dtype.itemsize)
     _check_config(out, variant)
@@ -213,6 +216,16 @@ def _check_config(cfg: dict[str, int], variant: str) -> None:
         raise ValueError(f"launch config with USE_DOT needs tiles of at least 16, got {cfg}")
 
 
+def weight_words(weight: torch.Tensor) -> torch.Tensor | None:
+    """The e4m3 weight as int32 words of four codes (``PREFETCH``, sm_89+'s e4m3x2 cvt), or
+    None where there is none (K, row stride or start not a multiple of 4; an older GPU): the
+    launch then runs ``PREFETCH=0``, the same sums bit for bit."""
+    old = weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9)
+    if old or weight.shape[1] % 4 or weight.stride(0) % 4 or weight.storage_offset() % 4:
+        return None
+    return weight.view(torch.int32)
+
+
 def _variant(residual, swiglu: bool, rope) -> str:
     if rope is not None:
         return "rope"
@@ -238,6 +251,8 @@ def _launch(
     variant = _variant(residual, swiglu, rope)
     n_cols = n_w_rows // 2 if swiglu else n_w_rows
     cfg = _config(x.dtype, batch, n_cols, k, variant, x.device, weight.dtype)
+    words = weight_words(weight) if cfg["PREFETCH"] else None
+    w_arg, stride_wn = (weight, weight.stride(0)) if words is None else (words, words.stride(0))
     interp = interpreter_enabled()
     upcast = interp and x.dtype == torch.bfloat16
     prec = "ieee" if (x.dtype == torch.float32 or upcast) else None
@@ -262,11 +277,11 @@ def _launch(
     pdl = batch <= PDL_MAX_BATCH and dependent_launch(x.device)
     launch = {"launch_pdl": True} if pdl else {}
     _decode_linear_kernel[grid](
-        x, weight, weight_scale if weight_scale is not None else dummy,
+        x, w_arg, weight_scale if weight_scale is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
         residual if residual is not None else dummy, out, pos, cos, sin, kc, vc, slots,
         batch, k, n_w_rows, n_cols,
-        x.stride(0), weight.stride(0), weight_scale.stride(0) if weight_scale is not None else 0,
+        x.stride(0), stride_wn, weight_scale.stride(0) if weight_scale is not None else 0,
         norm_weight.stride(0) if norm_weight is not None else 0,
         residual.stride(0) if residual is not None else 0, out.stride(0),
         float(eps) if eps is not None else 0.0, 1.0 / k,
@@ -277,7 +292,7 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
-        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
 
