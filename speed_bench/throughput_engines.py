@@ -61,10 +61,12 @@ class NaktaThroughput(ThroughputEngine):
 
     name = "nakta"
 
-    def __init__(self, weights: WeightSource, device, dtype, max_seq: int):
+    def __init__(
+        self, weights: WeightSource, device, dtype, max_seq: int, quant: str | None = None
+    ):
         from nakta_model.loading import load
 
-        self.model = load(weights.source(device, dtype), device, dtype)
+        self.model = load(weights.source(device, dtype), device, dtype, quant=quant)
         self.max_seq, self.device = max_seq, device
         self.gen, self.max_batch = None, None
 
