@@ -27,7 +27,6 @@ SwiGLU and RoPE kernels around them (``step_gemm.py``), at the same rounding poi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,26 +50,6 @@ __all__ = [
 MAX_ROWS = _gemm.MAX_ROWS  # rows a step may hold; above the crossover its linears are GEMMs
 
 GRAPH_MODES = ("cuda_graph", "compile", "eager")
-
-# Batch 1 on Hopper: the last attention kernel lets the ``wo`` GEMV's blocks launch at once, and
-# they ask L2 for their weight rows before waiting for attention's output: attention at batch 1
-# reads ~1 MB a layer and leaves HBM idle, so ``wo`` then reads its weights from L2. Only where
-# the weight fits L2 with room (``WO_L2_FRACTION`` of it). ``NAKTA_WO_L2_PREFETCH=0`` turns it off
-# (measured both ways: speed_bench/results/<device>/wo_prefetch_ab).
-WO_L2_PREFETCH = os.environ.get("NAKTA_WO_L2_PREFETCH", "1") not in ("", "0")
-WO_L2_FRACTION = 0.75
-
-
-def _wo_prefetch(model, batch: int, gemm: bool, kernels: bool) -> bool:
-    """Whether this step's ``wo`` prefetches its weights into L2 during attention."""
-    if not (WO_L2_PREFETCH and kernels and not gemm and batch <= _dl.PDL_MAX_BATCH):
-        return False
-    dev = model.device
-    if dev.type != "cuda" or not _dl.dependent_launch(dev):
-        return False
-    w = model.layers[0].attention.wo.weight
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    return w.numel() * w.element_size() <= WO_L2_FRACTION * l2
 
 
 @dataclass
@@ -182,7 +161,6 @@ class DecodeStep:
         self.cos, self.sin = model._rope_tables(self.cache_len)
         self.kernels = model.ops.triton(model.output.weight)
         self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
-        self.wo_prefetch = _wo_prefetch(model, batch, self.gemm, self.kernels)
         self.slot_splits = (
             _da.cascade_splits(
                 batch, self.n_q, self.n_kv, prefix_slots, self.cache_len, model.device
@@ -221,8 +199,6 @@ class DecodeStep:
             kw.update(prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
             kw["prefix_slots"] = (buf.slot_table, buf.slot_lens)
         if self.kernels:
-            if self.wo_prefetch:
-                kw["launch_dependents"] = True
             return _da.decode_attention(
                 q, k_cache, v_cache, lens, n_splits=self.splits, workspace=self.workspace, **kw
             )
@@ -257,7 +233,7 @@ class DecodeStep:
                 )  # fmt: skip
                 q = qkv[:, : hq * hd]
             o = self._attention(q.view(b, hq, hd), kc, vc, lens).view(b, hq * hd)
-            h = self._residual(o, a.wo, h, ctx, l2_prefetch=self.wo_prefetch)
+            h = self._residual(o, a.wo, h, ctx)
             g = self._linear(h, f.w13, norm_weight=norm2.weight, eps=norm2.eps, swiglu=True)
             h = self._residual(g, f.w2, h, ctx)
         logits = self._linear(h, m.output, norm_weight=m.norm.weight, eps=m.norm.eps)
@@ -267,13 +243,12 @@ class DecodeStep:
             logits = gather_last_dim(logits, ctx)
         return logits
 
-    def _residual(self, x, layer, residual, ctx, l2_prefetch: bool = False) -> torch.Tensor:
+    def _residual(self, x, layer, residual, ctx) -> torch.Tensor:
         """``residual + x @ weight^T``: fused when the product is whole on this rank; under
         tensor parallelism the partial products are all-reduced first."""
-        kw = {"l2_prefetch": True} if l2_prefetch else {}
         if ctx.tp_size == 1:
-            return self._linear(x, layer, residual=residual, **kw)
-        part = all_reduce(self._linear(x, layer, **kw), ctx)
+            return self._linear(x, layer, residual=residual)
+        part = all_reduce(self._linear(x, layer), ctx)
         return residual + part
 
     def __call__(self) -> None:

@@ -67,22 +67,6 @@ def _w_tile(W, w_rows, w_ok, k, k_ok, stride_wn, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(W, w_rows, w_ok, row_len, stride_wn, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for this program's weight rows (``prefetch.global.L2``, one per 128-byte line of
-    ``LINE`` elements of ``W``; ``LINES`` lines cover a row of ``row_len`` elements). Issued
-    before ``gdc_wait`` by a programmatic dependent whose predecessor leaves HBM idle (``wo``
-    after decode attention at batch 1): the weights are no kernel's output. Lines past the row
-    and rows past the weight point at the first line (a hint, never a fault)."""
-    line = tl.arange(0, LINES) * LINE
-    ok = w_ok[:, None] & (line < row_len)[None, :]
-    offs = tl.where(ok, w_rows.to(tl.int64)[:, None] * stride_wn + line[None, :], 0)
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [W + offs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _dot_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
@@ -374,7 +358,7 @@ def _decode_linear_kernel(
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, PDL: tl.constexpr, DOT_F16: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, PF_LINES: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
+    PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
@@ -387,14 +371,12 @@ def _decode_linear_kernel(
     ``PREFETCH`` (FP8, batch 1, CUDA cores: ``W`` is the weight's int32 view, ``stride_wn`` in
     words) loads each K tile an iteration ahead (``_fma_prefetch_loop``);
     ``PDL`` (launched as a programmatic dependent): let the next kernel's blocks launch now,
-    and wait for the previous kernel's results before the first load or store; with
-    ``PF_LINES`` > 0 the program first asks L2 for its weight rows (``_prefetch_rows``).
+    and wait for the previous kernel's results before the first load or store.
     The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
     """
     if PDL:
         gdc_launch_dependents()
-        if PF_LINES == 0:
-            gdc_wait()  # x, residual, positions and slots are the previous kernels' outputs
+        gdc_wait()  # x, residual, positions and slots are the previous kernels' outputs
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
@@ -406,9 +388,6 @@ def _decode_linear_kernel(
     else:
         w_rows = n0 + tl.arange(0, TILE_N)
         w_ok = w_rows < n_w_rows
-    if PDL and PF_LINES > 0:  # the weight rows asked of L2, then wait for the inputs
-        _prefetch_rows(W, w_rows, w_ok, K // (4 if PREFETCH else 1), stride_wn, PF_LINES, PF_LINE)
-        gdc_wait()
     if NORM:
         rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M, BLOCK_K, ACCURATE)
     else:

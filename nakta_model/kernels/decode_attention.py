@@ -67,7 +67,6 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     debug_checks,
-    dependent_launch,
     interpreter_enabled,
     tracing,
 )
@@ -331,7 +330,7 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
 
 def _launch(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None,
-    slots=None, n_psplits=0, block_table=None, launch_dependents=False,
+    slots=None, n_psplits=0, block_table=None,
 ) -> None:  # fmt: skip
     batch, n_q, head_dim = q.shape
     page, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -372,7 +371,6 @@ def _launch(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        LAUNCH_DEPENDENTS=launch_dependents and single,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
@@ -395,8 +393,7 @@ def _launch(
     _attn_combine_kernel[(batch, n_q)](
         ws, cache_lens, out, s_max, total, *ws_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp,
-        LAUNCH_DEPENDENTS=launch_dependents, num_warps=1,
+        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp, num_warps=1,
     )  # fmt: skip
 
 
@@ -420,7 +417,6 @@ def decode_attention(
     prefix_lens: torch.Tensor | None = None,
     prefix_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_table: torch.Tensor | None = None,
-    launch_dependents: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q [B, n_q, hd]`` (one query per row) over ``k_cache``/``v_cache``
     ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1`` (or cache rows ``rows[b]``), keys
@@ -438,10 +434,7 @@ def decode_attention(
     pages several block tables hold; with ``prefix_slots = (slot_table [P, W'], slot_lens)``
     the cascade reads slot p's keys through its page table for the rows whose
     ``prefix_rows[b]`` is that table's first page (their first ``prefix_lens[b]`` keys).
-    ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``.
-    ``launch_dependents`` (Hopper, where decode kernels launch as programmatic dependents): the
-    last attention launch lets the next kernel's blocks be scheduled at once (the decode step's
-    ``wo`` GEMV, whose blocks then ask L2 for their weights while attention runs). Returns
+    ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns
     ``out`` (allocated when None), shape and dtype of q."""
     scale, n_splits, n_psplits = _check_args(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True,
@@ -454,7 +447,6 @@ def decode_attention(
     _launch(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows, prefix,
         prefix_slots, n_psplits, block_table,
-        launch_dependents=launch_dependents and dependent_launch(q.device),
     )  # fmt: skip
     return out
 

@@ -244,7 +244,7 @@ PDL_MAX_BATCH = 1
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float | None,
     residual: torch.Tensor | None, swiglu: bool, rope: RopeArgs | None, out: torch.Tensor,
-    weight_scale: torch.Tensor | None = None, l2_prefetch: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     batch, k = x.shape
     n_w_rows = weight.shape[0]
@@ -276,9 +276,6 @@ def _launch(
     grid = (triton.cdiv(n_cols, cfg["BLOCK_N"]),)
     pdl = batch <= PDL_MAX_BATCH and dependent_launch(x.device)
     launch = {"launch_pdl": True} if pdl else {}
-    line = 128 // w_arg.element_size()  # elements of w_arg a 128-byte line holds
-    row_len = k * weight.element_size() // w_arg.element_size()  # a weight row in w_arg elements
-    pf_lines = triton.next_power_of_2(triton.cdiv(row_len, line)) if pdl and l2_prefetch else 0
     _decode_linear_kernel[grid](
         x, w_arg, weight_scale if weight_scale is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
@@ -295,8 +292,7 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
-        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, PF_LINES=pf_lines, PF_LINE=line,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
 
@@ -504,7 +500,6 @@ def decode_linear(
     rope: RopeArgs | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    l2_prefetch: bool = False,
 ) -> torch.Tensor:
     """``x [B, K] @ weight [N, K]^T`` for a decode batch (B <= 64), with an optional RMSNorm
     prologue and one optional epilogue (residual add, SwiGLU on fused w13, or RoPE + KV-cache
@@ -513,13 +508,7 @@ def decode_linear(
 
     ``weight`` is x's dtype, or FP8 e4m3 with ``weight_scale`` (fp32 ``[N]``, one per row):
     the e4m3 codes are read (half the bytes of bf16) and converted in registers, and each
-    output column's fp32 sum is multiplied by its row's scale before any rounding.
-
-    ``l2_prefetch`` (a hint; acts only where the launch is a programmatic dependent, batch 1 on
-    Hopper): the blocks ask L2 for their weight rows before waiting for the previous kernel.
-    Pays after a kernel that leaves HBM idle and lets this one launch early (decode attention
-    with ``launch_dependents``, before ``wo``) for a weight L2 holds; after a GEMV it only
-    competes for the same bandwidth (docs/experiments.md)."""
+    output column's fp32 sum is multiplied by its row's scale before any rounding."""
     out_dtype = _check_args(
         x,
         weight,
@@ -536,7 +525,7 @@ def decode_linear(
     if out is None:
         n_out = _out_cols(weight, swiglu, rope)
         out = torch.empty(x.shape[0], n_out, dtype=out_dtype, device=x.device)
-    _launch(x, weight, norm_weight, eps, residual, swiglu, rope, out, weight_scale, l2_prefetch)
+    _launch(x, weight, norm_weight, eps, residual, swiglu, rope, out, weight_scale)
     return out
 
 
@@ -563,14 +552,13 @@ def decode_linear_reference(
     rope: RopeArgs | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    l2_prefetch: bool = False,
 ) -> torch.Tensor:
     """The eager Meta chain, op by op (any device): ``rms_norm_reference``, ``F.linear`` in the
     dtype, then the residual add, ``swiglu_reference`` or ``apply_rope_qkv_reference`` (which
     writes the caches). ``out_dtype=torch.float32``: ``F.linear`` on fp32 copies. An FP8
     ``weight``: ``F.linear`` in fp32 on the dequantized weight ``weight.float() *
     weight_scale[:, None]``, rounded once to the output dtype (where the bf16 path's fp32
-    accumulator is rounded). ``l2_prefetch`` is a launch hint of the kernel's: ignored."""
+    accumulator is rounded)."""
     out_dtype = _check_args(
         x,
         weight,
