@@ -41,6 +41,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument(
+        "--shared-prefix", type=int, default=0,
+        help="every prompt starts with the same N tokens (a few-shot prompt: GSM8K-shaped runs)",
+    )  # fmt: skip
     p.add_argument("--quant", choices=["fp8"], default=None, help="the FP8 model (e4m3 weights)")
     p.add_argument("--top", type=int, default=25, help="kernels in kernels.md")
     p.add_argument("--out", type=Path, default=None)
@@ -48,6 +52,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("prompts", "input_len", "output_len", "max_batch", "top"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not 0 <= a.shared_prefix < a.input_len:
+        p.error(f"--shared-prefix must be in [0, --input-len), got {a.shared_prefix}")
     return a
 
 
@@ -85,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     device, dtype = torch.device("cuda"), torch.bfloat16
     weights = RandomWeights(PRESETS[a.preset], a.preset, seed=0)
     work = make_workload(a.prompts, a.input_len, a.output_len, weights.args.vocab_size, 0)
+    if a.shared_prefix:  # BOS + the first prompt's ids, then each prompt's own
+        head = work.prompts[0][: a.shared_prefix]
+        work.prompts[:] = [head + p[a.shared_prefix :] for p in work.prompts]
     max_seq = -(-(a.input_len + a.output_len + 1) // 64) * 64
     engine = NaktaThroughput(weights, device, dtype, max_seq, quant=a.quant)
     engine.warm_up(work.prompts, work.outputs, a.max_batch)
@@ -106,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "input_len": a.input_len,
         "output_len": a.output_len,
         "max_batch": a.max_batch,
+        "shared_prefix": a.shared_prefix,
         "quant": a.quant,
         "wall_s": wall,
         "output_tok_s": sum(work.outputs) / wall,
@@ -126,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     top["name"] = top["name"].map(lambda s: s if len(s) <= 90 else s[:87] + "...")
     md = (
         f"# Throughput run, kernel by kernel\n\n{summary['device_name']}, {a.preset} bf16 random "
-        f"weights, {a.prompts} prompts {a.input_len}/{a.output_len}, max_batch {a.max_batch}: "
+        f"weights, {a.prompts} prompts {a.input_len}/{a.output_len} (shared prefix "
+        f"{a.shared_prefix}), max_batch {a.max_batch}: "
         f"wall {wall:.2f} s under the profiler ({summary['output_tok_s']:.0f} tok/s), kernels "
         f"{busy_ms:.0f} ms ("
         + ", ".join(f"{c} {v:.0f}" for c, v in cats.items() if v)
