@@ -219,7 +219,7 @@ def _check_config(cfg: dict[str, int], variant: str) -> None:
 def weight_words(weight: torch.Tensor) -> torch.Tensor | None:
     """The e4m3 weight as int32 words of four codes (``PREFETCH``, sm_89+'s e4m3x2 cvt), or
     None where there is none (K, row stride or start not a multiple of 4; an older GPU): the
-    launch then runs ``PREFETCH=0``, the same sums bit for bit."""
+    launch then runs ``PREFETCH=0`` (the same sums; in another order once compiled)."""
     old = weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9)
     if old or weight.shape[1] % 4 or weight.stride(0) % 4 or weight.storage_offset() % 4:
         return None
