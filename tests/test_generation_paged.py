@@ -214,3 +214,30 @@ def test_pool_size_is_the_smallest_over_tensor_parallel_ranks(tmp_path):
         start_method="spawn",
     )  # fmt: skip
     assert [torch.load(f"{out}.{r}") for r in range(2)] == [100, 100]
+
+
+def test_partial_prefix_pages_are_copied_in_one_go_per_admission(monkeypatch):
+    """Rows admitted together queue their copy-on-write page copies and one flush makes them
+    all (two index ops per cache tensor, not one copy per row and layer); the tokens equal an
+    engine that shares nothing, and nothing is left queued."""
+    from nakta_model.generation.engine import Generator as Engine
+
+    model = tiny_model()
+    ps = shared_prompts(per=3)
+    want = Generator(model, max_batch=6, max_seq_len=96, prefix_rows=0).generate(
+        greedy_requests(ps, 4, None)
+    )
+    flushed: list[int] = []
+    real = Engine._flush_copies
+
+    def spy(self):
+        if self._copies:
+            flushed.append(len(self._copies))
+        real(self)
+
+    monkeypatch.setattr(Engine, "_flush_copies", spy)
+    gen = Generator(model, max_batch=6, max_seq_len=96)
+    got = gen.generate(greedy_requests(ps, 4, None))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert max(flushed) >= 2 and sum(flushed) == len(ps)  # a partial page each, batched
+    assert gen._copies == []
