@@ -182,8 +182,10 @@ def test_bench_helpers_and_clis_keep_their_places():
     # bench_common serves the benches and needs only nakta_model's atomic writes
     bench = lambda m: _top(m) == "bench_common"  # noqa: E731
     assert _edges(bench, lambda m: _top(m) not in ("bench_common", "nakta_model")) == []
-    # model_profile builds engines through speed_bench's public modules only
-    public = {"speed_bench.engines", "speed_bench.weights", "speed_bench.workload"}
+    # model_profile builds engines through speed_bench's public modules only (the scoring
+    # engines, and the throughput benchmark's engines and workload for throughput_profile)
+    public = {"speed_bench.engines", "speed_bench.weights", "speed_bench.workload",
+              "speed_bench.throughput_engines", "speed_bench.throughput"}  # fmt: skip
     assert (
         _edges(
             lambda m: _top(m) == "model_profile",
