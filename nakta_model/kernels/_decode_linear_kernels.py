@@ -358,7 +358,7 @@ def _decode_linear_kernel(
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, PDL: tl.constexpr, DOT_F16: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, NORM_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
@@ -370,6 +370,7 @@ def _decode_linear_kernel(
     ``ROPE``; ``USE_DOT`` tensor cores vs CUDA-core products; ``EVEN_K`` drops the K mask;
     ``PREFETCH`` (FP8, batch 1, CUDA cores: ``W`` is the weight's int32 view, ``stride_wn`` in
     words) loads each K tile an iteration ahead (``_fma_prefetch_loop``);
+    ``NORM_BLOCK``: x elements per step of the RMSNorm prologue (0: ``BLOCK_K``).
     ``PDL`` (launched as a programmatic dependent): let the next kernel's blocks launch now,
     and wait for the previous kernel's results before the first load or store.
     The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
@@ -389,7 +390,8 @@ def _decode_linear_kernel(
         w_rows = n0 + tl.arange(0, TILE_N)
         w_ok = w_rows < n_w_rows
     if NORM:
-        rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M, BLOCK_K, ACCURATE)
+        rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M,
+                         NORM_BLOCK if NORM_BLOCK > 0 else BLOCK_K, ACCURATE)  # fmt: skip
     else:
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_DOT:

@@ -203,6 +203,20 @@ def _stages_that_fit(cfg: dict[str, int], x_bytes: int, w_bytes: int) -> int:
 # which would turn to inf there. Read once: ``_config`` runs at every launch.
 FP8_DOT_F16 = os.environ.get("NAKTA_FP8_DOT_F16", "1") not in ("", "0")
 
+# The RMSNorm prologue's pass over x (``_row_rstd``) runs before any weight load, one L2 round
+# trip per ``NORM_BLOCK`` elements: with ``BLOCK_K`` (256-512 at batch 1) that was 8-16 trips
+# in a row, the few microseconds by which the normed GEMVs (wqkv, w13, the LM head) trailed
+# the others at batch 1. ``NORM_BLOCK`` takes the whole row in one or two loads instead, up to
+# ``NORM_ELEMS_PER_THREAD`` fp32 squares a thread (never fewer than ``BLOCK_K``; 0 keeps
+# ``BLOCK_K``: ``NAKTA_NORM_ELEMS_PER_THREAD`` at import, for A/B runs).
+NORM_ELEMS_PER_THREAD = int(os.environ.get("NAKTA_NORM_ELEMS_PER_THREAD", "32") or 0)
+
+
+def norm_block(k: int, block_m: int, block_k: int, num_warps: int) -> int:
+    """Elements of x a program reads per step of the RMSNorm prologue (a power of two)."""
+    widest = NORM_ELEMS_PER_THREAD * 32 * num_warps // block_m
+    return max(block_k, min(triton.next_power_of_2(k), widest))
+
 
 def _check_config(cfg: dict[str, int], variant: str) -> None:
     """A tuned or hand-set config the kernel cannot run raises here, not inside Triton."""
@@ -292,6 +306,7 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
+        NORM_BLOCK=norm_block(k, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]),
         PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
