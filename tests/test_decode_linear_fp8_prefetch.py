@@ -4,8 +4,8 @@ interpreter it returns ``PREFETCH=0``'s outputs bit for bit (same products, same
 lane, same reduction), so the CPU cases compare the two with ``torch.equal`` (rope caches too),
 then against the reference and fp64 as ``test_decode_linear_fp8.py`` does. Compiled for a GPU
 the two loops may sum a row's products in another order (an H100 gave outputs one bf16 ulp
-apart at some 7B tiles), so the GPU cases hold each to the reference and the two to each other
-within one bf16 ulp.
+apart at some 7B tiles, a few after SwiGLU's three roundings), so the GPU cases hold each to the
+reference and the two to each other within a few bf16 ulps.
 
 Weights are quantized and stored as row-padded views whose padding holds e4m3 NaN codes: a
 word read past K would turn a sum to NaN. The padded row stride is a multiple of 4 (the int32
@@ -172,9 +172,10 @@ GPU_KINDS = [("norm_rope", 12288, 4096), ("residual", 4096, 4096), ("norm_swiglu
 GPU_TILES = [(8, 1024, 4), (8, 256, 2), (8, 512, 4)]  # the H200 rows of wo/w2, wqkv, w13
 
 
-def assert_within_one_ulp(outs):
-    """The two launches' outputs (and rope caches, NaN where unwritten) at most one bf16 ulp
-    apart: the same sums in another order, each rounded once."""
+def assert_within_a_few_ulps(outs, ulps: int = 4):
+    """The two launches' outputs (and rope caches, NaN where unwritten) at most ``ulps`` bf16
+    ulps apart: the same sums in another order (one ulp once rounded; SwiGLU rounds gate, up,
+    silu and the product, so a gate one ulp off moves its output by a few)."""
     (a, rope_a), (b, rope_b) = outs
     pairs = [(a, b)]
     if rope_a is not None:
@@ -183,7 +184,7 @@ def assert_within_one_ulp(outs):
         assert torch.equal(u.isnan(), v.isnan())
         u, v = u.float().nan_to_num(), v.float().nan_to_num()
         ulp = torch.maximum(u.abs(), v.abs()) * 2.0**-7 + 1e-30  # bf16: 8 significant bits
-        assert ((u - v).abs() <= ulp).all(), "PREFETCH=1 more than one ulp from PREFETCH=0"
+        assert ((u - v).abs() <= ulps * ulp).all(), f"PREFETCH=1 > {ulps} ulps from PREFETCH=0"
 
 
 @pytest.mark.gpu
@@ -191,15 +192,15 @@ def assert_within_one_ulp(outs):
 @pytest.mark.parametrize("tile_rows, block_k, warps", GPU_TILES)
 def test_gpu_prefetch_matches_reference_llama7b(variant, n, k, tile_rows, block_k, warps, spy,
                                                 monkeypatch):  # fmt: skip
-    """Compiled for this GPU (the inline-asm unpacking, the layouts): PREFETCH=1 within one
-    bf16 ulp of PREFETCH=0 at 7B shapes, batch 1, and both match the reference."""
+    """Compiled for this GPU (the inline-asm unpacking, the layouts): PREFETCH=1 within a few
+    bf16 ulps of PREFETCH=0 at 7B shapes, batch 1, and both match the reference."""
     device = torch.device("cuda")
     x, wq, kw, ref_kw, w_deq = word_case(variant, device, k, n=n, heads=(32, 32, 128))
     bn = max(2, tile_rows // (2 if variant == "norm_swiglu" else 1))
     tune = dict(BLOCK_N=bn, BLOCK_K=block_k, num_warps=warps, num_stages=3)
     outs, ref = run_pair(x, wq, kw, ref_kw, tune, monkeypatch)
     assert spy == [True]
-    assert_within_one_ulp(outs)
+    assert_within_a_few_ulps(outs)
     assert_matches_reference(outs[0][0], ref, torch.bfloat16)
     assert_matches_reference(outs[1][0], ref, torch.bfloat16)
     assert_near_fp64(outs[1][0], expected_fp64(x, w_deq, {**ref_kw, "weight_scale": None}),
