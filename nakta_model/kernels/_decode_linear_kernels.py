@@ -200,7 +200,7 @@ def _w_words(W, w_rows, w_ok, kw, kw_ok, stride_wn, EVEN_K: tl.constexpr):
 def _fma_prefetch_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, w_first, HAS_FIRST: tl.constexpr = 0,
 ):  # fmt: skip
     """``_fma_loop`` at batch 1 for an e4m3 weight read as int32 words (``PREFETCH``), the next
     K tile's loads (weight words, x, norm weight) issued before the current tile's FMAs: a
@@ -218,7 +218,10 @@ def _fma_prefetch_loop(
     # of the last load in program order where two meet, and the products must keep the
     # weight's (else every weight tile is moved through shared memory instead of x's)
     x_next, nw_next = _x_raw(X, NW, rows, row_ok, ks, ks < K, stride_xm, stride_nw, NORM, EVEN_K)
-    w_next = _w_words(W, w_rows, w_ok, kws, kws < k_words, stride_wn, EVEN_K)
+    if HAS_FIRST:  # the first tile's words, loaded by the caller (``EARLY_W``)
+        w_next = w_first
+    else:
+        w_next = _w_words(W, w_rows, w_ok, kws, kws < k_words, stride_wn, EVEN_K)
     acc0 = tl.zeros([TILE_N, KW], dtype=tl.float32)
     acc1 = tl.zeros([TILE_N, KW], dtype=tl.float32)
     acc2 = tl.zeros([TILE_N, KW], dtype=tl.float32)
@@ -250,17 +253,27 @@ def _fma_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    w_first=None, HAS_FIRST: tl.constexpr = 0,
 ):  # fmt: skip
     """``W_tile @ x^T`` on the CUDA cores: fp32 products accumulated per K lane, reduced over
     K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``.
-    ``PREFETCH`` (batch 1, ``W`` the e4m3 weight's int32 view): ``_fma_prefetch_loop``."""
+    ``PREFETCH`` (batch 1, ``W`` the e4m3 weight's int32 view): ``_fma_prefetch_loop``.
+    ``HAS_FIRST`` (batch 1): ``w_first`` is the first K tile (words with ``PREFETCH``), loaded
+    by the caller; the same products in the same order per K lane."""
     ks = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1 and PREFETCH:
         acc = _fma_prefetch_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn,
-                                 stride_nw, rstd, NORM, EVEN_K, TILE_N, BLOCK_K, EMULATE_RNE)  # fmt: skip
+                                 stride_nw, rstd, NORM, EVEN_K, TILE_N, BLOCK_K, EMULATE_RNE,
+                                 w_first, HAS_FIRST)  # fmt: skip
     elif BLOCK_M == 1:
         acc2 = tl.zeros([TILE_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        start = 0
+        if HAS_FIRST:
+            x = _x_tile(X, NW, rows, row_ok, ks, ks < K, stride_xm, stride_nw, rstd, NORM,
+                        EVEN_K, EMULATE_RNE)  # fmt: skip
+            acc2 += w_first.to(tl.float32) * x.to(tl.float32)
+            start = BLOCK_K
+        for k0 in range(start, K, BLOCK_K):
             k = k0 + ks
             k_ok = k < K
             x = _x_tile(X, NW, rows, row_ok, k, k_ok, stride_xm, stride_nw, rstd, NORM, EVEN_K,
@@ -358,7 +371,7 @@ def _decode_linear_kernel(
     TILE_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST_SILU: tl.constexpr, ACCURATE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, PDL: tl.constexpr, DOT_F16: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, NORM_BLOCK: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, NORM_BLOCK: tl.constexpr = 0, EARLY_W: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: output columns ``[n0, n0 + BLOCK_N)`` for every batch row.
 
@@ -372,12 +385,15 @@ def _decode_linear_kernel(
     words) loads each K tile an iteration ahead (``_fma_prefetch_loop``);
     ``NORM_BLOCK``: x elements per step of the RMSNorm prologue (0: ``BLOCK_K``).
     ``PDL`` (launched as a programmatic dependent): let the next kernel's blocks launch now,
-    and wait for the previous kernel's results before the first load or store.
+    and wait for the previous kernel's results before the first load or store of them.
+    ``EARLY_W`` (batch 1, CUDA cores): the first K tile of the weight (no kernel's output) is
+    loaded before that wait, so its memory latency overlaps the previous kernel's tail.
     The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
     """
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # x, residual, positions and slots are the previous kernels' outputs
+        if not EARLY_W:
+            gdc_wait()  # x, residual, positions and slots are the previous kernels' outputs
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
@@ -389,6 +405,17 @@ def _decode_linear_kernel(
     else:
         w_rows = n0 + tl.arange(0, TILE_N)
         w_ok = w_rows < n_w_rows
+    if EARLY_W:
+        if PREFETCH:
+            kw0 = tl.arange(0, BLOCK_K // 4)
+            w_first = _w_words(W, w_rows, w_ok, kw0, kw0 < K // 4, stride_wn, EVEN_K)
+        else:
+            k0s = tl.arange(0, BLOCK_K)
+            w_first = _w_tile(W, w_rows, w_ok, k0s, k0s < K, stride_wn, EVEN_K)
+        if PDL:
+            gdc_wait()  # now the inputs: the first weight tile is on its way
+    else:
+        w_first = tl.zeros([1], dtype=tl.float32)  # unused
     if NORM:
         rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M,
                          NORM_BLOCK if NORM_BLOCK > 0 else BLOCK_K, ACCURATE)  # fmt: skip
@@ -400,7 +427,8 @@ def _decode_linear_kernel(
                         W_FP8, DOT_F16)  # fmt: skip
     else:
         acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
-                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE, PREFETCH)  # fmt: skip
+                        rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE, PREFETCH,
+                        w_first, EARLY_W)  # fmt: skip
     if W_FP8:  # dequantize the sums: each weight row's scale, before any rounding
         ws = tl.load(WS + w_rows.to(tl.int64) * stride_ws, mask=w_ok, other=0.0)
         acc = acc * ws[:, None]

@@ -212,6 +212,13 @@ FP8_DOT_F16 = os.environ.get("NAKTA_FP8_DOT_F16", "1") not in ("", "0")
 NORM_ELEMS_PER_THREAD = int(os.environ.get("NAKTA_NORM_ELEMS_PER_THREAD", "32") or 0)
 
 
+# Batch 1 on the CUDA cores: the first weight tile is loaded before the dependent launch's
+# wait (``EARLY_W``): the weights are no kernel's output, so that load's latency overlaps the
+# previous kernel's tail (the whole slice asked of L2 instead thrashed it: docs/experiments.md).
+# ``NAKTA_EARLY_WEIGHT=0`` at import turns it off (A/B runs).
+EARLY_WEIGHT = os.environ.get("NAKTA_EARLY_WEIGHT", "1") not in ("", "0")
+
+
 def norm_block(k: int, block_m: int, block_k: int, num_warps: int) -> int:
     """Elements of x a program reads per step of the RMSNorm prologue (a power of two)."""
     widest = NORM_ELEMS_PER_THREAD * 32 * num_warps // block_m
@@ -307,6 +314,7 @@ def _launch(
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
         NORM_BLOCK=norm_block(k, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]),
+        EARLY_W=EARLY_WEIGHT and cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"],
         PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 

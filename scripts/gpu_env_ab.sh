@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The decode GEMVs' RMSNorm prologue in one or two loads (NAKTA_NORM_ELEMS_PER_THREAD=32, the
-# default) against BLOCK_K-wide steps (=0), one GPU, fresh processes off/on/off/on:
-# decode_speed 7B bf16 and FP8 at batch 1 and 32 (prompt 64, 128 new); then the decode GEMVs'
-# GPU tests. <= 560 s by the step limits. $OUT receives norm_block_ab.tar.gz.
+# A/B of one decode knob read from the environment at import, one GPU, fresh processes
+# off/on/off/on: decode_speed 7B bf16 and FP8 at batch 1 and 32 (prompt 64, 128 new); then the
+# decode GEMVs' GPU tests. <= 560 s by the step limits. $OUT receives env_ab.tar.gz.
+# Usage: bash scripts/gpu_env_ab.sh VAR OFF_VALUE ON_VALUE [LANE]
+#   e.g. NAKTA_NORM_ELEMS_PER_THREAD 0 32 (the RMSNorm prologue in one or two loads),
+#        NAKTA_EARLY_WEIGHT 0 1 (the first weight tile loaded before the PDL wait)
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
-[ $# -ge 1 ] && lane "$1"
+VAR=$1 OFF=$2 ON=$3
+[ $# -ge 4 ] && lane "$4"
 use_wheels
-STAGE=$(mktemp -d /tmp/nb_ab.XXXXXX)/norm_block_ab
+STAGE=$(mktemp -d /tmp/env_ab.XXXXXX)/env_ab
 mkdir -p "$STAGE"
 LOG=$STAGE/log.txt
 : >"$LOG"
@@ -17,8 +20,8 @@ status=0
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
 D="python3 -m speed_bench.decode_speed --preset 7B --engines nakta,nakta_fp8 --batches 1,32 --lengths 64:128 --no-budget"
 for run in off1 on1 off2 on2; do
-  v=0; [ "${run#on}" != "$run" ] && v=32
-  step "decode_$run" 110 env NAKTA_NORM_ELEMS_PER_THREAD=$v $D --out "$STAGE/$run"
+  v=$OFF; [ "${run#on}" != "$run" ] && v=$ON
+  step "decode_$run" 110 env "$VAR=$v" $D --out "$STAGE/$run"
 done
 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
   tests/test_decode_linear.py tests/test_decode_linear_fp8.py tests/test_decode_linear_fp8_prefetch.py
@@ -34,6 +37,6 @@ for run in ("off1", "on1", "off2", "on2"):
         print(f"{run} {r['engine']} b{r['batch']}: {r['tok_s']:.1f} tok/s, {r['pct_of_floor']:.1f}% of floor")
 PY
 grep -E "^===|passed|failed" "$LOG" | tail -14
-echo "norm_block_ab status=$status" | tee -a "$LOG"
-tar czf "$OUT/norm_block_ab.tar.gz" -C "$(dirname "$STAGE")" norm_block_ab
+echo "env_ab $VAR $OFF/$ON status=$status" | tee -a "$LOG"
+tar czf "$OUT/env_ab.tar.gz" -C "$(dirname "$STAGE")" env_ab
 exit $status
