@@ -51,7 +51,6 @@ outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -68,7 +67,6 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     debug_checks,
-    dependent_launch,
     interpreter_enabled,
     tracing,
 )
@@ -330,15 +328,6 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
                 check_no_overlap("workspace", workspace, name, t)
 
 
-# Programmatic dependent launch at batch 1, as the decode GEMVs (``decode_linear``): the split
-# and combining kernels launch while the previous kernel drains, and let the ``wo`` GEMV after
-# them launch early and load its first weight tile (``decode_linear``'s ``EARLY_W``). Not with
-# the cascade (its prefix kernel is a plain launch between them). ``NAKTA_ATTENTION_PDL=0`` at
-# import turns it off (``NAKTA_PDL=0`` turns off every dependent launch).
-PDL_MAX_BATCH = 1
-ATTENTION_PDL = os.environ.get("NAKTA_ATTENTION_PDL", "1") not in ("", "0")
-
-
 def _launch(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None,
     slots=None, n_psplits=0, block_table=None,
@@ -365,8 +354,6 @@ def _launch(
     cascade = slots is not None
     total = n_splits + (slots[0].shape[0] * n_psplits if cascade else 0)  # partials per head
     single = total == 1
-    pdl = batch <= PDL_MAX_BATCH and ATTENTION_PDL and not cascade and dependent_launch(q.device)
-    launch = {"launch_pdl": True} if pdl else {}
     if single:
         ws = q  # unused
         ws_strides = (0, 0, 0)
@@ -384,7 +371,7 @@ def _launch(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
         cc = _config("cascade")
@@ -406,8 +393,7 @@ def _launch(
     _attn_combine_kernel[(batch, n_q)](
         ws, cache_lens, out, s_max, total, *ws_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp, PDL=pdl, num_warps=1,
-        **launch,
+        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp, num_warps=1,
     )  # fmt: skip
 
 
