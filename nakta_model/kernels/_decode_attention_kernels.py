@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from nakta_model.kernels._triton_math import round_to
 
@@ -92,7 +93,7 @@ def _attn_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
@@ -106,7 +107,12 @@ def _attn_split_kernel(
     (a prompt prefix several rows share: they read one copy, which stays in L2 while the rows'
     programs run); with ``CASCADE`` they are not read here at all (``_attn_prefix_kernel`` does
     them) and the splits cover keys ``[PRE_LENS[b], length)`` of the row itself.
+    ``LAUNCH_DEPENDENTS`` (the last attention launch at batch 1): the next kernel, a
+    programmatic dependent (the ``wo`` GEMV), may launch now and load its first weight tile
+    while this one runs (``decode_linear``'s ``EARLY_W``); it waits for this kernel's output.
     """
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -242,10 +248,13 @@ def _attn_prefix_kernel(
 def _attn_combine_kernel(
     WS, LENS, OUT, s_max, n_splits, stride_wb, stride_wh, stride_ws, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (row, query head): rescale the splits' partials to their common max and
-    normalise. Neutral partials (max -inf, sum 0) weigh nothing; a row with no keys gives 0."""
+    normalise. Neutral partials (max -inf, sum 0) weigh nothing; a row with no keys gives 0.
+    ``LAUNCH_DEPENDENTS``: as the split kernel's, when this is the last attention launch."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     sp = tl.arange(0, BLOCK_SPLITS)

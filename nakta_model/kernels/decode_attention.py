@@ -51,6 +51,7 @@ outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -67,6 +68,7 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     debug_checks,
+    dependent_launch,
     interpreter_enabled,
     tracing,
 )
@@ -328,6 +330,15 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
                 check_no_overlap("workspace", workspace, name, t)
 
 
+# At batch 1 the last attention launch lets the next kernel launch at once (``wo``, a
+# programmatic dependent, whose blocks load their first weight tile while attention runs and
+# then wait for its output: ``decode_linear``'s ``EARLY_W``). Attention itself stays an ordinary
+# launch (as a dependent it measured slower: docs/experiments.md). ``NAKTA_ATTENTION_TRIGGER=0``
+# at import turns it off.
+TRIGGER_MAX_BATCH = 1
+ATTENTION_TRIGGER = os.environ.get("NAKTA_ATTENTION_TRIGGER", "1") not in ("", "0")
+
+
 def _launch(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None,
     slots=None, n_psplits=0, block_table=None,
@@ -354,6 +365,7 @@ def _launch(
     cascade = slots is not None
     total = n_splits + (slots[0].shape[0] * n_psplits if cascade else 0)  # partials per head
     single = total == 1
+    trigger = batch <= TRIGGER_MAX_BATCH and ATTENTION_TRIGGER and dependent_launch(q.device)
     if single:
         ws = q  # unused
         ws_strides = (0, 0, 0)
@@ -371,7 +383,7 @@ def _launch(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        LAUNCH_DEPENDENTS=trigger and single, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
         cc = _config("cascade")
@@ -393,7 +405,8 @@ def _launch(
     _attn_combine_kernel[(batch, n_q)](
         ws, cache_lens, out, s_max, total, *ws_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp, num_warps=1,
+        BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp,
+        LAUNCH_DEPENDENTS=trigger, num_warps=1,
     )  # fmt: skip
 
 
