@@ -48,13 +48,13 @@ if what == "linear":
     floats = ("eps", "inv_k")
 else:
     from nakta_model.kernels._decode_attention_kernels import _attn_split_kernel as kernel
-    trigger, pdl = params
+    (pdl,) = params
     num_warps = 4
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "LENS": "*i32", "TABLE": "*i32",
                 "PRE_ROWS": "*i32", "PRE_LENS": "*i32", "OUT": "*bf16", "WS": "*fp32"}
     const = dict(GROUP=1, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, USE_DOT=True,
                  SINGLE=True, PREC=None, UPCAST=False, EMULATE_RNE=False, HAS_TABLE=True,
-                 HAS_PREFIX=False, CASCADE=False, LAUNCH_DEPENDENTS=trigger, PDL=pdl)
+                 HAS_PREFIX=False, CASCADE=False, LAUNCH_DEPENDENTS=pdl)
     floats = ("qk_scale",)
 names = list(kernel.arg_names)
 sig = {
@@ -102,14 +102,6 @@ def test_no_dependent_prologue_without_pdl():
 @needs_ptxas
 @pytest.mark.parametrize("trigger", [True, False])
 def test_attention_lets_the_next_kernel_launch_only_when_asked(trigger):
-    body = _ptx("attention", trigger, False)
+    body = _ptx("attention", trigger)
     assert ("griddepcontrol.launch_dependents" in body) == trigger
     assert "griddepcontrol.wait" not in body  # an ordinary launch itself
-
-
-@needs_ptxas
-def test_attention_as_a_dependent_waits_before_it_triggers_and_loads():
-    body = _ptx("attention", True, True)
-    wait = body.index("griddepcontrol.wait")
-    assert wait < body.index("griddepcontrol.launch_dependents")
-    assert wait < _first(body, "ld.global")
