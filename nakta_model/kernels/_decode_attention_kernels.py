@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from nakta_model.kernels._triton_math import round_to
 
@@ -94,7 +94,6 @@ def _attn_split_kernel(
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
     HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
@@ -111,11 +110,7 @@ def _attn_split_kernel(
     ``LAUNCH_DEPENDENTS`` (the last attention launch at batch 1): the next kernel, a
     programmatic dependent (the ``wo`` GEMV), may launch now and load its first weight tile
     while this one runs (``decode_linear``'s ``EARLY_W``); it waits for this kernel's output.
-    ``PDL`` (launched as a programmatic dependent): wait for the previous kernel (q and the
-    newest key are its output) before anything else, the trigger only after that wait.
     """
-    if PDL:
-        gdc_wait()
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
@@ -254,13 +249,10 @@ def _attn_combine_kernel(
     WS, LENS, OUT, s_max, n_splits, stride_wb, stride_wh, stride_ws, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     EMULATE_RNE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program per (row, query head): rescale the splits' partials to their common max and
     normalise. Neutral partials (max -inf, sum 0) weigh nothing; a row with no keys gives 0.
-    ``LAUNCH_DEPENDENTS``, ``PDL``: as the split kernel's (the partials are its output)."""
-    if PDL:
-        gdc_wait()
+    ``LAUNCH_DEPENDENTS``: as the split kernel's, when this is the last attention launch."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)

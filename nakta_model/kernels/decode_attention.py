@@ -337,9 +337,6 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
 # at import turns it off.
 TRIGGER_MAX_BATCH = 1
 ATTENTION_TRIGGER = os.environ.get("NAKTA_ATTENTION_TRIGGER", "1") not in ("", "0")
-# Attention launched as a programmatic dependent too (waiting first, triggering only after
-# that wait, so ``wo`` cannot launch while wqkv still runs): ``NAKTA_ATTENTION_PDL=1`` (A/B).
-ATTENTION_PDL = os.environ.get("NAKTA_ATTENTION_PDL", "0") not in ("", "0")
 
 
 def _launch(
@@ -369,8 +366,6 @@ def _launch(
     total = n_splits + (slots[0].shape[0] * n_psplits if cascade else 0)  # partials per head
     single = total == 1
     trigger = batch <= TRIGGER_MAX_BATCH and ATTENTION_TRIGGER and dependent_launch(q.device)
-    pdl = trigger and ATTENTION_PDL and not cascade
-    launch = {"launch_pdl": True} if pdl else {}
     if single:
         ws = q  # unused
         ws_strides = (0, 0, 0)
@@ -388,8 +383,7 @@ def _launch(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        LAUNCH_DEPENDENTS=trigger and single, PDL=pdl, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch,
+        LAUNCH_DEPENDENTS=trigger and single, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
         cc = _config("cascade")
@@ -412,7 +406,7 @@ def _launch(
         ws, cache_lens, out, s_max, total, *ws_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SPLITS=triton.next_power_of_2(total), EMULATE_RNE=interp,
-        LAUNCH_DEPENDENTS=trigger, PDL=pdl, num_warps=1, **launch,
+        LAUNCH_DEPENDENTS=trigger, num_warps=1,
     )  # fmt: skip
 
 
