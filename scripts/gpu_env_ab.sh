@@ -24,8 +24,7 @@ for run in off1 on1 off2 on2; do
   step "decode_$run" 110 env "$VAR=$v" $D --out "$STAGE/$run"
 done
 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
-  tests/test_decode_linear.py tests/test_decode_linear_fp8.py tests/test_decode_linear_fp8_prefetch.py \
-  tests/test_greedy_advance.py
+  tests/test_decode_linear.py tests/test_decode_linear_fp8.py tests/test_decode_linear_fp8_prefetch.py
 python3 - "$STAGE" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys, pathlib
 s = pathlib.Path(sys.argv[1])

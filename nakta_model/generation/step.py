@@ -27,7 +27,6 @@ SwiGLU and RoPE kernels around them (``step_gemm.py``), at the same rounding poi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,6 @@ from nakta_model.generation import step_gemm as _gemm
 from nakta_model.generation.sampling import sample_next
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
-from nakta_model.kernels import greedy_advance as _ga
 from nakta_model.kernels._checks import mark_compile_constants
 from nakta_model.parallel import all_reduce
 
@@ -52,10 +50,6 @@ __all__ = [
 MAX_ROWS = _gemm.MAX_ROWS  # rows a step may hold; above the crossover its linears are GEMMs
 
 GRAPH_MODES = ("cuda_graph", "compile", "eager")
-
-# Greedy steps end in one launch (``kernels/greedy_advance.py``: argmax, history, token and
-# position) instead of five PyTorch ones; ``NAKTA_GREEDY_KERNEL=0`` at import keeps those (A/B).
-GREEDY_KERNEL = os.environ.get("NAKTA_GREEDY_KERNEL", "1") not in ("", "0")
 
 
 @dataclass
@@ -260,15 +254,12 @@ class DecodeStep:
     def __call__(self) -> None:
         """Decode one token per row into ``history[:, step]`` and advance the buffers."""
         buf = self.buffers
-        if not self.sampling and self.kernels and GREEDY_KERNEL:  # greedy: one launch
-            _ga.greedy_advance_(self.logits(), buf.history, buf.step, buf.tokens, buf.positions)
-        else:
-            nxt = sample_next(
-                self.logits(), buf.temperature, buf.top_k, buf.top_p, any_sampling=self.sampling
-            )
-            buf.history.index_copy_(1, buf.step, nxt[:, None])
-            buf.tokens.copy_(nxt)
-            buf.positions.add_(1)
+        nxt = sample_next(
+            self.logits(), buf.temperature, buf.top_k, buf.top_p, any_sampling=self.sampling
+        )
+        buf.history.index_copy_(1, buf.step, nxt[:, None])
+        buf.tokens.copy_(nxt)
+        buf.positions.add_(1)
         buf.step.add_(1)
 
     # ---------------------------------------------------------------------------- graphs
