@@ -25,6 +25,7 @@ from test_decode_linear import (
 )
 from test_decode_linear_fp8 import NAN_E4M3, fp8_case
 
+from nakta_model.kernels import _decode_linear_configs as _knobs
 from nakta_model.kernels import decode_linear as dl
 from nakta_model.kernels.fp8_quant import FP8_DTYPE, quantize_weight
 
@@ -242,7 +243,7 @@ def test_first_weight_tile_loaded_early_changes_no_bit(variant, k, prefetch, w_d
     monkeypatch.setattr(dl, "_TUNE", {"BLOCK_K": 32, "USE_DOT": 0, "PREFETCH": prefetch})
     outs = []
     for early in (False, True):
-        monkeypatch.setattr(dl, "EARLY_WEIGHT", early)
+        monkeypatch.setattr(_knobs, "EARLY_WEIGHT", early)
         import copy
 
         kw_i = {**kw, "rope": copy.deepcopy(kw["rope"])} if "rope" in kw else kw

@@ -9,7 +9,10 @@ differs) and x's otherwise.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import triton
 
 # Configurations per (dtype, batch bucket = next power of two of B), and per-shape entries
 # keyed (dtype, bucket, variant, N, K) from ``bench_decode.py --tune`` (LLaMA-7B's five decode
@@ -170,3 +173,26 @@ def load_fp8_tuned(path: Path) -> dict[str, dict[tuple, dict[str, int]]]:
 
 for _family, _rows in load_fp8_tuned(FP8_TUNED_JSON).items():
     _DEVICE_CONFIGS.setdefault(_family, {}).update(_rows)
+
+
+# ------------------------------------------------------------------ launch knobs (A/B runs)
+
+# The RMSNorm prologue's pass over x (``_row_rstd``) runs before any weight load, one L2 round
+# trip per ``NORM_BLOCK`` elements: with ``BLOCK_K`` (256-512 at batch 1) that was 8-16 trips
+# in a row, the few microseconds by which the normed GEMVs (wqkv, w13, the LM head) trailed
+# the others at batch 1. ``NORM_BLOCK`` takes the whole row in one or two loads instead, up to
+# ``NORM_ELEMS_PER_THREAD`` fp32 squares a thread (never fewer than ``BLOCK_K``; 0 keeps
+# ``BLOCK_K``: ``NAKTA_NORM_ELEMS_PER_THREAD`` at import, for A/B runs).
+NORM_ELEMS_PER_THREAD = int(os.environ.get("NAKTA_NORM_ELEMS_PER_THREAD", "32") or 0)
+
+# Batch 1 on the CUDA cores: the first weight tile is loaded before the dependent launch's
+# wait (``EARLY_W``): the weights are no kernel's output, so that load's latency overlaps the
+# previous kernel's tail (the whole slice asked of L2 instead thrashed it: docs/experiments.md).
+# ``NAKTA_EARLY_WEIGHT=0`` at import turns it off (A/B runs).
+EARLY_WEIGHT = os.environ.get("NAKTA_EARLY_WEIGHT", "1") not in ("", "0")
+
+
+def norm_block(k: int, block_m: int, block_k: int, num_warps: int) -> int:
+    """Elements of x a program reads per step of the RMSNorm prologue (a power of two)."""
+    widest = NORM_ELEMS_PER_THREAD * 32 * num_warps // block_m
+    return max(block_k, min(triton.next_power_of_2(k), widest))

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from nakta_model.kernels import _decode_linear_configs as _knobs
 from nakta_model.kernels._checks import (
     FLOAT_DTYPES,
     check_dtype,
@@ -198,31 +199,9 @@ def _stages_that_fit(cfg: dict[str, int], x_bytes: int, w_bytes: int) -> int:
 
 
 # The escape hatch from fp16 MMA operands for FP8 weights (``_dot_loop``'s ``DOT_F16``):
-# ``NAKTA_FP8_DOT_F16=0`` at import (or this flag set False) converts the e4m3 codes to bf16
-# instead, at two more conversions per weight pair: for activations beyond fp16's 65504,
-# which would turn to inf there. Read once: ``_config`` runs at every launch.
+# ``NAKTA_FP8_DOT_F16=0`` at import (or this flag False) converts the e4m3 codes to bf16, two
+# more conversions a weight pair, for activations beyond fp16's 65504 (inf there).
 FP8_DOT_F16 = os.environ.get("NAKTA_FP8_DOT_F16", "1") not in ("", "0")
-
-# The RMSNorm prologue's pass over x (``_row_rstd``) runs before any weight load, one L2 round
-# trip per ``NORM_BLOCK`` elements: with ``BLOCK_K`` (256-512 at batch 1) that was 8-16 trips
-# in a row, the few microseconds by which the normed GEMVs (wqkv, w13, the LM head) trailed
-# the others at batch 1. ``NORM_BLOCK`` takes the whole row in one or two loads instead, up to
-# ``NORM_ELEMS_PER_THREAD`` fp32 squares a thread (never fewer than ``BLOCK_K``; 0 keeps
-# ``BLOCK_K``: ``NAKTA_NORM_ELEMS_PER_THREAD`` at import, for A/B runs).
-NORM_ELEMS_PER_THREAD = int(os.environ.get("NAKTA_NORM_ELEMS_PER_THREAD", "32") or 0)
-
-
-# Batch 1 on the CUDA cores: the first weight tile is loaded before the dependent launch's
-# wait (``EARLY_W``): the weights are no kernel's output, so that load's latency overlaps the
-# previous kernel's tail (the whole slice asked of L2 instead thrashed it: docs/experiments.md).
-# ``NAKTA_EARLY_WEIGHT=0`` at import turns it off (A/B runs).
-EARLY_WEIGHT = os.environ.get("NAKTA_EARLY_WEIGHT", "1") not in ("", "0")
-
-
-def norm_block(k: int, block_m: int, block_k: int, num_warps: int) -> int:
-    """Elements of x a program reads per step of the RMSNorm prologue (a power of two)."""
-    widest = NORM_ELEMS_PER_THREAD * 32 * num_warps // block_m
-    return max(block_k, min(triton.next_power_of_2(k), widest))
 
 
 def _check_config(cfg: dict[str, int], variant: str) -> None:
@@ -255,10 +234,8 @@ def _variant(residual, swiglu: bool, rope) -> str:
     return "residual" if residual is not None else "plain"
 
 
-# Programmatic dependent launch pays at batch 1 and costs at 32 (H200, 7B step, speed_bench/
-# results/nvidia-h200/decode_pdl: 3.74 vs 3.81 ms a token at batch 1, 6.07 vs 5.65 ms at 32: the
-# blocks a dependent launches early land on whichever SMs had room, unevenly, and the tiles of
-# the larger batches feel it).
+# Programmatic dependent launch pays at batch 1 and costs at 32 (H200, 7B: 3.74 vs 3.81 ms a
+# token at batch 1, 6.07 vs 5.65 at 32: early blocks land unevenly; docs/experiments.md).
 PDL_MAX_BATCH = 1
 
 
@@ -313,8 +290,8 @@ def _launch(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TILE_N=cfg["TILE_N"],
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
-        NORM_BLOCK=norm_block(k, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]),
-        EARLY_W=EARLY_WEIGHT and cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"],
+        NORM_BLOCK=_knobs.norm_block(k, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]),
+        EARLY_W=_knobs.EARLY_WEIGHT and cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"],
         PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
