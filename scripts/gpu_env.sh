@@ -63,3 +63,33 @@ run_lanes() {  # run_lanes FN...: each function in the background, as many at on
   done
   wait
 }
+
+decode_runs() {  # decode_runs DIR RUN...: each DIR/RUN/decode_summary.json's rows, one line a
+  # row (engine, batch, tok/s, % of its floor): the A/B scripts' summary
+  python3 - "$@" <<'PY'
+import json, pathlib, sys
+stage = pathlib.Path(sys.argv[1])
+for run in sys.argv[2:]:
+    try:
+        d = json.loads((stage / run / "decode_summary.json").read_text())
+    except Exception as e:
+        print(run, "missing", e)
+        continue
+    for r in d["runs"]:
+        print(f"{run} {r['engine']} b{r['batch']}: {r['tok_s']:.1f} tok/s, {r['pct_of_floor']:.1f}% of floor")
+PY
+}
+
+prefetch_best() {  # prefetch_best CSV: tune_fp8_decode's best PREFETCH=0 and PREFETCH=1 row
+  # per kind (CUDA-core path), beside each other
+  python3 - "$1" <<'PY'
+import sys
+import pandas as pd
+df = pd.read_csv(sys.argv[1])
+df = df[(df["path"] != "bf16") & (df["status"] == "ok") & (df["USE_DOT"] == 0)]
+for (kind, pf), g in df.groupby(["kind", "PREFETCH"]):
+    b = g.loc[g["us"].idxmin()]
+    print(f"{kind} PREFETCH={pf}: {b['pct_copy_bw']:.1f}% of copy bw, {b['us']:.1f} us "
+          f"(BLOCK_N={b['BLOCK_N']} BLOCK_K={b['BLOCK_K']} warps={b['num_warps']})")
+PY
+}

@@ -25,17 +25,7 @@ for run in off1 on1 off2 on2; do
 done
 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
   tests/test_decode_linear.py tests/test_decode_linear_fp8.py tests/test_decode_linear_fp8_prefetch.py
-python3 - "$STAGE" <<'PY' 2>&1 | tee -a "$LOG"
-import json, sys, pathlib
-s = pathlib.Path(sys.argv[1])
-for run in ("off1", "on1", "off2", "on2"):
-    try:
-        d = json.loads((s / run / "decode_summary.json").read_text())
-    except Exception as e:
-        print(run, "missing", e); continue
-    for r in d["runs"]:
-        print(f"{run} {r['engine']} b{r['batch']}: {r['tok_s']:.1f} tok/s, {r['pct_of_floor']:.1f}% of floor")
-PY
+decode_runs "$STAGE" off1 on1 off2 on2 2>&1 | tee -a "$LOG"
 grep -E "^===|passed|failed" "$LOG" | tail -14
 echo "env_ab $VAR $OFF/$ON status=$status" | tee -a "$LOG"
 tar czf "$OUT/env_ab.tar.gz" -C "$(dirname "$STAGE")" env_ab

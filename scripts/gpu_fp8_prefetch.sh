@@ -49,17 +49,7 @@ step decode_speed_b1 60 python3 -m speed_bench.decode_speed --preset 7B \
 [ -f "$TUNED" ] && cp "$TUNED" "$STAGE/"
 grep -v -E "it/s\]|s/it\]|%\|" "$LOG" | grep -E "^===|^\[|precompile|budget|tuned configs|passed|failed|rror" |
   cut -c1-240 | tail -40
-# the best PREFETCH=0 and PREFETCH=1 config per kind, beside each other
-python3 - "$STAGE/tune/fp8_decode_tune.csv" <<'EOF' 2>&1 | tee -a "$LOG"
-import sys
-import pandas as pd
-df = pd.read_csv(sys.argv[1])
-df = df[(df["path"] != "bf16") & (df["status"] == "ok") & (df["USE_DOT"] == 0)]
-for (kind, pf), g in df.groupby(["kind", "PREFETCH"]):
-    b = g.loc[g["us"].idxmin()]
-    print(f"{kind} PREFETCH={pf}: {b['pct_copy_bw']:.1f}% of copy bw, {b['us']:.1f} us "
-          f"(BLOCK_N={b['BLOCK_N']} BLOCK_K={b['BLOCK_K']} warps={b['num_warps']})")
-EOF
+prefetch_best "$STAGE/tune/fp8_decode_tune.csv" 2>&1 | tee -a "$LOG"
 cat "$STAGE/decode/decode.md" 2>/dev/null | cut -c1-250 | tail -12
 echo "fp8_prefetch status=$status" | tee -a "$LOG"
 tar czf "$OUT/fp8_prefetch.tar.gz" -C "$(dirname "$STAGE")" fp8_prefetch

@@ -28,16 +28,7 @@ cp kernel_benchmark/results/"$SLUG"/fp8_decode_gemm_tune* "$STAGE/gemm_tune/" 2>
 cp nakta_model/kernels/_decode_linear_fp8_tuned.json nakta_model/kernels/_fp8_decode_gemm_tuned.json "$STAGE/"
 step decode_e2e 100 python3 -m speed_bench.decode_speed --preset 7B --engines nakta,nakta_fp8 \
   --batches 1,8,32 --lengths 64:128 --no-budget --out "$STAGE/fp8_decode"
-python3 - "$STAGE/tune_b1/fp8_decode_tune.csv" <<'PY' 2>&1 | tee -a "$LOG"
-import sys
-import pandas as pd
-df = pd.read_csv(sys.argv[1])
-df = df[(df["path"] != "bf16") & (df["status"] == "ok") & (df["USE_DOT"] == 0)]
-for (kind, pf), g in df.groupby(["kind", "PREFETCH"]):
-    b = g.loc[g["us"].idxmin()]
-    print(f"{kind} PREFETCH={pf}: {b['pct_copy_bw']:.1f}% of copy bw, {b['us']:.1f} us "
-          f"(BLOCK_N={b['BLOCK_N']} BLOCK_K={b['BLOCK_K']} warps={b['num_warps']})")
-PY
+prefetch_best "$STAGE/tune_b1/fp8_decode_tune.csv" 2>&1 | tee -a "$LOG"
 grep -v -E "it/s\]|s/it\]|%\|" "$LOG" | grep -E "^===|precompile|budget|tuned|passed|failed|rror" |
   cut -c1-220 | tail -30
 cut -c1-250 "$STAGE/fp8_decode/decode.md" 2>/dev/null | tail -10

@@ -23,17 +23,7 @@ step decode_off2 80 $OFF $D --batches 1 --out "$STAGE/off2"
 step decode_on2 80 $D --batches 1 --out "$STAGE/on2"
 step throughput 150 python3 -m speed_bench.throughput --preset 7B --prompts 1000 \
   --input-len 128 --output-len 128 --engines nakta --max-batch 256 --out "$STAGE/throughput"
-python3 - "$STAGE" <<'PY' 2>&1 | tee -a "$LOG"
-import json, sys, pathlib
-s = pathlib.Path(sys.argv[1])
-for run in ("off1", "on1", "off2", "on2"):
-    try:
-        d = json.loads((s / run / "decode_summary.json").read_text())
-    except Exception as e:
-        print(run, "missing", e); continue
-    for r in d["runs"]:
-        print(f"{run} {r['engine']} b{r['batch']}: {r['tok_s']:.1f} tok/s, {r['pct_of_floor']:.1f}% of floor")
-PY
+decode_runs "$STAGE" off1 on1 off2 on2 2>&1 | tee -a "$LOG"
 grep -E "^===|rror" "$LOG" | tail -12
 cut -c1-260 "$STAGE/throughput/throughput.md" 2>/dev/null | tail -4
 echo "h200_final status=$status" | tee -a "$LOG"
