@@ -26,8 +26,10 @@ default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
 ``kernels``/``tp``/``dp`` (nakta), ``background_load`` (nakta, default false; see Loading).
 
 Loading (``nakta``). The constructor reads the checkpoint's params and checks the tokenizer and
-``max_length`` against them at once, then loads the weights and compiles the scorer's kernels
-(``scoring.warm_up``), so the first batch pays no compilation. Through ``lm_eval_cli`` the
+``max_length`` against them at once, then loads the weights. The scorer's kernels are compiled
+(``scoring.warm_up``) by the first scoring call, before its first batch, not at load: a run
+that only generates (GSM8K) never compiles them (on an empty Triton cache they were ~9 s of a
+first GSM8K run on an H100: ``model_profile/results/<device>/compile``). Through ``lm_eval_cli`` the
 weights of a single-GPU Nakta checkpoint are already on their way: their read started when
 lm-eval's command line was parsed (``lm_eval_preload``) and overlapped lm-eval's start-up, and
 the load takes them. ``background_load=true`` does the load on a worker thread instead, the
@@ -35,8 +37,9 @@ first request waiting for what is left (and raising a failed load's error); it i
 default because under the GIL that thread only takes turns with lm-eval's own Python work: on
 the H200 host it made no run faster (``speed_bench/results/nvidia-h200/lm_eval_load_matrix``).
 Any ``torchrun`` grid loads in the constructor (its loads go through collectives).
-``load_timings`` holds ``read_s``, ``warm_up_s``, ``prefetched`` (whether the load took a
-prefetched shard), ``wait_s`` (background only: what the first request still waited) and the
+``load_timings`` holds ``read_s``, ``prefetched`` (whether the load took a prefetched shard),
+``warm_up_s`` (once a scoring call has compiled the scorer), ``wait_s`` (background only: what
+the first request still waited) and the
 wall-clock moments ``build_start_unix``, ``read_end_unix``, ``ready_unix`` (the timing hook of
 ``lm_eval_cli`` turns them into events).
 
@@ -191,9 +194,8 @@ class NaktaLM(ScoringLM):
             self._model = build()
 
     def _build(self, checkpoint: str, kernels: str | None):
-        """Read the weights (or take the ones ``lm_eval_preload`` prefetched), then compile the
-        scorer's kernels: part of loading, not of the first batch. The ``*_unix`` timings are
-        wall-clock moments (the CLI's timing hook turns them into events)."""
+        """Read the weights (or take the ones ``lm_eval_preload`` prefetched). The ``*_unix``
+        timings are wall-clock moments (the CLI's timing hook turns them into events)."""
         from nakta_model import prefetch
         from nakta_model.loading import load
 
@@ -208,9 +210,14 @@ class NaktaLM(ScoringLM):
         t["read_s"] = time.perf_counter() - t0
         t["prefetched"] = prefetch.handed_out > taken
         t["read_end_unix"] = time.time()
-        t["warm_up_s"] = scoring.warm_up(model, use_cache=self.use_cache)
         t["ready_unix"] = time.time()
         return model
+
+    def _scorer_ready(self) -> None:
+        """Compile the scorer's kernels once, before the first scoring batch (``warm_up``):
+        here rather than at load, so that a run which only generates never compiles them."""
+        if "warm_up_s" not in self.load_timings:
+            self.load_timings["warm_up_s"] = scoring.warm_up(self.model, use_cache=self.use_cache)
 
     @property
     def model(self):
@@ -251,6 +258,7 @@ class NaktaLM(ScoringLM):
 
     def _score_local(self, reqs, progress):
         """This replica's token requests through the shared-context engine."""
+        self._scorer_ready()
         return scoring.score(
             self.model,
             reqs,

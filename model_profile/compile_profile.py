@@ -81,10 +81,28 @@ class CompileLog:
             finally:
                 name = getattr(getattr(src, "fn", None), "__name__", type(src).__name__)
                 self.records.append(
-                    {"phase": self.phase, "kernel": name, "seconds": time.perf_counter() - t0}
-                )
+                    {"phase": self.phase, "kernel": name, "seconds": time.perf_counter() - t0,
+                     "specialization": specialization(src)}
+                )  # fmt: skip
 
         tc.compile = timed
+
+
+def specialization(src) -> str:
+    """What tells this compile of a kernel from its others: the constexpr values and the integer
+    or pointer arguments Triton specialised (``==1`` or divisible by 16), by name."""
+    fn = getattr(src, "fn", None)
+    names = list(getattr(fn, "arg_names", []))
+
+    def name(key) -> str:
+        i = key[0] if isinstance(key, tuple) and key else key
+        return names[i] if isinstance(i, int) and i < len(names) else str(key)
+
+    consts = getattr(src, "constants", None) or getattr(src, "constexprs", None) or {}
+    parts = [f"{name(k)}={v}" for k, v in consts.items() if isinstance(v, (bool, int, float, str))]
+    attrs = getattr(src, "attrs", None) or {}
+    parts += [f"{name(k)}:{','.join(str(a[-1]) for a in v)}" for k, v in attrs.items() if v]
+    return " ".join(parts)
 
 
 def _phase_rows(records: list[dict], walls: dict[str, float]) -> list[dict]:
@@ -141,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         torch.cuda.synchronize()
         walls[phase] = time.perf_counter() - t0
     phases = _phase_rows(log.records, walls)
-    df = pd.DataFrame(log.records, columns=["phase", "kernel", "seconds"])
+    df = pd.DataFrame(log.records, columns=["phase", "kernel", "seconds", "specialization"])
     by_kernel = (
         df.groupby(["phase", "kernel"])["seconds"].agg(["count", "sum"]).reset_index()
         .sort_values("sum", ascending=False)

@@ -366,6 +366,24 @@ def test_lm_eval_check_reproduces_parity(tiny, shared_data, tmp_path):
     assert out.with_suffix(".md").is_file()
 
 
+def test_the_scorer_compiles_at_the_first_scoring_call_only(tiny, monkeypatch):
+    """Not at load: generating never warms the scorer up; the first scoring call does, once."""
+    ckpt, tok = tiny
+    calls = []
+    real = adapter.scoring.warm_up
+    monkeypatch.setattr(
+        adapter.scoring, "warm_up", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    lm = adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="fp32")
+    gen = [Instance("generate_until", {}, ("the cat", {"max_gen_toks": 3}), 0)]
+    assert len(lm.generate_until(gen, disable_tqdm=True)) == 1
+    assert calls == [] and "warm_up_s" not in lm.load_timings
+    ll = [Instance("loglikelihood", {}, ("the cat", " sat"), 0)]
+    first = lm.loglikelihood(ll, disable_tqdm=True)
+    assert calls == [1] and lm.load_timings["warm_up_s"] >= 0
+    assert lm.loglikelihood(ll, disable_tqdm=True) == first and calls == [1]
+
+
 def test_background_load_overlaps_the_caller_and_scores_like_a_blocking_one(tiny, monkeypatch):
     """The constructor returns while the weights are still being read (lm-eval builds its
     requests meanwhile); the first request waits for them; the numbers equal a blocking load's."""
@@ -379,8 +397,9 @@ def test_background_load_overlaps_the_caller_and_scores_like_a_blocking_one(tiny
     insts.append(Instance("loglikelihood", {}, ("the cat", " ran"), 1))
     blocking = adapter.NaktaLM(**kw, background_load="false")
     assert blocking._pending is None
-    assert set(blocking.load_timings) == {"read_s", "warm_up_s", "prefetched"} | MOMENTS
+    assert set(blocking.load_timings) == {"read_s", "prefetched"} | MOMENTS
     want = blocking.loglikelihood(insts, disable_tqdm=True)
+    assert set(blocking.load_timings) == {"read_s", "warm_up_s", "prefetched"} | MOMENTS
     release, threads = threading.Event(), []
     real_load = nakta_model.loading.load
 

@@ -89,7 +89,9 @@ def _pv(p, v, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     return _dot(round_to(p, v.dtype, EMULATE_RNE), v, IEEE)
 
 
-@triton.jit(do_not_specialize=["n_tokens"])
+# Neither the token count nor the page table's row stride (the token count again when there
+# is no prefix) is specialised on: one compile per constexpr set, whatever the batch's size.
+@triton.jit(do_not_specialize=["n_tokens", "stride_table"])
 def _packed_attention_kernel(
     QKV, OUT, START, END, ENTRY, TABLE, PLEN, PK, PV,
     n_tokens, stride_qt, stride_ot, stride_table, stride_pks, stride_pkh, stride_pvs, stride_pvh,
