@@ -8,14 +8,16 @@ phase by phase on random weights at a real shape, in the order a run meets it:
 - ``load``: building the model (no kernel runs),
 - ``score``: ``scoring.warm_up`` (what a loglikelihood task's first batch would compile),
 - ``generate``: a first ``Generator`` call (GSM8K-shaped: prompts sharing a few-shot prefix,
-  up to ``--max-batch`` rows; compiles the prefill and decode kernels, captures the steps).
+  up to ``--max-batch`` rows, answers of 1..``--output-len`` tokens so that the rows finish
+  one by one and the step walks down every batch bucket, as a real run's tail does; compiles
+  the prefill and decode kernels, captures the steps).
 
 Outputs in ``model_profile/results/<device>/compile/``: ``compiles.csv`` (one row per compile:
 phase, kernel, seconds), ``compile.md`` (per phase: wall, compiles, compile seconds; the
 slowest kernels) and ``compile_summary.json``.
 
     python -m model_profile.compile_profile [--preset 7B] [--phases score,generate]
-        [--prompts 64] [--input-len 925] [--shared-prefix 878] [--output-len 16]
+        [--prompts 512] [--input-len 925] [--shared-prefix 878] [--output-len 64]
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="7B")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated: {PHASES}")
-    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=512)
     p.add_argument("--input-len", type=int, default=925)
     p.add_argument("--shared-prefix", type=int, default=878)
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=64, help="answers of 1..N tokens")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--quant", choices=["fp8"], default=None)
     p.add_argument(
@@ -150,12 +152,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if phase == "score":
             scoring.warm_up(model)
         else:
-            work = make_workload(a.prompts, a.input_len, a.output_len, weights.args.vocab_size, 0)
+            work = make_workload(
+                a.prompts, a.input_len, (1, a.output_len), weights.args.vocab_size, 0
+            )
             head = work.prompts[0][: a.shared_prefix]
             prompts = [head + p[a.shared_prefix :] for p in work.prompts]
             max_seq = -(-(a.input_len + a.output_len + 1) // 256) * 256
             gen = Generator(model, max_batch=a.max_batch, max_seq_len=max_seq)
-            gen.generate([GenerationRequest(p, a.output_len) for p in prompts])
+            gen.generate([GenerationRequest(p, n) for p, n in zip(prompts, work.outputs)])
         torch.cuda.synchronize()
         walls[phase] = time.perf_counter() - t0
     phases = _phase_rows(log.records, walls)

@@ -241,3 +241,20 @@ def test_partial_prefix_pages_are_copied_in_one_go_per_admission(monkeypatch):
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert max(flushed) >= 2 and sum(flushed) == len(ps)  # a partial page each, batched
     assert gen._copies == []
+
+
+def test_a_draining_batch_stays_on_its_captured_bucket():
+    """Rows finishing one by one (nothing left to admit) do not step the decode down into
+    buckets not built yet (each would compile and capture for a short tail); the tokens equal
+    Meta's loop; a later call of one row builds its own small bucket."""
+    model = tiny_model()
+    ps = long_prompts(8, 3, 9, seed=4)
+    budgets = [2, 3, 5, 7, 9, 11, 13, 15]
+    gen = Generator(model, max_batch=8, max_seq_len=32, chunk=2)
+    reqs = [r for p, n in zip(ps, budgets) for r in greedy_requests([p], n, eos_id=None)]
+    got = gen.generate(reqs)
+    assert [r.tokens for r in got] == [meta_greedy(model, [p], n)[0] for p, n in zip(ps, budgets)]
+    assert {key[0] for key in gen._steps} == {8}
+    one = gen.generate(greedy_requests(ps[:1], 4, eos_id=None))
+    assert one[0].tokens == meta_greedy(model, ps[:1], 4)[0]
+    assert 1 in {key[0] for key in gen._steps}

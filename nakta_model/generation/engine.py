@@ -52,8 +52,10 @@ from nakta_model.generation.requests import (
     GenerationStats,
     _Held,
     _Row,
+    check_requests,
+    greedy_requests,
 )
-from nakta_model.generation.sampling import SamplingParams, sample_next
+from nakta_model.generation.sampling import sample_next
 from nakta_model.generation.step import DecodeStep, batch_limit, check_graph_mode
 from nakta_model.kv_pages import PAGE_SIZE, kv_pool, pages_for, pool_pages
 
@@ -62,6 +64,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "Generator",
+    "greedy_requests",
     "max_rows",
 ]
 
@@ -224,11 +227,12 @@ class Generator:
         reason (None while it runs): what a caller streams text from as it is decoded. Every
         page a row took is back in the pool when this returns (or raises); only the held
         prefixes keep theirs."""
-        self._validate(requests)
+        check_requests(requests, self.model.args.vocab_size, self.max_seq_len)
         self._ensure_cache()
         self.stats = GenerationStats(first_token_s=[float("nan")] * len(requests))
         self._on_tokens = on_tokens
         self._t0 = time.perf_counter()
+        self._call_bucket = None  # the bucket this call's last chunk ran
         shared = [0] * len(requests)
         if self.n_prefixes:
             from nakta_model.prefix_cache import shared_prefixes
@@ -262,7 +266,7 @@ class Generator:
                     if not prefilling and queue and not any(slots):
                         raise RuntimeError("generation engine: a request could not be admitted")
                     continue
-                self._decode_chunk(active, slots)
+                self._decode_chunk(active, slots, draining=not queue)
                 for s in active:
                     if slots[s].finished:
                         self._release(slots[s], slots, done, bar)
@@ -466,14 +470,28 @@ class Generator:
                 self._accept(r, [t])
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _decode_chunk(self, active: list[int], slots) -> None:
+    def _bucket(self, need: int, variant: tuple, draining: bool) -> int:
+        """The smallest bucket holding ``need`` entries, but a call whose batch drains (nothing
+        left to admit) does not step down into a bucket not captured yet: it stays on the
+        smallest captured one that holds the rows. A new bucket compiles its kernels (on an
+        empty Triton cache ~1 s a bucket: 7 s of GSM8K-full's first run on an H200) and
+        captures its graph, for a tail of at most ``max_new_tokens`` steps that a bigger step
+        runs nearly as fast (a step reads the weights whatever its rows)."""
+        fit = [b for b in self.buckets if b >= need]
+        last = self._call_bucket
+        if draining and last in fit and (fit[0], *variant) not in self._steps:
+            return next(b for b in fit if b == last or (b, *variant) in self._steps)
+        return fit[0]
+
+    def _decode_chunk(self, active: list[int], slots, draining: bool = False) -> None:
         """Replay the decode step for the active rows, then read and apply the new tokens."""
         t0 = time.perf_counter()
-        need = max(active) + 1
-        bucket = next(b for b in self.buckets if b >= need)
         sampling = any(not slots[s].request.sampling.greedy for s in active)
         shared = any(self._reads_held(slots[s]) for s in active)
-        step = self._step(bucket, sampling, self.cascade and shared and self.n_prefixes > 0)
+        variant = (sampling, self.cascade and shared and self.n_prefixes > 0)
+        bucket = self._bucket(max(active) + 1, variant, draining)
+        self._call_bucket = bucket
+        step = self._step(bucket, *variant)
         steps = self.chunk
         for s in active:
             r = slots[s]
@@ -565,34 +583,6 @@ class Generator:
                 slots[s] = None
         done.append(r)
         bar.update(1)
-
-    def _validate(self, requests: Sequence[GenerationRequest]) -> None:
-        vocab = self.model.args.vocab_size
-        for i, r in enumerate(requests):
-            if not isinstance(r, GenerationRequest):
-                raise TypeError(f"requests[{i}] must be a GenerationRequest")
-            p = list(r.prompt)
-            if not p:
-                raise ValueError(f"requests[{i}] has an empty prompt (pass at least BOS)")
-            if any(type(t) is not int or not 0 <= t < vocab for t in p):
-                raise ValueError(f"requests[{i}] prompt holds a token outside [0, {vocab})")
-            if len(p) >= self.max_seq_len:
-                raise ValueError(
-                    f"requests[{i}] prompt has {len(p)} tokens; max_seq_len={self.max_seq_len} "
-                    "leaves no room to generate"
-                )
-            if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
-                raise ValueError(f"requests[{i}].max_new_tokens must be an int >= 1")
-            if not isinstance(r.sampling, SamplingParams):
-                raise TypeError(f"requests[{i}].sampling must be a SamplingParams")
-
-
-def greedy_requests(
-    prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None
-) -> list[GenerationRequest]:
-    """Greedy requests that stop at ``eos_id`` (None: only at the budget)."""
-    stop = () if eos_id is None else (eos_id,)
-    return [GenerationRequest(p, max_new_tokens, stop_token_ids=stop) for p in prompts]
 
 
 Decoder = Callable[[list[int]], str]

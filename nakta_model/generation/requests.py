@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from nakta_model.generation.sampling import SamplingParams
 from nakta_model.generation.stops import StopStrings
 
-__all__ = ["GenerationRequest", "GenerationResult", "GenerationStats"]
+__all__ = [
+    "GenerationRequest",
+    "GenerationResult",
+    "GenerationStats",
+    "check_requests",
+    "greedy_requests",
+]
 
 
 @dataclass
@@ -76,3 +82,32 @@ class GenerationStats:
     prompt_tokens: int = 0  # prompt tokens asked for
     peak_pages: int = 0  # most KV pages in use at once (held prefixes included)
     first_token_s: list[float] = field(default_factory=list)  # per request, from the call's start
+
+
+def check_requests(requests: Sequence[GenerationRequest], vocab: int, max_seq_len: int) -> None:
+    """Every request well-formed before any runs (a clear error naming the first bad one)."""
+    for i, r in enumerate(requests):
+        if not isinstance(r, GenerationRequest):
+            raise TypeError(f"requests[{i}] must be a GenerationRequest")
+        p = list(r.prompt)
+        if not p:
+            raise ValueError(f"requests[{i}] has an empty prompt (pass at least BOS)")
+        if any(type(t) is not int or not 0 <= t < vocab for t in p):
+            raise ValueError(f"requests[{i}] prompt holds a token outside [0, {vocab})")
+        if len(p) >= max_seq_len:
+            raise ValueError(
+                f"requests[{i}] prompt has {len(p)} tokens; max_seq_len={max_seq_len} "
+                "leaves no room to generate"
+            )
+        if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
+            raise ValueError(f"requests[{i}].max_new_tokens must be an int >= 1")
+        if not isinstance(r.sampling, SamplingParams):
+            raise TypeError(f"requests[{i}].sampling must be a SamplingParams")
+
+
+def greedy_requests(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None
+) -> list[GenerationRequest]:
+    """Greedy requests that stop at ``eos_id`` (None: only at the budget)."""
+    stop = () if eos_id is None else (eos_id,)
+    return [GenerationRequest(p, max_new_tokens, stop_token_ids=stop) for p in prompts]
