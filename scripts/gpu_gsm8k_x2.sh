@@ -18,11 +18,15 @@ mkdir -p "$R"
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$R/gpus.txt"
 lane0() {
   lane 0
+  rm -rf /tmp/gsm8k_work*  # a warm machine keeps an earlier call's weights: 64 GB of disk
   export TRITON_CACHE_DIR=/tmp/gsm8k_triton_cache  # empty for the first run, warm for the next
   rm -rf "$TRITON_CACHE_DIR"
-  step gsm8k_nakta_first 150 python3 speed_bench/lm_eval_gsm8k.py --preset 7B --models nakta \
+  # every Triton compile of the first run logged (scripts/compile_log/sitecustomize.py)
+  NAKTA_COMPILE_LOG=$R/first_compiles.csv PYTHONPATH=$PWD/scripts/compile_log:$PYTHONPATH \
+    step gsm8k_nakta_first 150 python3 speed_bench/lm_eval_gsm8k.py --preset 7B --models nakta \
     --tokenizer "$D/llama_tokenizer.model" --run-timeout-s 120 --out "$R/first" \
     --work /tmp/gsm8k_work
+  mv "$R/first_compiles.csv" "$R/first/compiles.csv" 2>/dev/null
   keep first
   step gsm8k_nakta_warm 90 python3 speed_bench/lm_eval_gsm8k.py \
     --checkpoint /tmp/gsm8k_work/nakta --tokenizer "$D/llama_tokenizer.model" --models nakta \

@@ -258,3 +258,30 @@ def test_a_draining_batch_stays_on_its_captured_bucket():
     one = gen.generate(greedy_requests(ps[:1], 4, eos_id=None))
     assert one[0].tokens == meta_greedy(model, ps[:1], 4)[0]
     assert 1 in {key[0] for key in gen._steps}
+
+
+def test_every_prefill_chunk_runs_the_page_reading_attention():
+    """A chunk of fresh prompts only passes one empty prefix entry that no token reads: the
+    packed attention compiled for continued pieces serves every chunk (one compile, not two);
+    a continued piece gets an entry of its own."""
+    from nakta_model.generation.prefill_stream import PrefillStream
+
+    class Capture:
+        device = torch.device("cpu")
+
+        def forward_prefill(self, tokens, positions, seq_start, slots, last, prefix=None):
+            self.prefix, self.slots = prefix, slots
+
+    fresh, model = PrefillStream(), Capture()
+    fresh.add([1, 5, 6, 7], 0, 4, [3])
+    fresh.run(model)
+    assert model.prefix.token_entry.tolist() == [-1] * 4
+    assert model.prefix.lengths.tolist() == [0] and model.prefix.page_size == PAGE_SIZE
+    assert model.slots.dtype == torch.int32  # as the decode step's: one RoPE kernel for both
+    assert model.slots.tolist() == [3 * PAGE_SIZE + i for i in range(4)]
+    cont = PrefillStream()
+    cont.add([1, 5, 6, 7], 0, 2, [3])
+    cont.add([1, 5, 6, 7], 2, 2, [4])
+    cont.run(model)
+    assert model.prefix.lengths.tolist() == [2] and model.prefix.page_table.tolist() == [[4]]
+    assert model.prefix.token_entry.tolist()[:2] == [-1, -1] and 0 in model.prefix.token_entry
