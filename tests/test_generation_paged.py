@@ -285,3 +285,45 @@ def test_every_prefill_chunk_runs_the_page_reading_attention():
     cont.run(model)
     assert model.prefix.lengths.tolist() == [2] and model.prefix.page_table.tolist() == [[4]]
     assert model.prefix.token_entry.tolist()[:2] == [-1, -1] and 0 in model.prefix.token_entry
+
+
+def test_pieces_reading_one_held_prefix_share_a_segment():
+    """Rows continuing the same held prefix (same pages, same start) pack back to back under
+    one entry; a piece of another prefix, or one reading its own pages, opens an aligned
+    segment of its own (and only the stream's end is padded after it)."""
+    from nakta_model.generation.prefill_stream import PrefillStream
+    from nakta_model.kernels.packed_attention import PREFIX_ALIGN
+
+    s = PrefillStream()
+    held = [5, 6]  # a held prefix of 70 positions: two pages
+    s.add(list(range(80)), 70, 10, [5, 9], read_pages=held)
+    s.add(list(range(83)), 70, 13, [5, 11], read_pages=held)
+    assert s.lengths == [70] and s.tables == [held] and s.entry == [0] * 23
+    assert s.seq_start == [0] * 10 + [10] * 13 and len(s.tokens) == 23  # no padding between
+    s.add(list(range(80)), 70, 10, [5, 12])  # its own pages: an entry and segment of its own
+    assert s.lengths == [70, 70] and s.tables[1] == [5, 12]
+    assert len(s.tokens) == PREFIX_ALIGN + 10 and s.entry[-10:] == [1] * 10
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_rows_of_a_held_prefix_prefill_in_one_segment(kernels, monkeypatch):
+    """Prompts of two 70-token shared prefixes: the rows' first pieces after their held prefix
+    share its entry (fewer stream tokens than one aligned segment per row); the tokens equal
+    an engine holding no prefixes."""
+    from nakta_model.generation import prefill_stream
+
+    model = tiny_model(kernels=kernels)
+    ps = shared_prompts(per=3)
+    want = Generator(model, max_batch=6, max_seq_len=96, prefix_rows=0).generate(
+        greedy_requests(ps, 3, None)
+    )
+    shared, real_run = [], prefill_stream.PrefillStream.run
+
+    def spy(self, m):
+        shared.append((len(self.last), len(self.lengths)))  # pieces, prefix entries
+        return real_run(self, m)
+
+    monkeypatch.setattr(prefill_stream.PrefillStream, "run", spy)
+    got = Generator(model, max_batch=6, max_seq_len=96).generate(greedy_requests(ps, 3, None))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert (6, 2) in shared  # six rows' pieces in one chunk, under their two prefixes' entries
