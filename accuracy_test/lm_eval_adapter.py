@@ -28,8 +28,9 @@ default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
 Loading (``nakta``). The constructor reads the checkpoint's params and checks the tokenizer and
 ``max_length`` against them at once, then loads the weights. The scorer's kernels are compiled
 (``scoring.warm_up``) by the first scoring call, before its first batch, not at load: a run
-that only generates (GSM8K) never compiles them (on an empty Triton cache they were ~9 s of a
-first GSM8K run on an H100: ``model_profile/results/<device>/compile``). Through ``lm_eval_cli`` the
+that only generates (GSM8K) never compiles them (on an empty Triton cache they took 5.8 s on an
+H200, ``model_profile/results/nvidia-h200/compile``, and 11.9 s of one first GSM8K run's load).
+Through ``lm_eval_cli`` the
 weights of a single-GPU Nakta checkpoint are already on their way: their read started when
 lm-eval's command line was parsed (``lm_eval_preload``) and overlapped lm-eval's start-up, and
 the load takes them. ``background_load=true`` does the load on a worker thread instead, the

@@ -120,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     a = parse_args(argv)
     if not a.keep_cache:  # before triton reads its cache directory
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_empty_")
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    empty = not cache.is_dir() or not any(cache.iterdir())
     log = CompileLog()
 
     import pandas as pd
@@ -172,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name(),
         "preset": a.preset,
         "quant": a.quant,
-        "empty_cache": not a.keep_cache,
+        "empty_cache": empty,
         "cpu_count": os.cpu_count(),
         "phases": phases,
         "compiles": len(log.records),
@@ -185,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     md = (
         f"# First-run compilation, phase by phase\n\n{summary['device_name']}, {a.preset} "
         f"{a.quant or 'bf16'} random weights, "
-        + ("an empty Triton cache" if not a.keep_cache else "Triton's cache as found")
+        + ("an empty Triton cache" if empty else "a Triton cache holding earlier compiles")
         + f": {summary['compiles']} compiles, {summary['compile_s']:.1f} s\n\n"
         + pd.DataFrame(phases).to_markdown(index=False, floatfmt=".2f")
         + "\n\n"

@@ -476,10 +476,11 @@ class Generator:
     def _bucket(self, need: int, variant: tuple, draining: bool) -> int:
         """The smallest bucket holding ``need`` entries, but a call whose batch drains (nothing
         left to admit) does not step down into a bucket not captured yet: it stays on the
-        smallest captured one that holds the rows. A new bucket compiles its kernels (on an
-        empty Triton cache ~1 s a bucket: 7 s of GSM8K-full's first run on an H200) and
-        captures its graph, for a tail of at most ``max_new_tokens`` steps that a bigger step
-        runs nearly as fast (a step reads the weights whatever its rows)."""
+        smallest captured one that holds the rows. A new bucket compiles its kernels (the
+        GEMVs of buckets up to 64 are Triton kernels of their own; on a machine's first run the
+        Triton cache is empty) and captures its graph, for a tail of at most
+        ``max_new_tokens`` steps that a bigger step runs nearly as fast (a step reads the
+        weights whatever its rows)."""
         fit = [b for b in self.buckets if b >= need]
         last = self._call_bucket
         if draining and last in fit and (fit[0], *variant) not in self._steps:
