@@ -13,7 +13,8 @@ the same seeded generator. Greedy decoding, EOS ignored (it never stops a row): 
 gets exactly its new tokens.
 
 Engines (``speed_bench/throughput_engines.py``): ``nakta`` (one ``Generator(max_batch=B)`` call,
-continuous batching, for each B of ``--max-batch``), ``hf`` (``transformers`` generate with a
+continuous batching, for each B of ``--max-batch``), ``nakta_fp8`` (the same on the FP8 model;
+not run unless named), ``hf`` (``transformers`` generate with a
 static cache over batches of each B of ``--hf-batches``; skipped with the reason when
 ``transformers`` is missing), ``llama_org`` (Meta's loop over batches of each B of
 ``--max-batch``). A ``max_batch`` an engine refuses (``Generator``: above the decode step's ``max_rows()``) is
@@ -61,7 +62,8 @@ from nakta_model.cli import InputError, OneLineArgumentParser, exit_on_input_err
 from speed_bench.decode_speed import _DTYPES, _skip, _weights, step_bytes
 from speed_bench.throughput_engines import BUILDERS, Outcome
 
-ENGINES = ("nakta", "hf", "llama_org")
+ENGINES = ("nakta", "nakta_fp8", "hf", "llama_org")
+DEFAULT_ENGINES = ("nakta", "hf", "llama_org")
 SUMMARY_KEYS = (
     "engine", "prompts", "input_len", "output_len", "max_batch", "output_tok_s", "requests_s",
     "ttft_median_s", "ttft_p99_s", "peak_mem_gb", "step_floor_pct",
@@ -91,7 +93,9 @@ def parse_args(argv: Sequence[str] | None):
         "--lengths", help="uniform:A-B/C-D: prompt and output lengths drawn per request "
         "uniformly from A..B and C..D (instead of --input-len / --output-len)",
     )  # fmt: skip
-    p.add_argument("--engines", default=",".join(ENGINES), help="nakta,hf,llama_org")
+    p.add_argument(
+        "--engines", default=",".join(DEFAULT_ENGINES), help="nakta,hf,llama_org (nakta_fp8: FP8)"
+    )
     p.add_argument(
         "--max-batch", help="rows in flight for nakta and llama_org, comma-separated (64; CPU 4)"
     )
@@ -163,7 +167,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(list(values), q))
 
 
-def decode_floor(args, work: Workload, stats: dict, elem: int, bw_gbps: float) -> dict:
+def decode_floor(
+    args, work: Workload, stats: dict, elem: int, bw_gbps: float, quant: str | None = None
+) -> dict:
     """The byte floor of Nakta's mean decode step against its measured mean step.
 
     Decoding a request's new token j (j >= 2: the first comes from the prefill) attends to its
@@ -177,7 +183,7 @@ def decode_floor(args, work: Workload, stats: dict, elem: int, bw_gbps: float) -
     if not steps or not tokens:
         return {"step_floor_pct": None}
     rows, context = tokens / steps, positions / tokens
-    floor_s = step_bytes(args, rows, context, elem) / (bw_gbps * 1e9)
+    floor_s = step_bytes(args, rows, context, elem, quant=quant) / (bw_gbps * 1e9)
     step_s = stats["decode_s"] / steps
     return {
         "mean_rows": rows,
@@ -283,8 +289,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             row = {"engine": engine_name, "prompts": n, "input_len": work.input_label,
                    "output_len": work.output_label, "max_batch": b, **m}  # fmt: skip
             row["step_floor_pct"] = None
-            if engine_name == "nakta":
-                row.update(decode_floor(args, work, m["nakta_stats"], elem, bw))
+            if engine_name in ("nakta", "nakta_fp8"):
+                quant = "fp8" if engine_name == "nakta_fp8" else None
+                row.update(decode_floor(args, work, m["nakta_stats"], elem, bw, quant))
             runs.append(row)
             bar.update(1)
             write_results(out, name, weights.name, dtype, bw, runs, skipped, quiet=True)

@@ -252,8 +252,18 @@ def _clocked(forward: Callable, due: dict[int, list[int]], first: list[float], d
     return wrapper
 
 
+class NaktaFp8Throughput(NaktaThroughput):
+    """The Nakta engine on the FP8 model (e4m3 block weights, ``docs/fp8.md``)."""
+
+    name = "nakta_fp8"
+
+    def __init__(self, weights: WeightSource, device, dtype, max_seq: int):
+        super().__init__(weights, device, dtype, max_seq, quant="fp8")
+
+
 BUILDERS: dict[str, type[ThroughputEngine]] = {
     "nakta": NaktaThroughput,
+    "nakta_fp8": NaktaFp8Throughput,
     "hf": HFThroughput,
     "llama_org": LlamaOrgThroughput,
 }

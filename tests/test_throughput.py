@@ -138,6 +138,21 @@ def test_decode_floor_counts_positions_token_by_token():
     assert f["mean_rows"] == 6 / 4 and f["mean_context"] == positions / 6
     floor_s = step_bytes(args, 6 / 4, positions / 6, 2) / 1e12
     assert f["step_floor_pct"] == pytest.approx(100 * floor_s / 0.01)
+    f8 = tp.decode_floor(args, work, stats, 2, 1000.0, quant="fp8")  # one byte a block weight
+    floor8 = step_bytes(args, 6 / 4, positions / 6, 2, quant="fp8") / 1e12
+    assert f8["step_floor_pct"] == pytest.approx(100 * floor8 / 0.01)
+    assert f8["step_floor_pct"] < f["step_floor_pct"]
+
+
+def test_the_fp8_engine_generates_every_asked_token():
+    """nakta_fp8 (named only, not a default engine): the FP8 model through the same engine."""
+    assert "nakta_fp8" in tp.ENGINES and "nakta_fp8" not in tp.DEFAULT_ENGINES
+    weights = weight_source("tiny", None, seed=0)
+    work = tp.make_workload(3, 6, 4, weights.args.vocab_size, seed=1)
+    engine = BUILDERS["nakta_fp8"](weights, CPU, torch.float32, 32)
+    assert engine.model.ops.quant == "fp8"
+    out = engine.run(work.prompts, work.outputs, 2)
+    assert out.generated == work.outputs
 
 
 def test_a_max_batch_nakta_refuses_is_skipped_and_the_rest_runs(tmp_path):
