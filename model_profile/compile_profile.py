@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from nakta_model import scoring
     from nakta_model.config import PRESETS
     from nakta_model.generation import GenerationRequest, Generator
-    from nakta_model.io_utils import atomic_output_file
+    from nakta_model.io_utils import atomic_output_file, atomic_write_text
     from nakta_model.loading import load
     from speed_bench.throughput import make_workload
     from speed_bench.weights import RandomWeights
@@ -195,10 +195,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         .to_markdown(index=False, floatfmt=".2f")
         + "\n"
     )  # fmt: skip
-    with atomic_output_file(out / "compile.md") as tmp:
-        tmp.write_text(md)
-    with atomic_output_file(out / "compile_summary.json") as tmp:
-        tmp.write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out / "compile.md", md)
+    atomic_write_text(out / "compile_summary.json", json.dumps(summary, indent=1))
     print(md)
     return summary
 

@@ -31,7 +31,7 @@ import torch
 from bench_common.ceilings import device_slug
 from bench_common.report import results_dir
 from model_profile.profile import CATEGORIES, categorize
-from nakta_model.io_utils import atomic_output_file
+from nakta_model.io_utils import atomic_output_file, atomic_write_text
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -147,10 +147,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         )
         + "\n"
     )
-    with atomic_output_file(out / "kernels.md") as tmp:
-        tmp.write_text(md)
-    with atomic_output_file(out / "summary.json") as tmp:
-        tmp.write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out / "kernels.md", md)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     print(md)
     return summary
 

@@ -33,6 +33,16 @@ step() {  # step NAME SECONDS CMD...: run with a time limit into $LOG; a failure
   return 0
 }
 
+stage() {  # stage NAME: a fresh $STAGE (/tmp/NAME.XXXXXX/NAME) and its $LOG, status=0, and the
+  # GPU's name, memory and clock as the log's first line (the tar of $STAGE is the job's result)
+  STAGE=$(mktemp -d "/tmp/$1.XXXXXX")/$1
+  mkdir -p "$STAGE"
+  LOG=$STAGE/log.txt
+  : >"$LOG"
+  status=0
+  nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+}
+
 gpu_count() {  # GPUs this host shows (1 where nvidia-smi shows none)
   local n
   n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')

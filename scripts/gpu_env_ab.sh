@@ -12,12 +12,7 @@ source "$(dirname "$0")/gpu_env.sh"
 VAR=$1 OFF=$2 ON=$3
 [ $# -ge 4 ] && lane "$4"
 use_wheels
-STAGE=$(mktemp -d /tmp/env_ab.XXXXXX)/env_ab
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+stage env_ab
 D="python3 -m speed_bench.decode_speed --preset 7B --engines nakta,nakta_fp8 --batches 1,32 --lengths 64:128 --no-budget"
 for run in off1 on1 off2 on2; do
   v=$OFF; [ "${run#on}" != "$run" ] && v=$ON

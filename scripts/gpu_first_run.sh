@@ -12,12 +12,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 [ $# -ge 1 ] && lane "$1"
 use_wheels
-STAGE=$(mktemp -d /tmp/first_run.XXXXXX)/first_run
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+stage first_run
 export TRITON_CACHE_DIR=$STAGE/triton_cache  # empty: this run fills it, the second reads it
 step compile_empty 180 python3 -m model_profile.compile_profile --keep-cache --out "$STAGE/empty"
 step compile_warm 120 python3 -m model_profile.compile_profile --keep-cache --out "$STAGE/warm"

@@ -9,12 +9,7 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 use_wheels
-STAGE=$(mktemp -d /tmp/b1_sweep.XXXXXX)/fp8_b1_sweep
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+stage fp8_b1_sweep
 FAM=$(python3 -c "from nakta_model.kernels._checks import device_family; import torch; print(device_family(torch.device('cuda')))" 2>/dev/null || echo h100)
 T=nakta_model/kernels/_decode_linear_fp8_tuned.json
 cp "$T" "$STAGE/table_orig.json"

@@ -9,12 +9,7 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 use_wheels
-STAGE=$(mktemp -d /tmp/h200_final.XXXXXX)/h200_final
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+stage h200_final
 D="python3 -m speed_bench.decode_speed --preset 7B --engines nakta,nakta_fp8 --lengths 64:128 --no-budget"
 OFF="env NAKTA_EARLY_WEIGHT=0 NAKTA_ATTENTION_TRIGGER=0"
 step decode_off1 100 $OFF $D --batches 1 --out "$STAGE/off1"

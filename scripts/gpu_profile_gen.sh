@@ -9,12 +9,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 [ $# -ge 1 ] && lane "$1"
 use_wheels
-STAGE=$(mktemp -d /tmp/profile_gen.XXXXXX)/profile_gen
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+stage profile_gen
 P="python3 -m model_profile.throughput_profile --preset 7B"
 step profile_throughput 180 $P --prompts 1000 --max-batch 256 --out "$STAGE/throughput"
 step profile_b1_bf16 100 $P --prompts 1 --input-len 64 --output-len 128 --max-batch 1 \

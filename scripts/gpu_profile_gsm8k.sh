@@ -9,12 +9,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 [ $# -ge 1 ] && lane "$1"
 use_wheels
-STAGE=$(mktemp -d /tmp/profile_gsm8k.XXXXXX)/profile_gsm8k
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+stage profile_gsm8k
 P="python3 -m model_profile.throughput_profile --preset 7B --prompts 1319 --input-len 925 --output-len 256 --max-batch 256 --top 30"
 step profile_gsm8k_shared 200 $P --shared-prefix 878 --out "$STAGE/shared"
 grep -E "^===|rror" "$LOG" | tail -8
