@@ -9,14 +9,8 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 [ $# -ge 1 ] && lane "$1"
 use_wheels
-STAGE=$(mktemp -d /tmp/b1_diag.XXXXXX)/b1_diag
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-JOBS=$(($(nproc) - 2))
-[ "$JOBS" -gt 12 ] && JOBS=12
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+stage b1_diag
+JOBS=$(tuner_jobs)
 P="python3 -m model_profile.throughput_profile --preset 7B --prompts 1 --input-len 64 --output-len 128 --max-batch 1 --top 14"
 step prof_bf16_nopdl 90 env NAKTA_PDL=0 $P --out "$STAGE/bf16_nopdl"
 step prof_fp8_nopdl 90 env NAKTA_PDL=0 $P --quant fp8 --out "$STAGE/fp8_nopdl"

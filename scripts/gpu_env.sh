@@ -40,7 +40,14 @@ stage() {  # stage NAME: a fresh $STAGE (/tmp/NAME.XXXXXX/NAME) and its $LOG, st
   LOG=$STAGE/log.txt
   : >"$LOG"
   status=0
-  nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
+  nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
+}
+
+tuner_jobs() {  # processes a tuner may compile with: the cores but two, 1 to 12
+  local n=$(($(nproc) - 2))
+  [ "$n" -gt 12 ] && n=12
+  [ "$n" -lt 1 ] && n=1
+  echo "$n"
 }
 
 gpu_count() {  # GPUs this host shows (1 where nvidia-smi shows none)

@@ -29,15 +29,8 @@ source "$(dirname "$0")/gpu_env.sh"
 [ $# -ge 1 ] && lane "$1"
 use_wheels
 export PYTHONUNBUFFERED=1
-STAGE=$(mktemp -d /tmp/fp8_prefetch.XXXXXX)/fp8_prefetch
-mkdir -p "$STAGE"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-JOBS=$(($(nproc) - 2))
-[ "$JOBS" -gt 12 ] && JOBS=12
-[ "$JOBS" -lt 1 ] && JOBS=1
-nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
+stage fp8_prefetch
+JOBS=$(tuner_jobs)
 git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-120 | tee -a "$LOG"
 TUNED=nakta_model/kernels/_decode_linear_fp8_tuned.json
 step fp8_prefetch_gpu_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \

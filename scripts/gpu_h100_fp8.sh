@@ -9,14 +9,9 @@ set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh"
 use_wheels
-STAGE=$(mktemp -d /tmp/h100_fp8.XXXXXX)/h100_fp8
+stage h100_fp8
 mkdir -p "$STAGE/gemm_tune"
-LOG=$STAGE/log.txt
-: >"$LOG"
-status=0
-JOBS=$(($(nproc) - 2))
-[ "$JOBS" -gt 12 ] && JOBS=12
-nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
+JOBS=$(tuner_jobs)
 git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-120 | tee -a "$LOG"
 SLUG=$(python3 -c "from bench_common.ceilings import device_slug; print(device_slug())")
 step fp8_prefetch_gpu_tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
