@@ -15,10 +15,12 @@ D=.data
 R=/tmp/gsm8k_x2_stage/gsm8k_x2
 keep() { tar czf "$OUT/gsm8k_$1.tar.gz" -C "$R" "$1" 2>/dev/null; }  # a run's files, as it ends
 mkdir -p "$R"
+# a warm machine keeps an earlier call's weights (64 GB of disk); cleared before the lanes
+# start, not inside one (lane 0 would delete lane 1's folder on a 2-GPU host)
+rm -rf /tmp/gsm8k_work*
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$R/gpus.txt"
 lane0() {
   lane 0
-  rm -rf /tmp/gsm8k_work*  # a warm machine keeps an earlier call's weights: 64 GB of disk
   export TRITON_CACHE_DIR=/tmp/gsm8k_triton_cache  # empty for the first run, warm for the next
   rm -rf "$TRITON_CACHE_DIR"
   # every Triton compile of the first run logged (scripts/compile_log/sitecustomize.py)
