@@ -23,7 +23,6 @@ slowest kernels) and ``compile_summary.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -128,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import torch
 
     from bench_common.ceilings import device_slug
-    from bench_common.report import results_dir
+    from bench_common.report import results_dir, write_json
     from nakta_model import scoring
     from nakta_model.config import PRESETS
     from nakta_model.generation import GenerationRequest, Generator
@@ -196,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         + "\n"
     )  # fmt: skip
     atomic_write_text(out / "compile.md", md)
-    atomic_write_text(out / "compile_summary.json", json.dumps(summary, indent=1))
+    write_json(summary, out / "compile_summary.json")
     print(md)
     return summary
 

@@ -16,7 +16,6 @@ kernels). No trace file is written: a 10 s run holds ~10^5 kernels.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import pandas as pd
 import torch
 
 from bench_common.ceilings import device_slug
-from bench_common.report import results_dir
+from bench_common.report import results_dir, write_json
 from model_profile.profile import CATEGORIES, categorize
 from nakta_model.io_utils import atomic_output_file, atomic_write_text
 
@@ -148,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         + "\n"
     )
     atomic_write_text(out / "kernels.md", md)
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    write_json(summary, out / "summary.json")
     print(md)
     return summary
 

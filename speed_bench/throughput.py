@@ -289,9 +289,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             row = {"engine": engine_name, "prompts": n, "input_len": work.input_label,
                    "output_len": work.output_label, "max_batch": b, **m}  # fmt: skip
             row["step_floor_pct"] = None
-            if engine_name in ("nakta", "nakta_fp8"):
-                quant = "fp8" if engine_name == "nakta_fp8" else None
-                row.update(decode_floor(args, work, m["nakta_stats"], elem, bw, quant))
+            if "nakta_stats" in m:  # the Nakta engines (bf16 or FP8): their step's floor
+                row.update(decode_floor(args, work, m["nakta_stats"], elem, bw, engine.quant))
             runs.append(row)
             bar.update(1)
             write_results(out, name, weights.name, dtype, bw, runs, skipped, quiet=True)

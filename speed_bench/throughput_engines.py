@@ -67,7 +67,7 @@ class NaktaThroughput(ThroughputEngine):
         from nakta_model.loading import load
 
         self.model = load(weights.source(device, dtype), device, dtype, quant=quant)
-        self.max_seq, self.device = max_seq, device
+        self.max_seq, self.device, self.quant = max_seq, device, quant
         self.gen, self.max_batch = None, None
 
     def _generator(self, max_batch: int):

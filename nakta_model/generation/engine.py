@@ -446,7 +446,7 @@ class Generator:
             self._grow(r, r.done + n)
             # a row's first piece after a held prefix reads the prefix's own pages (the keys
             # of its copy-on-write page too): the rows of one prefix share a segment
-            held = r.done == r.shared and r.held is not None and self._reads_held(r)
+            held = r.done == r.shared and self._reads_held(r)
             stream.add(prompt, r.done, n, r.pages, r.held.pages if held else None)
             pieces.append(r)
             r.done += n
