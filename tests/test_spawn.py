@@ -34,10 +34,12 @@ def test_parse():
 
 
 def test_every_rank_gets_its_environment_and_no_torch_is_imported():
+    # One os.write a rank: three ranks share the pipe, and print() under PYTHONUNBUFFERED=1
+    # writes each argument by itself, so lines could interleave mid-line.
     code = (
-        "import os, sys; print(os.environ['RANK'], os.environ['LOCAL_RANK'], "
-        "os.environ['WORLD_SIZE'], os.environ['LOCAL_WORLD_SIZE'], os.environ['MASTER_ADDR'], "
-        "os.environ['MASTER_PORT'], 'torch' in sys.modules)"
+        "import os, sys; e = os.environ; os.write(1, (' '.join([e['RANK'], e['LOCAL_RANK'], "
+        "e['WORLD_SIZE'], e['LOCAL_WORLD_SIZE'], e['MASTER_ADDR'], e['MASTER_PORT'], "
+        "str('torch' in sys.modules)]) + '\\n').encode())"
     )
     out = _run(["--nproc", "3", "-c", code])
     assert out.returncode == 0, out.stderr
