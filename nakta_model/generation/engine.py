@@ -56,7 +56,7 @@ from nakta_model.generation.requests import (
     greedy_requests,
 )
 from nakta_model.generation.sampling import sample_next
-from nakta_model.generation.step import DecodeStep, batch_limit, check_graph_mode
+from nakta_model.generation.step import DecodeStep, EntryState, batch_limit, check_graph_mode
 from nakta_model.kv_pages import PAGE_SIZE, kv_pool, pages_for, pool_pages
 
 __all__ = [
@@ -500,12 +500,12 @@ class Generator:
         for s in active:
             r = slots[s]
             left = r.request.max_new_tokens - len(r.tokens)
-            room = self.max_seq_len - (len(r.request.prompt) + len(r.tokens))
+            room = self.max_seq_len - (r.position + 1)
             steps = max(1, min(steps, left, room))
         for s in active:  # pages for the positions this chunk writes
             r = slots[s]
-            self._grow(r, len(r.request.prompt) + len(r.tokens) - 1 + steps)
-        self._load(step, active, slots, bucket)
+            self._grow(r, r.position + steps)
+        self._load(step, active, slots)
         step.run(steps)
         history = step.buffers.history[:, :steps].tolist()  # the one host sync per chunk
         for s in active:
@@ -517,66 +517,22 @@ class Generator:
         """Row r's shared prefix is still held (not evicted since it was admitted)."""
         return r.held is not None and self._held.get(tuple(r.request.prompt[: r.shared])) is r.held
 
-    def _load(self, step: DecodeStep, active: list[int], slots, bucket: int) -> None:
-        """Write the active rows' state into the step's buffers (entry s = batch slot s); idle
-        entries read and write the scratch page."""
-        buf = step.buffers
-        width = self.row_pages
-        tokens, positions = [0] * bucket, [0] * bucket
-        table = [[0] * width for _ in range(bucket)]
-        pre_rows, pre_lens = [0] * bucket, [0] * bucket
-        temp, top_k, top_p = [0.0] * bucket, [0] * bucket, [1.0] * bucket
-        cascade = buf.slot_table.numel() > 0
+    def _load(self, step: DecodeStep, active: list[int], slots) -> None:
+        """The active rows' state into the step's buffers (entry s = batch slot s)."""
+        cascade = step.buffers.slot_table.numel() > 0
+        entries = {}
         for s in active:
             r = slots[s]
-            tokens[s] = r.tokens[-1]
-            positions[s] = len(r.request.prompt) + len(r.tokens) - 1
-            table[s][: len(r.pages)] = r.pages
-            if cascade and self._reads_held(r):  # the cascade reads the held prefix's pages
-                pre_rows[s], pre_lens[s] = r.held.pages[0], r.held.length
-            sp = r.request.sampling
-            temp[s], top_k[s], top_p[s] = sp.temperature, sp.top_k, sp.top_p
-        for t, v in (
-            (buf.tokens, tokens),
-            (buf.positions, positions),
-            (buf.block_table, table),
-            (buf.prefix_rows, pre_rows),
-            (buf.prefix_lens, pre_lens),
-            (buf.temperature, temp),
-            (buf.top_k, top_k),
-            (buf.top_p, top_p),
-        ):
-            t.copy_(torch.tensor(v, dtype=t.dtype), non_blocking=False)
-        buf.step.zero_()
-        if cascade:  # each held prefix's pages in its slot (empty slots: length 0)
-            slot_table = [[0] * width for _ in range(self.n_prefixes)]
-            slot_lens = [0] * self.n_prefixes
-            for h in self._held.values():
-                slot_table[h.slot][: len(h.pages)] = h.pages
-                slot_lens[h.slot] = h.length
-            buf.slot_table.copy_(torch.tensor(slot_table, dtype=torch.int32))
-            buf.slot_lens.copy_(torch.tensor(slot_lens, dtype=torch.int32))
+            held = cascade and self._reads_held(r)  # the cascade reads the held prefix's pages
+            entries[s] = EntryState(
+                r.tokens[-1], r.position, r.pages, r.request.sampling,
+                r.held.pages[0] if held else 0, r.held.length if held else 0,
+            )  # fmt: skip
+        step.load(entries, [(h.slot, h.pages, h.length) for h in self._held.values()])
 
     def _accept(self, r: _Row, new: list[int]) -> None:
-        """Append decoded tokens to a row until it finishes (stop token, budget, stop string)."""
-        req = r.request
-        stop_ids = set(req.stop_token_ids)
-        for t in new:
-            if r.finished:
-                return
-            if t in stop_ids:
-                r.finished = "stop"
-                break
-            r.tokens.append(t)
-            if (
-                len(r.tokens) >= req.max_new_tokens
-                or len(req.prompt) + len(r.tokens) >= self.max_seq_len
-            ):
-                r.finished = "length"
-        if req.stop is not None:
-            r.text, hit = req.stop.cut(r.tokens)
-            if hit:
-                r.finished = "stop"
+        """Append decoded tokens to a row (``_Row.accept``) and report them."""
+        r.accept(new, self.max_seq_len)
         if self._on_tokens is not None:
             self._on_tokens(r.index, r.tokens, r.finished)
 

@@ -68,6 +68,29 @@ class _Row:
     def total(self) -> int:  # positions it may ever hold (the last token is never written)
         return len(self.request.prompt) + self.request.max_new_tokens
 
+    @property
+    def position(self) -> int:  # where its last token goes in its cache
+        return len(self.request.prompt) + len(self.tokens) - 1
+
+    def accept(self, new: Sequence[int], max_seq_len: int) -> None:
+        """Append decoded tokens until the row finishes (stop token, budget, ``max_seq_len``,
+        stop string); tokens after that are dropped."""
+        req = self.request
+        stop_ids = set(req.stop_token_ids)
+        for t in new:
+            if self.finished:
+                return
+            if t in stop_ids:
+                self.finished = "stop"
+                break
+            self.tokens.append(t)
+            if len(self.tokens) >= req.max_new_tokens or self.position + 1 >= max_seq_len:
+                self.finished = "length"
+        if req.stop is not None:
+            self.text, hit = req.stop.cut(self.tokens)
+            if hit:
+                self.finished = "stop"
+
 
 @dataclass
 class GenerationStats:

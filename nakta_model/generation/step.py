@@ -27,12 +27,13 @@ SwiGLU and RoPE kernels around them (``step_gemm.py``), at the same rounding poi
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from nakta_model.generation import step_gemm as _gemm
-from nakta_model.generation.sampling import sample_next
+from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
 from nakta_model.kernels._checks import mark_compile_constants
@@ -43,6 +44,7 @@ __all__ = [
     "MAX_ROWS",
     "DecodeBuffers",
     "DecodeStep",
+    "EntryState",
     "batch_limit",
     "check_graph_mode",
 ]
@@ -102,6 +104,20 @@ class DecodeBuffers:
             slot_table=torch.zeros(slots, row_pages, **i32),
             slot_lens=torch.zeros(slots, **i32),
         )
+
+
+@dataclass(frozen=True)
+class EntryState:
+    """What one batch entry decodes from: its last token at ``position`` of its cache, its
+    block table ``pages``, its sampling settings, and (``prefix_page``, ``prefix_len``) the
+    first page and length of a held prefix the cascade reads for it (0, 0: none)."""
+
+    token: int
+    position: int
+    pages: Sequence[int]
+    sampling: SamplingParams
+    prefix_page: int = 0
+    prefix_len: int = 0
 
 
 def batch_limit() -> int:
@@ -176,6 +192,41 @@ class DecodeStep:
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self._compiled = self._compile() if graph_mode == "compile" else None
+
+    def load(
+        self, entries: Mapping[int, EntryState], prefixes: Sequence[tuple[int, Sequence[int], int]]
+    ) -> None:
+        """Write the entries' state into the buffers (entry s of ``entries`` -> batch entry s;
+        idle entries read and write the scratch page) and reset ``step``; ``prefixes``: the
+        held prefixes as (cascade slot, pages, length), written when the step has a cascade
+        (empty slots: length 0)."""
+        buf = self.buffers
+        width, b = buf.block_table.shape[1], self.batch
+        tokens, positions, pre_rows, pre_lens = [0] * b, [0] * b, [0] * b, [0] * b
+        table = [[0] * width for _ in range(b)]
+        temp, top_k, top_p = [0.0] * b, [0] * b, [1.0] * b
+        for s, e in entries.items():
+            tokens[s], positions[s] = e.token, e.position
+            table[s][: len(e.pages)] = e.pages
+            pre_rows[s], pre_lens[s] = e.prefix_page, e.prefix_len
+            temp[s], top_k[s], top_p[s] = (
+                e.sampling.temperature, e.sampling.top_k, e.sampling.top_p
+            )  # fmt: skip
+        for t, v in (
+            (buf.tokens, tokens), (buf.positions, positions), (buf.block_table, table),
+            (buf.prefix_rows, pre_rows), (buf.prefix_lens, pre_lens), (buf.temperature, temp),
+            (buf.top_k, top_k), (buf.top_p, top_p),
+        ):  # fmt: skip
+            t.copy_(torch.tensor(v, dtype=t.dtype), non_blocking=False)
+        buf.step.zero_()
+        if buf.slot_table.numel():
+            slot_table = [[0] * width for _ in range(buf.slot_table.shape[0])]
+            slot_lens = [0] * buf.slot_table.shape[0]
+            for slot, pages, length in prefixes:
+                slot_table[slot][: len(pages)] = pages
+                slot_lens[slot] = length
+            buf.slot_table.copy_(torch.tensor(slot_table, dtype=torch.int32))
+            buf.slot_lens.copy_(torch.tensor(slot_lens, dtype=torch.int32))
 
     # ------------------------------------------------------------------------------- math
     def _linear(self, x, layer, **kw) -> torch.Tensor:
