@@ -23,6 +23,15 @@ past its token budget. So a long prompt delays the running rows by one bounded p
 decode chunk, never by its whole length. Per request, the time to its first token is in
 ``stats.first_token_s`` (and ``on_tokens`` reports it as it happens).
 
+``overlap`` (``"off"`` by default; ``NAKTA_PREFILL_OVERLAP`` when not given): on one CUDA device
+without tensor parallelism, an engine step that has both prompts to prefill and rows to decode
+launches the decode chunk on one stream and the prefill forward on another, so the prefill's
+compute-bound GEMMs can run while the decode's attention streams K/V (``"decode_first"`` gives
+the decode stream the higher priority, ``"equal"`` neither). The rows a prefill completes then
+join the next chunk instead of this one. Elsewhere (CPU, tensor parallel: NCCL calls from two
+streams could interleave differently on each rank; ``graph_mode="compile"``) the same order
+runs on one stream.
+
 Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefixes``) prefill
 it once into pages of its own, held for later admissions (at most ``prefix_rows`` prefixes,
 least recently used first out). A row then holds the prefix's full pages by reference (a
@@ -39,6 +48,7 @@ math on each row, just not padded to the batch's shortest prompt.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -52,6 +62,7 @@ from nakta_model.generation.requests import (
     GenerationStats,
     _Held,
     _Row,
+    check_int,
     check_requests,
     greedy_requests,
 )
@@ -77,6 +88,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # 9.3k at 256); 8,192 admits 64 such prompts per chunk: one prefill forward of ~0.2 s, then the
 # chunk's decode steps, so a long prompt still never stalls the running rows for longer.
 PREFILL_CHUNK = 8192
+OVERLAP_MODES = ("off", "equal", "decode_first")
+ENV_OVERLAP = "NAKTA_PREFILL_OVERLAP"
 TokenCallback = Callable[[int, list[int], "str | None"], None]
 
 
@@ -99,7 +112,8 @@ class Generator:
     (default: on CUDA); ``graph_mode`` (instead of ``graphs``) names how the step runs:
     ``"cuda_graph"``, ``"compile"`` (``torch.compile(mode="reduce-overhead")``) or ``"eager"``.
     ``cascade`` (default on): each decode step computes every held prefix once for all the rows
-    that read it instead of row by row.
+    that read it instead of row by row. ``overlap``: one of :data:`OVERLAP_MODES` (module
+    docstring; default ``NAKTA_PREFILL_OVERLAP``, else ``"off"``).
     """
 
     def __init__(
@@ -116,31 +130,25 @@ class Generator:
         pages: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         memory_fraction: float = 0.8,
+        overlap: str | None = None,
     ):
-        limit = max_rows()
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int):
-            raise ValueError(f"max_batch must be an int in [1, {limit}], got {max_batch!r}")
-        if not 1 <= max_batch <= limit:
-            raise ValueError(
-                f"max_batch must be an int in [1, {limit}] (the decode step's limit), "
-                f"got {max_batch!r}"
-            )
-        if not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-        max_seq_len = max_seq_len or model.args.max_seq_len
-        if not isinstance(max_seq_len, int) or max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
-        if not isinstance(prefix_rows, int) or prefix_rows < 0:
-            raise ValueError(f"prefix_rows must be an int >= 0, got {prefix_rows!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int):
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
-        if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int)
-                                  or pages < 2):  # fmt: skip
-            raise ValueError(f"pages must be an int >= 2 (page 0 is scratch), got {pages!r}")
+        check_int("max_batch", max_batch, 1, max_rows(), " (the decode step's limit)")
+        check_int("chunk", chunk, 1)
+        max_seq_len = check_int("max_seq_len", max_seq_len or model.args.max_seq_len, 2)
+        check_int("prefix_rows", prefix_rows, 0)
+        check_int("prefill_chunk", prefill_chunk, 1)
+        if pages is not None:
+            check_int("pages", pages, 2, why=" (page 0 is scratch)")
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction!r}")
+        if overlap is None:
+            overlap = os.environ.get(ENV_OVERLAP, "").strip() or "off"
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(
+                f"overlap (or {ENV_OVERLAP}) must be one of {OVERLAP_MODES}, got {overlap!r}"
+            )
+        self.overlap = overlap
+        self._streams: tuple | None = None  # (decode, prefill) streams, made on first use
         self.model, self.max_batch = model, max_batch
         self.max_seq_len, self.chunk = max_seq_len, chunk
         self.prefill_chunk = prefill_chunk
@@ -253,15 +261,20 @@ class Generator:
             while queue or any(slots):
                 self._admit(queue, slots, done, bar)
                 prefilling = [r for r in slots if r is not None and r.done < len(r.request.prompt)]
+                if prefilling and self.overlap != "off":
+                    active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
+                    if active:  # the decode chunk beside the prefill; the newly ready next time
+                        self._overlapped(prefilling, active, slots, draining=not queue)
+                        for r in prefilling + [slots[s] for s in active]:
+                            if r.finished:
+                                self._release(r, slots, done, bar)
+                        continue
                 if prefilling:
                     self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
                     for r in prefilling:
                         if r.finished:
                             self._release(r, slots, done, bar)
-                active = [
-                    s for s, r in enumerate(slots)
-                    if r is not None and r.done == len(r.request.prompt)
-                ]  # fmt: skip
+                active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
                 if not active:
                     if not prefilling and queue and not any(slots):
                         raise RuntimeError("generation engine: a request could not be admitted")
@@ -401,18 +414,9 @@ class Generator:
         """Make the queued page copies: one gather and one scatter per cache tensor for all of
         them (a copy per row and layer was 64 launches a row for a 7B: GSM8K-full admits
         1,319 rows, ~84k launches the GPU waited for)."""
-        if not self._copies:
-            return
-        src = [a + i for a, _, n in self._copies for i in range(n)]
-        dst = [b + i for _, b, n in self._copies for i in range(n)]
-        self._copies.clear()
-        dev = self.model.device
-        src_t = torch.tensor(src, dtype=torch.long, device=dev)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
-        for layer in self.model.layers:
-            att = layer.attention
-            for cache in (att.k_cache, att.v_cache):
-                cache.index_copy_(0, dst_t, cache.index_select(0, src_t))
+        if self._copies:
+            self.pool.copy_positions(self._copies)
+            self._copies.clear()
 
     def _grow(self, r: _Row, positions: int) -> None:
         """Pages for row r's first ``positions`` positions, from its reservation."""
@@ -489,6 +493,44 @@ class Generator:
 
     def _decode_chunk(self, active: list[int], slots, draining: bool = False) -> None:
         """Replay the decode step for the active rows, then read and apply the new tokens."""
+        self._finish_decode(self._launch_decode(active, slots, draining), active, slots)
+
+    def _overlapped(self, prefilling: list[_Row], active: list[int], slots, draining: bool):
+        """The decode chunk of the active rows and the prefill of the admitted prompts, on two
+        streams where the device allows (module docstring), else one after the other."""
+        self.stats.overlapped_chunks += 1
+        streams = self._overlap_streams()
+        if streams is None:
+            pending = self._launch_decode(active, slots, draining)
+            self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
+            return self._finish_decode(pending, active, slots)
+        main = torch.cuda.current_stream(self.device)
+        for s in streams:  # the admission's page copies first
+            s.wait_stream(main)
+        with torch.cuda.stream(streams[0]):
+            pending = self._launch_decode(active, slots, draining)
+        with torch.cuda.stream(streams[1]):  # its first tokens' read waits for it alone
+            self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
+        for s in streams:  # the next chunk reads the pages both wrote
+            main.wait_stream(s)
+        self._finish_decode(pending, active, slots)
+
+    def _overlap_streams(self) -> tuple | None:
+        """(decode, prefill) streams, or None where the two phases must share one stream."""
+        m = self.model
+        if self.device.type != "cuda" or m.parallel.tp_size > 1 or self.graph_mode == "compile":
+            return None
+        if self._streams is None:
+            # a lower number is a higher priority; out-of-range values map to the nearest end
+            first = -16 if self.overlap == "decode_first" else 0
+            self._streams = (
+                torch.cuda.Stream(self.device, priority=first),
+                torch.cuda.Stream(self.device, priority=0),
+            )
+        return self._streams
+
+    def _launch_decode(self, active: list[int], slots, draining: bool) -> tuple:
+        """Enqueue the chunk's step replays (no host sync); what ``_finish_decode`` reads."""
         t0 = time.perf_counter()
         sampling = any(not slots[s].request.sampling.greedy for s in active)
         shared = any(self._reads_held(slots[s]) for s in active)
@@ -507,6 +549,10 @@ class Generator:
             self._grow(r, r.position + steps)
         self._load(step, active, slots)
         step.run(steps)
+        return step, steps, t0
+
+    def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
+        step, steps, t0 = pending
         history = step.buffers.history[:, :steps].tolist()  # the one host sync per chunk
         for s in active:
             self._accept(slots[s], history[s])

@@ -12,6 +12,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "GenerationStats",
+    "check_int",
     "check_requests",
     "greedy_requests",
 ]
@@ -69,6 +70,10 @@ class _Row:
         return len(self.request.prompt) + self.request.max_new_tokens
 
     @property
+    def prompt_in(self) -> bool:  # every prompt position's K/V is in its pages
+        return self.done == len(self.request.prompt)
+
+    @property
     def position(self) -> int:  # where its last token goes in its cache
         return len(self.request.prompt) + len(self.tokens) - 1
 
@@ -96,15 +101,29 @@ class _Row:
 class GenerationStats:
     """Counters of the last :meth:`Generator.generate` call (benchmarks report them)."""
 
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    prefill_s: float = 0.0  # wall time in prefill forwards
+    decode_s: float = 0.0  # wall time from a chunk's launch to its tokens read (with
+    # ``overlap`` it includes the prefill launched beside it: the two then overlap)
     decode_steps: int = 0  # graph replays (each decodes one token for every row of its bucket)
     prefill_chunks: int = 0  # packed prefill forwards
+    overlapped_chunks: int = 0  # decode chunks launched beside a prefill forward (``overlap``)
     generated_tokens: int = 0  # tokens kept in results
     prefilled_tokens: int = 0  # prompt tokens run through the model (shared prefixes once)
     prompt_tokens: int = 0  # prompt tokens asked for
     peak_pages: int = 0  # most KV pages in use at once (held prefixes included)
     first_token_s: list[float] = field(default_factory=list)  # per request, from the call's start
+
+
+def check_int(name: str, value: object, lo: int, hi: int | None = None, why: str = "") -> int:
+    """``value`` if it is an int (not a bool) in ``[lo, hi]``, else a ValueError naming it."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not lo <= value <= (value if hi is None else hi)
+    ):
+        limits = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an int {limits}{why}, got {value!r}")
+    return value
 
 
 def check_requests(requests: Sequence[GenerationRequest], vocab: int, max_seq_len: int) -> None:
