@@ -66,9 +66,10 @@ from nakta_model.generation.requests import (
     check_requests,
     greedy_requests,
 )
+from nakta_model.generation.row_pages import RowPages
 from nakta_model.generation.sampling import sample_next
 from nakta_model.generation.step import DecodeStep, EntryState, batch_limit, check_graph_mode
-from nakta_model.kv_pages import PAGE_SIZE, kv_pool, pages_for, pool_pages
+from nakta_model.kv_pages import PAGE_SIZE, pages_for, pool_pages
 
 __all__ = [
     "GenerationRequest",
@@ -98,7 +99,7 @@ def max_rows() -> int:
     return max(b for b in BUCKETS if b <= batch_limit())
 
 
-class Generator:
+class Generator(RowPages):
     """Continuous-batching generation on one model over a paged KV cache (module docstring).
 
     ``max_batch`` rows decode at once (at most :func:`max_rows`, the decode step's limit);
@@ -177,34 +178,6 @@ class Generator:
         self._on_tokens: TokenCallback | None = None
 
     # ---------------------------------------------------------------------------- steps
-    def _ensure_cache(self) -> None:
-        """The model's KV pool, of at least ``_n_pages`` pages (a larger one is used as it is),
-        with room for a full row (at most ``_n_pages - 1``) besides the others' pages
-        (``KVPool.make_room``); rows wait for pages the others hold. When the pool was rebuilt
-        since (a new epoch), the captured steps (they hold the old cache's addresses) and the
-        held prefixes are dropped."""
-        self.pool = kv_pool(self.model)
-        self.pool.on_rebuild(self._forget_cache)
-        held = self.held_pages if self._epoch == self.pool.epoch else 0
-        self.pool.make_room(min(self.row_pages, self._n_pages - 1), held, size=self._n_pages)
-        if self._epoch != self.pool.epoch:
-            self._forget_cache()
-            self._epoch = self.pool.epoch
-        self.model._rope_tables(self.row_pages * PAGE_SIZE)  # rows may pass 2 x max_seq_len
-        self._room = self.pool.capacity - (self.pool.used_pages - self.held_pages)
-
-    def _forget_cache(self) -> None:
-        """The pool's cache is being replaced or freed (the pool calls this first): drop what
-        holds its addresses or pages (the captured steps, the held prefixes), so its memory
-        can go before the next cache is allocated."""
-        self._steps.clear()
-        self._held.clear()
-
-    @property
-    def held_pages(self) -> int:
-        """Pages the held shared prefixes hold (the pool's only pages in use between calls)."""
-        return sum(len(h.pages) for h in self._held.values())
-
     def _step(self, bucket: int, sampling: bool, cascade: bool = False) -> DecodeStep:
         """The step of a bucket, captured on first use; ``cascade``: the variant whose
         attention computes held prefixes once for all their rows (its own graph: a batch with
@@ -295,10 +268,6 @@ class Generator:
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------ admission
-    def _positions(self, r: _Row) -> int:
-        """Positions row r may write: its prompt and every decoded token but the last."""
-        return min(r.total, self.max_seq_len) - 1
-
     def _admit(self, queue: deque, slots: list, done: list, bar) -> None:
         """Move queued requests into free batch entries, in order, while the pool covers them;
         a request that could never fit finishes with an error result."""
@@ -331,109 +300,6 @@ class Generator:
             queue.popleft()
             r.seq = self._admitted = getattr(self, "_admitted", 0) + 1
             slots[free.pop(0)] = r
-
-    def _available(self, running: list[_Row]) -> int:
-        return self.pool.free_pages - sum(x.reserved for x in running)
-
-    def _reserve(self, r: _Row, running: list[_Row]) -> bool:
-        """Give row r its shared prefix's pages (computing the prefix when it is not held) and
-        reserve the pages it will write; False (nothing changed) when the pool cannot cover it
-        until running rows finish."""
-        key = tuple(r.request.prompt[: r.shared])
-        total = pages_for(self._positions(r))
-
-        def fits() -> bool:
-            if not r.shared:
-                return total <= self._available(running)
-            held = self._held.get(key)
-            compute = 0 if held is not None else pages_for(r.shared)
-            return compute + total - r.shared // PAGE_SIZE <= self._available(running)
-
-        # held prefixes nobody else holds give their pages back when evicted (LRU first)
-        while not fits():
-            idle = [k for k, h in self._held.items() if k != key and self._unshared(h)]
-            if not idle:
-                break
-            self._evict(idle[0])
-        if not fits():
-            if running:
-                return False
-            for k in list(self._held):  # nothing runs: the pool is all this row's
-                self._evict(k)
-            r.shared = 0
-            key = ()
-        if r.shared:
-            held = self._held.get(key) or self._compute_prefix(key)
-            self._held.move_to_end(key)  # most recently used
-            n_full = r.shared // PAGE_SIZE
-            self.pool.incref(held.pages[:n_full])
-            r.pages, r.held, r.done = list(held.pages[:n_full]), held, r.shared
-            if r.shared % PAGE_SIZE:  # copy-on-write: the partial page's keys into its own
-                (own,) = self.pool.alloc(1)
-                self._copy_page(held.pages[n_full], own, r.shared % PAGE_SIZE)
-                r.pages.append(own)
-        r.reserved = total - len(r.pages)
-        self._note_peak()
-        return True
-
-    def _unshared(self, held: _Held) -> bool:
-        return all(self.pool.refs(p) == 1 for p in held.pages)
-
-    def _evict(self, key: tuple[int, ...]) -> None:
-        """Drop a held prefix: its pages go back once no row holds them any more (copies
-        pending from them are made first: a freed page may be handed out and rewritten)."""
-        self._flush_copies()
-        self.pool.free(self._held.pop(key).pages)
-
-    def _compute_prefix(self, key: tuple[int, ...]) -> _Held:
-        """Prefill ``key`` into pages of its own (one forward), evicting the least recently
-        used held prefix first when ``prefix_rows`` are held."""
-        if len(self._held) >= self.n_prefixes:
-            self._evict(next(iter(self._held)))
-        used = {h.slot for h in self._held.values()}
-        slot = next(i for i in range(self.n_prefixes) if i not in used)
-        pages = self.pool.alloc(pages_for(len(key)))
-        try:
-            stream = PrefillStream()
-            stream.add(list(key), 0, len(key), pages)
-            stream.run(self.model)
-        except BaseException:
-            self.pool.free(pages)
-            raise
-        held = self._held[key] = _Held(pages, len(key), slot)
-        self.stats.prefilled_tokens += len(key)
-        self._note_peak()
-        return held
-
-    def _copy_page(self, src: int, dst: int, n: int) -> None:
-        """K/V of the first ``n`` positions of page ``src`` into page ``dst``, every layer: queued
-        until ``_flush_copies`` (end of an admission round, or before an eviction)."""
-        self._copies.append((src * PAGE_SIZE, dst * PAGE_SIZE, n))
-
-    def _flush_copies(self) -> None:
-        """Make the queued page copies: one gather and one scatter per cache tensor for all of
-        them (a copy per row and layer was 64 launches a row for a 7B: GSM8K-full admits
-        1,319 rows, ~84k launches the GPU waited for)."""
-        if self._copies:
-            self.pool.copy_positions(self._copies)
-            self._copies.clear()
-
-    def _grow(self, r: _Row, positions: int) -> None:
-        """Pages for row r's first ``positions`` positions, from its reservation."""
-        need = pages_for(positions) - len(r.pages)
-        if need > 0:
-            if need > r.reserved:
-                raise RuntimeError(f"requests[{r.index}]: {need} pages past its reservation")
-            r.pages += self.pool.alloc(need)
-            r.reserved -= need
-            self._note_peak()
-
-    def _note_peak(self) -> None:
-        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
-
-    def _free_row(self, r: _Row) -> None:
-        self.pool.free(r.pages)
-        r.pages, r.reserved = [], 0
 
     # ---------------------------------------------------------------------------- phases
     def _prefill_chunk(self, rows: list[_Row]) -> None:
@@ -558,10 +424,6 @@ class Generator:
             self._accept(slots[s], history[s])
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_steps += steps
-
-    def _reads_held(self, r: _Row) -> bool:
-        """Row r's shared prefix is still held (not evicted since it was admitted)."""
-        return r.held is not None and self._held.get(tuple(r.request.prompt[: r.shared])) is r.held
 
     def _load(self, step: DecodeStep, active: list[int], slots) -> None:
         """The active rows' state into the step's buffers (entry s = batch slot s)."""
