@@ -53,16 +53,17 @@ def init_distributed(device: torch.device) -> int:
     """Join (or create) the default process group; returns the world size."""
     global _STARTED_PROCESS_GROUP
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:  # plain `python`: a world of one
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("LOCAL_RANK", "0")
-            os.environ["WORLD_SIZE"] = "1"
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if fs_init.model_parallel_is_initialized():  # groups of a world that was destroyed
             fs_init.destroy_model_parallel()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend)
+        if "WORLD_SIZE" not in os.environ:  # plain `python`: a world of one
+            # its address goes to init_process_group, not os.environ: torchrun's variables
+            # left behind there made every child process (a CLI a test runs, accelerate in
+            # HF's lm-eval model) join or re-bind this world's port
+            url = f"tcp://127.0.0.1:{_free_port()}"
+            dist.init_process_group(backend, init_method=url, rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
         _STARTED_PROCESS_GROUP = True
     return dist.get_world_size()
 

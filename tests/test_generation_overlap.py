@@ -39,6 +39,27 @@ def test_overlapped_prefill_decodes_the_serial_engines_tokens(mode):
     assert gen.pool.free_pages == gen.pool.capacity - gen.held_pages
 
 
+def test_rows_ending_in_a_chunk_hand_their_entries_to_prompts_prefilled_beside_it():
+    """Rows that end together (same prompt length and budget): the next prompts are admitted
+    and prefilled during the chunk that ends them, so every chunk decodes a full batch, as the
+    serial engine's do, and every batch change overlaps a prefill."""
+    model = tiny_model()
+    ps = long_prompts(12, 9, 9, seed=4)
+    kw = dict(max_batch=3, max_seq_len=48, chunk=3, prefill_chunk=64)
+    serial = Generator(model, overlap="off", **kw)
+    want = serial.generate(greedy_requests(ps, 7, None))
+    gen = Generator(model, overlap="equal", **kw)
+    got = gen.generate(greedy_requests(ps, 7, None))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+
+    def mean_rows(st):
+        return (st.generated_tokens - len(ps)) / st.decode_steps  # the first token: prefill
+
+    assert mean_rows(gen.stats) == mean_rows(serial.stats) == 3
+    assert gen.stats.overlapped_chunks == 3  # each of the 3 batch changes
+    assert gen.pool.free_pages == gen.pool.capacity - gen.held_pages
+
+
 def test_overlap_with_held_prefixes_and_a_short_pool():
     """Shared few-shot prefixes (held pages, copy-on-write partial pages) and a pool that makes
     admissions wait: the tokens of a serial engine that shares nothing."""

@@ -244,15 +244,9 @@ def test_runs_as_a_module_and_as_a_script():
         assert done.returncode == 0 and "--batch-sizes" in done.stdout, done.stderr
 
 
-def test_hf_and_nakta_on_the_same_weights_and_the_rolling_bos_convention(
-    shared_data, tmp_path, monkeypatch
-):
+def test_hf_and_nakta_on_the_same_weights_and_the_rolling_bos_convention(shared_data, tmp_path):
     """What the adapter docstring states: ``loglikelihood`` equals hf's default; the rolling
     sum equals hf with ``add_bos_token=False`` (hf's default also scores BOS after BOS)."""
-    # llama_org (earlier tests) leaves RANK/WORLD_SIZE/... in os.environ for its world of one;
-    # accelerate (inside HFLM) would read them and start a process group that outlives the test
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 

@@ -28,7 +28,9 @@ without tensor parallelism, an engine step that has both prompts to prefill and 
 launches the decode chunk on one stream and the prefill forward on another, so the prefill's
 compute-bound GEMMs can run while the decode's attention streams K/V (``"decode_first"`` gives
 the decode stream the higher priority, ``"equal"`` neither). The rows a prefill completes then
-join the next chunk instead of this one. Elsewhere (CPU, tensor parallel: NCCL calls from two
+join the next chunk instead of this one; so that the next chunk still runs a full batch, the
+prompts that will take the entries of the rows this chunk ends (their budget runs out in it)
+are admitted and prefilled beside it ("staged"; the default pool has room for them). Elsewhere (CPU, tensor parallel: NCCL calls from two
 streams could interleave differently on each rank; ``graph_mode="compile"``) the same order
 runs on one stream.
 
@@ -107,7 +109,8 @@ class Generator(RowPages):
     tokens are decoded between host checks; ``prefill_chunk`` bounds the prompt tokens of one
     prefill forward (:data:`PREFILL_CHUNK`). ``pages``: the pages of ``PAGE_SIZE`` positions it
     asks of the model's KV pool (a larger pool is used as it is; default: enough for
-    ``max_batch`` full rows and the held prefixes, on CUDA at most what fits in
+    ``max_batch`` full rows (twice that with ``overlap``: rows staged beside a chunk) and the
+    held prefixes, on CUDA at most what fits in
     ``memory_fraction`` of the free memory). ``prefix_rows``: how many shared prefixes
     are held at once. ``graphs`` captures the decode step per batch bucket in CUDA graphs
     (default: on CUDA); ``graph_mode`` (instead of ``graphs``) names how the step runs:
@@ -165,7 +168,8 @@ class Generator(RowPages):
         self.cascade = bool(cascade)
         self.n_prefixes = prefix_rows
         self.row_pages = pages_for(max_seq_len)  # block-table width
-        full = 1 + (max_batch + prefix_rows) * self.row_pages
+        staged = max_batch if overlap != "off" else 0  # rows admitted beside a chunk
+        full = 1 + (max_batch + staged + prefix_rows) * self.row_pages
         self._pages_asked = pages
         self._n_pages = pages or pool_pages(model, cap=full, fraction=memory_fraction)
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -230,34 +234,39 @@ class Generator(RowPages):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
+        staged: list[_Row] = []  # admitted (overlap) for the entries this chunk frees
         try:
-            while queue or any(slots):
+            while queue or staged or any(slots):
+                self._seat(staged, slots)
                 self._admit(queue, slots, done, bar)
-                prefilling = [r for r in slots if r is not None and r.done < len(r.request.prompt)]
-                if prefilling and self.overlap != "off":
-                    active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
-                    if active:  # the decode chunk beside the prefill; the newly ready next time
-                        self._overlapped(prefilling, active, slots, draining=not queue)
-                        for r in prefilling + [slots[s] for s in active]:
-                            if r.finished:
-                                self._release(r, slots, done, bar)
-                        continue
+                active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
+                if active and self.overlap != "off":
+                    self._stage(queue, slots, staged, active, done, bar)
+                prefilling = [r for r in (*slots, *staged) if r is not None and not r.prompt_in]
+                draining = not queue and not staged
+                if prefilling and active and self.overlap != "off":
+                    # the decode chunk beside the prefill; the newly ready decode next time
+                    self._overlapped(prefilling, active, slots, draining)
+                    for r in prefilling + [slots[s] for s in active]:
+                        if r.finished:
+                            self._release(r, slots, done, bar, staged)
+                    continue
                 if prefilling:
                     self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
                     for r in prefilling:
                         if r.finished:
-                            self._release(r, slots, done, bar)
+                            self._release(r, slots, done, bar, staged)
                 active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
                 if not active:
-                    if not prefilling and queue and not any(slots):
+                    if not prefilling and queue and not any(slots) and not staged:
                         raise RuntimeError("generation engine: a request could not be admitted")
                     continue
-                self._decode_chunk(active, slots, draining=not queue)
+                self._decode_chunk(active, slots, draining)
                 for s in active:
                     if slots[s].finished:
-                        self._release(slots[s], slots, done, bar)
+                        self._release(slots[s], slots, done, bar, staged)
         finally:
-            for r in slots:
+            for r in (*slots, *staged):
                 if r is not None:
                     self._free_row(r)
             bar.close()
@@ -271,35 +280,59 @@ class Generator(RowPages):
     def _admit(self, queue: deque, slots: list, done: list, bar) -> None:
         """Move queued requests into free batch entries, in order, while the pool covers them;
         a request that could never fit finishes with an error result."""
+        free = [s for s in range(self.max_batch) if slots[s] is None]
+
+        def place(r: _Row) -> None:
+            slots[free.pop(0)] = r
+
+        running = [x for x in slots if x is not None]
+        self._admit_rows(queue, done, bar, len(free), place, running)
+
+    def _seat(self, staged: list[_Row], slots: list) -> None:
+        """Staged rows take the free batch entries, oldest admission first."""
+        for s in range(self.max_batch):
+            if staged and slots[s] is None:
+                slots[s] = staged.pop(0)
+
+    def _stage(self, queue: deque, slots: list, staged: list, active: list[int], done, bar):
+        """With ``overlap``: admit now, and prefill beside this chunk, the prompts that take the
+        entries of the rows this chunk ends (their token budget runs out in it), so the next
+        chunk runs a full batch instead of waiting a chunk for their prefill."""
+        steps = self._chunk_steps(active, slots)
+        ending = sum(self._left(slots[s]) == steps for s in active)
+        running = [x for x in (*slots, *staged) if x is not None]
+        self._admit_rows(queue, done, bar, ending - len(staged), staged.append, running)
+
+    def _admit_rows(self, queue: deque, done: list, bar, n: int, place, running) -> None:
+        """Admit up to ``n`` queued requests (``place`` each, in order) while the pool covers
+        them; queued copy-on-write page copies are made in one go at the end."""
         try:
-            self._admit_rows(queue, slots, done, bar)
+            while queue and n > 0:
+                r = queue[0]
+                need = pages_for(self._positions(r))
+                if need > self._room:  # the pool's pages but the other users'
+                    queue.popleft()
+                    r.finished = "error"
+                    r.error = (
+                        f"requests[{r.index}] needs {need} KV pages ({len(r.request.prompt)} "
+                        f"prompt tokens + max_new_tokens={r.request.max_new_tokens}, pages of "
+                        f"{PAGE_SIZE} positions) but the pool holds {self._room} for it"
+                    )
+                    self.stats.first_token_s[r.index] = time.perf_counter() - self._t0
+                    if self._on_tokens is not None:
+                        self._on_tokens(r.index, r.tokens, r.finished)
+                    done.append(r)
+                    bar.update(1)
+                    continue
+                if not self._reserve(r, running):
+                    return
+                queue.popleft()
+                r.seq = self._admitted = getattr(self, "_admitted", 0) + 1
+                place(r)
+                running.append(r)
+                n -= 1
         finally:
             self._flush_copies()  # the admitted rows' partial prefix pages, in one go
-
-    def _admit_rows(self, queue: deque, slots: list, done: list, bar) -> None:
-        free = [s for s in range(self.max_batch) if slots[s] is None]
-        while queue and free:
-            r = queue[0]
-            need = pages_for(self._positions(r))
-            if need > self._room:  # the pool's pages but the other users'
-                queue.popleft()
-                r.finished = "error"
-                r.error = (
-                    f"requests[{r.index}] needs {need} KV pages ({len(r.request.prompt)} prompt "
-                    f"tokens + max_new_tokens={r.request.max_new_tokens}, pages of {PAGE_SIZE} "
-                    f"positions) but the pool holds {self._room} for it"
-                )
-                self.stats.first_token_s[r.index] = time.perf_counter() - self._t0
-                if self._on_tokens is not None:
-                    self._on_tokens(r.index, r.tokens, r.finished)
-                done.append(r)
-                bar.update(1)
-                continue
-            if not self._reserve(r, [x for x in slots if x is not None]):
-                return
-            queue.popleft()
-            r.seq = self._admitted = getattr(self, "_admitted", 0) + 1
-            slots[free.pop(0)] = r
 
     # ---------------------------------------------------------------------------- phases
     def _prefill_chunk(self, rows: list[_Row]) -> None:
@@ -404,18 +437,21 @@ class Generator(RowPages):
         bucket = self._bucket(max(active) + 1, variant, draining)
         self._call_bucket = bucket
         step = self._step(bucket, *variant)
-        steps = self.chunk
-        for s in active:
-            r = slots[s]
-            left = r.request.max_new_tokens - len(r.tokens)
-            room = self.max_seq_len - (r.position + 1)
-            steps = max(1, min(steps, left, room))
+        steps = self._chunk_steps(active, slots)
         for s in active:  # pages for the positions this chunk writes
             r = slots[s]
             self._grow(r, r.position + steps)
         self._load(step, active, slots)
         step.run(steps)
         return step, steps, t0
+
+    def _left(self, r: _Row) -> int:
+        """Tokens row r may still take (its budget, the cache's room)."""
+        return min(r.request.max_new_tokens - len(r.tokens), self.max_seq_len - (r.position + 1))
+
+    def _chunk_steps(self, active: list[int], slots) -> int:
+        """The next chunk's steps: ``chunk``, shortened so that no row runs past its budget."""
+        return max(1, min([self.chunk] + [self._left(slots[s]) for s in active]))
 
     def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
         step, steps, t0 = pending
@@ -444,13 +480,11 @@ class Generator(RowPages):
         if self._on_tokens is not None:
             self._on_tokens(r.index, r.tokens, r.finished)
 
-    def _release(self, r: _Row, slots, done: list[_Row], bar) -> None:
+    def _release(self, r: _Row, slots, done: list[_Row], bar, staged: list[_Row]) -> None:
         self._free_row(r)
         for s, x in enumerate(slots):
             if x is r:
                 slots[s] = None
+        staged[:] = [x for x in staged if x is not r]
         done.append(r)
         bar.update(1)
-
-
-Decoder = Callable[[list[int]], str]
