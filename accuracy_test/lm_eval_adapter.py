@@ -124,6 +124,9 @@ from nakta_model import scoring
 __all__ = ["LlamaOrgLM", "ModelArgsError", "NaktaLM"]
 
 LLAMA_ORG_ROWS = 32  # llama_org's rows (and KV-cache batch) when no row count was given
+# generate_until's rows in flight when no row count was given: 256 is what GSM8K-full was
+# measured at (docs/lm-eval.md); the engine takes up to max_rows() when asked
+GENERATE_ROWS = 256
 
 
 @register_model("nakta")
@@ -383,8 +386,8 @@ class NaktaLM(ScoringLM):
     def _generator(self, reqs):
         """The generation engine (pages from the model's KV pool), built on first use and again
         when requests need longer rows: rows as long as the longest prompt + budget asks
-        (rounded up to 256, at most ``max_length``), up to the decode step's ``max_rows()`` of
-        them in flight (or the ``--batch_size`` cap). Not fewer to fit full-length rows in
+        (rounded up to 256, at most ``max_length``), :data:`GENERATE_ROWS` of them in flight
+        (or the ``--batch_size`` cap, up to the decode step's ``max_rows()``). Not fewer to fit full-length rows in
         memory: a row takes only the pages its own prompt and budget need (a shared few-shot
         prefix's pages by reference), and one the pool cannot hold yet waits for pages. (Sizing
         rows for full 1,280-position rows held GSM8K-full to 158 rows on an H200.)"""
@@ -396,7 +399,7 @@ class NaktaLM(ScoringLM):
         if gen is None or gen.max_seq_len < need:
             row_len = min(self.max_length, -(-need // 256) * 256)
             self._gen = None  # the model's KV pool is kept (scorer's pages too); it grows if needed
-            rows = min(self.rows or max_rows(), max_rows())
+            rows = min(self.rows or GENERATE_ROWS, max_rows())
             self._gen = Generator(self.model, max_batch=rows, max_seq_len=row_len)
         return self._gen
 

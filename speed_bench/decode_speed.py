@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     batches = _ints(a.batches or ("1,8,32" if on_gpu else "1,2"), "--batches")
     from nakta_model.generation.step import MAX_ROWS
 
-    if max(batches) > MAX_ROWS:  # the step's GEMM path above the crossover takes up to 256
+    if max(batches) > MAX_ROWS:  # the step's GEMM path above the crossover takes up to 512
         raise SystemExit(f"error: --batches must be <= {MAX_ROWS} (the decode step's rows)")
     lengths = _lengths(a.lengths or ("64:128,512:128" if on_gpu else "8:5"))
     if a.decode_configs is not None:

@@ -57,9 +57,9 @@ def prefilled_step(model, ps: list[list[int]], chunk: int, graph_mode="eager") -
 def test_max_rows_and_the_batch_check():
     model = tiny_model()
     model.setup_cache(2, MAX_SEQ)
-    assert MAX_ROWS == sg.MAX_ROWS == 256
+    assert MAX_ROWS == sg.MAX_ROWS == 512
     for bad in (0, MAX_ROWS + 1):
-        with pytest.raises(ValueError, match=r"decode batch must be in \[1, 256\]"):
+        with pytest.raises(ValueError, match=r"decode batch must be in \[1, 512\]"):
             DecodeStep(model, bad, 2, sampling=False, graph_mode="eager")
     assert not DecodeStep(model, 2, 2, sampling=False, graph_mode="eager").gemm
     assert DecodeStep(model, 65, 2, sampling=False, graph_mode="eager").gemm
