@@ -106,6 +106,7 @@ class NaktaThroughput(ThroughputEngine):
         results = gen.generate(reqs, on_tokens=on_tokens)
         stats = vars(gen.stats).copy()
         stats.pop("first_token_s")  # per request: measured here from on_tokens instead
+        stats["overlap"] = gen.overlap  # prefill beside decode (NAKTA_PREFILL_OVERLAP)
         return Outcome([len(r.tokens) for r in results], first, stats)
 
     def close(self):
