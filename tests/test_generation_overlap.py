@@ -94,13 +94,14 @@ def test_overlap_mode_from_the_environment_and_bad_values(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["equal", "decode_first"])
 def test_gpu_overlap_on_two_streams_equals_the_serial_engine(mode):
-    """On a GPU the decode chunk (CUDA graphs) and the prefill run on two streams: bf16 greedy
-    tokens equal the serial engine's (same kernels, same rounding; only the timing moves)."""
+    """On a GPU the decode chunk (CUDA graphs) and the prefill run on two streams: greedy tokens
+    equal the serial engine's. fp32: rows join other chunks, so other batch buckets (split
+    counts, GEMV or GEMM) decode them; in bf16 that alone could flip a near-tie."""
     from nakta_model.config import ModelArgs
     from nakta_model.loading import random_model
 
     args = ModelArgs(dim=256, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=160)
-    model = random_model(args, "cuda", torch.bfloat16, seed=2)
+    model = random_model(args, "cuda", torch.float32, seed=2)
     ps = long_prompts(24, 20, 120, seed=5, vocab=512)
     kw = dict(max_batch=8, chunk=8, prefill_chunk=256)
     want = Generator(model, overlap="off", **kw).generate(_requests(ps, 24))
