@@ -28,7 +28,9 @@ the host (median and p99); ``peak_mem_gb`` (``torch.cuda.max_memory_allocated``,
 off the GPU); for nakta ``step_floor_pct``: the byte floor of its mean decode step (the weights
 once + the K/V the mean step reads, at the mean rows in flight and mean context,
 ``decode_speed.step_bytes``) over the copy bandwidth measured in this run, as a percentage of the
-mean decode step's measured time (``Generator.stats``: decode seconds / decode steps).
+mean decode step's measured time (``Generator.stats``: decode seconds / decode steps; with
+``NAKTA_PREFILL_OVERLAP`` those seconds include the prefill run beside each chunk, so the
+percentage understates the step: compare output tok/s there).
 
 Writes to ``--out`` (after every run, so a run cut short keeps the finished ones) (default ``speed_bench/results/<device>/throughput/``):
 ``throughput_summary.json`` (``{"device_name", "runs": [{"engine", "prompts", "input_len",
