@@ -8,6 +8,7 @@
 # time limit keeps the runs it finished. Writes to $OUT: throughput/throughput_summary.json,
 # throughput/throughput.md, throughput/throughput.csv, throughput/throughput.png, log.txt
 # (the lead commits throughput/ as speed_bench/results/<device>/throughput/).
+# MAX_BATCH (default 64,128,256) sets nakta's rows; NAKTA_PREFILL_OVERLAP passes to the engine.
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
 # shellcheck source=scripts/gpu_env.sh
@@ -18,7 +19,8 @@ LOG=$OUT/log.txt
 status=0
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
 step throughput 300 python3 -m speed_bench.throughput --preset 7B --prompts 1000 \
-  --input-len 128 --output-len 128 --engines nakta,hf --max-batch 64,128,256 --hf-batches 128,64 \
+  --input-len 128 --output-len 128 --engines nakta,hf --max-batch "${MAX_BATCH:-64,128,256}" \
+  --hf-batches 128,64 \
   --out "$OUT/throughput"
 grep -v -E "it/s\]|s/it\]|run/s|s/run" "$LOG" | cut -c1-240 | tail -40
 cat "$OUT/throughput/throughput.md" 2>/dev/null
