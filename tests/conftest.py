@@ -60,6 +60,17 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_outlives_its_module():
+    """The process group llama_org starts for its world of one ends with the module that
+    started it: a later module's test that needs none (or a fresh one) never meets it."""
+    yield
+    import sys
+
+    if "llama_org.distributed" in sys.modules:
+        sys.modules["llama_org.distributed"].shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

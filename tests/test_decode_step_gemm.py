@@ -114,6 +114,42 @@ def test_fp8_gemm_step_is_the_w8a8_forward(monkeypatch):
     assert err < 1e-3
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize(
+    "dtype, quant", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "fp8")]
+)
+def test_residual_adds_made_by_the_next_norm_change_no_bit(kernels, dtype, quant, monkeypatch):
+    """On the GEMM path the wo / w2 residual adds are made by the next RMSNorm kernel
+    (``defer_residual``, the default on one rank): the logits and greedy tokens equal, bit for
+    bit, those of a separate add after each product (the same rounding of the same sum)."""
+    monkeypatch.setattr(sg, "_TUNE", {"float32": 1, "bfloat16": 1, "fp8": 1})
+    args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=MAX_SEQ)
+    ps = equal_length_prompts(3, 5, seed=4)
+    out = {}
+    for defer in (False, True):
+        model = random_model(args, "cpu", dtype, seed=6, kernels=kernels, quant=quant)
+        step = prefilled_step(model, ps, 3)
+        assert step.gemm and step.defer_residual
+        step.defer_residual = defer
+        logits = step.logits().clone()
+        step.run(3)
+        out[defer] = logits, step.buffers.history.clone()
+    assert torch.equal(out[True][0], out[False][0])
+    assert torch.equal(out[True][1], out[False][1])
+
+
+def test_norm_residual_is_checked_and_returns_the_sum():
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    w, nw = torch.randn(8, 64), torch.rand(64) + 0.5
+    y, h = sg.decode_gemm_reference(x, w, norm_weight=nw, eps=1e-5, norm_residual=r)
+    assert torch.equal(h, x + r)
+    torch.testing.assert_close(y, sg.decode_gemm_reference(x + r, w, norm_weight=nw, eps=1e-5))
+    with pytest.raises(ValueError, match="norm_residual needs norm_weight"):
+        sg.decode_gemm_reference(x, w, norm_residual=r)
+    with pytest.raises(ValueError, match="norm_residual must have x's shape"):
+        sg.decode_gemm_reference(x, w, norm_weight=nw, eps=1e-5, norm_residual=r[:2])
+
+
 def test_fp8_below_the_crossover_keeps_the_w8a16_gemvs(monkeypatch):
     monkeypatch.setattr(sg, "_TUNE", {"fp8": 65})
     model = tiny_model(quant="fp8")

@@ -36,7 +36,7 @@ from nakta_model.generation import step_gemm as _gemm
 from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
-from nakta_model.kernels._checks import mark_compile_constants
+from nakta_model.kernels._checks import fp8_mma, mark_compile_constants
 from nakta_model.parallel import all_reduce
 
 __all__ = [
@@ -160,6 +160,12 @@ class DecodeStep:
         if not 1 <= batch <= MAX_ROWS:
             raise ValueError(f"decode batch must be in [1, {MAX_ROWS}], got {batch}")
         self.gemm = _gemm.use_gemm(batch, model.dtype, model.quant)  # linears as GEMMs
+        lo, hi = _gemm.fp8_kernel_rows()
+        fp8_epilogue = model.quant == "fp8" and lo <= batch <= hi and fp8_mma(model.device)
+        # GEMM path, one rank: each wo / w2 residual add is made by the next RMSNorm kernel
+        # (``decode_gemm``'s norm_residual) instead of a launch of its own, except where the
+        # FP8 kernel already adds it in its epilogue (and under TP the partial sums come first)
+        self.defer_residual = self.gemm and model.parallel.tp_size == 1 and not fp8_epilogue
         if not model.max_seq_len:
             raise ValueError("the model needs a KV cache: call model.setup_cache() first")
         if isinstance(prefix_slots, bool) or not isinstance(prefix_slots, int) or prefix_slots < 0:
@@ -265,34 +271,49 @@ class DecodeStep:
         page_of = buf.block_table.gather(1, (positions // self.page).long()[:, None])[:, 0]
         slots = page_of * self.page + positions % self.page
         lens = positions + 1
-        h = m.tok_embeddings(buf.tokens)
+        h = m.tok_embeddings(buf.tokens)  # or, deferred, (product, residual): see _add
         for layer in m.layers:
             a, f = layer.attention, layer.feed_forward
-            norm1, norm2 = layer.attention_norm, layer.ffn_norm
             kc = a.k_cache.view(-1, self.page, hkv, hd)
             vc = a.v_cache.view(-1, self.page, hkv, hd)
             if a.interleaved:
                 rope = _dl.RopeArgs(
                     positions, self.cos, self.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots
                 )
-                q = self._linear(h, a.wqkv, norm_weight=norm1.weight, eps=norm1.eps, rope=rope)
+                q, h = self._normed(h, a.wqkv, layer.attention_norm, rope=rope)
             else:  # HF's rotate-half pairs: the rope kernel rotates and writes the cache
-                qkv = self._linear(h, a.wqkv, norm_weight=norm1.weight, eps=norm1.eps)
+                qkv, h = self._normed(h, a.wqkv, layer.attention_norm)
                 m.ops.rope_qkv_(
                     qkv, positions, self.cos, self.sin, hq, hkv, hd, interleaved=False,
                     k_cache=a.k_cache, v_cache=a.v_cache, cache_slots=slots,
                 )  # fmt: skip
                 q = qkv[:, : hq * hd]
             o = self._attention(q.view(b, hq, hd), kc, vc, lens).view(b, hq * hd)
-            h = self._residual(o, a.wo, h, ctx)
-            g = self._linear(h, f.w13, norm_weight=norm2.weight, eps=norm2.eps, swiglu=True)
-            h = self._residual(g, f.w2, h, ctx)
-        logits = self._linear(h, m.output, norm_weight=m.norm.weight, eps=m.norm.eps)
+            h = self._add(o, a.wo, h, ctx)
+            g, h = self._normed(h, f.w13, layer.ffn_norm, swiglu=True)
+            h = self._add(g, f.w2, h, ctx)
+        logits, _ = self._normed(h, m.output, m.norm)
         if ctx.tp_size > 1:
             from nakta_model.parallel import gather_last_dim
 
             logits = gather_last_dim(logits, ctx)
         return logits
+
+    def _normed(self, h, layer, norm, **kw) -> tuple:
+        """``(layer(norm(h)), h)``; ``h`` a deferred ``(product, residual)`` pair (``_add``)
+        is added by the norm kernel, which returns the sum as the new ``h``."""
+        kw.update(norm_weight=norm.weight, eps=norm.eps)
+        if isinstance(h, tuple):
+            y, residual = h
+            return self._linear(y, layer, norm_residual=residual, **kw)
+        return self._linear(h, layer, **kw), h
+
+    def _add(self, x, layer, residual, ctx):
+        """``residual + x @ weight^T`` (``_residual``), or with ``defer_residual`` the pair
+        ``(x @ weight^T, residual)`` that the next ``_normed`` adds."""
+        if self.defer_residual:
+            return self._linear(x, layer), residual
+        return self._residual(x, layer, residual, ctx)
 
     def _residual(self, x, layer, residual, ctx) -> torch.Tensor:
         """``residual + x @ weight^T``: fused when the product is whole on this rank; under

@@ -8,7 +8,11 @@ cuBLAS (``torch.mm``) for bf16/fp16/fp32 weights and cuBLASLt's row-wise scaled 
 work around them done by the scoring/prefill path's fused kernels. :func:`decode_gemm` takes
 ``decode_linear``'s arguments, so the step switches path per bucket with one call:
 
-* NORM (``norm_weight``, ``eps``): the RMSNorm kernel (``rms_norm``), then the GEMM;
+* NORM (``norm_weight``, ``eps``): the RMSNorm kernel (``rms_norm``), then the GEMM; with
+  ``norm_residual`` the row to normalize is ``round(x + norm_residual)``, which the norm kernel
+  adds in the same pass and :func:`decode_gemm` returns beside the product (the step defers
+  a ``wo`` / ``w2`` product's residual add into the next norm this way: one launch and one
+  pass over the rows fewer, the same rounding as a separate add);
 * RESIDUAL: ``round(residual + round(x @ W^T))``, the GEMM's output added in place (eager's
   ``h = x + attn_out``, the same two roundings as ``decode_linear``);
 * SWIGLU: the ``[rows, 2F]`` projection is written, then the SwiGLU kernel;
@@ -261,34 +265,63 @@ def _check(
     )  # fmt: skip
 
 
+def _check_norm_residual(x, norm_weight, norm_residual) -> None:
+    """``norm_residual``: with a norm, of x's shape and dtype (the rows the kernel adds)."""
+    if norm_residual is None:
+        return
+    if norm_weight is None or isinstance(x, QuantRows):
+        raise ValueError("norm_residual needs norm_weight and x in the model's dtype")
+    check_tensor("norm_residual", norm_residual)
+    if norm_residual.shape != x.shape or norm_residual.dtype != x.dtype:
+        raise ValueError(
+            f"norm_residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+            f"{tuple(norm_residual.shape)} {norm_residual.dtype}"
+        )
+    check_same_device(x=x, norm_residual=norm_residual)
+
+
 # ------------------------------------------------------------------------------------ the path
 def _run(
-    ops: _Ops, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype
-) -> torch.Tensor | QuantRows:
-    fp8 = weight_scale is not None
+    ops: _Ops, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype,
+    norm_residual=None,
+) -> torch.Tensor | QuantRows | tuple:  # fmt: skip
+    fp8, added = weight_scale is not None, None
     if fp8:
         if isinstance(x, QuantRows):
             xq = x
         elif norm_weight is not None:
-            xq = ops.rms_norm_fp8(x, norm_weight, eps)
+            xq = ops.rms_norm_fp8(x, norm_weight, eps, residual=norm_residual)
+            if norm_residual is not None:
+                xq, added = xq
         else:
             xq = ops.quantize_rows(x)
-        if ops.fp8_decode_gemm is not None and _use_fp8_kernel(xq.q):
+        fused_add = ops.fp8_decode_gemm is not None and _use_fp8_kernel(xq.q)
+        if fused_add:
             y = ops.fp8_decode_gemm(
                 xq.q, xq.scale, weight, weight_scale, out_dtype, residual=residual
             )
-            if residual is not None:  # added in the kernel's epilogue
-                return y
         else:
             y = ops.fp8_matmul(xq.q, xq.scale, weight, weight_scale, out_dtype)
     else:
-        h = x if norm_weight is None else ops.rms_norm(x, norm_weight, eps)
+        fused_add = False
+        h = x
+        if norm_weight is not None:
+            h = ops.rms_norm(x, norm_weight, eps, residual=norm_residual)
+            if norm_residual is not None:
+                h, added = h
         if h.device.type == "cpu" and h.dtype == torch.bfloat16 and not h.is_contiguous():
             h = h.contiguous()  # torch's CPU bf16 matmul reads strided rows' padding (see
             # decode_linear_reference)
         y = F.linear(h, weight)
+    out = _epilogue(ops, y, fp8, residual, fused_add, swiglu, rope)
+    return out if added is None else (out, added)
+
+
+def _epilogue(ops: _Ops, y, fp8: bool, residual, fused_add: bool, swiglu: bool, rope):
+    """The product's epilogue: the residual add (unless the FP8 kernel made it), SwiGLU, or
+    RoPE + the K/V cache write (returning the Q columns)."""
     if residual is not None:
-        return y.add_(residual)
+        return y if fused_add else y.add_(residual)
     if swiglu:
         return ops.swiglu_fp8(y) if fp8 else ops.swiglu(y)
     if rope is not None:
@@ -312,15 +345,20 @@ def decode_gemm(
     swiglu: bool = False,
     rope: RopeArgs | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor | QuantRows:
+    norm_residual: torch.Tensor | None = None,
+) -> torch.Tensor | QuantRows | tuple:
     """``decode_linear``'s product and prologue/epilogues for up to ``MAX_ROWS`` rows, as a
     cuBLAS (bf16/fp16/fp32) or cuBLASLt W8A8 (FP8 weights) GEMM with the fused RMSNorm,
     SwiGLU and RoPE kernels around it (module docstring). Returns ``[rows, N]`` (``[rows, F]``
     with swiglu, the Q columns ``[rows, n_q_heads * head_dim]`` with rope); with an FP8 weight
     and swiglu, the ``QuantRows`` that the next FP8 GEMM takes as ``x``. ``out_dtype``: the
-    product's dtype, x's by default; needed for a ``QuantRows`` x without a residual."""
+    product's dtype, x's by default; needed for a ``QuantRows`` x without a residual. With
+    ``norm_residual`` (NORM only): ``(that, h)``, ``h = round(x + norm_residual)`` the row the
+    norm normalized."""
+    _check_norm_residual(x, norm_weight, norm_residual)
     dt = _check(x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype, True)
-    return _run(_KERNELS, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt)
+    return _run(_KERNELS, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt,
+                norm_residual)  # fmt: skip
 
 
 def decode_gemm_reference(
@@ -334,10 +372,13 @@ def decode_gemm_reference(
     swiglu: bool = False,
     rope: RopeArgs | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor | QuantRows:
+    norm_residual: torch.Tensor | None = None,
+) -> torch.Tensor | QuantRows | tuple:
     """:func:`decode_gemm` in plain PyTorch, any device: the kernels' references
     (``rms_norm_reference``, ``swiglu_reference``, ``apply_rope_qkv_reference``, their FP8
     variants) and ``F.linear`` / ``fp8_matmul_reference``. Without FP8 weights this is
     ``decode_linear_reference``'s chain, for up to ``MAX_ROWS`` rows."""
+    _check_norm_residual(x, norm_weight, norm_residual)
     dt = _check(x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype, False)
-    return _run(_REFERENCE, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt)
+    return _run(_REFERENCE, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt,
+                norm_residual)  # fmt: skip
