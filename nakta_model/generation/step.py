@@ -27,6 +27,7 @@ SwiGLU and RoPE kernels around them (``step_gemm.py``), at the same rounding poi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -165,7 +166,11 @@ class DecodeStep:
         # GEMM path, one rank: each wo / w2 residual add is made by the next RMSNorm kernel
         # (``decode_gemm``'s norm_residual) instead of a launch of its own, except where the
         # FP8 kernel already adds it in its epilogue (and under TP the partial sums come first)
-        self.defer_residual = self.gemm and model.parallel.tp_size == 1 and not fp8_epilogue
+        # (NAKTA_DEFER_RESIDUAL=0: a separate add, for A/B runs; the same bits either way)
+        self.defer_residual = (
+            self.gemm and model.parallel.tp_size == 1 and not fp8_epilogue
+            and os.environ.get("NAKTA_DEFER_RESIDUAL", "1") != "0"
+        )  # fmt: skip
         if not model.max_seq_len:
             raise ValueError("the model needs a KV cache: call model.setup_cache() first")
         if isinstance(prefix_slots, bool) or not isinstance(prefix_slots, int) or prefix_slots < 0:
