@@ -240,7 +240,7 @@ class Generator(RowPages):
         try:
             while queue or staged or any(slots):
                 self._seat(staged, slots)
-                self._admit(queue, slots, done, bar)
+                self._admit(queue, slots, done, bar, staged)
                 active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
                 if active and self.overlap != "off":
                     self._stage(queue, slots, staged, active, done, bar)
@@ -279,15 +279,16 @@ class Generator(RowPages):
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------ admission
-    def _admit(self, queue: deque, slots: list, done: list, bar) -> None:
-        """Move queued requests into free batch entries, in order, while the pool covers them;
-        a request that could never fit finishes with an error result."""
+    def _admit(self, queue: deque, slots: list, done: list, bar, staged: list) -> None:
+        """Move queued requests into free batch entries, in order, while the pool covers them
+        beside the running and staged rows; a request that could never fit finishes with an
+        error result."""
         free = [s for s in range(self.max_batch) if slots[s] is None]
 
         def place(r: _Row) -> None:
             slots[free.pop(0)] = r
 
-        running = [x for x in slots if x is not None]
+        running = [x for x in (*slots, *staged) if x is not None]
         self._admit_rows(queue, done, bar, len(free), place, running)
 
     def _seat(self, staged: list[_Row], slots: list) -> None:
