@@ -142,8 +142,8 @@ def test_quant_rows_input_with_residual_and_out_dtype(device):
 def test_bad_arguments_name_what_is_wrong():
     x = torch.randn(3, 8)
     w = torch.randn(5, 8)
-    with pytest.raises(ValueError, match=r"1\.\.256 rows"):
-        decode_gemm_reference(torch.randn(257, 8), w)
+    with pytest.raises(ValueError, match=r"1\.\.512 rows"):
+        decode_gemm_reference(torch.randn(513, 8), w)
     with pytest.raises(ValueError, match="weight must have shape"):
         decode_gemm_reference(x, torch.randn(5, 7))
     with pytest.raises(TypeError, match="out_dtype"):
