@@ -6,7 +6,8 @@ prefixes are prefilled once into pages of their own and held (LRU, ``prefix_rows
 a row holds their full pages by reference and a copy of the partial last page
 (copy-on-write, queued and made in one gather/scatter per admission round). This is a mixin of
 :class:`~nakta_model.generation.engine.Generator`: it reads the engine's ``model``, ``pool``,
-``stats``, ``row_pages``, ``n_prefixes``, ``max_seq_len``; the scheduling stays there.
+``stats``, ``row_pages``, ``n_prefixes``, ``max_seq_len`` (annotated below); the scheduling
+stays there.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class RowPages:
     max_seq_len: int
     _held: OrderedDict[tuple[int, ...], _Held]
     _copies: list[tuple[int, int, int]]
-    _steps: dict
+    _steps: dict  # the engine's captured steps (they hold the cache's addresses)
+    _epoch: int | None  # the pool epoch those steps and held prefixes belong to
+    _n_pages: int  # pages asked of the pool
+    _room: int  # pages a row may ever take: the pool's but the other users'
 
     def _ensure_cache(self) -> None:
         """The model's KV pool, of at least ``_n_pages`` pages (a larger one is used as it is),
