@@ -10,6 +10,7 @@
 # their spread is the noise. Default runs: 256_off_1 256_equal_1 256_sep_1 256_first 256_off_2
 # 256_equal_2 big_off big_equal, or run names as arguments; a run that would start after
 # DEADLINE seconds (default 470: the device's 600 s call) is skipped and named in the log.
+# Last, time left: kernel_benchmark.bench_gemm at 256 and the big rows (cuBLAS vs Triton).
 # $OUT receives throughput_ab.tar.gz (a folder per run; log.txt ends with the table).
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
@@ -48,6 +49,12 @@ for name in "${runs[@]}"; do
   limit=70
 done
 python3 -m speed_bench.throughput_ab "$STAGE" 2>&1 | tee -a "$LOG"
+# the decode step's GEMMs at its row counts: cuBLAS (wo / w2 ran at 55 / 69% of the matmul
+# rate at 256 rows on an H200) against the Triton TMA and tiled GEMMs, if time is left
+if [ "$SECONDS" -le "${DEADLINE:-470}" ]; then
+  step gemm_rows 90 python3 -m kernel_benchmark.bench_gemm --tokens "256,$big" --seconds 1 \
+    --out "$STAGE/gemm_rows"
+fi
 grep -E "^===|passed|failed" "$LOG" | tail -14
 echo "throughput_ab status=$status" | tee -a "$LOG"
 tar czf "$OUT/throughput_ab.tar.gz" -C "$(dirname "$STAGE")" throughput_ab
