@@ -30,9 +30,9 @@ compute-bound GEMMs can run while the decode's attention streams K/V (``"decode_
 the decode stream the higher priority, ``"equal"`` neither). The rows a prefill completes then
 join the next chunk instead of this one; so that the next chunk still runs a full batch, the
 prompts that will take the entries of the rows this chunk ends (their budget runs out in it)
-are admitted and prefilled beside it ("staged"; the default pool has room for them). Elsewhere (CPU, tensor parallel: NCCL calls from two
-streams could interleave differently on each rank; ``graph_mode="compile"``) the same order
-runs on one stream.
+are admitted and prefilled beside it ("staged"; the default pool has room for them).
+Elsewhere (CPU; tensor parallel, where NCCL calls from two streams could interleave
+differently on each rank; ``graph_mode="compile"``) the same order runs on one stream.
 
 Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefixes``) prefill
 it once into pages of its own, held for later admissions (at most ``prefix_rows`` prefixes,
