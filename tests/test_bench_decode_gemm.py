@@ -54,6 +54,13 @@ def test_paths_turn_the_fp8_kernel_off_and_on():
         assert lo > hi
     with tuned(sg, **bg.PATH_TUNE["triton_fp8"]):
         assert sg.fp8_kernel_rows() == (1, 64)
+    assert bg.paths_at(64) == ("decode_linear", "gemm", "splitk")
+    assert bg.paths_at(128) == ("gemm", "splitk") and bg.paths_at(128, "fp8") == ("gemm",)
+    with tuned(sg, **bg.PATH_TUNE["splitk"]):
+        assert sg.use_splitk(128, 4096) and not sg.use_splitk(32, 4096)
+        assert not sg.use_splitk(128, 11008)  # w13-wide outputs fill the SMs already
+    with tuned(sg, **bg.PATH_TUNE["gemm"]):
+        assert not sg.use_splitk(128, 4096)
 
 
 @cpu_only

@@ -59,6 +59,7 @@ from nakta_model.kernels import fp8_gemm as _fp8_gemm
 from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
+from nakta_model.kernels import splitk_gemm as _splitk
 from nakta_model.kernels import swiglu as _swiglu
 from nakta_model.kernels._checks import check_dtype, check_same_device, check_tensor, fp8_mma
 from nakta_model.kernels.decode_linear import RopeArgs
@@ -75,6 +76,7 @@ __all__ = [
     "decode_gemm",
     "decode_gemm_reference",
     "fp8_kernel_rows",
+    "use_splitk",
     "use_gemm",
 ]
 
@@ -197,17 +199,39 @@ class _Ops:
     rope_qkv_: Callable
     fp8_matmul: Callable
     fp8_decode_gemm: Callable | None  # at fp8_kernel_rows (None: always fp8_matmul)
+    linear: Callable  # the float weights' product
+
+
+# ``splitk_gemm`` for float weights of at most SPLITK_MAX_N output columns (7B: wo, w2), from
+# 64 rows, when NAKTA_SPLITK_GEMM=1 (or ``_TUNE["splitk"]`` = 1): cuBLAS tiles those outputs
+# into too few programs to fill the SMs. Off by default: not measured on a GPU yet.
+SPLITK_MAX_N = 8192
+ENV_SPLITK = "NAKTA_SPLITK_GEMM"
+
+
+def use_splitk(rows: int, n: int) -> bool:
+    """Whether a float weight of ``n`` output columns at ``rows`` rows takes ``splitk_gemm``."""
+    text = os.environ.get(ENV_SPLITK, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{ENV_SPLITK} must be 0 or 1, got {text!r}")
+    return bool(_TUNE.get("splitk", text == "1")) and rows >= 64 and n <= SPLITK_MAX_N
+
+
+def _kernel_linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if use_splitk(h.shape[0], weight.shape[0]):
+        return _splitk.splitk_linear(h, weight)
+    return F.linear(h, weight)
 
 
 _KERNELS = _Ops(
     _rmsnorm.rms_norm, _rmsnorm.rms_norm_fp8, _swiglu.swiglu, _swiglu.swiglu_fp8,
     _fp8.quantize_rows, _rope.apply_rope_qkv_, _fp8_gemm.fp8_matmul,
-    _fp8_small.fp8_decode_gemm,
+    _fp8_small.fp8_decode_gemm, _kernel_linear,
 )  # fmt: skip
 _REFERENCE = _Ops(
     _rmsnorm.rms_norm_reference, _rmsnorm.rms_norm_fp8_reference, _swiglu.swiglu_reference,
     _swiglu.swiglu_fp8_reference, _fp8.quantize_rows_reference, _rope.apply_rope_qkv_reference,
-    _fp8_gemm.fp8_matmul_reference, None,
+    _fp8_gemm.fp8_matmul_reference, None, F.linear,
 )  # fmt: skip
 
 
@@ -312,7 +336,7 @@ def _run(
         if h.device.type == "cpu" and h.dtype == torch.bfloat16 and not h.is_contiguous():
             h = h.contiguous()  # torch's CPU bf16 matmul reads strided rows' padding (see
             # decode_linear_reference)
-        y = F.linear(h, weight)
+        y = ops.linear(h, weight)
     out = _epilogue(ops, y, fp8, residual, fused_add, swiglu, rope)
     return out if added is None else (out, added)
 

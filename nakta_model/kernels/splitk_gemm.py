@@ -1,0 +1,178 @@
+"""``y = round(x @ W^T)`` split over K, for the decode step's narrow GEMMs (``wo``, ``w2``).
+
+Why: at 128..512 rows a 7B decode step's ``wo`` (4096 x 4096) and ``w2`` (4096 x 11008) have
+4096 output columns, so cuBLAS tiles them into 64-128 programs on a 132-SM GPU and streams the
+weights at 47 / 56% of copy bandwidth (H200, 256 rows: 55 / 69% of the bf16 matmul rate,
+``kernel_benchmark/results/nvidia-h200/decode_gemm/decode_gemm_blocks.md``), where ``wqkv`` and
+``w13`` reach 77 / 83%. Splitting K gives every SM a program: each (tile, split) program sums
+its K range in fp32 and stores the partial tile into a workspace ``[SPLIT_K, M, N]``; the last
+program of a tile to finish (an acq_rel counter per tile) adds the partials in split order,
+rounds once to the output dtype and stores the tile, then zeroes the counter for the next
+launch. One launch, deterministic (the split order fixes the sum), the rounding point of
+``F.linear`` (one rounding of an fp32 sum); only the summation order differs.
+
+CUDA-graph capturable: the workspace comes from the caching allocator, the counters from a
+per-device buffer that every launch leaves zero (``_counters``), the grid from shapes only.
+One launch at a time per device may use that buffer: the decode step's GEMMs run in stream
+order (prefill beside decode uses ``F.linear``). ``SPLIT_K == 1`` stores the tile directly.
+
+Launch values (``_config``): ``BLOCK_M`` 64 up to 64 rows, else 128; ``BLOCK_N`` 128,
+``BLOCK_K`` 64; ``SPLIT_K`` so that tiles x splits covers the SMs (at most K / 512 splits);
+``_TUNE`` overrides any of them (benchmarks, tests). Not measured on a GPU yet: the decode step
+uses it only when asked (``step_gemm``: ``NAKTA_SPLITK_GEMM=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nakta_model.kernels._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_ndim,
+    check_same_device,
+    check_tensor,
+    check_triton_device,
+    interpreter_enabled,
+    sm_count,
+)
+from nakta_model.kernels._triton_math import round_to
+
+__all__ = ["MAX_TILES", "splitk_linear", "splitk_linear_reference"]
+
+MAX_TILES = 8192  # output tiles one launch may have (the counter buffer's length)
+_TUNE: dict[str, int] = {}
+_DEFAULT_SMS = 132  # H100 SXM / H200; off the GPU, so interpreter runs pick GPU-like splits
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _splitk_gemm_kernel(
+    X, W, Y, PART, COUNT, M, N, K, k_split,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, split): ``x[tile rows, K range] @ W[tile cols, K range]^T`` in fp32; the
+    tile's last split to finish sums the partials in split order and stores the rounded tile."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rm = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + (k_lo + rk)[None, :] * stride_xk
+    w_ptrs = W + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = k + rk < k_hi
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        if UPCAST:  # the interpreter's bf16 dot (numpy has no bf16): exact products in fp32
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, round_to(acc, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
+    else:
+        plane = M * N
+        p_ptrs = PART + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(p_ptrs + split * plane, acc, mask=mask)
+        tl.debug_barrier()  # every warp's partial stores before the tile is counted
+        if tl.atomic_add(COUNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.load(p_ptrs, mask=mask, other=0.0)
+            for s in range(1, SPLIT_K):  # split order: the same sum whatever finished first
+                total += tl.load(p_ptrs + s * plane, mask=mask, other=0.0)
+            tl.store(y_ptrs, round_to(total, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
+            tl.atomic_xchg(COUNT + tile, 0, sem="relaxed", scope="gpu")  # for the next launch
+
+
+def _config(m: int, n: int, k: int, sms: int) -> dict[str, int]:
+    """Launch values (module docstring), then ``_TUNE``."""
+    cfg = {"BLOCK_M": 64 if m <= 64 else 128, "BLOCK_N": 128, "BLOCK_K": 64,
+           "num_warps": 8, "num_stages": 3}  # fmt: skip
+    cfg.update({key: v for key, v in _TUNE.items() if key != "SPLIT_K"})
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    split = max(1, min(triton.cdiv(sms, tiles), k // 512))
+    cfg["SPLIT_K"] = int(_TUNE.get("SPLIT_K", split))
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = cfg[key]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"splitk_gemm {key} must be a power of two >= 16, got {v}")
+    if cfg["SPLIT_K"] < 1:
+        raise ValueError(f"splitk_gemm SPLIT_K must be >= 1, got {cfg['SPLIT_K']}")
+    return cfg
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's tile counters: zeros, left zero by every launch, never freed (a captured
+    graph keeps their address)."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
+def _check(x: object, weight: object) -> tuple[torch.Tensor, torch.Tensor]:
+    x, weight = check_tensor("x", x), check_tensor("weight", weight)
+    check_ndim("x", x, 2)
+    check_ndim("weight", weight, 2)
+    check_dtype("x", x, FLOAT_DTYPES)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"weight must be [N, K={x.shape[1]}] (x is [M, K]), got {tuple(weight.shape)}"
+        )
+    if 0 in x.shape or 0 in weight.shape:
+        raise ValueError(f"x and weight must not be empty, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    check_same_device(x=x, weight=weight)
+    return x, weight
+
+
+def splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``round(x @ weight^T)``: ``x [M, K]``, ``weight [N, K]`` (any strides), one float dtype
+    (bf16 / fp16 / fp32); returns ``[M, N]`` in that dtype (module docstring)."""
+    x, weight = _check(x, weight)
+    check_triton_device("x", x)
+    m, k = x.shape
+    n = weight.shape[0]
+    sms = sm_count(x.device) if x.device.type == "cuda" else _DEFAULT_SMS
+    cfg = _config(m, n, k, sms)
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if tiles > MAX_TILES:
+        raise ValueError(f"splitk_linear: {tiles} output tiles, at most {MAX_TILES}")
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)  # no empty split
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    interp = interpreter_enabled()
+    upcast = interp and x.dtype == torch.bfloat16
+    part = (
+        torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    )  # fmt: skip
+    _splitk_gemm_kernel[(tiles, split)](
+        x, weight, y, part, _counters(x.device), m, n, k, k_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        PREC="ieee" if x.dtype == torch.float32 or upcast else None, UPCAST=upcast,
+        EMULATE_RNE=interp, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return y
+
+
+def splitk_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch: the fp32 product rounded once to x's dtype; any device."""
+    x, weight = _check(x, weight)
+    return (x.float() @ weight.float().T).to(x.dtype)
