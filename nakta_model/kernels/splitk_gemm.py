@@ -89,9 +89,10 @@ def _splitk_gemm_kernel(
         tl.store(p_ptrs + split * plane, acc, mask=mask)
         tl.debug_barrier()  # every warp's partial stores before the tile is counted
         if tl.atomic_add(COUNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            total = tl.load(p_ptrs, mask=mask, other=0.0)
+            # other programs' partials: read from L2 (.cg), never an SM's stale L1 line
+            total = tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, SPLIT_K):  # split order: the same sum whatever finished first
-                total += tl.load(p_ptrs + s * plane, mask=mask, other=0.0)
+                total += tl.load(p_ptrs + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, round_to(total, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
             tl.atomic_xchg(COUNT + tile, 0, sem="relaxed", scope="gpu")  # for the next launch
 
