@@ -9,9 +9,9 @@ the GEMM path's step time drops below the GEMVs' (``step_gemm.CROSSOVER``, per d
 Paths: ``decode_linear`` (the fused GEMVs, <= 64 rows); ``gemm`` (``step_gemm`` with cuBLAS, or
 cuBLASLt W8A8 for FP8 weights: ``fp8_decode_gemm`` turned off); for fp8 at <= 64 rows also
 ``triton_fp8`` (``step_gemm`` with its FP8 GEMMs on ``kernels/fp8_decode_gemm``, the swap-AB
-Triton kernel, forced on at every measured rows; the LM head stays bf16 on cuBLAS); for bf16
-from 64 rows also ``splitk`` (``step_gemm`` with ``kernels/splitk_gemm`` for ``wo`` / ``w2``,
-the weights of at most ``SPLITK_MAX_N`` outputs).
+Triton kernel, forced on at every measured rows; the LM head stays bf16 on cuBLAS); from 64
+rows also ``splitk`` (``step_gemm`` with ``kernels/splitk_gemm`` for ``wo`` / ``w2``, the
+weights of at most ``SPLITK_MAX_N`` outputs, bf16 or FP8).
 
 Sections (``--sections``):
 
@@ -122,7 +122,7 @@ PATH_TUNE = {
 def paths_at(rows: int, quant: str = "bf16") -> tuple[str, ...]:
     paths = ("decode_linear", "gemm") if rows <= dl.MAX_BATCH else ("gemm",)
     paths += ("triton_fp8",) if quant == "fp8" and rows <= fdg.MAX_ROWS else ()
-    return paths + (("splitk",) if quant == "bf16" and rows >= 64 else ())
+    return paths + (("splitk",) if rows >= 64 else ())
 
 
 def block_set(shape: LinearShape, rows: int, quant: str, device, seed: int) -> dict:

@@ -68,6 +68,32 @@ def test_strided_inputs_and_the_default_config(monkeypatch):
     assert sk._config(48, 4096, 1024, 132)["SPLIT_K"] == 2  # at most K / 512 splits
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_fp8_w8a8_with_row_and_column_scales(out_dtype, split, monkeypatch):
+    """e4m3 x and weight with fp32 row / column scales (the step's W8A8 operands): the exact
+    fp32 products summed, scaled x-then-w and rounded once, as fp8_matmul_reference."""
+    from nakta_model.kernels.fp8_quant import quantize_rows_reference, quantize_weight
+
+    monkeypatch.setattr(sk, "_TUNE", {**SMALL, "SPLIT_K": split})
+    g = torch.Generator().manual_seed(11 + split)
+    xq = quantize_rows_reference(torch.randn(7, 96, generator=g))
+    wq, ws = quantize_weight(torch.randn(40, 96, generator=g))
+    y = sk.splitk_linear(xq.q, wq, xq.scale, ws, out_dtype)
+    want = sk.splitk_linear_reference(xq.q, wq, xq.scale, ws, out_dtype)
+    assert y.dtype == out_dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[out_dtype]
+    torch.testing.assert_close(y.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="weight_scale must be a contiguous"):
+        sk.splitk_linear(xq.q, wq, xq.scale, ws[:-1])
+    with pytest.raises(TypeError, match="x_scale must be a torch.Tensor"):
+        sk.splitk_linear(xq.q, wq, None, ws)
+    with pytest.raises(TypeError, match="out_dtype"):
+        sk.splitk_linear(xq.q, wq, xq.scale, ws, torch.int32)
+    with pytest.raises(ValueError, match="go with FP8"):
+        sk.splitk_linear(torch.randn(2, 8), torch.randn(3, 8), torch.ones(2), torch.ones(3))
+
+
 @pytest.mark.parametrize(
     "x, w, exc, msg",
     [
@@ -114,3 +140,20 @@ def test_gpu_decode_shapes_in_a_cuda_graph(m, n, k):
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
     assert not sk._counters(x.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k", [(256, 4096), (512, 11008)])
+def test_gpu_fp8_decode_shapes(m, k):
+    """W8A8 at the 7B narrow shapes (e4m3 from the model's quantizers): close to the exact
+    fp32 reference, the same bits twice."""
+    from nakta_model.kernels.fp8_quant import quantize_rows, quantize_weight
+
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    xq = quantize_rows(torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16))
+    wq, ws = quantize_weight(torch.randn(4096, k, device="cuda", generator=g) / k**0.5)
+    y = sk.splitk_linear(xq.q, wq, xq.scale, ws, torch.bfloat16)
+    want = sk.splitk_linear_reference(xq.q, wq, xq.scale, ws, torch.float32)
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(sk.splitk_linear(xq.q, wq, xq.scale, ws, torch.bfloat16), y)
+    assert not sk._counters(xq.q.device).any()

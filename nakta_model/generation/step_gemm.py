@@ -202,9 +202,10 @@ class _Ops:
     linear: Callable  # the float weights' product
 
 
-# ``splitk_gemm`` for float weights of at most SPLITK_MAX_N output columns (7B: wo, w2), from
-# 64 rows, when NAKTA_SPLITK_GEMM=1 (or ``_TUNE["splitk"]`` = 1): cuBLAS tiles those outputs
-# into too few programs to fill the SMs. Off by default: not measured on a GPU yet.
+# ``splitk_gemm`` for weights of at most SPLITK_MAX_N output columns (7B: wo, w2; float, or FP8
+# above fp8_decode_gemm's rows) from 64 rows, when NAKTA_SPLITK_GEMM=1 (or ``_TUNE["splitk"]``
+# = 1): cuBLAS / cuBLASLt tile those outputs into too few programs to fill the SMs. Off by
+# default: not measured on a GPU yet.
 SPLITK_MAX_N = 8192
 ENV_SPLITK = "NAKTA_SPLITK_GEMM"
 
@@ -223,9 +224,15 @@ def _kernel_linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(h, weight)
 
 
+def _kernel_fp8_matmul(xq, xs, wq, ws, out_dtype) -> torch.Tensor:
+    if use_splitk(xq.shape[0], wq.shape[0]):
+        return _splitk.splitk_linear(xq, wq, xs, ws, out_dtype)
+    return _fp8_gemm.fp8_matmul(xq, xs, wq, ws, out_dtype)
+
+
 _KERNELS = _Ops(
     _rmsnorm.rms_norm, _rmsnorm.rms_norm_fp8, _swiglu.swiglu, _swiglu.swiglu_fp8,
-    _fp8.quantize_rows, _rope.apply_rope_qkv_, _fp8_gemm.fp8_matmul,
+    _fp8.quantize_rows, _rope.apply_rope_qkv_, _kernel_fp8_matmul,
     _fp8_small.fp8_decode_gemm, _kernel_linear,
 )  # fmt: skip
 _REFERENCE = _Ops(
