@@ -7,6 +7,8 @@
 #   sep     NAKTA_DEFER_RESIDUAL=0: the wo / w2 residual adds as launches of their own
 #   equal   NAKTA_PREFILL_OVERLAP=equal;  first: NAKTA_PREFILL_OVERLAP=decode_first
 #   splitk  NAKTA_SPLITK_GEMM=1: wo / w2 on kernels/splitk_gemm instead of cuBLAS
+#   fp8, fp8splitk  the FP8 engine (nakta_fp8), without / with NAKTA_SPLITK_GEMM=1 (not in the
+#           default list: name them, e.g. 256_fp8 256_fp8splitk)
 # ROWS is max_batch ("big": 384 on an 80 GB GPU, 512 on a larger one). Repeats interleave, so
 # their spread is the noise. Default runs, most wanted first: 256_off_1 256_equal_1
 # 256_splitk_1 256_off_2 256_equal_2 256_splitk_2 big_off big_equal 256_sep 256_first, or run
@@ -38,10 +40,12 @@ for name in "${runs[@]}"; do
   fi
   IFS=_ read -r rows setting _ <<<"$name"
   [ "$rows" = big ] && rows=$big
-  overlap=off defer=1 splitk=0
+  overlap=off defer=1 splitk=0 engine=nakta
   case $setting in
     sep) defer=0 ;;
     splitk) splitk=1 ;;
+    fp8) engine=nakta_fp8 ;;
+    fp8splitk) engine=nakta_fp8 splitk=1 ;;
     equal) overlap=equal ;;
     first) overlap=decode_first ;;
     off) ;;
@@ -49,7 +53,7 @@ for name in "${runs[@]}"; do
   esac
   step "$name" "$limit" env NAKTA_PREFILL_OVERLAP=$overlap NAKTA_DEFER_RESIDUAL=$defer \
     NAKTA_SPLITK_GEMM=$splitk \
-    $T --engines nakta --max-batch "$rows" --out "$STAGE/$name"
+    $T --engines "$engine" --max-batch "$rows" --out "$STAGE/$name"
   limit=70
 done
 python3 -m speed_bench.throughput_ab "$STAGE" 2>&1 | tee -a "$LOG"
