@@ -37,7 +37,7 @@ from nakta_model.generation import step_gemm as _gemm
 from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
-from nakta_model.kernels._checks import fp8_mma, mark_compile_constants
+from nakta_model.kernels._checks import mark_compile_constants
 from nakta_model.parallel import all_reduce
 
 __all__ = [
@@ -161,8 +161,7 @@ class DecodeStep:
         if not 1 <= batch <= MAX_ROWS:
             raise ValueError(f"decode batch must be in [1, {MAX_ROWS}], got {batch}")
         self.gemm = _gemm.use_gemm(batch, model.dtype, model.quant)  # linears as GEMMs
-        lo, hi = _gemm.fp8_kernel_rows()
-        fp8_epilogue = model.quant == "fp8" and lo <= batch <= hi and fp8_mma(model.device)
+        fp8_epilogue = model.quant == "fp8" and _gemm.use_fp8_kernel(batch, model.device)
         # GEMM path, one rank: each wo / w2 residual add is made by the next RMSNorm kernel
         # (``decode_gemm``'s norm_residual) instead of a launch of its own, except where the
         # FP8 kernel already adds it in its epilogue (and under TP the partial sums come first)

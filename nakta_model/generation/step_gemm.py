@@ -76,6 +76,7 @@ __all__ = [
     "decode_gemm",
     "decode_gemm_reference",
     "fp8_kernel_rows",
+    "use_fp8_kernel",
     "use_splitk",
     "use_gemm",
 ]
@@ -176,9 +177,11 @@ def fp8_kernel_rows() -> tuple[int, int]:
     return lo, hi
 
 
-def _use_fp8_kernel(xq: torch.Tensor) -> bool:
+def use_fp8_kernel(rows: int, device: torch.device) -> bool:
+    """Whether an FP8 GEMM of ``rows`` rows on ``device`` runs ``fp8_decode_gemm`` (which adds
+    the residual in its epilogue) rather than cuBLASLt (:func:`fp8_kernel_rows`)."""
     lo, hi = fp8_kernel_rows()
-    return lo <= xq.shape[0] <= hi and fp8_mma(xq.device)
+    return lo <= rows <= hi and fp8_mma(device)
 
 
 def use_gemm(rows: int, dtype: torch.dtype, quant: str | None = None) -> bool:
@@ -326,7 +329,7 @@ def _run(
                 xq, added = xq
         else:
             xq = ops.quantize_rows(x)
-        fused_add = ops.fp8_decode_gemm is not None and _use_fp8_kernel(xq.q)
+        fused_add = ops.fp8_decode_gemm is not None and use_fp8_kernel(xq.q.shape[0], xq.q.device)
         if fused_add:
             y = ops.fp8_decode_gemm(
                 xq.q, xq.scale, weight, weight_scale, out_dtype, residual=residual

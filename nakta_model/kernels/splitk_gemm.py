@@ -48,13 +48,13 @@ from nakta_model.kernels._checks import (
     sm_count,
 )
 from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels.fp8_decode_gemm import PROMOTE_K
+from nakta_model.kernels.fp8_gemm import OUT_DTYPES
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
 
 __all__ = ["MAX_TILES", "splitk_linear", "splitk_linear_reference"]
 
 MAX_TILES = 8192  # output tiles one launch may have (the counter buffer's length)
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # FP8 inputs' product dtypes
-PROMOTE_K = 128  # fp8 products summed by the MMA before they join the fp32 accumulator
 _TUNE: dict[str, int] = {}
 _DEFAULT_SMS = 132  # H100 SXM / H200; off the GPU, so interpreter runs pick GPU-like splits
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
