@@ -27,11 +27,20 @@ order (prefill beside decode uses ``F.linear``). ``SPLIT_K == 1`` stores the til
 
 Launch values (``_config``): ``BLOCK_M`` 64 up to 64 rows, else 128; ``BLOCK_N`` 128,
 ``BLOCK_K`` 64; ``SPLIT_K`` so that tiles x splits covers the SMs (at most K / 512 splits);
-``_TUNE`` overrides any of them (benchmarks, tests). Not measured on a GPU yet: the decode step
-uses it only when asked (``step_gemm``: ``NAKTA_SPLITK_GEMM=1``).
+then the device family's measured row of ``_splitk_gemm_tuned.json`` for (N, K, rows bucket,
+float / fp8), written by ``kernel_benchmark/tune_splitk_gemm.py``; ``_TUNE`` overrides any of
+them (benchmarks, tests). The decode step uses it only when asked (``step_gemm``:
+``NAKTA_SPLITK_GEMM=1``): measured on an H100 (2026-11-26), its best tuned config runs at
+0.73-0.94x cuBLAS at 128-512 rows (``kernel_benchmark/results/nvidia-h100-80gb-hbm3/
+splitk_gemm_tune.md``) and a 1,000 x 128/128 run 1-2% slower with it
+(``speed_bench/results/nvidia-h100-80gb-hbm3/throughput_ab/``): cuBLAS's narrow tiles lose
+less than the split's partial-tile traffic costs.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -44,6 +53,7 @@ from nakta_model.kernels._checks import (
     check_same_device,
     check_tensor,
     check_triton_device,
+    device_family,
     interpreter_enabled,
     sm_count,
 )
@@ -55,6 +65,9 @@ from nakta_model.kernels.fp8_quant import FP8_DTYPE
 __all__ = ["MAX_TILES", "splitk_linear", "splitk_linear_reference"]
 
 MAX_TILES = 8192  # output tiles one launch may have (the counter buffer's length)
+KNOBS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+ROWS_BUCKETS = (64, 128, 256, 384, 512)  # the decode step's graph sizes from 64 rows
+TUNED_JSON = Path(__file__).with_name("_splitk_gemm_tuned.json")
 _TUNE: dict[str, int] = {}
 _DEFAULT_SMS = 132  # H100 SXM / H200; off the GPU, so interpreter runs pick GPU-like splits
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -126,15 +139,54 @@ def _scaled(acc, XS, WS, rm, rn, m_ok, n_ok, FP8: tl.constexpr):
     return acc
 
 
-def _config(m: int, n: int, k: int, sms: int, fp8: bool = False) -> dict[str, int]:
-    """Launch values (module docstring; FP8: ``BLOCK_K`` 128, the same bytes a stage), then
-    ``_TUNE``."""
+def rows_bucket(rows: int) -> int:
+    """The tuned table's rows key: the smallest of ``ROWS_BUCKETS`` holding ``rows``, past them
+    the next power of two."""
+    return next((b for b in ROWS_BUCKETS if rows <= b), triton.next_power_of_2(rows))
+
+
+def tuned_key(n: int, k: int, bucket: int, fp8: bool) -> str:
+    """The tuned JSON's key of one row: ``"N/K/bucket/float"`` or ``".../fp8"``."""
+    return f"{n}/{k}/{bucket}/{'fp8' if fp8 else 'float'}"
+
+
+def load_tuned(path: Path) -> dict[str, dict[str, dict[str, int]]]:
+    """``{family: {tuned_key: config}}`` of a tuned JSON ({} when the file is absent); every
+    entry names every knob of ``KNOBS`` with an int, or the file is refused."""
+    if not path.is_file():
+        return {}
+    try:
+        tables = {}
+        for family, block in json.loads(path.read_text())["devices"].items():
+            table = tables.setdefault(str(family), {})
+            for key, cfg in block["entries"].items():
+                n, k, bucket, kind = key.split("/")
+                if kind not in ("float", "fp8") or set(cfg) != set(KNOBS):
+                    raise ValueError(f"entry {key!r}: expected N/K/bucket/float|fp8, knobs {KNOBS}")
+                table[tuned_key(int(n), int(k), int(bucket), kind == "fp8")] = {
+                    name: int(cfg[name]) for name in KNOBS
+                }
+    except (ValueError, KeyError, TypeError, AttributeError) as ex:
+        raise ValueError(f"{path}: not a tuned splitk_gemm config file ({ex})") from ex
+    return tables
+
+
+_DEVICE_CONFIGS = load_tuned(TUNED_JSON)
+
+
+def _config(
+    m: int, n: int, k: int, sms: int, fp8: bool = False, family: str | None = None
+) -> dict[str, int]:
+    """Launch values (module docstring; FP8: ``BLOCK_K`` 128, the same bytes a stage), the
+    device ``family``'s tuned row, then ``_TUNE``."""
     cfg = {"BLOCK_M": 64 if m <= 64 else 128, "BLOCK_N": 128, "BLOCK_K": 128 if fp8 else 64,
            "num_warps": 8, "num_stages": 3}  # fmt: skip
+    tuned = _DEVICE_CONFIGS.get(family or "", {}).get(tuned_key(n, k, rows_bucket(m), fp8), {})
+    cfg.update(tuned)
     cfg.update({key: v for key, v in _TUNE.items() if key != "SPLIT_K"})
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     split = max(1, min(triton.cdiv(sms, tiles), k // 512))
-    cfg["SPLIT_K"] = int(_TUNE.get("SPLIT_K", split))
+    cfg["SPLIT_K"] = int(_TUNE.get("SPLIT_K", tuned.get("SPLIT_K", split)))
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = cfg[key]
         if v < 16 or v & (v - 1):
@@ -207,8 +259,8 @@ def splitk_linear(
     m, k = x.shape
     n = weight.shape[0]
     fp8 = x.dtype == FP8_DTYPE
-    sms = sm_count(x.device) if x.device.type == "cuda" else _DEFAULT_SMS
-    cfg = _config(m, n, k, sms, fp8)
+    sms = sm_count(x.device, _DEFAULT_SMS)
+    cfg = _config(m, n, k, sms, fp8, device_family(x.device))
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if tiles > MAX_TILES:
