@@ -7,12 +7,14 @@
 #   sep     NAKTA_DEFER_RESIDUAL=0: the wo / w2 residual adds as launches of their own
 #   equal   NAKTA_PREFILL_OVERLAP=equal;  first: NAKTA_PREFILL_OVERLAP=decode_first
 #   splitk  NAKTA_SPLITK_GEMM=1: wo / w2 on kernels/splitk_gemm instead of cuBLAS
+#   burst   NAKTA_PREFILL_BURST=8: up to 8 prefill forwards back to back before a decode chunk
 #   fp8, fp8splitk  the FP8 engine (nakta_fp8), without / with NAKTA_SPLITK_GEMM=1 (not in the
 #           default list: name them, e.g. 256_fp8 256_fp8splitk)
 # ROWS is max_batch ("big": 384 on an 80 GB GPU, 512 on a larger one). Repeats interleave, so
-# their spread is the noise. Default runs, most wanted first: 256_off_1 256_equal_1
-# 256_splitk_1 256_off_2 256_equal_2 256_splitk_2 big_off big_equal 256_sep 256_first, or run
-# names as arguments; a run that would start after DEADLINE seconds (default 420) is skipped
+# their spread is the noise. Default runs, most wanted first: 256_off_1 big_off_1 big_burst_1
+# 256_burst_1 big_off_2 big_burst_2 256_off_2 256_burst_2 (equal, first, splitk and sep lost
+# on an H100: speed_bench/results/nvidia-h100-80gb-hbm3/throughput_ab/), or run names as
+# arguments; a run that would start after DEADLINE seconds (default 420) is skipped
 # and named in the log. Last, with time left: bench_decode_gemm's blocks at 256 and the big
 # rows (cuBLAS against splitk_gemm, block by block).
 # $OUT receives throughput_ab.tar.gz (a folder per run; log.txt ends with the table).
@@ -30,8 +32,8 @@ big=384
 [ "${mib:-0}" -gt 100000 ] && big=512
 T="python3 -m speed_bench.throughput --preset 7B --prompts 1000 --input-len 128 --output-len 128"
 runs=("$@")
-[ ${#runs[@]} -eq 0 ] && runs=(256_off_1 256_equal_1 256_splitk_1 256_off_2 256_equal_2
-  256_splitk_2 big_off big_equal 256_sep 256_first)
+[ ${#runs[@]} -eq 0 ] && runs=(256_off_1 big_off_1 big_burst_1 256_burst_1 big_off_2
+  big_burst_2 256_off_2 256_burst_2)
 limit=120  # the first run compiles what the tests did not
 for name in "${runs[@]}"; do
   if [ "$SECONDS" -gt "${DEADLINE:-420}" ]; then
@@ -40,8 +42,9 @@ for name in "${runs[@]}"; do
   fi
   IFS=_ read -r rows setting _ <<<"$name"
   [ "$rows" = big ] && rows=$big
-  overlap=off defer=1 splitk=0 engine=nakta
+  overlap=off defer=1 splitk=0 burst=1 engine=nakta
   case $setting in
+    burst) burst=8 ;;
     sep) defer=0 ;;
     splitk) splitk=1 ;;
     fp8) engine=nakta_fp8 ;;
@@ -52,7 +55,7 @@ for name in "${runs[@]}"; do
     *) echo "unknown setting in run $name" | tee -a "$LOG"; status=1; continue ;;
   esac
   step "$name" "$limit" env NAKTA_PREFILL_OVERLAP=$overlap NAKTA_DEFER_RESIDUAL=$defer \
-    NAKTA_SPLITK_GEMM=$splitk \
+    NAKTA_SPLITK_GEMM=$splitk NAKTA_PREFILL_BURST=$burst \
     $T --engines "$engine" --max-batch "$rows" --out "$STAGE/$name"
   limit=70
 done

@@ -234,6 +234,7 @@ def measure(engine, work: Workload, max_batch: int, device: torch.device) -> dic
         row.update(prefill_s=out.stats["prefill_s"], decode_s=out.stats["decode_s"])
         row["decode_steps"] = out.stats["decode_steps"]
         row["overlap"] = out.stats.get("overlap")
+        row["prefill_burst"] = out.stats.get("prefill_burst")
         row["overlapped_chunks"] = out.stats.get("overlapped_chunks")
         row["nakta_stats"] = out.stats
     return row
@@ -328,7 +329,7 @@ def write_results(out: Path, device_name, model, dtype, bw, runs, skipped, quiet
     summary = summary_of(device_name, runs)
     write_json(summary, out / "throughput_summary.json")
     extra = ["wall_s", "prefill_s", "decode_s", "decode_steps", "mean_rows", "mean_context",
-             "step_ms", "floor_ms", "overlap", "overlapped_chunks"]  # fmt: skip
+             "step_ms", "floor_ms", "overlap", "overlapped_chunks", "prefill_burst"]  # fmt: skip
     cols = list(SUMMARY_KEYS) + [c for c in extra if any(c in r for r in runs)]
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in runs], columns=cols)
     hf = [r for r in runs if r["engine"] == "hf"]

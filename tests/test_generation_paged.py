@@ -13,7 +13,7 @@ from test_generation_engine import meta_greedy, shared_prompts, tiny_model
 
 from llama_org import Llama
 from nakta_model.generation import Generator, greedy_requests
-from nakta_model.generation.engine import max_rows
+from nakta_model.generation.engine import PREFILL_BURST, max_rows
 from nakta_model.kv_pages import PAGE_SIZE, PagePool
 from nakta_model.loading import load
 
@@ -344,3 +344,39 @@ def test_rows_of_a_held_prefix_prefill_in_one_segment(kernels, monkeypatch):
     got = Generator(model, max_batch=6, max_seq_len=96).generate(greedy_requests(ps, 3, None))
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert (6, 2) in shared  # six rows' pieces in one chunk, under their two prefixes' entries
+
+
+def test_prefill_burst_fills_the_batch_before_it_decodes(monkeypatch):
+    """prefill_burst=16: the admitted prompts (several forwards of 16 tokens) all prefill
+    before the first decode chunk, so it runs every row; tokens equal Meta's and the
+    one-forward-per-chunk engine's, in fewer decode steps. Bad values name the argument."""
+    model = tiny_model()
+    ps = long_prompts(12, 12, 30, seed=11)
+    want = meta_greedy(model, ps, 7)
+    batches: dict[int, list[int]] = {}
+    steps = {}
+    for burst in (1, 16):
+        gen = Generator(model, max_batch=6, max_seq_len=48, chunk=3, prefill_chunk=16,
+                        prefill_burst=burst)  # fmt: skip
+        seen = batches[burst] = []
+        run = gen._decode_chunk
+
+        def spy(active, slots, draining=False, run=run, seen=seen):
+            seen.append(len(active))
+            return run(active, slots, draining)
+
+        monkeypatch.setattr(gen, "_decode_chunk", spy)
+        got = gen.generate(greedy_requests(ps, 7, eos_id=None))
+        assert [r.tokens for r in got] == want, burst
+        steps[burst] = gen.stats.decode_steps
+    assert batches[1][0] < 6 and batches[16][0] == 6
+    assert steps[16] < steps[1]
+    with pytest.raises(ValueError, match="prefill_burst"):
+        Generator(model, prefill_burst=0)
+    monkeypatch.setenv("NAKTA_PREFILL_BURST", "many")
+    with pytest.raises(ValueError, match="NAKTA_PREFILL_BURST"):
+        Generator(model)
+    monkeypatch.delenv("NAKTA_PREFILL_BURST")
+    assert Generator(model).prefill_burst == PREFILL_BURST == 8
+    monkeypatch.setenv("NAKTA_PREFILL_BURST", "3")
+    assert Generator(model).prefill_burst == 3

@@ -205,6 +205,11 @@ def test_ab_table_puts_each_runs_setting_and_figures_side_by_side(tmp_path, monk
     assert list(df["run"]) == ["b3_off", "b3_equal"] and list(df["overlap"]) == ["off", "equal"]
     assert (df["output_tok_s"] > 0).all() and list(df["max_batch"]) == [3, 3]
     assert df["overlapped_chunks"].iloc[0] == 0 and df["overlapped_chunks"].iloc[1] > 0
-    assert (tmp_path / "throughput_ab.md").is_file()
+    assert (tmp_path / "throughput_ab.md").is_file() and (tmp_path / "throughput_ab.png").is_file()
     with pytest.raises(SystemExit, match="no throughput.csv"):
         throughput_ab.main([str(tmp_path / "b3_off")])  # a run's folder, not a stage
+    both = throughput_ab.main([str(tmp_path), str(tmp_path), "--out", str(tmp_path / "all")])
+    assert list(both["call"]) == [1, 1, 2, 2] and list(both["run"]) == list(df["run"]) * 2
+    assert (tmp_path / "all" / "throughput_ab.csv").is_file()
+    with pytest.raises(SystemExit):  # several stages need --out
+        throughput_ab.main([str(tmp_path), str(tmp_path)])
