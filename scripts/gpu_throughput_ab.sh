@@ -8,12 +8,15 @@
 #   equal   NAKTA_PREFILL_OVERLAP=equal;  first: NAKTA_PREFILL_OVERLAP=decode_first
 #   splitk  NAKTA_SPLITK_GEMM=1: wo / w2 on kernels/splitk_gemm instead of cuBLAS
 #   burst   NAKTA_PREFILL_BURST=8: up to 8 prefill forwards back to back before a decode chunk
+#           (the default since; the other settings keep NAKTA_PREFILL_BURST=1 for the A/B)
+#   nopipe  NAKTA_DECODE_PIPELINE=0 with bursts: one decode chunk enqueued at a time
+#   pipe    NAKTA_DECODE_PIPELINE=1 with bursts (the default)
 #   fp8, fp8splitk  the FP8 engine (nakta_fp8), without / with NAKTA_SPLITK_GEMM=1 (not in the
 #           default list: name them, e.g. 256_fp8 256_fp8splitk)
 # ROWS is max_batch ("big": 384 on an 80 GB GPU, 512 on a larger one). Repeats interleave, so
-# their spread is the noise. Default runs, most wanted first: 256_off_1 big_off_1 big_burst_1
-# 256_burst_1 big_off_2 big_burst_2 256_off_2 256_burst_2 (equal, first, splitk and sep lost
-# on an H100: speed_bench/results/nvidia-h100-80gb-hbm3/throughput_ab/), or run names as
+# their spread is the noise. Default runs, most wanted first: big_nopipe_1 big_pipe_1
+# big_nopipe_2 big_pipe_2 256_nopipe 256_pipe (bursts won; equal, first, splitk and sep lost on
+# an H100: speed_bench/results/nvidia-h100-80gb-hbm3/throughput_ab/), or run names as
 # arguments; a run that would start after DEADLINE seconds (default 420) is skipped
 # and named in the log. Last, with time left: bench_decode_gemm's blocks at 256 and the big
 # rows (cuBLAS against splitk_gemm, block by block).
@@ -26,14 +29,14 @@ use_wheels
 stage throughput_ab
 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
   tests/test_generation_overlap.py tests/test_generation_paged.py tests/test_generation_engine.py \
-  tests/test_decode_step_gemm.py tests/test_splitk_gemm.py
+  tests/test_decode_step_gemm.py tests/test_splitk_gemm.py tests/test_generation_pipeline.py
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 big=384
 [ "${mib:-0}" -gt 100000 ] && big=512
 T="python3 -m speed_bench.throughput --preset 7B --prompts 1000 --input-len 128 --output-len 128"
 runs=("$@")
-[ ${#runs[@]} -eq 0 ] && runs=(256_off_1 big_off_1 big_burst_1 256_burst_1 big_off_2
-  big_burst_2 256_off_2 256_burst_2)
+[ ${#runs[@]} -eq 0 ] && runs=(big_nopipe_1 big_pipe_1 big_nopipe_2 big_pipe_2 256_nopipe
+  256_pipe)
 limit=120  # the first run compiles what the tests did not
 for name in "${runs[@]}"; do
   if [ "$SECONDS" -gt "${DEADLINE:-420}" ]; then
@@ -42,9 +45,11 @@ for name in "${runs[@]}"; do
   fi
   IFS=_ read -r rows setting _ <<<"$name"
   [ "$rows" = big ] && rows=$big
-  overlap=off defer=1 splitk=0 burst=1 engine=nakta
+  overlap=off defer=1 splitk=0 burst=1 pipe=0 engine=nakta
   case $setting in
     burst) burst=8 ;;
+    nopipe) burst=8 ;;
+    pipe) burst=8 pipe=1 ;;
     sep) defer=0 ;;
     splitk) splitk=1 ;;
     fp8) engine=nakta_fp8 ;;
@@ -55,7 +60,7 @@ for name in "${runs[@]}"; do
     *) echo "unknown setting in run $name" | tee -a "$LOG"; status=1; continue ;;
   esac
   step "$name" "$limit" env NAKTA_PREFILL_OVERLAP=$overlap NAKTA_DEFER_RESIDUAL=$defer \
-    NAKTA_SPLITK_GEMM=$splitk NAKTA_PREFILL_BURST=$burst \
+    NAKTA_SPLITK_GEMM=$splitk NAKTA_PREFILL_BURST=$burst NAKTA_DECODE_PIPELINE=$pipe \
     $T --engines "$engine" --max-batch "$rows" --out "$STAGE/$name"
   limit=70
 done

@@ -361,9 +361,9 @@ def test_prefill_burst_fills_the_batch_before_it_decodes(monkeypatch):
         seen = batches[burst] = []
         run = gen._decode_chunk
 
-        def spy(active, slots, draining=False, run=run, seen=seen):
+        def spy(active, slots, *rest, run=run, seen=seen):
             seen.append(len(active))
-            return run(active, slots, draining)
+            return run(active, slots, *rest)
 
         monkeypatch.setattr(gen, "_decode_chunk", spy)
         got = gen.generate(greedy_requests(ps, 7, eos_id=None))

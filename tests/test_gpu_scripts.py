@@ -31,7 +31,7 @@ def _fake_tools(bin_dir: Path, calls: Path, mib: int) -> None:
     py.write_text(
         "#!/usr/bin/env bash\n"
         f'echo "overlap=$NAKTA_PREFILL_OVERLAP defer=$NAKTA_DEFER_RESIDUAL '
-        f'splitk=$NAKTA_SPLITK_GEMM burst=$NAKTA_PREFILL_BURST $*" >> {calls}\n'
+        f'splitk=$NAKTA_SPLITK_GEMM burst=$NAKTA_PREFILL_BURST pipe=$NAKTA_DECODE_PIPELINE $*" >> {calls}\n'
     )
     for f in (smi, py):
         f.chmod(0o755)
@@ -62,24 +62,25 @@ def test_throughput_ab_runs_each_setting_with_its_environment(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (out / "throughput_ab.tar.gz").is_file()
     want = [  # the default list, most wanted first; "big" is 384 rows on an 80 GB GPU
-        (1, "256"), (1, "384"), (8, "384"), (8, "256"), (1, "384"), (8, "384"), (1, "256"),
-        (8, "256"),
+        (0, "384"), (1, "384"), (0, "384"), (1, "384"), (0, "256"), (1, "256"),
     ]  # fmt: skip
     assert len(runs) == len(want)
-    for line, (burst, rows) in zip(runs, want):
-        assert line.startswith(f"overlap=off defer=1 splitk=0 burst={burst} ")
+    for line, (pipe, rows) in zip(runs, want):
+        assert line.startswith(f"overlap=off defer=1 splitk=0 burst=8 pipe={pipe} ")
         assert f"--engines nakta --max-batch {rows} " in line
 
 
 def test_throughput_ab_named_runs_big_rows_deadline_and_bad_names(tmp_path):
     proc, runs, _ = _run_ab(tmp_path / "a", 143771, ["big_fp8splitk", "256_fp8", "256_sep_2",
-                                                     "256_first", "big_equal"])  # fmt: skip
+                                                     "256_first", "big_equal", "big_nopipe",
+                                                     "big_pipe"])  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "splitk=1 " in runs[0] and "--engines nakta_fp8 --max-batch 512 " in runs[0]
     assert "splitk=0 " in runs[1] and "--engines nakta_fp8 --max-batch 256 " in runs[1]
     assert runs[2].startswith("overlap=off defer=0 splitk=0 burst=1 ")
     assert runs[3].startswith("overlap=decode_first defer=1 ")
     assert runs[4].startswith("overlap=equal ") and "--max-batch 512 " in runs[4]
+    assert " burst=8 pipe=0 " in runs[5] and " burst=8 pipe=1 " in runs[6]
     proc, runs, _ = _run_ab(tmp_path / "b", 81559, ["256_off", "256_equal"], deadline=-1)
     assert runs == [] and "=== 256_off: skipped at" in proc.stdout
     assert "=== 256_equal: skipped at" in proc.stdout and "gemm_blocks" not in proc.stdout

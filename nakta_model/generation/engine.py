@@ -71,7 +71,13 @@ from nakta_model.generation.requests import (
 )
 from nakta_model.generation.row_pages import RowPages
 from nakta_model.generation.sampling import sample_next
-from nakta_model.generation.step import DecodeStep, EntryState, batch_limit, check_graph_mode
+from nakta_model.generation.step import (
+    DecodeStep,
+    EntryState,
+    batch_limit,
+    check_graph_mode,
+    step_tokens,
+)
 from nakta_model.kv_pages import PAGE_SIZE, pages_for, pool_pages
 
 __all__ = [
@@ -104,6 +110,7 @@ PREFILL_BURST = 8
 OVERLAP_MODES = ("off", "equal", "decode_first")
 ENV_OVERLAP = "NAKTA_PREFILL_OVERLAP"
 ENV_BURST = "NAKTA_PREFILL_BURST"
+ENV_PIPELINE = "NAKTA_DECODE_PIPELINE"
 TokenCallback = Callable[[int, list[int], "str | None"], None]
 
 
@@ -133,7 +140,11 @@ class Generator(RowPages):
     decode their next chunk (default ``NAKTA_PREFILL_BURST``, else :data:`PREFILL_BURST`; 1: one
     forward per chunk, the least wait for the running rows). More fills the batch sooner (a
     full batch decodes at the least cost per token) at the price of the running rows waiting up
-    to that many forwards between chunks.
+    to that many forwards between chunks. ``pipeline`` (default ``NAKTA_DECODE_PIPELINE``, else
+    on): while nothing waits to be admitted or prefilled, the next decode chunk of the same rows
+    is enqueued before this chunk's tokens are read, so the host's reading and bookkeeping
+    overlap the GPU's next chunk (``_decode_chunk``; not with ``overlap``, which stages
+    admissions beside every chunk).
     """
 
     def __init__(
@@ -152,6 +163,7 @@ class Generator(RowPages):
         memory_fraction: float = 0.8,
         overlap: str | None = None,
         prefill_burst: int | None = None,
+        pipeline: bool | None = None,
     ):
         check_int("max_batch", max_batch, 1, max_rows(), " (the decode step's limit)")
         check_int("chunk", chunk, 1)
@@ -173,6 +185,15 @@ class Generator(RowPages):
             text = os.environ.get(ENV_BURST, "").strip() or str(PREFILL_BURST)
             prefill_burst = int(text) if text.isdigit() else text
         self.prefill_burst = check_int(f"prefill_burst (or {ENV_BURST})", prefill_burst, 1)
+        if pipeline is None:
+            text = os.environ.get(ENV_PIPELINE, "").strip() or "1"
+            if text not in ("0", "1"):
+                raise ValueError(f"{ENV_PIPELINE} must be 0 or 1, got {text!r}")
+            pipeline = text == "1"
+        if not isinstance(pipeline, bool):
+            raise TypeError(f"pipeline must be a bool, got {pipeline!r}")
+        self.pipeline = pipeline
+        self._last_read = 0.0  # when the host last read a chunk's tokens (decode_s accounting)
         self._streams: tuple | None = None  # (decode, prefill) streams, made on first use
         self.model, self.max_batch = model, max_batch
         self.max_seq_len, self.chunk = max_seq_len, chunk
@@ -286,7 +307,10 @@ class Generator(RowPages):
                     if not prefilling and queue and not any(slots) and not staged:
                         raise RuntimeError("generation engine: a request could not be admitted")
                     continue
-                self._decode_chunk(active, slots, draining)
+                # nothing to admit or prefill before the next chunk: it may be enqueued early
+                waiting = any(r is not None and not r.prompt_in for r in (*slots, *staged))
+                free = queue and None in slots
+                self._decode_chunk(active, slots, draining, not (waiting or free))
                 burst = 0
                 for s in active:
                     if slots[s].finished:
@@ -417,9 +441,41 @@ class Generator(RowPages):
             return next(b for b in fit if b == last or (b, *variant) in self._steps)
         return fit[0]
 
-    def _decode_chunk(self, active: list[int], slots, draining: bool = False) -> None:
-        """Replay the decode step for the active rows, then read and apply the new tokens."""
-        self._finish_decode(self._launch_decode(active, slots, draining), active, slots)
+    def _decode_chunk(
+        self, active: list[int], slots, draining: bool = False, may_continue: bool = False
+    ) -> None:
+        """Replay the decode step for the active rows, then read and apply the new tokens.
+        With ``pipeline`` and ``may_continue`` (nothing to admit or prefill first), the next
+        chunk of the same rows is enqueued before this one's tokens are read, and so on until
+        a row ends (its budget: known ahead, no continuation past it; a stop: seen when its
+        chunk is read, after which the chunk already enqueued is read and its tokens for that
+        row dropped, as for a row that stops inside a chunk). A continuation needs no host
+        write: the step advances its tokens and positions on the device, and the rows' pages
+        for every position they may write are handed out at the launch."""
+        # overlap stages admissions beside every chunk: one chunk per engine step there
+        may_continue = may_continue and self.pipeline and self.overlap == "off"
+        pending = self._launch_decode(active, slots, draining, whole_budget=may_continue)
+        while True:
+            nxt = self._continuation(pending, active, slots) if may_continue else None
+            self._finish_decode(pending, active, slots)
+            if nxt is None:
+                return
+            pending = nxt
+            may_continue = not any(slots[s].finished for s in active)
+
+    def _continuation(self, pending: tuple, active: list[int], slots) -> tuple | None:
+        """Enqueue the chunk after ``pending`` for the same rows (what ``_finish_decode``
+        reads), or None when a row's budget ends with ``pending``."""
+        step, steps = pending[0], pending[1]
+        left = min(self._left(slots[s]) for s in active) - steps
+        if left < 1:
+            return None
+        t0 = time.perf_counter()
+        self.stats.continued_chunks += 1
+        step.restart()  # after the copy of pending's tokens, in stream order
+        steps = min(self.chunk, left)
+        step.run(steps)
+        return step, steps, t0, step.read_out(steps)
 
     def _overlapped(self, prefilling: list[_Row], active: list[int], slots, draining: bool):
         """The decode chunk of the active rows and the prefill of the admitted prompts, on two
@@ -455,8 +511,12 @@ class Generator(RowPages):
             )
         return self._streams
 
-    def _launch_decode(self, active: list[int], slots, draining: bool) -> tuple:
-        """Enqueue the chunk's step replays (no host sync); what ``_finish_decode`` reads."""
+    def _launch_decode(
+        self, active: list[int], slots, draining: bool, whole_budget: bool = False
+    ) -> tuple:
+        """Enqueue the chunk's step replays (no host sync); what ``_finish_decode`` reads.
+        ``whole_budget``: hand out the rows' pages for every position they may still write
+        (already reserved for them: the pool's room is the same), for continuations."""
         t0 = time.perf_counter()
         sampling = any(not slots[s].request.sampling.greedy for s in active)
         shared = any(self._reads_held(slots[s]) for s in active)
@@ -465,12 +525,12 @@ class Generator(RowPages):
         self._call_bucket = bucket
         step = self._step(bucket, *variant)
         steps = self._chunk_steps(active, slots)
-        for s in active:  # pages for the positions this chunk writes
+        for s in active:  # pages for the positions this chunk (or its continuations) writes
             r = slots[s]
-            self._grow(r, r.position + steps)
+            self._grow(r, r.position + (self._left(r) if whole_budget else steps))
         self._load(step, active, slots)
         step.run(steps)
-        return step, steps, t0
+        return step, steps, t0, step.read_out(steps)
 
     def _left(self, r: _Row) -> int:
         """Tokens row r may still take (its budget, the cache's room)."""
@@ -481,11 +541,14 @@ class Generator(RowPages):
         return max(1, min([self.chunk] + [self._left(slots[s]) for s in active]))
 
     def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
-        step, steps, t0 = pending
-        history = step.buffers.history[:, :steps].tolist()  # the one host sync per chunk
+        _, steps, t0, out = pending
+        history = step_tokens(out)  # the one host sync per chunk
         for s in active:
-            self._accept(slots[s], history[s])
-        self.stats.decode_s += time.perf_counter() - t0
+            if not slots[s].finished:  # a row that stopped in the chunk before: dropped
+                self._accept(slots[s], history[s])
+        now = time.perf_counter()
+        self.stats.decode_s += now - max(t0, self._last_read)  # continuations overlap
+        self._last_read = now
         self.stats.decode_steps += steps
 
     def _load(self, step: DecodeStep, active: list[int], slots) -> None:

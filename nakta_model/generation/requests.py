@@ -107,6 +107,7 @@ class GenerationStats:
     decode_steps: int = 0  # graph replays (each decodes one token for every row of its bucket)
     prefill_chunks: int = 0  # packed prefill forwards
     overlapped_chunks: int = 0  # decode chunks launched beside a prefill forward (``overlap``)
+    continued_chunks: int = 0  # decode chunks enqueued before the previous one was read
     generated_tokens: int = 0  # tokens kept in results
     prefilled_tokens: int = 0  # prompt tokens run through the model (shared prefixes once)
     prompt_tokens: int = 0  # prompt tokens asked for

@@ -376,6 +376,23 @@ class DecodeStep:
         # static shapes: a symbolic batch or width breaks the Triton launchers' grid arithmetic
         return torch.compile(self.__call__, mode="reduce-overhead", fullgraph=False, dynamic=False)
 
+    def restart(self) -> None:
+        """Start a new chunk from the buffers' current state (a continuation: no ``load``)."""
+        self.buffers.step.zero_()
+
+    def read_out(self, steps: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Enqueue the copy of the chunk's tokens (``history[:, :steps]``) to the host: into
+        pinned memory with an event on CUDA, so that the host reads them (``step_tokens``)
+        while the device runs what was enqueued after them."""
+        hist = self.buffers.history[:, :steps]
+        if hist.device.type != "cuda":
+            return hist.clone(), None
+        host = torch.empty(hist.shape, dtype=hist.dtype, pin_memory=True)
+        host.copy_(hist, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
     def run(self, steps: int) -> None:
         """``steps`` decode steps (graph replays when captured, compiled calls in compile mode)."""
         for _ in range(steps):
@@ -386,3 +403,11 @@ class DecodeStep:
                 self.graph.replay()
             else:
                 self()
+
+
+def step_tokens(out: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[list[int]]:
+    """The tokens of a chunk that ``DecodeStep.read_out`` copied: waits for the copy alone."""
+    host, event = out
+    if event is not None:
+        event.synchronize()
+    return host.tolist()
