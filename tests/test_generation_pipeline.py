@@ -104,7 +104,7 @@ def test_bad_pipeline_values(monkeypatch):
 def test_gpu_pipelined_graphs_equal_the_serial_engine():
     """CUDA graphs, fp32: the continuations' tokens copied through pinned memory and events
     are the serial engine's."""
-    model = tiny_model(device="cuda")
+    model = tiny_model(kernels="triton", device="cuda")  # the reference kernels sync
     ps = prompts(300, 9, seed=12)
     free = Generator(model, max_batch=4, max_seq_len=MAX_SEQ, chunk=3, pipeline=False).generate(
         greedy_requests(ps, 14, None)
