@@ -55,11 +55,6 @@ MAX_ROWS = _gemm.MAX_ROWS  # rows a step may hold; above the crossover its linea
 GRAPH_MODES = ("cuda_graph", "compile", "eager")
 
 
-# Batches up to this many rows also capture a chunk's steps as one graph (their steps take a
-# few ms at most, where a graph launch per step is a visible share): NAKTA_CHUNK_GRAPH=0 off.
-CHUNK_GRAPH_MAX_BATCH = 8
-
-
 @dataclass
 class DecodeBuffers:
     """The step's inputs and outputs, on the device, at fixed addresses (graph capture).
@@ -206,14 +201,6 @@ class DecodeStep:
             else None
         )
         self.graph: torch.cuda.CUDAGraph | None = None
-        # small batches (latency-bound steps): a second graph of a whole chunk's steps, so
-        # the chunk is one graph launch instead of ``chunk`` (NAKTA_CHUNK_GRAPH=0: off)
-        self.chunk = chunk
-        self.chunk_graph: torch.cuda.CUDAGraph | None = None
-        self._want_chunk_graph = (
-            chunk > 1 and batch <= CHUNK_GRAPH_MAX_BATCH
-            and os.environ.get("NAKTA_CHUNK_GRAPH", "1") != "0"
-        )  # fmt: skip
         self._compiled = self._compile() if graph_mode == "compile" else None
 
     def load(
@@ -370,11 +357,6 @@ class DecodeStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self()
-        if self._want_chunk_graph:  # the same step, ``chunk`` times (a pool of its own)
-            self.chunk_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.chunk_graph):
-                for _ in range(self.chunk):
-                    self()
         for k, v in saved.items():
             getattr(buf, k).copy_(v)
         self.graph = graph
@@ -413,9 +395,6 @@ class DecodeStep:
 
     def run(self, steps: int) -> None:
         """``steps`` decode steps (graph replays when captured, compiled calls in compile mode)."""
-        if steps == self.chunk and self.chunk_graph is not None:
-            self.chunk_graph.replay()
-            return
         for _ in range(steps):
             if self._compiled is not None:
                 torch.compiler.cudagraph_mark_step_begin()  # a new step: outputs are not kept
