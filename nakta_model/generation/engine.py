@@ -21,8 +21,12 @@ strings, free the rows that finished and admit new prompts. A row that finishes 
 decodes at most ``chunk - 1`` tokens nobody reads; the chunk is shortened so that no row runs
 past its token budget. Up to ``prefill_burst`` prefill forwards run back to back while admitted
 prompts wait (so a batch fills before it decodes), then the running rows decode again: a long
-prompt delays them by a bounded number of prefill forwards, never by its whole length. Per request, the time to its first token is in
-``stats.first_token_s`` (and ``on_tokens`` reports it as it happens).
+prompt delays them by a bounded number of prefill forwards, never by its whole length. While
+nothing waits to be admitted or prefilled, ``pipeline`` enqueues the next chunk of the same rows
+before the host reads this one's tokens. Per request, the time to its first token is in
+``stats.first_token_s`` (and ``on_tokens`` reports it as it happens). The chunks themselves
+(which step, how enqueued, how read back) are ``decode_chunks.DecodeChunks``; the pages,
+``row_pages.RowPages``; this file keeps the scheduling.
 
 ``overlap`` (``"off"`` by default; ``NAKTA_PREFILL_OVERLAP`` when not given): on one CUDA device
 without tensor parallelism, an engine step that has both prompts to prefill and rows to decode
@@ -58,6 +62,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from nakta_model.generation.decode_chunks import DecodeChunks
 from nakta_model.generation.prefill_stream import PrefillStream
 from nakta_model.generation.requests import (
     GenerationRequest,
@@ -73,10 +78,8 @@ from nakta_model.generation.row_pages import RowPages
 from nakta_model.generation.sampling import sample_next
 from nakta_model.generation.step import (
     DecodeStep,
-    EntryState,
     batch_limit,
     check_graph_mode,
-    step_tokens,
 )
 from nakta_model.kv_pages import PAGE_SIZE, pages_for, pool_pages
 
@@ -119,7 +122,7 @@ def max_rows() -> int:
     return max(b for b in BUCKETS if b <= batch_limit())
 
 
-class Generator(RowPages):
+class Generator(RowPages, DecodeChunks):
     """Continuous-batching generation on one model over a paged KV cache (module docstring).
 
     ``max_batch`` rows decode at once (at most :func:`max_rows`, the decode step's limit);
@@ -222,22 +225,6 @@ class Generator(RowPages):
         self._ensure_cache()
         self.stats = GenerationStats()
         self._on_tokens: TokenCallback | None = None
-
-    # ---------------------------------------------------------------------------- steps
-    def _step(self, bucket: int, sampling: bool, cascade: bool = False) -> DecodeStep:
-        """The step of a bucket, captured on first use; ``cascade``: the variant whose
-        attention computes held prefixes once for all their rows (its own graph: a batch with
-        no shared prefix runs the step without the cascade's two extra launches per layer)."""
-        key = (bucket, sampling, cascade)
-        if key not in self._steps:
-            step = DecodeStep(
-                self.model, bucket, self.chunk, sampling=sampling, graph_mode=self.graph_mode,
-                prefix_slots=self.n_prefixes if cascade else 0, row_pages=self.row_pages,
-            )  # fmt: skip
-            if self.graph_mode == "cuda_graph":
-                step.capture()  # idle entries: every table entry is the scratch page
-            self._steps[key] = step
-        return self._steps[key]
 
     # --------------------------------------------------------------------------- public
     def generate(
@@ -426,149 +413,6 @@ class Generator(RowPages):
                 self.stats.first_token_s[r.index] = now
                 self._accept(r, [t])
         self.stats.prefill_s += time.perf_counter() - t0
-
-    def _bucket(self, need: int, variant: tuple, draining: bool) -> int:
-        """The smallest bucket holding ``need`` entries, but a call whose batch drains (nothing
-        left to admit) does not step down into a bucket not captured yet: it stays on the
-        smallest captured one that holds the rows. A new bucket compiles its kernels (the
-        GEMVs of buckets up to 64 are Triton kernels of their own; on a machine's first run the
-        Triton cache is empty) and captures its graph, for a tail of at most
-        ``max_new_tokens`` steps that a bigger step runs nearly as fast (a step reads the
-        weights whatever its rows)."""
-        fit = [b for b in self.buckets if b >= need]
-        last = self._call_bucket
-        if draining and last in fit and (fit[0], *variant) not in self._steps:
-            return next(b for b in fit if b == last or (b, *variant) in self._steps)
-        return fit[0]
-
-    def _decode_chunk(
-        self, active: list[int], slots, draining: bool = False, may_continue: bool = False
-    ) -> None:
-        """Replay the decode step for the active rows, then read and apply the new tokens.
-        With ``pipeline`` and ``may_continue`` (nothing to admit or prefill first), the next
-        chunk of the same rows is enqueued before this one's tokens are read, and so on until
-        a row ends (its budget: known ahead, no continuation past it; a stop: seen when its
-        chunk is read, after which the chunk already enqueued is read and its tokens for that
-        row dropped, as for a row that stops inside a chunk). A continuation needs no host
-        write: the step advances its tokens and positions on the device, and the rows' pages
-        for every position they may write are handed out at the launch."""
-        # overlap stages admissions beside every chunk: one chunk per engine step there
-        may_continue = may_continue and self.pipeline and self.overlap == "off"
-        pending = self._launch_decode(active, slots, draining, whole_budget=may_continue)
-        while True:
-            nxt = self._continuation(pending, active, slots) if may_continue else None
-            self._finish_decode(pending, active, slots)
-            if nxt is None:
-                return
-            pending = nxt
-            may_continue = not any(slots[s].finished for s in active)
-
-    def _continuation(self, pending: tuple, active: list[int], slots) -> tuple | None:
-        """Enqueue the chunk after ``pending`` for the same rows (what ``_finish_decode``
-        reads), or None when a row's budget ends with ``pending``."""
-        step, steps = pending[0], pending[1]
-        left = min(self._left(slots[s]) for s in active) - steps
-        if left < 1:
-            return None
-        t0 = time.perf_counter()
-        self.stats.continued_chunks += 1
-        step.restart()  # after the copy of pending's tokens, in stream order
-        steps = min(self.chunk, left)
-        step.run(steps)
-        return step, steps, t0, step.read_out(steps)
-
-    def _overlapped(self, prefilling: list[_Row], active: list[int], slots, draining: bool):
-        """The decode chunk of the active rows and the prefill of the admitted prompts, on two
-        streams where the device allows (module docstring), else one after the other."""
-        self.stats.overlapped_chunks += 1
-        streams = self._overlap_streams()
-        if streams is None:
-            pending = self._launch_decode(active, slots, draining)
-            self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
-            return self._finish_decode(pending, active, slots)
-        main = torch.cuda.current_stream(self.device)
-        for s in streams:  # the admission's page copies first
-            s.wait_stream(main)
-        with torch.cuda.stream(streams[0]):
-            pending = self._launch_decode(active, slots, draining)
-        with torch.cuda.stream(streams[1]):  # its first tokens' read waits for it alone
-            self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
-        for s in streams:  # the next chunk reads the pages both wrote
-            main.wait_stream(s)
-        self._finish_decode(pending, active, slots)
-
-    def _overlap_streams(self) -> tuple | None:
-        """(decode, prefill) streams, or None where the two phases must share one stream."""
-        m = self.model
-        if self.device.type != "cuda" or m.parallel.tp_size > 1 or self.graph_mode == "compile":
-            return None
-        if self._streams is None:
-            # a lower number is a higher priority; out-of-range values map to the nearest end
-            first = -16 if self.overlap == "decode_first" else 0
-            self._streams = (
-                torch.cuda.Stream(self.device, priority=first),
-                torch.cuda.Stream(self.device, priority=0),
-            )
-        return self._streams
-
-    def _launch_decode(
-        self, active: list[int], slots, draining: bool, whole_budget: bool = False
-    ) -> tuple:
-        """Enqueue the chunk's step replays (no host sync); what ``_finish_decode`` reads.
-        ``whole_budget``: hand out the rows' pages for every position they may still write
-        (already reserved for them: the pool's room is the same), for continuations."""
-        t0 = time.perf_counter()
-        sampling = any(not slots[s].request.sampling.greedy for s in active)
-        shared = any(self._reads_held(slots[s]) for s in active)
-        variant = (sampling, self.cascade and shared and self.n_prefixes > 0)
-        bucket = self._bucket(max(active) + 1, variant, draining)
-        self._call_bucket = bucket
-        step = self._step(bucket, *variant)
-        steps = self._chunk_steps(active, slots)
-        for s in active:  # pages for the positions this chunk (or its continuations) writes
-            r = slots[s]
-            self._grow(r, r.position + (self._left(r) if whole_budget else steps))
-        self._load(step, active, slots)
-        step.run(steps)
-        return step, steps, t0, step.read_out(steps)
-
-    def _left(self, r: _Row) -> int:
-        """Tokens row r may still take (its budget, the cache's room)."""
-        return min(r.request.max_new_tokens - len(r.tokens), self.max_seq_len - (r.position + 1))
-
-    def _chunk_steps(self, active: list[int], slots) -> int:
-        """The next chunk's steps: ``chunk``, shortened so that no row runs past its budget."""
-        return max(1, min([self.chunk] + [self._left(slots[s]) for s in active]))
-
-    def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
-        _, steps, t0, out = pending
-        history = step_tokens(out)  # the one host sync per chunk
-        for s in active:
-            if not slots[s].finished:  # a row that stopped in the chunk before: dropped
-                self._accept(slots[s], history[s])
-        now = time.perf_counter()
-        self.stats.decode_s += now - max(t0, self._last_read)  # continuations overlap
-        self._last_read = now
-        self.stats.decode_steps += steps
-
-    def _load(self, step: DecodeStep, active: list[int], slots) -> None:
-        """The active rows' state into the step's buffers (entry s = batch slot s)."""
-        cascade = step.buffers.slot_table.numel() > 0
-        entries = {}
-        for s in active:
-            r = slots[s]
-            held = cascade and self._reads_held(r)  # the cascade reads the held prefix's pages
-            entries[s] = EntryState(
-                r.tokens[-1], r.position, r.pages, r.request.sampling,
-                r.held.pages[0] if held else 0, r.held.length if held else 0,
-            )  # fmt: skip
-        step.load(entries, [(h.slot, h.pages, h.length) for h in self._held.values()])
-
-    def _accept(self, r: _Row, new: list[int]) -> None:
-        """Append decoded tokens to a row (``_Row.accept``) and report them."""
-        r.accept(new, self.max_seq_len)
-        if self._on_tokens is not None:
-            self._on_tokens(r.index, r.tokens, r.finished)
 
     def _release(self, r: _Row, slots, done: list[_Row], bar, staged: list[_Row]) -> None:
         self._free_row(r)
