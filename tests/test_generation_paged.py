@@ -176,8 +176,8 @@ def test_more_than_64_rows_decode_the_same_tokens():
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
-def test_more_than_256_rows_run_the_320_bucket_and_decode_the_same_tokens():
-    """300 rows at once (bucket 320: 20 idle entries on the scratch page): each prompt's
+def test_more_than_256_rows_run_the_384_bucket_and_decode_the_same_tokens():
+    """300 rows at once (bucket 384: 84 idle entries on the scratch page): each prompt's
     tokens are those of an 8-row engine."""
     model = tiny_model()
     ps = long_prompts(300, 0, 4, seed=8)
@@ -185,17 +185,17 @@ def test_more_than_256_rows_run_the_320_bucket_and_decode_the_same_tokens():
         greedy_requests(ps, 3, None)
     )
     gen = Generator(model, max_batch=384, max_seq_len=16, chunk=2)
-    assert gen.buckets[-4:] == [128, 256, 320, 384]
+    assert gen.buckets[-3:] == [128, 256, 384]
     got = gen.generate(greedy_requests(ps, 3, None))
     assert [r.tokens for r in got] == [r.tokens for r in want]
-    assert [b for b, *_ in gen._steps] == [320]
+    assert [b for b, *_ in gen._steps] == [384]
 
 
 def test_page_size_and_buckets_stay_within_the_step():
     gen = Generator(tiny_model(), max_batch=max_rows(), max_seq_len=48)
     assert gen.buckets[-1] == max_rows() and PAGE_SIZE == 64
     assert gen.buckets == [
-        b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 320, 384, 448, 512) if b <= max_rows()
+        b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512) if b <= max_rows()
     ]
 
 

@@ -63,7 +63,7 @@ def test_update_configs_writes_what_the_kernel_loads_and_uses(tmp_path, monkeypa
     got = skg._config(200, 4096, 4096, 132, False, "h100")
     assert {k: got[k] for k in ts.KNOBS} == best[0]["config"]
     assert skg._config(200, 4096, 4096, 132, False, "a100")["BLOCK_K"] == 64  # the default
-    assert skg.rows_bucket(200) == 256 and skg.rows_bucket(300) == 320
+    assert skg.rows_bucket(200) == 256 and skg.rows_bucket(300) == 384
     assert skg.rows_bucket(600) == 1024
     path.write_text('{"devices": {"h100": {"entries": {"1/2/3/int8": {}}}}}')
     with pytest.raises(ValueError, match="not a tuned splitk_gemm"):

@@ -92,10 +92,9 @@ __all__ = [
     "max_rows",
 ]
 
-# Above 256 rows the buckets step by 64: there a step's GEMMs are compute-bound (7B: ~256 rows
-# reach the bf16 ridge point), so a padded row costs as much as a real one. (Steps of 128 ran
-# a pool-limited 440-row batch in the 512 bucket: 5% slower than 384 rows on an H100.)
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 320, 384, 448, 512)
+# Above 256 rows the buckets step by 128: there a step's GEMMs are compute-bound (7B: ~256 rows
+# reach the bf16 ridge point), so a padded row costs as much as a real one.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
 # Prompt tokens of one prefill forward. Rows enter the batch only as fast as their prompts
 # prefill: with ``chunk`` decode steps between two prefill forwards, at most
 # ``PREFILL_CHUNK / prompt length`` rows start per ``chunk`` steps, so rows that live ``n`` new
