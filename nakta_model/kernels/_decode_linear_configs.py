@@ -8,11 +8,12 @@ differs) and x's otherwise.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import triton
+
+from nakta_model.kernels._tuned_tables import read_tuned
 
 # Configurations per (dtype, batch bucket = next power of two of B), and per-shape entries
 # keyed (dtype, bucket, variant, N, K) from ``bench_decode.py --tune`` (LLaMA-7B's five decode
@@ -152,23 +153,14 @@ def fp8_tuned_key(bucket: int, variant: str, n_cols: int, k: int) -> str:
 
 def load_fp8_tuned(path: Path) -> dict[str, dict[tuple, dict[str, int]]]:
     """``{family: {table key: config}}`` of a tuned-FP8 JSON; {} when the file is absent."""
-    if not path.is_file():
-        return {}
-    try:
-        devices = json.loads(path.read_text())["devices"]
-        tables: dict[str, dict[tuple, dict[str, int]]] = {}
-        for family, block in devices.items():
-            table = tables.setdefault(str(family), {})
-            for key, cfg in block["entries"].items():
-                dtype, bucket, variant, n, k = key.split("/")
-                cfg = {**FP8_KNOB_DEFAULTS, **cfg}
-                if dtype != _FP8 or set(cfg) != set(FP8_KNOBS):
-                    raise ValueError(f"entry {key!r}: expected {_FP8} rows with {FP8_KNOBS}")
-                entry = {name: int(cfg[name]) for name in FP8_KNOBS}
-                table[(dtype, int(bucket), variant, int(n), int(k))] = entry
-    except (ValueError, KeyError, TypeError, AttributeError) as ex:
-        raise ValueError(f"{path}: not a tuned-FP8 decode config file ({ex})") from ex
-    return tables
+
+    def key(text: str) -> tuple:
+        dtype, bucket, variant, n, k = text.split("/")
+        if dtype != _FP8:
+            raise ValueError(f"entry {text!r}: expected {_FP8} rows")
+        return dtype, int(bucket), variant, int(n), int(k)
+
+    return read_tuned(path, "tuned-FP8 decode", key, FP8_KNOBS, FP8_KNOB_DEFAULTS)
 
 
 for _family, _rows in load_fp8_tuned(FP8_TUNED_JSON).items():

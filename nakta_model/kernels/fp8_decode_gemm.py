@@ -30,7 +30,6 @@ and ``_TUNE`` over all (benchmarks and tests).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ from nakta_model.kernels._checks import (
     tracing,
 )
 from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels._tuned_tables import read_tuned
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
 
 __all__ = [
@@ -180,20 +180,12 @@ def tuned_key(n: int, k: int, bucket: int) -> str:
 def load_tuned(path: Path) -> dict[str, dict[tuple[int, int, int], dict[str, int]]]:
     """``{family: {(N, K, bucket): config}}`` of a tuned JSON; {} when the file is absent.
     Format: ``{"devices": {family: {"entries": {"N/K/bucket": {knob: int}}, ...}}}``."""
-    if not path.is_file():
-        return {}
-    try:
-        tables: dict[str, dict[tuple[int, int, int], dict[str, int]]] = {}
-        for family, block in json.loads(path.read_text())["devices"].items():
-            table = tables.setdefault(str(family), {})
-            for key, cfg in block["entries"].items():
-                n, k, bucket = (int(v) for v in key.split("/"))
-                if set(cfg) != set(KNOBS):
-                    raise ValueError(f"entry {key!r}: expected the knobs {KNOBS}")
-                table[(n, k, bucket)] = {name: int(cfg[name]) for name in KNOBS}
-    except (ValueError, KeyError, TypeError, AttributeError) as ex:
-        raise ValueError(f"{path}: not a tuned fp8_decode_gemm config file ({ex})") from ex
-    return tables
+
+    def key(text: str) -> tuple[int, int, int]:
+        n, k, bucket = (int(v) for v in text.split("/"))
+        return n, k, bucket
+
+    return read_tuned(path, "tuned fp8_decode_gemm", key, KNOBS)
 
 
 # (N, K, rows bucket) -> config, any device; measured rows go to the tuned JSON per family.

@@ -39,7 +39,6 @@ less than the split's partial-tile traffic costs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -58,6 +57,7 @@ from nakta_model.kernels._checks import (
     sm_count,
 )
 from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels._tuned_tables import read_tuned
 from nakta_model.kernels.fp8_decode_gemm import PROMOTE_K
 from nakta_model.kernels.fp8_gemm import OUT_DTYPES
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
@@ -153,22 +153,14 @@ def tuned_key(n: int, k: int, bucket: int, fp8: bool) -> str:
 def load_tuned(path: Path) -> dict[str, dict[str, dict[str, int]]]:
     """``{family: {tuned_key: config}}`` of a tuned JSON ({} when the file is absent); every
     entry names every knob of ``KNOBS`` with an int, or the file is refused."""
-    if not path.is_file():
-        return {}
-    try:
-        tables = {}
-        for family, block in json.loads(path.read_text())["devices"].items():
-            table = tables.setdefault(str(family), {})
-            for key, cfg in block["entries"].items():
-                n, k, bucket, kind = key.split("/")
-                if kind not in ("float", "fp8") or set(cfg) != set(KNOBS):
-                    raise ValueError(f"entry {key!r}: expected N/K/bucket/float|fp8, knobs {KNOBS}")
-                table[tuned_key(int(n), int(k), int(bucket), kind == "fp8")] = {
-                    name: int(cfg[name]) for name in KNOBS
-                }
-    except (ValueError, KeyError, TypeError, AttributeError) as ex:
-        raise ValueError(f"{path}: not a tuned splitk_gemm config file ({ex})") from ex
-    return tables
+
+    def key(text: str) -> str:
+        n, k, bucket, kind = text.split("/")
+        if kind not in ("float", "fp8"):
+            raise ValueError(f"entry {text!r}: expected N/K/bucket/float|fp8")
+        return tuned_key(int(n), int(k), int(bucket), kind == "fp8")
+
+    return read_tuned(path, "tuned splitk_gemm", key, KNOBS)
 
 
 _DEVICE_CONFIGS = load_tuned(TUNED_JSON)
