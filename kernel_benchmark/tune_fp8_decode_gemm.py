@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     from bench_common.ceilings import copy_bandwidth_gbps, device_slug
-    from bench_common.report import results_dir, write_json, write_table
+    from bench_common.report import results_dir
     from nakta_model.kernels._checks import device_family
 
     t0 = time.perf_counter()
@@ -285,44 +285,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(points)} points, {sum(len(c) for *_, c in points)} candidates, budget "
           f"{a.budget:.0f}s, device {slug} (family {family!r})", flush=True)  # fmt: skip
     if a.jobs:
-        try:
-            precompile(points, a.jobs, t0 + 0.55 * a.budget)
-        except Exception as ex:  # noqa: BLE001 - the timing loop compiles what is missing
-            print(f"precompile failed ({type(ex).__name__}: {ex}); compiling while timing")
+        precompile(points, a.jobs, t0 + 0.55 * a.budget)
     copy_gbps = copy_bandwidth_gbps()
-    rows: list[dict] = []
-    for i, (kind, r, cands) in enumerate(points):
-        if time.perf_counter() > t0 + a.budget:
-            print(f"budget spent: {len(points) - i} points not tuned", flush=True)
-            break
-        new = time_point(kind, r, cands, device, copy_gbps)
-        rows += new
-        b = best_per_point(pd.DataFrame(new))
-        if b:
-            b = b[0]
-            print(f"[{i + 1}/{len(points)} {time.perf_counter() - t0:.0f}s] {kind} rows {r}: "
-                  f"{b['us']:.1f} us, {b['pct_copy_bw']:.1f}% of copy bw (default "
-                  f"{b['default_pct_copy_bw']:.1f}%, cuBLASLt {b['cublaslt_pct_copy_bw']:.1f}%), "
-                  f"x{b['speedup_vs_cublaslt']:.2f} vs cuBLASLt {_label(b['config'])}",
-                  flush=True)  # fmt: skip
-        torch.cuda.empty_cache()
-    df = pd.DataFrame(rows)
-    best = best_per_point(df) if len(df) else []
-    out = a.out or results_dir(__file__, slug)
+
+    def describe(point: tuple, b: dict) -> str:
+        return (f"{point[0]} rows {point[1]}: {b['us']:.1f} us, {b['pct_copy_bw']:.1f}% of copy "
+                f"bw (default {b['default_pct_copy_bw']:.1f}%, cuBLASLt "
+                f"{b['cublaslt_pct_copy_bw']:.1f}%), x{b['speedup_vs_cublaslt']:.2f} vs cuBLASLt "
+                f"{_label(b['config'])}")  # fmt: skip
+
+    rows = tuning.time_points(
+        points, lambda pt: time_point(*pt, device, copy_gbps), best_per_point, describe, t0,
+        t0 + a.budget,
+    )  # fmt: skip
     notes = (f"{slug}, torch {torch.__version__}, copy bandwidth {copy_gbps:.0f} GB/s. "
              "CUDA-graph replays over input copies > 3x L2, paths interleaved (rotated_ms); "
              "bytes: e4m3 weight + scales, e4m3 x, bf16 out (+ residual).")  # fmt: skip
-    if len(df):
-        write_table(df, out, "fp8_decode_gemm_tune", "fp8_decode_gemm tuning: every timing", notes)
-    write_json({"device": slug, "family": family, "copy_gbps": copy_gbps, "best": best},
-               out / "fp8_decode_gemm_tune.json")  # fmt: skip
-    if best and not a.no_write_configs:
-        if not family:
-            print("no device family for this GPU: tuned configs not written", flush=True)
-        else:
-            update_configs(a.configs, family, torch.cuda.get_device_name(), best)
-            print(f"tuned configs ({len(best)} points, family {family}) -> {a.configs}")
-    print(f"done in {time.perf_counter() - t0:.0f}s; results -> {out}", flush=True)
+    tuning.write_results(
+        rows, best_per_point, out=a.out or results_dir(__file__, slug),
+        stem="fp8_decode_gemm_tune", title="fp8_decode_gemm tuning: every timing", notes=notes,
+        summary={"device": slug, "copy_gbps": copy_gbps}, family=family,
+        device_name=torch.cuda.get_device_name(), configs=a.configs,
+        write_configs=not a.no_write_configs, update=update_configs, t0=t0,
+    )  # fmt: skip
     return 0
 
 

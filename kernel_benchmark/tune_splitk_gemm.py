@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tune_splitk_gemm needs a GPU: nothing tuned", file=sys.stderr)
         return 1
     from bench_common.ceilings import device_slug, matmul_tflops
-    from bench_common.report import results_dir, write_json, write_table
+    from bench_common.report import results_dir
 
     t0 = time.perf_counter()
     device = torch.device("cuda")
@@ -242,38 +242,27 @@ def main(argv: list[str] | None = None) -> int:
                  for i in range(0, len(c), 6)]  # fmt: skip
         tuning.precompile(_warm, tasks, a.jobs, t0 + 0.45 * a.budget)
     peak = matmul_tflops()
-    rows: list[dict] = []
-    for i, (kind, r, fp8, cands) in enumerate(points):
-        if time.perf_counter() > t0 + a.budget:
-            print(f"budget spent: {len(points) - i} points not tuned", flush=True)
-            break
-        new = time_point(kind, r, fp8, cands, device, peak)
-        rows += new
-        for b in best_per_point(pd.DataFrame(new)):
-            print(f"[{i + 1}/{len(points)} {time.perf_counter() - t0:.0f}s] {kind} {b['quant']} "
-                  f"rows {r}: {b['us']:.1f} us ({b['pct_matmul']:.0f}% of matmul; default "
-                  f"{b['default_us']:.1f}, cuBLAS {b['cublas_us']:.1f} us), "
-                  f"x{b['speedup_vs_cublas']:.2f} vs cuBLAS {_label(b['config'])}",
-                  flush=True)  # fmt: skip
-        torch.cuda.empty_cache()
-    df = pd.DataFrame(rows)
-    best = best_per_point(df) if len(df) else []
-    out = a.out or results_dir(__file__, slug)
+
+    def describe(point: tuple, b: dict) -> str:
+        return (f"{point[0]} {b['quant']} rows {point[1]}: {b['us']:.1f} us ({b['pct_matmul']:.0f}% "
+                f"of matmul; default {b['default_us']:.1f}, cuBLAS {b['cublas_us']:.1f} us), "
+                f"x{b['speedup_vs_cublas']:.2f} vs cuBLAS {_label(b['config'])}")  # fmt: skip
+
+    rows = tuning.time_points(
+        points, lambda pt: time_point(*pt, device, peak), best_per_point, describe, t0,
+        t0 + a.budget,
+    )  # fmt: skip
     notes = (f"{slug}, torch {torch.__version__}, bf16 matmul {peak:.0f} TFLOP/s measured in "
              "this run. CUDA-graph replays over input copies > 3x L2, paths interleaved "
              "(rotated_ms).")  # fmt: skip
-    if len(df):
-        write_table(df, out, "splitk_gemm_tune", "splitk_gemm tuning: every timing", notes)
-    write_json({"device": slug, "family": family, "matmul_tflops": peak, "best": best},
-               out / "splitk_gemm_tune.json")  # fmt: skip
-    better = [b for b in best if b["us"] < b["default_us"]]
-    if better and not a.no_write_configs:
-        if not family:
-            print("no device family for this GPU: tuned configs not written", flush=True)
-        else:
-            update_configs(a.configs, family, torch.cuda.get_device_name(), better)
-            print(f"tuned configs ({len(better)} points, family {family}) -> {a.configs}")
-    print(f"done in {time.perf_counter() - t0:.0f}s; results -> {out}", flush=True)
+    tuning.write_results(
+        rows, best_per_point, out=a.out or results_dir(__file__, slug), stem="splitk_gemm_tune",
+        title="splitk_gemm tuning: every timing", notes=notes,
+        summary={"device": slug, "matmul_tflops": peak}, family=family,
+        device_name=torch.cuda.get_device_name(), configs=a.configs,
+        write_configs=not a.no_write_configs, update=update_configs, t0=t0,
+        keep=lambda b: b["us"] < b["default_us"],  # only rows that beat the shape's default
+    )  # fmt: skip
     return 0
 
 
