@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 
 def test_derived_tensor_core_configs_fit_hoppers_shared_memory():
     """Every derived or tuned tensor-core config of the 7B / 13B step shapes keeps its pipelined
@@ -31,34 +29,3 @@ def test_derived_tensor_core_configs_fit_hoppers_shared_memory():
     assert lowered  # the 7B head's derived rows are among them
     head = dl._config(torch.bfloat16, 2, 32000, 4096, "plain", torch.device("cpu"))
     assert (head["BLOCK_N"], head["BLOCK_K"], head["num_stages"]) == (128, 256, 3)
-
-
-def test_early_weight_spec_parses_and_rejects():
-    """``NAKTA_EARLY_WEIGHT``: tiles for every variant, then per-variant overrides."""
-    from nakta_model.kernels import _decode_linear_configs as knobs
-
-    assert knobs.parse_early_weight("1") == (1, {})
-    assert knobs.parse_early_weight("0,residual=4, rope=2") == (0, {"residual": 4, "rope": 2})
-    for bad in ("5", "x", "residual=-1", "residual=9"):
-        with pytest.raises(ValueError, match="NAKTA_EARLY_WEIGHT"):
-            knobs.parse_early_weight(bad)
-
-
-def test_early_tiles_held_to_the_weight_and_the_register_cap(monkeypatch):
-    """The tiles a launch loads early: one without words; with words the knob, at most the
-    weight's tiles and the register cap; none with tensor cores or more than one row."""
-    from nakta_model.kernels import _decode_linear_configs as knobs
-
-    monkeypatch.setattr(knobs, "EARLY_WEIGHT", 1)
-    monkeypatch.setattr(knobs, "EARLY_WEIGHT_BY_VARIANT", {"residual": 4})
-    cfg = {"BLOCK_M": 1, "USE_DOT": 0, "BLOCK_K": 1024, "TILE_N": 8, "num_warps": 4}
-    assert knobs.early_tiles("residual", 4096, cfg, True) == 4  # wo FP8: 64 B a tile
-    assert knobs.early_tiles("residual", 4096, cfg, False) == 1  # no words: one tile
-    assert knobs.early_tiles("residual", 2048, cfg, True) == 2
-    assert knobs.early_tiles("residual", 4096, {**cfg, "num_warps": 2}, True) == 2  # 128 B
-    assert knobs.early_tiles("residual", 4096, {**cfg, "TILE_N": 64}, True) == 1
-    assert knobs.early_tiles("swiglu", 4096, cfg, True) == 1
-    assert knobs.early_tiles("residual", 4096, {**cfg, "USE_DOT": 1}, True) == 0
-    assert knobs.early_tiles("residual", 4096, {**cfg, "BLOCK_M": 2}, True) == 0
-    monkeypatch.setattr(knobs, "EARLY_WEIGHT", 0)
-    assert knobs.early_tiles("swiglu", 4096, cfg, True) == 0

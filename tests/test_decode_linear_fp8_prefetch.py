@@ -78,16 +78,14 @@ def run_pair(x, wq, kw, ref_kw, tune, monkeypatch):
 
 
 def assert_same_bits(outs):
-    """Every (output, rope caches) pair is the first one's, bit for bit."""
-    a, rope_a = outs[0]
-    for b, rope_b in outs[1:]:
-        assert torch.equal(a, b), "a launch knob changed the output's bits"
-        if rope_a is not None:
-            for name in ("k_cache", "v_cache"):
-                ca, cb = getattr(rope_a, name), getattr(rope_b, name)
-                assert torch.equal(ca.isnan(), cb.isnan()) and torch.equal(
-                    ca.nan_to_num(), cb.nan_to_num()
-                )
+    (a, rope_a), (b, rope_b) = outs
+    assert torch.equal(a, b), "PREFETCH=1 differs from PREFETCH=0"
+    if rope_a is not None:
+        for name in ("k_cache", "v_cache"):
+            ca, cb = getattr(rope_a, name), getattr(rope_b, name)
+            assert torch.equal(ca.isnan(), cb.isnan()) and torch.equal(
+                ca.nan_to_num(), cb.nan_to_num()
+            )
 
 
 @pytest.mark.parametrize("variant", KINDS)
@@ -133,7 +131,7 @@ def test_prefetch_falls_back_where_no_int32_view_exists(case, spy, monkeypatch, 
     outs, ref = run_pair(x, wq, kw, ref_kw, {"BLOCK_K": 32}, monkeypatch)
     assert spy == [False]
     assert_same_bits(outs)
-    assert_matches_reference(outs[-1][0], ref, torch.bfloat16)
+    assert_matches_reference(outs[1][0], ref, torch.bfloat16)
 
 
 def test_weight_words_is_the_codes_little_endian():
@@ -235,9 +233,8 @@ def test_gpu_prefetch_under_graph_replay(monkeypatch):
 @pytest.mark.parametrize("variant, k", [("norm_rope", 96), ("residual", 100), ("norm_swiglu", 36)])
 def test_first_weight_tile_loaded_early_changes_no_bit(variant, k, prefetch, w_dtype,
                                                       monkeypatch):  # fmt: skip
-    """``EARLY_W`` (the first K tiles loaded before the dependent launch's wait, batch 1): the
-    same products in the same order, so ``EARLY_WEIGHT`` 0 / 1 / 2 / 4 give the same bits
-    (4 is held to the weight's tiles, one fewer with ``PREFETCH``)."""
+    """``EARLY_W`` (the first K tile loaded before the dependent launch's wait, batch 1): the
+    same products in the same order, so ``EARLY_WEIGHT`` off and on give the same bits."""
     device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
     if w_dtype == "fp8":
         x, w, kw, ref_kw, _ = word_case(variant, device, k)
@@ -245,7 +242,7 @@ def test_first_weight_tile_loaded_early_changes_no_bit(variant, k, prefetch, w_d
         x, w, kw, ref_kw = make_case(variant, 1, torch.bfloat16, device, k=k)
     monkeypatch.setattr(dl, "_TUNE", {"BLOCK_K": 32, "USE_DOT": 0, "PREFETCH": prefetch})
     outs = []
-    for early in (0, 1, 2, 4):
+    for early in (False, True):
         monkeypatch.setattr(_knobs, "EARLY_WEIGHT", early)
         import copy
 
@@ -253,4 +250,4 @@ def test_first_weight_tile_loaded_early_changes_no_bit(variant, k, prefetch, w_d
         got, ref = run_both(x, w, kw_i, ref_kw)
         outs.append((got, kw_i.get("rope")))
     assert_same_bits(outs)
-    assert_matches_reference(outs[-1][0], ref, torch.bfloat16)
+    assert_matches_reference(outs[1][0], ref, torch.bfloat16)

@@ -177,58 +177,11 @@ for _family, _rows in load_fp8_tuned(FP8_TUNED_JSON).items():
 # ``BLOCK_K``: ``NAKTA_NORM_ELEMS_PER_THREAD`` at import, for A/B runs).
 NORM_ELEMS_PER_THREAD = int(os.environ.get("NAKTA_NORM_ELEMS_PER_THREAD", "32") or 0)
 
-# Batch 1 on the CUDA cores: the weight's first K tile is loaded before the dependent launch's
+# Batch 1 on the CUDA cores: the first weight tile is loaded before the dependent launch's
 # wait (``EARLY_W``): the weights are no kernel's output, so that load's latency overlaps the
 # previous kernel's tail (the whole slice asked of L2 instead thrashed it: docs/experiments.md).
-# 2-4 tiles (an FP8 weight, read as int32 words): a queue that deep, filled before the wait and
-# kept that far ahead through the K loop (``_fma_word_queue``). ``NAKTA_EARLY_WEIGHT`` at import,
-# for A/B runs: tiles for every variant, then ``variant=tiles`` overrides (``"1,residual=4"``);
-# 0 turns it off. A queue holds at most ``EARLY_BYTES_PER_THREAD`` bytes a thread (registers).
-EARLY_MAX_TILES = 4
-EARLY_BYTES_PER_THREAD = 256
-
-
-def parse_early_weight(spec: str) -> tuple[int, dict[str, int]]:
-    """``"N"`` or ``"N,variant=M,..."`` -> (N, {variant: M}); a clear error otherwise."""
-    default, by_variant = 1, {}
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        name, _, value = part.rpartition("=")
-        if not value.isdigit() or int(value) > EARLY_MAX_TILES:
-            raise ValueError(
-                f"NAKTA_EARLY_WEIGHT: expected tiles 0-{EARLY_MAX_TILES} or variant=tiles, "
-                f"got {part!r}"
-            )
-        if name:
-            by_variant[name] = int(value)
-        else:
-            default = int(value)
-    return default, by_variant
-
-
-EARLY_WEIGHT, EARLY_WEIGHT_BY_VARIANT = parse_early_weight(
-    os.environ.get("NAKTA_EARLY_WEIGHT", "1")
-)
-
-
-def early_asked(variant: str, cfg: dict[str, int]) -> int:
-    """The tiles the knob asks of a launch: none with tensor cores or more than one row."""
-    if cfg["BLOCK_M"] != 1 or cfg["USE_DOT"]:
-        return 0
-    return int(EARLY_WEIGHT_BY_VARIANT.get(variant, EARLY_WEIGHT))
-
-
-def early_tiles(variant: str, k: int, cfg: dict[str, int], words: bool) -> int:
-    """K tiles a batch-1 CUDA-core launch loads before its PDL wait (``EARLY_W``): one, or a
-    queue of 2-4 for an FP8 weight read as words (``words``), within the weight's tiles and
-    the register cap (one where even two tiles pass it)."""
-    tiles = early_asked(variant, cfg)
-    if tiles <= 1 or not words:
-        return min(tiles, 1)
-    tiles = min(tiles, -(-k // cfg["BLOCK_K"]))
-    tile_bytes = cfg["TILE_N"] * cfg["BLOCK_K"] // (32 * cfg["num_warps"])
-    while tiles > 1 and tiles * tile_bytes > EARLY_BYTES_PER_THREAD:
-        tiles -= 1
-    return tiles
+# ``NAKTA_EARLY_WEIGHT=0`` at import turns it off (A/B runs).
+EARLY_WEIGHT = os.environ.get("NAKTA_EARLY_WEIGHT", "1") not in ("", "0")
 
 
 def norm_block(k: int, block_m: int, block_k: int, num_warps: int) -> int:

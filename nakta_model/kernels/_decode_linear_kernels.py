@@ -197,145 +197,55 @@ def _w_words(W, w_rows, w_ok, kw, kw_ok, stride_wn, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile_at(
-    W, w_rows, w_ok, K, stride_wn, i: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):  # fmt: skip
-    """K tile ``i`` of the weight: int32 words with ``PREFETCH`` (``_w_words``), else codes /
-    values (``_w_tile``)."""
-    if PREFETCH:
-        kw = i * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
-        t = _w_words(W, w_rows, w_ok, kw, kw < K // 4, stride_wn, EVEN_K)
-    else:
-        k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-        t = _w_tile(W, w_rows, w_ok, k, k < K, stride_wn, EVEN_K)
-    return t
-
-
-@triton.jit
-def _early_tiles(
-    W, w_rows, w_ok, K, stride_wn, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, N: tl.constexpr,
-):  # fmt: skip
-    """The weight's first ``N`` (1-4) K tiles, loaded before the dependent launch's wait
-    (``EARLY_W``). Slots past ``N`` repeat tile 0 and are never read; the launcher keeps ``N``
-    within the weight's tiles."""
-    t0 = _weight_tile_at(W, w_rows, w_ok, K, stride_wn, 0, EVEN_K, BLOCK_K, PREFETCH)
-    t1 = t0
-    t2 = t0
-    t3 = t0
-    if N > 1:
-        t1 = _weight_tile_at(W, w_rows, w_ok, K, stride_wn, 1, EVEN_K, BLOCK_K, PREFETCH)
-    if N > 2:
-        t2 = _weight_tile_at(W, w_rows, w_ok, K, stride_wn, 2, EVEN_K, BLOCK_K, PREFETCH)
-    if N > 3:
-        t3 = _weight_tile_at(W, w_rows, w_ok, K, stride_wn, 3, EVEN_K, BLOCK_K, PREFETCH)
-    return t0, t1, t2, t3
-
-
-@triton.jit
-def _fma_words(acc0, acc1, acc2, acc3, w, x, nw, rstd, dtype: tl.constexpr, NORM: tl.constexpr,
-               EMULATE_RNE: tl.constexpr, KW: tl.constexpr):  # fmt: skip
-    """One K tile of ``_fma_prefetch_loop``: x's tile normed, the words' four codes, the
-    products added per K lane."""
-    x0, x1, x2, x3 = _split4(_x_norm(x, nw, rstd, dtype, NORM, EMULATE_RNE), KW)
-    c0, c1, c2, c3 = _e4m3x4(w, EMULATE_RNE)
-    acc0 += c0 * x0.to(tl.float32)
-    acc1 += c1 * x1.to(tl.float32)
-    acc2 += c2 * x2.to(tl.float32)
-    acc3 += c3 * x3.to(tl.float32)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _fma_prefetch_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EMULATE_RNE: tl.constexpr, e0, e1, e2, e3, N_EARLY: tl.constexpr = 0,
+    EMULATE_RNE: tl.constexpr, w_first, HAS_FIRST: tl.constexpr = 0,
 ):  # fmt: skip
     """``_fma_loop`` at batch 1 for an e4m3 weight read as int32 words (``PREFETCH``), the next
     K tile's loads (weight words, x, norm weight) issued before the current tile's FMAs: a
     hand-written two-stage pipeline (Triton pipelines ``tl.dot`` loops only), so each warp
     has its next tile in flight while it computes. Words carry four codes a register across
     the iteration (an e4m3 tile carried so takes one a register). The last tile is peeled off
-    the loop, so the loads keep ``_fma_loop``'s masks. ``N_EARLY`` 1: ``e0`` is the first
-    tile's words, loaded by the caller (``EARLY_W``); 2-4: ``e0..`` fill a queue of that many
-    tiles (``_fma_word_queue``). Same products, same order per K lane, same final reduction:
-    ``_fma_loop``'s sums bit for bit. fp32 ``[TILE_N, 1]``."""
+    the loop, so the loads keep ``_fma_loop``'s masks. Same products, same order per K lane,
+    same final reduction: ``_fma_loop``'s sums bit for bit. fp32 ``[TILE_N, 1]``."""
     KW: tl.constexpr = BLOCK_K // 4
     dtype = X.dtype.element_ty
     ks = tl.arange(0, BLOCK_K)
     kws = tl.arange(0, KW)
     k_words = K // 4
+    # x before the weight, here and in the loop: Triton's layout propagation takes the layout
+    # of the last load in program order where two meet, and the products must keep the
+    # weight's (else every weight tile is moved through shared memory instead of x's)
+    x_next, nw_next = _x_raw(X, NW, rows, row_ok, ks, ks < K, stride_xm, stride_nw, NORM, EVEN_K)
+    if HAS_FIRST:  # the first tile's words, loaded by the caller (``EARLY_W``)
+        w_next = w_first
+    else:
+        w_next = _w_words(W, w_rows, w_ok, kws, kws < k_words, stride_wn, EVEN_K)
     acc0 = tl.zeros([TILE_N, KW], dtype=tl.float32)
     acc1 = tl.zeros([TILE_N, KW], dtype=tl.float32)
     acc2 = tl.zeros([TILE_N, KW], dtype=tl.float32)
     acc3 = tl.zeros([TILE_N, KW], dtype=tl.float32)
-    if N_EARLY > 1:
-        acc0, acc1, acc2, acc3 = _fma_word_queue(
-            X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
-            NORM, BLOCK_K, EMULATE_RNE, acc0, acc1, acc2, acc3, e0, e1, e2, e3, N_EARLY,
-        )  # fmt: skip
-    else:
-        # x before the weight, here and in the loop: Triton's layout propagation takes the
-        # layout of the last load in program order where two meet, and the products must
-        # keep the weight's (else every weight tile is moved through shared memory, not x's)
-        x_next, nw_next = _x_raw(X, NW, rows, row_ok, ks, ks < K, stride_xm, stride_nw, NORM,
+    for k1 in range(BLOCK_K, K, BLOCK_K):  # k1: the tile loaded ahead
+        w, x_cur, nw_cur = w_next, x_next, nw_next
+        k = k1 + ks
+        x_next, nw_next = _x_raw(X, NW, rows, row_ok, k, k < K, stride_xm, stride_nw, NORM,
                                  EVEN_K)  # fmt: skip
-        if N_EARLY == 1:  # the first tile's words, loaded by the caller (``EARLY_W``)
-            w_next = e0
-        else:
-            w_next = _w_words(W, w_rows, w_ok, kws, kws < k_words, stride_wn, EVEN_K)
-        for k1 in range(BLOCK_K, K, BLOCK_K):  # k1: the tile loaded ahead
-            w, x_cur, nw_cur = w_next, x_next, nw_next
-            k = k1 + ks
-            x_next, nw_next = _x_raw(X, NW, rows, row_ok, k, k < K, stride_xm, stride_nw, NORM,
-                                     EVEN_K)  # fmt: skip
-            kw = k1 // 4 + kws
-            w_next = _w_words(W, w_rows, w_ok, kw, kw < k_words, stride_wn, EVEN_K)
-            acc0, acc1, acc2, acc3 = _fma_words(acc0, acc1, acc2, acc3, w, x_cur, nw_cur, rstd,
-                                                dtype, NORM, EMULATE_RNE, KW)  # fmt: skip
-        acc0, acc1, acc2, acc3 = _fma_words(acc0, acc1, acc2, acc3, w_next, x_next, nw_next,
-                                            rstd, dtype, NORM, EMULATE_RNE, KW)  # fmt: skip
+        kw = k1 // 4 + kws
+        w_next = _w_words(W, w_rows, w_ok, kw, kw < k_words, stride_wn, EVEN_K)
+        x0, x1, x2, x3 = _split4(_x_norm(x_cur, nw_cur, rstd, dtype, NORM, EMULATE_RNE), KW)
+        c0, c1, c2, c3 = _e4m3x4(w, EMULATE_RNE)
+        acc0 += c0 * x0.to(tl.float32)
+        acc1 += c1 * x1.to(tl.float32)
+        acc2 += c2 * x2.to(tl.float32)
+        acc3 += c3 * x3.to(tl.float32)
+    x0, x1, x2, x3 = _split4(_x_norm(x_next, nw_next, rstd, dtype, NORM, EMULATE_RNE), KW)
+    c0, c1, c2, c3 = _e4m3x4(w_next, EMULATE_RNE)
+    acc0 += c0 * x0.to(tl.float32)
+    acc1 += c1 * x1.to(tl.float32)
+    acc2 += c2 * x2.to(tl.float32)
+    acc3 += c3 * x3.to(tl.float32)
     return tl.sum(_join4(acc0, acc1, acc2, acc3, TILE_N, BLOCK_K), axis=1)[:, None]
-
-
-@triton.jit
-def _fma_word_queue(
-    X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
-    NORM: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    acc0, acc1, acc2, acc3, q0, q1, q2, q3, DEPTH: tl.constexpr,
-):  # fmt: skip
-    """``_fma_prefetch_loop`` with its weight words in a queue ``DEPTH`` (2-4) tiles deep:
-    ``q0..`` hold the first tiles (loaded before the PDL wait, ``EARLY_W``); each iteration
-    takes the head and asks for the tile ``DEPTH`` ahead (masked past K), after x's load (the
-    words keep their layout, x moves). Same products in the same order per K lane."""
-    KW: tl.constexpr = BLOCK_K // 4
-    dtype = X.dtype.element_ty
-    ks = tl.arange(0, BLOCK_K)
-    kws = tl.arange(0, KW)
-    k_words = K // 4
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x, nw = _x_raw(X, NW, rows, row_ok, k, k < K, stride_xm, stride_nw, NORM, False)
-        w = q0
-        kw = (k0 + DEPTH * BLOCK_K) // 4 + kws
-        nxt = _w_words(W, w_rows, w_ok, kw, kw < k_words, stride_wn, False)
-        if DEPTH == 2:
-            q0 = q1
-            q1 = nxt
-        elif DEPTH == 3:
-            q0 = q1
-            q1 = q2
-            q2 = nxt
-        else:
-            q0 = q1
-            q1 = q2
-            q2 = q3
-            q3 = nxt
-        acc0, acc1, acc2, acc3 = _fma_words(acc0, acc1, acc2, acc3, w, x, nw, rstd, dtype, NORM,
-                                            EMULATE_RNE, KW)  # fmt: skip
-    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -343,25 +253,25 @@ def _fma_loop(
     X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw, rstd,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EMULATE_RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
-    e0=None, e1=None, e2=None, e3=None, N_EARLY: tl.constexpr = 0,
+    w_first=None, HAS_FIRST: tl.constexpr = 0,
 ):  # fmt: skip
     """``W_tile @ x^T`` on the CUDA cores: fp32 products accumulated per K lane, reduced over
     K once at the end (no cross-thread reduction inside the loop). fp32 ``[TILE_N, BLOCK_M]``.
     ``PREFETCH`` (batch 1, ``W`` the e4m3 weight's int32 view): ``_fma_prefetch_loop``.
-    ``N_EARLY`` (batch 1): ``e0..e3`` hold the first ``N_EARLY`` K tiles (words with
-    ``PREFETCH``), loaded by the caller; the same products in the same order per K lane."""
+    ``HAS_FIRST`` (batch 1): ``w_first`` is the first K tile (words with ``PREFETCH``), loaded
+    by the caller; the same products in the same order per K lane."""
     ks = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1 and PREFETCH:
         acc = _fma_prefetch_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn,
                                  stride_nw, rstd, NORM, EVEN_K, TILE_N, BLOCK_K, EMULATE_RNE,
-                                 e0, e1, e2, e3, N_EARLY)  # fmt: skip
+                                 w_first, HAS_FIRST)  # fmt: skip
     elif BLOCK_M == 1:
         acc2 = tl.zeros([TILE_N, BLOCK_K], dtype=tl.float32)
         start = 0
-        if N_EARLY == 1:  # the launcher gives more early tiles only to PREFETCH's words
+        if HAS_FIRST:
             x = _x_tile(X, NW, rows, row_ok, ks, ks < K, stride_xm, stride_nw, rstd, NORM,
                         EVEN_K, EMULATE_RNE)  # fmt: skip
-            acc2 += e0.to(tl.float32) * x.to(tl.float32)
+            acc2 += w_first.to(tl.float32) * x.to(tl.float32)
             start = BLOCK_K
         for k0 in range(start, K, BLOCK_K):
             k = k0 + ks
@@ -476,14 +386,13 @@ def _decode_linear_kernel(
     ``NORM_BLOCK``: x elements per step of the RMSNorm prologue (0: ``BLOCK_K``).
     ``PDL`` (launched as a programmatic dependent): let the next kernel's blocks launch now,
     and wait for the previous kernel's results before the first load or store of them.
-    ``EARLY_W`` (batch 1, CUDA cores): the weight's first ``EARLY_W`` K tiles (1-4; no kernel's
-    output) are loaded before that wait, so their memory latency overlaps the previous kernel's
-    tail (``wo``'s whole slice streams while attention runs).
+    ``EARLY_W`` (batch 1, CUDA cores): the first K tile of the weight (no kernel's output) is
+    loaded before that wait, so its memory latency overlaps the previous kernel's tail.
     The accumulator is ``[TILE_N, BLOCK_M]``: output columns down, batch rows across.
     """
     if PDL:
         gdc_launch_dependents()
-        if EARLY_W == 0:
+        if not EARLY_W:
             gdc_wait()  # x, residual, positions and slots are the previous kernels' outputs
     n0 = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_M)
@@ -496,14 +405,17 @@ def _decode_linear_kernel(
     else:
         w_rows = n0 + tl.arange(0, TILE_N)
         w_ok = w_rows < n_w_rows
-    if EARLY_W > 0:
-        e0, e1, e2, e3 = _early_tiles(W, w_rows, w_ok, K, stride_wn, EVEN_K, BLOCK_K, PREFETCH,
-                                      EARLY_W)  # fmt: skip
+    if EARLY_W:
+        if PREFETCH:
+            kw0 = tl.arange(0, BLOCK_K // 4)
+            w_first = _w_words(W, w_rows, w_ok, kw0, kw0 < K // 4, stride_wn, EVEN_K)
+        else:
+            k0s = tl.arange(0, BLOCK_K)
+            w_first = _w_tile(W, w_rows, w_ok, k0s, k0s < K, stride_wn, EVEN_K)
         if PDL:
-            gdc_wait()  # now the inputs: the early weight tiles are on their way
+            gdc_wait()  # now the inputs: the first weight tile is on its way
     else:
-        e0 = tl.zeros([1], dtype=tl.float32)  # unused
-        e1, e2, e3 = e0, e0, e0
+        w_first = tl.zeros([1], dtype=tl.float32)  # unused
     if NORM:
         rstd = _row_rstd(X, rows, row_ok, K, stride_xm, eps, inv_k, BLOCK_M,
                          NORM_BLOCK if NORM_BLOCK > 0 else BLOCK_K, ACCURATE)  # fmt: skip
@@ -516,7 +428,7 @@ def _decode_linear_kernel(
     else:
         acc = _fma_loop(X, W, NW, rows, row_ok, w_rows, w_ok, K, stride_xm, stride_wn, stride_nw,
                         rstd, NORM, EVEN_K, BLOCK_M, TILE_N, BLOCK_K, EMULATE_RNE, PREFETCH,
-                        e0, e1, e2, e3, EARLY_W)  # fmt: skip
+                        w_first, EARLY_W)  # fmt: skip
     if W_FP8:  # dequantize the sums: each weight row's scale, before any rounding
         ws = tl.load(WS + w_rows.to(tl.int64) * stride_ws, mask=w_ok, other=0.0)
         acc = acc * ws[:, None]

@@ -226,9 +226,7 @@ def _launch(
     variant = _variant(residual, swiglu, rope)
     n_cols = n_w_rows // 2 if swiglu else n_w_rows
     cfg = _config(x.dtype, batch, n_cols, k, variant, x.device, weight.dtype)
-    # words for PREFETCH, and for a queue of early tiles (an FP8 weight; same sums either way)
-    queue = weight_scale is not None and _knobs.early_asked(variant, cfg) > 1
-    words = weight_words(weight) if cfg["PREFETCH"] or queue else None
+    words = weight_words(weight) if cfg["PREFETCH"] else None
     w_arg, stride_wn = (weight, weight.stride(0)) if words is None else (words, words.stride(0))
     interp = interpreter_enabled()
     upcast = interp and x.dtype == torch.bfloat16
@@ -270,7 +268,7 @@ def _launch(
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
         NORM_BLOCK=_knobs.norm_block(k, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]),
-        EARLY_W=_knobs.early_tiles(variant, k, cfg, words is not None),
+        EARLY_W=_knobs.EARLY_WEIGHT and cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"],
         PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 
