@@ -37,6 +37,8 @@ from nakta_model.generation import step_gemm as _gemm
 from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
+from nakta_model.kernels import greedy_advance as _ga
+from nakta_model.kernels import step_inputs as _si
 from nakta_model.kernels._checks import mark_compile_constants
 from nakta_model.parallel import all_reduce
 
@@ -53,6 +55,13 @@ __all__ = [
 MAX_ROWS = _gemm.MAX_ROWS  # rows a step may hold; above the crossover its linears are GEMMs
 
 GRAPH_MODES = ("cuda_graph", "compile", "eager")
+
+# With kernels, a step's inputs (write slots, key counts, embedding rows, the step counter) are
+# one launch (``kernels/step_inputs.py``) and a greedy step's end (argmax, history, token,
+# position) another (``kernels/greedy_advance.py``), instead of ~14 small PyTorch launches
+# (~40 us a token on an H100: ``model_profile/decode_timeline.py``). ``NAKTA_STEP_KERNELS=0``
+# at import keeps the PyTorch ops (A/B runs); the same bits either way.
+STEP_KERNELS = os.environ.get("NAKTA_STEP_KERNELS", "1") not in ("", "0")
 
 
 @dataclass
@@ -186,6 +195,7 @@ class DecodeStep:
         self.cache_len = row_pages * self.page  # the most positions a row holds
         self.cos, self.sin = model._rope_tables(self.cache_len)
         self.kernels = model.ops.triton(model.output.weight)
+        self.step_kernels = self.kernels and STEP_KERNELS
         self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
         self.slot_splits = (
             _da.cascade_splits(
@@ -265,17 +275,31 @@ class DecodeStep:
             )
         return _da.decode_attention_reference(q, k_cache, v_cache, lens, **kw)
 
-    def logits(self) -> torch.Tensor:
-        """Logits ``[B, vocab]`` (model dtype) for the buffers' tokens; writes their K/V."""
+    def _inputs(self, advance_step: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's write slot through its block table, key count and embedding row, on the
+        device (graph-safe); ``advance_step``: ``step += 1`` too (the fused step's first launch)."""
         m, buf = self.model, self.buffers
+        if self.step_kernels:
+            return _si.step_inputs(buf.positions, buf.block_table, self.page, buf.tokens,
+                                   m.tok_embeddings.weight, buf.step, advance_step)  # fmt: skip
+        positions = buf.positions
+        page_of = buf.block_table.gather(1, (positions // self.page).long()[:, None])[:, 0]
+        if advance_step:
+            buf.step.add_(1)
+        return (
+            page_of * self.page + positions % self.page,
+            positions + 1,
+            m.tok_embeddings(buf.tokens),
+        )
+
+    def logits(self, advance_step: bool = False) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (model dtype) for the buffers' tokens; writes their K/V.
+        ``advance_step``: the step counter is advanced first (``__call__``'s kernel path)."""
+        m = self.model
         ctx = m.parallel
         b, hq, hkv, hd = self.batch, self.n_q, self.n_kv, self.head_dim
-        positions = buf.positions
-        # each row's write slot through its block table, on the device (graph-safe)
-        page_of = buf.block_table.gather(1, (positions // self.page).long()[:, None])[:, 0]
-        slots = page_of * self.page + positions % self.page
-        lens = positions + 1
-        h = m.tok_embeddings(buf.tokens)  # or, deferred, (product, residual): see _add
+        slots, lens, h = self._inputs(advance_step)
+        positions = self.buffers.positions  # h: or, deferred, (product, residual): see _add
         for layer in m.layers:
             a, f = layer.attention, layer.feed_forward
             kc = a.k_cache.view(-1, self.page, hkv, hd)
@@ -330,13 +354,22 @@ class DecodeStep:
     def __call__(self) -> None:
         """Decode one token per row into ``history[:, step]`` and advance the buffers."""
         buf = self.buffers
-        nxt = sample_next(
-            self.logits(), buf.temperature, buf.top_k, buf.top_p, any_sampling=self.sampling
-        )
-        buf.history.index_copy_(1, buf.step, nxt[:, None])
+        if self.step_kernels:  # step advanced by the first launch: this step's column is step - 1
+            logits = self.logits(advance_step=True)
+            if not self.sampling:
+                _ga.greedy_advance_(logits, buf.history, buf.step, buf.tokens, buf.positions,
+                                    step_offset=-1)  # fmt: skip
+                return
+            column = buf.step - 1
+        else:
+            logits = self.logits()
+            column = buf.step
+        nxt = sample_next(logits, buf.temperature, buf.top_k, buf.top_p, any_sampling=self.sampling)
+        buf.history.index_copy_(1, column, nxt[:, None])
         buf.tokens.copy_(nxt)
         buf.positions.add_(1)
-        buf.step.add_(1)
+        if not self.step_kernels:
+            buf.step.add_(1)
 
     # ---------------------------------------------------------------------------- graphs
     def capture(self) -> None:
