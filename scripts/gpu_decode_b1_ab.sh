@@ -3,7 +3,8 @@
 # ("base" = no change) runs decode_speed 7B ($ENGINES, default nakta,nakta_fp8), batch 1,
 # prompt 64, 128 new, the settings' order run twice (the second reversed); then the
 # decode timeline of the default tree (FP8) and the GPU tests named in $TESTS (default: the
-# batch-1 decode kernels and the step). One GPU, <= 590 s.
+# batch-1 decode kernels and the step); before the timeline, each setting's greedy tokens (FP8,
+# 96 new) as a hash: the settings must agree. One GPU, <= 590 s.
 # $OUT receives decode_b1_ab.tar.gz (log.txt, a decode folder a run, runs.csv, timeline/).
 # Usage: bash scripts/gpu_decode_b1_ab.sh base stepoff=NAKTA_STEP_KERNELS=0 ...
 set -uo pipefail
@@ -26,6 +27,26 @@ for spec in "${ORDER[@]}"; do
     --engines "${ENGINES:-nakta,nakta_fp8}" --batches 1 --lengths 64:128 --no-budget \
     --out "$STAGE/r${n}_$name"
 done
+for spec in "${SPECS[@]}"; do  # each setting's greedy tokens: the settings must agree
+  name=${spec%%=*}
+  envs=()
+  if [ "$spec" != "$name" ]; then IFS=',' read -r -a envs <<<"${spec#*=}"; fi
+  step "tokens_$name" 60 env "${envs[@]}" python3 - <<'PY'
+import hashlib
+import torch
+from nakta_model.generation import Generator, greedy_requests
+from nakta_model.loading import load
+from speed_bench.weights import weight_source
+
+w = weight_source("7B", None, 0)
+dev = torch.device("cuda")
+model = load(w.source(dev, torch.bfloat16), dev, torch.bfloat16, quant="fp8")
+prompt = [1] + [(i * 7919) % 31000 + 3 for i in range(63)]
+out = Generator(model, max_batch=1, max_seq_len=200).generate(greedy_requests([prompt], 96, None))
+toks = out[0].tokens
+print("TOKENS", hashlib.sha1(str(toks).encode()).hexdigest()[:16], toks[:8])
+PY
+done
 step timeline 90 python3 -m model_profile.decode_timeline --preset 7B --quant fp8 \
   --out "$STAGE/timeline"
 # shellcheck disable=SC2086
@@ -47,7 +68,7 @@ for d in sorted(runs, key=lambda p: int(p.name[1:].split("_")[0])):
         print(f"{d.name} {r['engine']}: {r['tok_s']:.1f} tok/s, {r['pct_of_floor']:.2f}% of floor")
 (stage / "runs.csv").write_text("\n".join(lines) + "\n")
 PY
-grep -E "^===|passed|failed|Step " "$LOG" | tail -30
+grep -E "^===|passed|failed|Step |^TOKENS" "$LOG" | tail -40
 echo "decode_b1_ab status=$status" | tee -a "$LOG"
 tar czf "$OUT/decode_b1_ab.tar.gz" -C "$(dirname "$STAGE")" decode_b1_ab
 exit $status
