@@ -3,8 +3,7 @@
 Programmatic dependent launch never runs on the CPU (not in the interpreter, not off Hopper),
 so what the GPU would run is checked in its PTX: a GEMV with ``EARLY_W`` issues its first
 weight loads before ``griddepcontrol.wait`` (and none without it); decode attention at batch 1
-lets the next kernel launch at once, and as a dependent itself (``NAKTA_ATTENTION_PDL``) asks L2
-for its keys before it waits.
+lets the next kernel launch at once (and never waits itself).
 """
 
 from __future__ import annotations
@@ -49,14 +48,13 @@ if what == "linear":
     floats = ("eps", "inv_k")
 else:
     from nakta_model.kernels._decode_attention_kernels import _attn_split_kernel as kernel
-    pdl, wait, keys = params
+    (pdl,) = params
     num_warps = 4
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "LENS": "*i32", "TABLE": "*i32",
                 "PRE_ROWS": "*i32", "PRE_LENS": "*i32", "OUT": "*bf16", "WS": "*fp32"}
     const = dict(GROUP=1, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, USE_DOT=True,
                  SINGLE=True, PREC=None, UPCAST=False, EMULATE_RNE=False, HAS_TABLE=True,
-                 HAS_PREFIX=False, CASCADE=False, LAUNCH_DEPENDENTS=pdl, PDL_WAIT=wait,
-                 PREFETCH_KEYS=keys, LINES=2, LINE=64)
+                 HAS_PREFIX=False, CASCADE=False, LAUNCH_DEPENDENTS=pdl)
     floats = ("qk_scale",)
 names = list(kernel.arg_names)
 sig = {
@@ -104,23 +102,6 @@ def test_no_dependent_prologue_without_pdl():
 @needs_ptxas
 @pytest.mark.parametrize("trigger", [True, False])
 def test_attention_lets_the_next_kernel_launch_only_when_asked(trigger):
-    body = _ptx("attention", trigger, False, 0)
+    body = _ptx("attention", trigger)
     assert ("griddepcontrol.launch_dependents" in body) == trigger
     assert "griddepcontrol.wait" not in body  # an ordinary launch itself
-    assert "prefetch.global.L2" not in body
-
-
-@needs_ptxas
-@pytest.mark.parametrize("keys", [0, 256])
-def test_dependent_attention_asks_l2_for_its_keys_then_waits_then_triggers(keys):
-    """``PDL_WAIT``: the K/V prefetches (2 lines a key, K and V, over 128 threads) before
-    ``griddepcontrol.wait``, every load of q and the lengths after it, the next kernel's
-    launch after it too."""
-    body = _ptx("attention", True, True, keys)
-    wait = body.index("griddepcontrol.wait")
-    assert wait < body.index("griddepcontrol.launch_dependents")
-    assert body.count("prefetch.global.L2") == 2 * keys * 2 // 128
-    if keys:
-        assert body.rindex("prefetch.global.L2") < wait
-        # before the wait only the hints' own reads (the length, the table's pages)
-        assert body[:wait].count("ld.global") <= 4

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from nakta_model.kernels._triton_math import round_to
 
@@ -86,47 +86,14 @@ def _chunk(lens_ptr, b, s_max, n_splits, split, base, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_kv(
-    K, V, LENS, TABLE, b, kvh, page, n_pages, stride_tb, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    KEYS: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
-):  # fmt: skip
-    """Ask L2 for the first ``KEYS`` keys' K and V rows of this head (``prefetch.global.L2``,
-    ``LINES`` 128-byte lines of ``LINE`` elements a row), before ``gdc_wait``. Only hints: the
-    lengths and page table read here are re-read after the wait, and a key past the length or
-    on a page outside the pool points at the cache's first line (never a fault)."""
-    keys = tl.arange(0, KEYS)
-    ok = keys < tl.load(LENS + b)
-    pg = tl.load(TABLE + b * stride_tb + keys // page, mask=ok, other=0).to(tl.int64)
-    ok = ok & (pg >= 0) & (pg < n_pages)
-    within = (keys % page).to(tl.int64)
-    line = tl.arange(0, LINES) * LINE
-    off_k = tl.where(ok, pg * stride_kb + within * stride_ks + kvh * stride_kh, 0)
-    off_v = tl.where(ok, pg * stride_vb + within * stride_vs + kvh * stride_vh, 0)
-    _prefetch_l2(K + off_k[:, None] + line[None, :])
-    _prefetch_l2(V + off_v[:, None] + line[None, :])
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """One ``prefetch.global.L2`` per pointer (a hint: no result, no fault)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _attn_split_kernel(
     Q, K, V, LENS, TABLE, PRE_ROWS, PRE_LENS, OUT, WS, s_max, page, n_splits, stride_tb,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale, n_pages,
+    stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
     HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
-    PDL_WAIT: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = 0, LINES: tl.constexpr = 1,
-    LINE: tl.constexpr = 1,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
@@ -143,17 +110,7 @@ def _attn_split_kernel(
     ``LAUNCH_DEPENDENTS`` (the last attention launch at batch 1): the next kernel, a
     programmatic dependent (the ``wo`` GEMV), may launch now and load its first weight tile
     while this one runs (``decode_linear``'s ``EARLY_W``); it waits for this kernel's output.
-    ``PDL_WAIT`` (batch 1, launched as a programmatic dependent of ``wqkv``): wait for its
-    output before any load (the next kernel is then let launch after the wait), after asking
-    L2 for the first ``PREFETCH_KEYS`` keys' K/V (``_prefetch_kv``; the keys of earlier steps
-    are no kernel's output, and this step's key is written to L2).
     """
-    if PDL_WAIT:
-        if PREFETCH_KEYS > 0:
-            _prefetch_kv(K, V, LENS, TABLE, tl.program_id(0).to(tl.int64), tl.program_id(1),
-                         page, n_pages, stride_tb, stride_kb, stride_ks, stride_kh, stride_vb,
-                         stride_vs, stride_vh, PREFETCH_KEYS, LINES, LINE)  # fmt: skip
-        gdc_wait()
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)

@@ -337,11 +337,6 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
 # at import turns it off.
 TRIGGER_MAX_BATCH = 1
 ATTENTION_TRIGGER = os.environ.get("NAKTA_ATTENTION_TRIGGER", "1") not in ("", "0")
-# At batch 1 with one split and no prefix, attention may itself launch as a dependent of
-# ``wqkv`` (``NAKTA_ATTENTION_PDL``: 1) and ask L2 for its keys' K/V before waiting (2; the
-# keys of earlier steps are no kernel's output); 0: an ordinary launch. Read at import (A/B).
-ATTENTION_PDL = int(os.environ.get("NAKTA_ATTENTION_PDL", "0") or 0)
-PREFETCH_MAX_KEYS = 256  # keys asked of L2 before the wait, at most
 
 
 def _launch(
@@ -370,13 +365,7 @@ def _launch(
     cascade = slots is not None
     total = n_splits + (slots[0].shape[0] * n_psplits if cascade else 0)  # partials per head
     single = total == 1
-    dependent = batch <= TRIGGER_MAX_BATCH and dependent_launch(q.device)
-    trigger = dependent and ATTENTION_TRIGGER
-    # attention itself a dependent: one split, no prefix, a table (the paged or row form)
-    waits = dependent and ATTENTION_PDL > 0 and single and prefix is None and not cascade
-    waits = waits and (block_table is not None or rows is not None)
-    pf_keys = min(PREFETCH_MAX_KEYS, triton.next_power_of_2(s_max)) if ATTENTION_PDL > 1 else 0
-    line = 128 // q.element_size()
+    trigger = batch <= TRIGGER_MAX_BATCH and ATTENTION_TRIGGER and dependent_launch(q.device)
     if single:
         ws = q  # unused
         ws_strides = (0, 0, 0)
@@ -390,13 +379,11 @@ def _launch(
         q, k_cache, v_cache, cache_lens, table, *(prefix or (cache_lens, cache_lens)), out, ws,
         s_max, page, n_splits, stride_tb, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        *ws_strides, scale * LOG2E, k_cache.shape[0],
+        *ws_strides, scale * LOG2E,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
         LAUNCH_DEPENDENTS=trigger and single, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        PDL_WAIT=waits, PREFETCH_KEYS=pf_keys if waits else 0,
-        LINES=triton.cdiv(head_dim, line), LINE=line, **({"launch_pdl": True} if waits else {}),
     )  # fmt: skip
     if cascade:
         cc = _config("cascade")
