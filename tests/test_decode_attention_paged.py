@@ -213,24 +213,3 @@ def test_paged_arguments_are_checked():
 def test_splits_follow_the_tables_width():
     """The split rule sees W * page keys a row (a shape: graph capture keeps its grid)."""
     assert decode_splits(1, 8, 4 * PAGE, "cpu") == decode_splits(1, 8, 256, "cpu")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_loads_asked_ahead_change_no_bit(dtype, heads, monkeypatch):
-    """One split through a table: the hand-prefetched key loop (``ATTENTION_AHEAD``, tile 0
-    read before the row's length) gives the pipelined loop's bits, rows of one key, one page
-    exactly, a full table and garbage past each row's pages included; the row form too."""
-    from nakta_model.kernels import decode_attention as da
-
-    q, k, v, table, lens = paged_case(5, *heads, dtype)
-    outs = []
-    for ahead in (False, True):
-        monkeypatch.setattr(da, "ATTENTION_AHEAD", ahead)
-        paged = decode_attention(q, k, v, lens, block_table=table, n_splits=1)
-        rows = decode_attention(q, k.flatten(0, 1)[None].expand(5, -1, -1, -1), v.flatten(0, 1)
-                                [None].expand(5, -1, -1, -1), lens, n_splits=1,
-                                rows=torch.zeros(5, dtype=torch.int32))  # fmt: skip
-        outs.append((paged, rows))
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())

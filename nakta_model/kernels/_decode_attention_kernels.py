@@ -86,48 +86,14 @@ def _chunk(lens_ptr, b, s_max, n_splits, split, base, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _ahead_loop(
-    q, k_next, v_next, pg_next, k_base, v_base, row_table, end, page, stride_kb, stride_ks,
-    stride_vb, stride_vs, qk_scale, m, l, acc, d_ok,
-    BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
-):  # fmt: skip
-    """The split kernel's key loop for one split from key 0 (batch 1's chain), its loads asked
-    for ahead by hand: tile 0's K/V and tile 1's page come in (loaded before the row's length
-    was known, masked only to the page), each iteration asks for the next tile's K/V and the
-    page after it before it computes its own tile. Keys past ``end`` are masked as the plain
-    loop masks them (scores -inf, values 0). The same tiles in the same order, the same
-    ``_online_step``: the plain loop's results."""
-    offs_s = tl.arange(0, BLOCK_S)
-    for s0 in range(0, end, BLOCK_S):
-        k, v = k_next, v_next
-        s1 = s0 + BLOCK_S
-        ok1 = ((s1 + offs_s) < end)[:, None] & d_ok[None, :]
-        within = ((s1 % page) + offs_s).to(tl.int64)[:, None]
-        pg1 = pg_next.to(tl.int64)
-        k_next = tl.load(k_base + pg1 * stride_kb + within * stride_ks, mask=ok1, other=0.0)
-        v_next = tl.load(v_base + pg1 * stride_vb + within * stride_vs, mask=ok1, other=0.0)
-        s2 = s1 + BLOCK_S
-        pg_next = tl.load(row_table + s2 // page, mask=s2 < end, other=0)
-        k_ok = (s0 + offs_s) < end
-        v = tl.where(k_ok[:, None], v, 0.0)  # tile 0 was read before the length was known
-        s = _scores(q, k, USE_DOT, PREC, UPCAST) * qk_scale
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        m, l, acc = _online_step(m, l, acc, s, v, False, USE_DOT, PREC, UPCAST, EMULATE_RNE,
-                                 BLOCK_S)  # fmt: skip
-    return m, l, acc
-
-
-@triton.jit
 def _attn_split_kernel(
     Q, K, V, LENS, TABLE, PRE_ROWS, PRE_LENS, OUT, WS, s_max, page, n_splits, stride_tb,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale, n_pages,
+    stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
     HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
-    AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
@@ -144,7 +110,6 @@ def _attn_split_kernel(
     ``LAUNCH_DEPENDENTS`` (the last attention launch at batch 1): the next kernel, a
     programmatic dependent (the ``wo`` GEMV), may launch now and load its first weight tile
     while this one runs (``decode_linear``'s ``EARLY_W``); it waits for this kernel's output.
-    ``AHEAD`` (one split from key 0, a table, no prefix: batch 1's chain): ``_ahead_loop``.
     """
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -156,20 +121,6 @@ def _attn_split_kernel(
     heads = (kvh * GROUP + g).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    k_base = K + kvh.to(tl.int64) * stride_kh + d[None, :]
-    v_base = V + kvh.to(tl.int64) * stride_vh + d[None, :]
-    offs_s = tl.arange(0, BLOCK_S)
-    if AHEAD:  # tile 0's page and keys, and tile 1's page, asked for before the length
-        pg = tl.load(TABLE + b * stride_tb).to(tl.int64)
-        pg_keys = tl.zeros([BLOCK_S], dtype=tl.int64) + pg  # per key: the interpreter's masks
-        ok0 = (offs_s < s_max) & (pg_keys >= 0) & (pg_keys < n_pages)
-        ok0 = ok0[:, None] & d_ok[None, :]
-        within = offs_s.to(tl.int64)[:, None] * stride_ks
-        k_first = tl.load(k_base + pg * stride_kb + within, mask=ok0, other=0.0)
-        within = offs_s.to(tl.int64)[:, None] * stride_vs
-        v_first = tl.load(v_base + pg * stride_vb + within, mask=ok0, other=0.0)
-        has_next = (b * 0 + s_max) > BLOCK_S  # a tensor (the interpreter masks with no bool)
-        pg_next = tl.load(TABLE + b * stride_tb + BLOCK_S // page, mask=has_next, other=0)
     if CASCADE:
         base = tl.load(PRE_LENS + b).to(tl.int32)
     else:
@@ -186,16 +137,12 @@ def _attn_split_kernel(
             row = b
         pre_row = tl.load(PRE_ROWS + b).to(tl.int64)
         pre_len = tl.load(PRE_LENS + b).to(tl.int32)
+    k_base = K + kvh.to(tl.int64) * stride_kh + d[None, :]
+    v_base = V + kvh.to(tl.int64) * stride_vh + d[None, :]
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if AHEAD:
-        m, l, acc = _ahead_loop(
-            q, k_first, v_first, pg_next, k_base, v_base, TABLE + b * stride_tb, end, page,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, m, l, acc, d_ok, BLOCK_S,
-            USE_DOT, PREC, UPCAST, EMULATE_RNE,
-        )  # fmt: skip
-        start = end  # no tile left for the loop below
+    offs_s = tl.arange(0, BLOCK_S)
     for s0 in range(start, end, BLOCK_S):
         keys = s0 + offs_s
         k_ok = (keys < end) & (keys >= lo)

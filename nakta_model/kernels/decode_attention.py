@@ -337,11 +337,6 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
 # at import turns it off.
 TRIGGER_MAX_BATCH = 1
 ATTENTION_TRIGGER = os.environ.get("NAKTA_ATTENTION_TRIGGER", "1") not in ("", "0")
-# One split from key 0 through a table (batch 1's chain): the key loop's loads are asked for
-# ahead by hand (``_ahead_loop``: tile 0 before the row's length, each next tile before the
-# current one's math) instead of by Triton's pipeliner; ``NAKTA_ATTENTION_AHEAD=0`` at import
-# keeps the pipelined loop (A/B runs). The same results either way.
-ATTENTION_AHEAD = os.environ.get("NAKTA_ATTENTION_AHEAD", "1") not in ("", "0")
 
 
 def _launch(
@@ -371,8 +366,6 @@ def _launch(
     total = n_splits + (slots[0].shape[0] * n_psplits if cascade else 0)  # partials per head
     single = total == 1
     trigger = batch <= TRIGGER_MAX_BATCH and ATTENTION_TRIGGER and dependent_launch(q.device)
-    has_table = block_table is not None or rows is not None
-    ahead = ATTENTION_AHEAD and single and has_table and prefix is None and not cascade
     if single:
         ws = q  # unused
         ws_strides = (0, 0, 0)
@@ -386,12 +379,11 @@ def _launch(
         q, k_cache, v_cache, cache_lens, table, *(prefix or (cache_lens, cache_lens)), out, ws,
         s_max, page, n_splits, stride_tb, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        *ws_strides, scale * LOG2E, k_cache.shape[0],
+        *ws_strides, scale * LOG2E,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
-        HAS_TABLE=has_table, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        LAUNCH_DEPENDENTS=trigger and single, AHEAD=ahead, num_warps=cfg["num_warps"],
-        num_stages=1 if ahead else cfg["num_stages"],
+        HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
+        LAUNCH_DEPENDENTS=trigger and single, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
         cc = _config("cascade")
