@@ -60,7 +60,8 @@ GRAPH_MODES = ("cuda_graph", "compile", "eager")
 # one launch (``kernels/step_inputs.py``) and a greedy step's end (argmax, history, token,
 # position) another (``kernels/greedy_advance.py``), instead of ~14 small PyTorch launches
 # (~40 us a token on an H100: ``model_profile/decode_timeline.py``). ``NAKTA_STEP_KERNELS=0``
-# at import keeps the PyTorch ops (A/B runs); the same bits either way.
+# at import keeps the PyTorch ops (A/B runs); the same bits either way. Not under
+# ``graph_mode="compile"``, whose inductor fuses those ops itself.
 STEP_KERNELS = os.environ.get("NAKTA_STEP_KERNELS", "1") not in ("", "0")
 
 
@@ -195,7 +196,8 @@ class DecodeStep:
         self.cache_len = row_pages * self.page  # the most positions a row holds
         self.cos, self.sin = model._rope_tables(self.cache_len)
         self.kernels = model.ops.triton(model.output.weight)
-        self.step_kernels = self.kernels and STEP_KERNELS
+        # under torch.compile inductor fuses the step's small ops itself
+        self.step_kernels = self.kernels and STEP_KERNELS and graph_mode != "compile"
         self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
         self.slot_splits = (
             _da.cascade_splits(
