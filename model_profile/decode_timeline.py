@@ -1,18 +1,19 @@
-"""Where a batch-1 decode step's time goes in the chain itself: the engine's CUDA-graph decode
+"""Where a decode step's time goes in the chain itself: the engine's CUDA-graph decode
 (dependent launches, early weight tiles and all) under ``torch.profiler``, kernel by kernel.
 
 ``speed_bench.decode_budget`` times each launch alone; here the launches overlap as they do in
 a run, so a kernel's own duration says little (under PDL its blocks start early and wait).
 What each adds to the step is its *increment*: its end minus the previous kernel's end. Per
-launch kind (wqkv / attention / wo / w13 / w2, found by their order in a layer; the step's tail:
-its inputs, the LM head, the next token) the increments' sum a step is set beside the kind's
+launch kind (wqkv / attention / wo / w13 / w2 and, on the GEMM path from 8 rows, the other
+launches of a layer; found by their order in a layer; the step's tail: its inputs, the LM head,
+the next token) the increments' sum a step is set beside the kind's
 byte floor a step (the bytes it must read over the copy bandwidth measured in this run; the
 tail's: the LM head's, once). Outputs in
-``model_profile/results/<device>/decode_b1[_fp8]/``: ``timeline.csv`` / ``timeline.md``,
+``model_profile/results/<device>/decode_b<batch>[_fp8]/``: ``timeline.csv`` / ``timeline.md``,
 ``timeline.png`` and ``summary.json`` (step time, its floor, tok/s under the profiler).
 
-    python -m model_profile.decode_timeline [--preset 7B] [--quant fp8] [--prompt 64]
-        [--gen 64] [--out DIR]
+    python -m model_profile.decode_timeline [--preset 7B] [--quant fp8] [--batch 1]
+        [--prompt 64] [--gen 64] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from bench_common.ceilings import copy_bandwidth_gbps, device_slug
 from bench_common.report import results_dir, save_figure, write_json, write_table
 
-LAYER_KINDS = ("wqkv", "attention", "wo", "w13", "w2")
+LAYER_KINDS = ("wqkv", "attention", "wo", "w13", "w2", "other")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -42,11 +43,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quant", choices=["fp8"], default=None, help="the FP8 model (e4m3 weights)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     p.add_argument("--gen", type=int, default=64, help="new tokens profiled")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dump", action="store_true", help="also write every kernel (kernels.csv)")
     a = p.parse_args(argv)
-    for name in ("prompt", "gen"):
+    for name in ("prompt", "gen", "batch"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.gen < 8:
@@ -92,15 +94,71 @@ def label_kernels(kernels: list[dict]) -> list[str]:
     return labels
 
 
+MATMUL_KINDS = ("wqkv", "wo", "w13", "w2")
+
+
+def _is_matmul(name: str) -> bool:
+    from model_profile.profile import categorize
+
+    return _is_linear(name) or categorize(name, None) == "gemm"
+
+
+def label_by_layer(kernels: list[dict], n_layers: int) -> list[str] | None:
+    """Kinds for a step of any batch (GEMVs or GEMMs, fused or not): a step starts at its
+    ``step_inputs`` launch and holds ``n_layers`` equal runs of launches (the spacing of its
+    attention split launches), then the tail. In a layer the matmul launches, in order, are
+    ``wqkv``, ``wo``, ``w13``, ``w2`` (a cuBLAS split-K reduction counts with its GEMM);
+    attention's launches ``attention``; the rest ``other``
+    (norms, RoPE, SwiGLU, quantization, residual adds). None where no step reads so (the step
+    kernels off: ``label_kernels`` then)."""
+    labels = ["tail"] * len(kernels)
+    starts = [i for i, k in enumerate(kernels) if "step_inputs" in k["name"]]
+    if not starts:
+        return None
+    found = False
+    for s, e in zip(starts, starts[1:] + [len(kernels)], strict=True):
+        attn = [i for i in range(s, e) if "_attn_split" in kernels[i]["name"]]
+        gaps = {b - a for a, b in zip(attn, attn[1:], strict=False)}
+        if len(attn) != n_layers or len(gaps) > 1:
+            continue
+        period = gaps.pop() if gaps else e - s - 1
+        first = s + 1
+        layers = [range(first + i * period, first + (i + 1) * period) for i in range(n_layers)]
+        if layers[-1].stop > e:
+            continue
+        for layer in layers:
+            names = {i: kernels[i]["name"] for i in layer}
+            mm = [i for i in layer if _is_matmul(names[i]) and "splitKreduce" not in names[i]]
+            if len(mm) != len(MATMUL_KINDS):
+                break
+            for i in layer:
+                labels[i] = "attention" if _is_attention(names[i]) else "other"
+            for i, kind in zip(mm, MATMUL_KINDS, strict=True):
+                labels[i] = kind
+            for i in layer:  # cuBLAS's split-K reduction: part of the GEMM before it
+                if "splitKreduce" in names[i] and labels[i - 1] in MATMUL_KINDS:
+                    labels[i] = labels[i - 1]
+        else:
+            found = True
+    return labels if found else None
+
+
 def steps_of(kernels: list[dict], labels: list[str], n_layers: int) -> list[list[int]]:
     """Kernel indices per decode step: ``n_layers`` layers from a ``wqkv``, then the tail up
     to the next step's first ``wqkv``. Kernels before the first ``wqkv`` (prefill) and a step
     without all its layers are left out."""
-    starts = [i for i, lab in enumerate(labels) if lab == "wqkv"]
+
+    def run_starts(kind: str, lo: int = 0, hi: int = len(labels)) -> list[int]:
+        # a kind's launches in a row are one matmul (a GEMM and its split-K reduction)
+        return [i for i in range(lo, hi) if labels[i] == kind and (i == 0 or labels[i - 1] != kind)]
+
+    starts = run_starts("wqkv")
+    if not starts:
+        return []
     firsts = starts[::n_layers]
     spans = zip(firsts, firsts[1:] + [len(kernels)], strict=True)
     return [list(range(s, e)) for s, e in spans
-            if all(labels[s:e].count(kind) == n_layers for kind in ("wqkv", "w2"))]  # fmt: skip
+            if all(len(run_starts(kind, s, e)) == n_layers for kind in ("wqkv", "w2"))]  # fmt: skip
 
 
 def increments(kernels: list[dict], labels: list[str], steps: list[list[int]]) -> pd.DataFrame:
@@ -122,9 +180,10 @@ def increments(kernels: list[dict], labels: list[str], steps: list[list[int]]) -
     return out
 
 
-def floors_us(model, context: float, bw_gbps: float) -> dict[str, float]:
-    """Bytes each kind must read a call (weights with their scales; K/V at ``context``) over the
-    copy bandwidth, in microseconds; ``tail`` is the LM head's (and final norm's) weights."""
+def floors_us(model, context: float, bw_gbps: float, batch: int = 1) -> dict[str, float]:
+    """Bytes each kind must read a layer (weights with their scales; ``batch`` rows' K/V at
+    ``context``) over the copy bandwidth, in microseconds; ``tail`` is the LM head's (and final
+    norm's) weights; ``other`` (activations only) 0."""
 
     def nbytes(module) -> int:
         ts = list(module.parameters()) + list(module.buffers())
@@ -134,22 +193,24 @@ def floors_us(model, context: float, bw_gbps: float) -> dict[str, float]:
     kv_elem = torch.empty((), dtype=model.dtype).element_size()
     per = {
         "wqkv": nbytes(layer.attention.wqkv),
-        "attention": 2 * args.n_kv_heads * args.head_dim * context * kv_elem,
+        "attention": 2 * args.n_kv_heads * args.head_dim * context * kv_elem * batch,
         "wo": nbytes(layer.attention.wo),
         "w13": nbytes(layer.feed_forward.w13),
         "w2": nbytes(layer.feed_forward.w2),
         "tail": nbytes(model.output) + nbytes(model.norm),
+        "other": 0,
     }
     return {k: v / (bw_gbps * 1e3) for k, v in per.items()}
 
 
-def with_floors(df: pd.DataFrame, floors: dict[str, float]) -> pd.DataFrame:
-    """``increments``' table in layer order with each kind's floor a step (a layer kind's per
-    call times its calls; the tail's, the LM head's bytes, once), its share and its loss."""
+def with_floors(df: pd.DataFrame, floors: dict[str, float], n_layers: int) -> pd.DataFrame:
+    """``increments``' table in layer order with each kind's floor a step (a layer kind's bytes
+    once a layer, however many launches it takes: split-K reductions, attention's combine; the
+    tail's, the LM head's, once), its share and its loss."""
     order = [k for k in (*LAYER_KINDS, "tail") if k in df.index]
     df = df.loc[order].reset_index().rename(columns={"index": "kind"})
-    per_call = df["kind"].map(floors)
-    df["floor_step_us"] = per_call.where(df["kind"] == "tail", per_call * df["calls_per_step"])
+    per_layer = df["kind"].map(floors)
+    df["floor_step_us"] = per_layer.where(df["kind"] == "tail", per_layer * n_layers)
     df["pct_of_floor"] = 100 * df["floor_step_us"] / df["step_us"]
     df["loss_us_per_step"] = df["step_us"] - df["floor_step_us"]
     return df
@@ -185,12 +246,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     device = torch.device("cuda")
     weights = weight_source(a.preset, None, a.seed)
     model = load(weights.source(device, torch.bfloat16), device, torch.bfloat16, quant=a.quant)
-    gen = Generator(model, max_batch=1, max_seq_len=a.prompt + a.gen + 8)
+    gen = Generator(model, max_batch=a.batch, max_seq_len=a.prompt + a.gen + 8)
     g = torch.Generator().manual_seed(a.seed)
-    prompt = [1] + torch.randint(3, weights.args.vocab_size, (a.prompt - 1,), generator=g).tolist()
+    vocab = weights.args.vocab_size
+    prompts = [[1] + torch.randint(3, vocab, (a.prompt - 1,), generator=g).tolist()
+               for _ in range(a.batch)]  # fmt: skip
 
     def run(n: int) -> None:
-        gen.generate(greedy_requests([prompt], n, eos_id=None))
+        gen.generate(greedy_requests(prompts, n, eos_id=None))
 
     bw = copy_bandwidth_gbps(device="cuda")
     run(8)  # compile, capture, allocate
@@ -203,19 +266,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
         trace_path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))
         kernels = kernels_from_trace(json.loads(trace_path.read_text()))
-    labels = label_kernels(kernels)
+    labels = label_by_layer(kernels, model.args.n_layers) or label_kernels(kernels)
+    slug = device_slug(device)
+    name = f"decode_b{a.batch}" + ("_fp8" if a.quant else "")
+    out = a.out or results_dir(__file__, slug) / name
+    out.mkdir(parents=True, exist_ok=True)
+    if a.dump:  # before the reading, so that a trace it cannot read is there to look at
+        dump = pd.DataFrame(kernels).assign(kind=labels)
+        write_table(dump, out, "kernels", "Every kernel of the profiled run, in start order")
     steps = steps_of(kernels, labels, model.args.n_layers)
     if len(steps) < 4:
-        raise SystemExit(f"decode_timeline: found {len(steps)} decode steps in the trace, need 4+")
+        raise SystemExit(
+            f"decode_timeline: found {len(steps)} decode steps in the trace, need 4+ (a layer "
+            "must read as four matmul launches around attention; --dump lists the kernels)"
+        )
     df = increments(kernels, labels, steps)
-    floors = floors_us(model, a.prompt + a.gen / 2, bw)
-    df = with_floors(df, floors)
+    floors = floors_us(model, a.prompt + a.gen / 2, bw, a.batch)
+    df = with_floors(df, floors, model.args.n_layers)
     step_us = float(df["step_us"].sum())
     floor_step = float(df["floor_step_us"].sum())
-    slug = device_slug(device)
-    out = a.out or results_dir(__file__, slug) / ("decode_b1_fp8" if a.quant else "decode_b1")
-    out.mkdir(parents=True, exist_ok=True)
-    what = f"random {a.preset}, {'FP8' if a.quant else 'bf16'}, batch 1, prompt {a.prompt}"
+    what = f"random {a.preset}, {'FP8' if a.quant else 'bf16'}, batch {a.batch}, prompt {a.prompt}"
     notes = (
         f"{what}, {a.gen} new tokens under torch.profiler; {slug}, copy bandwidth {bw:.0f} GB/s "
         f"measured in this run; {len(steps)} steps found, the steady ones averaged. increment = "
@@ -223,18 +293,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"the bytes it must read over the copy bandwidth. Step {step_us:.0f} us against a "
         f"{floor_step:.0f} us floor ({100 * floor_step / step_us:.1f}%)."
     )
-    write_table(df, out, "timeline", "A batch-1 decode step, kernel by kernel, in the chain", notes)
+    write_table(df, out, "timeline", "A decode step, kernel by kernel, in the chain", notes)
     _plot(df, out / "timeline.png", what)
     summary = {
-        "device": slug, "preset": a.preset, "quant": a.quant, "prompt": a.prompt, "gen": a.gen,
+        "device": slug, "preset": a.preset, "quant": a.quant, "batch": a.batch,
+        "prompt": a.prompt, "gen": a.gen,
         "copy_gbps": bw, "steps_found": len(steps), "step_us": step_us,
-        "floor_step_us": floor_step, "tok_s_under_profiler": 1e6 / step_us,
+        "floor_step_us": floor_step, "tok_s_under_profiler": a.batch * 1e6 / step_us,
         "kinds": df.to_dict(orient="records"),
     }  # fmt: skip
     write_json(summary, out / "summary.json")
-    if a.dump:
-        dump = pd.DataFrame(kernels).assign(kind=labels)
-        write_table(dump, out, "kernels", "Every kernel of the profiled run, in start order")
+
     print(df.to_string(index=False))
     print(notes)
     return summary

@@ -11,6 +11,7 @@ from model_profile.decode_timeline import (
     floors_us,
     increments,
     kernels_from_trace,
+    label_by_layer,
     label_kernels,
     steps_of,
     with_floors,
@@ -53,9 +54,9 @@ def test_labels_steps_and_increments_of_a_synthetic_trace():
     step = df["step_us"].sum()
     assert step == pytest.approx(kernels[steps[3][0]]["end"] - kernels[steps[2][0]]["end"])
     floors = {"wqkv": 1.0, "attention": 0.5, "wo": 1.0, "w13": 2.0, "w2": 1.0, "tail": 3.0}
-    t = with_floors(df, floors).set_index("kind")
+    t = with_floors(df, floors, n_layers=2).set_index("kind")
     assert list(t.index) == ["wqkv", "attention", "wo", "w13", "w2", "tail"]
-    assert t.loc["w13", "floor_step_us"] == 4.0  # 2 us a call, 2 calls a step
+    assert t.loc["w13", "floor_step_us"] == 4.0  # 2 us a layer, 2 layers
     assert t.loc["tail", "floor_step_us"] == 3.0  # the LM head once, whatever the calls
     assert t.loc["wo", "loss_us_per_step"] == pytest.approx(t.loc["wo", "step_us"] - 2.0)
 
@@ -80,3 +81,70 @@ def test_floors_are_the_model_bytes_over_the_bandwidth():
     assert f["wqkv"] == pytest.approx(layer.attention.wqkv.weight.numel() * 2 / 1e3)
     assert f["attention"] == pytest.approx(2 * 4 * 16 * 10 * 2 / 1e3)
     assert f["tail"] == pytest.approx((96 * 64 + 64) * 2 / 1e3)
+
+
+def _gemm_path_trace(n_steps: int, n_layers: int) -> list[dict]:
+    """The step of 8+ rows: step inputs, then per layer an RMSNorm, the wqkv GEMM, RoPE,
+    attention (split + combine), the wo GEMM, an RMSNorm, the w13 GEMM, SwiGLU, the w2 GEMM;
+    then the LM head GEMM and the argmax; 2 us each, back to back."""
+    layer = ["_rms_norm_kernel", "sm90_xmma_gemm_bf16", "_rope_kernel", "_attn_split_kernel",
+             "_attn_combine_kernel", "nvjet_tst_128x64", "_rms_norm_kernel",
+             "_fp8_decode_gemm_kernel", "_swiglu_kernel", "cutlass_gemm"]  # fmt: skip
+    names = ["prefill_gemm", "packed_attention"]
+    for _ in range(n_steps):
+        names += ["_step_inputs_kernel"] + layer * n_layers + ["_decode_linear_kernel", "argmax"]
+    return [{"name": n, "start": 3.0 * i, "end": 3.0 * i + 2.0} for i, n in enumerate(names)]
+
+
+def test_layers_of_the_gemm_path_are_found_by_position():
+    kernels = _gemm_path_trace(n_steps=5, n_layers=3)
+    labels = label_by_layer(kernels, n_layers=3)
+    first = labels[3:13]  # the first step's first layer
+    assert first == ["other", "wqkv", "other", "attention", "attention", "wo", "other", "w13",
+                     "other", "w2"]  # fmt: skip
+    assert labels[:3] == ["tail"] * 3  # the prefill and the step's inputs
+    assert labels[33:35] == ["tail", "tail"]  # the LM head and the argmax
+    steps = steps_of(kernels, labels, n_layers=3)
+    assert len(steps) == 5
+    df = increments(kernels, labels, steps)
+    assert df.loc["other", "calls_per_step"] == 4 * 3
+    assert df.loc["w2", "mean_inc_us"] == pytest.approx(3.0)
+
+
+def test_no_step_inputs_no_layer_labels():
+    """With the step kernels off there is no step boundary: ``label_kernels`` reads it."""
+    kernels = kernels_from_trace(_trace(n_steps=5, n_layers=2))
+    assert label_by_layer(kernels, n_layers=2) is None
+
+
+def test_the_batch1_chain_reads_the_same_either_way():
+    """With the step kernels on, the positional reading of the GEMV chain (wqkv, attention, wo,
+    w13, w2) gives the state machine's labels."""
+    kernels = []
+    for i in range(4):
+        names = ["_step_inputs_kernel"] + [LIN, ATT, LIN, LIN, LIN] * 2 + [LIN, "_greedy_advance"]
+        kernels += [{"name": n, "start": 100.0 * i + j, "end": 100.0 * i + j + 0.5}
+                    for j, n in enumerate(names)]  # fmt: skip
+    assert label_by_layer(kernels, n_layers=2) == label_kernels(kernels)
+
+
+def test_a_trace_without_layers_has_no_steps():
+    kernels = [{"name": "gemm", "start": float(i), "end": i + 0.5} for i in range(10)]
+    assert steps_of(kernels, label_kernels(kernels), n_layers=2) == []
+
+
+def test_cublas_split_k_reductions_count_with_their_gemm():
+    """bf16 from 8 rows: cuBLAS runs wo and w2 as split-K GEMMs, each followed by its
+    reduction launch (``cublasLt::splitKreduce_kernel``): one matmul, two launches."""
+    red = "void cublasLt::splitKreduce_kernel<32, 16, int, float>"
+    layer = ["_rms_norm_fwd_kernel", "nvjet_sm90_tst_64x8", "_rope_qkv_kernel", ATT,
+             "nvjet_sm90_splitK_TNT", red, "_rms_norm_fwd_kernel", "nvjet_sm90_tst_256x8",
+             "_silu_mul_fwd_kernel", "nvjet_sm90_splitK_TNT", red]  # fmt: skip
+    names = []
+    for _ in range(5):
+        names += ["_step_inputs_kernel"] + layer * 2 + [LIN, "_greedy_advance"]
+    kernels = [{"name": n, "start": 2.0 * i, "end": 2.0 * i + 1} for i, n in enumerate(names)]
+    labels = label_by_layer(kernels, n_layers=2)
+    assert labels[1:12] == ["other", "wqkv", "other", "attention", "wo", "wo", "other", "w13",
+                            "other", "w2", "w2"]  # fmt: skip
+    assert len(steps_of(kernels, labels, n_layers=2)) == 5
