@@ -108,9 +108,9 @@ def label_by_layer(kernels: list[dict], n_layers: int) -> list[str] | None:
     ``step_inputs`` launch and holds ``n_layers`` equal runs of launches (the spacing of its
     attention split launches), then the tail. In a layer the matmul launches, in order, are
     ``wqkv``, ``wo``, ``w13``, ``w2`` (a cuBLAS split-K reduction counts with its GEMM);
-    attention's launches ``attention``; the rest ``other``
-    (norms, RoPE, SwiGLU, quantization, residual adds). None where no step reads so (the step
-    kernels off: ``label_kernels`` then)."""
+    attention's launches ``attention``; the rest ``other`` (norms, RoPE, SwiGLU, quantization,
+    residual adds). A step that does not read so is left ``tail`` (``steps_of`` drops it);
+    None where none does (the step kernels off: ``label_kernels`` then)."""
     labels = ["tail"] * len(kernels)
     starts = [i for i, k in enumerate(kernels) if "step_inputs" in k["name"]]
     if not starts:
