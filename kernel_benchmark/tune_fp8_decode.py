@@ -124,14 +124,6 @@ def _shapes(kinds: list[str]):
     return [s for s in linear_shapes("7B", MODELS["7B"]) if s.kind in kinds]
 
 
-def _key(cfg: dict[str, int]) -> tuple:
-    return tuple(int(cfg[k]) for k in KNOBS)
-
-
-def _label(cfg: dict[str, int]) -> str:
-    return " ".join(f"{k}={cfg[k]}" for k in KNOBS)
-
-
 # ------------------------------------------------------------------- parallel compilation
 
 _WARM_INPUTS: dict = {}
@@ -220,8 +212,8 @@ def time_point(shape, batch: int, cands, device, copy_gbps: float) -> list[dict]
     paths = {"bf16": (None, [_with({}, s["bf16"]) for s in sets])}
     paths["default"] = (default, [_with({}, s["fp8"]) for s in sets])
     for c in cands:
-        if _key(c) != _key(default):
-            paths[_label(c)] = (c, [_with(c, s["fp8"]) for s in sets])
+        if tuning.config_key(c, KNOBS) != tuning.config_key(default, KNOBS):
+            paths[tuning.config_label(c, KNOBS)] = (c, [_with(c, s["fp8"]) for s in sets])
     with torch.no_grad():
         ms, errors = rotated_ms({n: calls for n, (_, calls) in paths.items()}, rounds=3,
                                 budget_ms=3.0)  # fmt: skip
@@ -307,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         return (f"{point[0].kind} b{point[1]}: {b['pct_copy_bw']:.1f}% of copy bw (default "
                 f"{b['default_pct_copy_bw']:.1f}%, bf16 {b['bf16_pct_copy_bw']:.1f}%), "
                 f"x{b['speedup_vs_bf16']:.2f} vs bf16 (default x{b['default_speedup_vs_bf16']:.2f}) "
-                f"{_label(b['config'])}")  # fmt: skip
+                f"{tuning.config_label(b['config'], KNOBS)}")  # fmt: skip
 
     rows = tuning.time_points(
         points, lambda pt: time_point(*pt, device, copy_gbps), best_per_point, describe, t0,

@@ -109,16 +109,8 @@ def candidates(n: int, k: int, rows: int) -> list[dict[str, int]]:
             cfg = dict(BLOCK_N=block_n, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                        num_stages=stages)  # fmt: skip
             cfg["num_stages"] = fdg.stages_that_fit(cfg, block_r)
-            out.setdefault(_key(cfg), cfg)
+            out.setdefault(tuning.config_key(cfg, KNOBS), cfg)
     return list(out.values())
-
-
-def _key(cfg: dict[str, int]) -> tuple:
-    return tuple(int(cfg[k]) for k in KNOBS)
-
-
-def _label(cfg: dict[str, int]) -> str:
-    return " ".join(f"{k}={cfg[k]}" for k in KNOBS)
 
 
 def point_set(kind: str, rows: int, device, seed: int) -> dict:
@@ -210,8 +202,8 @@ def time_point(kind: str, rows: int, cands, device, copy_gbps: float) -> list[di
     paths = {"cublaslt": (None, [cublaslt_call(t) for t in sets])}
     paths["default"] = (default, [kernel_call(t, None) for t in sets])
     for c in cands:
-        if _key(c) != _key(default):
-            paths[_label(c)] = (c, [kernel_call(t, c) for t in sets])
+        if tuning.config_key(c, KNOBS) != tuning.config_key(default, KNOBS):
+            paths[tuning.config_label(c, KNOBS)] = (c, [kernel_call(t, c) for t in sets])
     with torch.no_grad():
         ms, errors = rotated_ms({p: calls for p, (_, calls) in paths.items()}, rounds=3,
                                 budget_ms=3.0)  # fmt: skip
@@ -292,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         return (f"{point[0]} rows {point[1]}: {b['us']:.1f} us, {b['pct_copy_bw']:.1f}% of copy "
                 f"bw (default {b['default_pct_copy_bw']:.1f}%, cuBLASLt "
                 f"{b['cublaslt_pct_copy_bw']:.1f}%), x{b['speedup_vs_cublaslt']:.2f} vs cuBLASLt "
-                f"{_label(b['config'])}")  # fmt: skip
+                f"{tuning.config_label(b['config'], KNOBS)}")  # fmt: skip
 
     rows = tuning.time_points(
         points, lambda pt: time_point(*pt, device, copy_gbps), best_per_point, describe, t0,

@@ -98,16 +98,8 @@ def candidates(n: int, k: int, rows: int, fp8: bool) -> list[dict[str, int]]:
         for split in [s for s in SPLITS if tiles * s <= 4 * SMS and steps // s >= 4] or [1]:
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                        num_stages=stages)  # fmt: skip
-            out.setdefault(_key(cfg), cfg)
+            out.setdefault(tuning.config_key(cfg, KNOBS), cfg)
     return list(out.values())
-
-
-def _key(cfg: dict[str, int]) -> tuple:
-    return tuple(int(cfg[k]) for k in KNOBS)
-
-
-def _label(cfg: dict[str, int]) -> str:
-    return " ".join(f"{k}={cfg[k]}" for k in KNOBS)
 
 
 def point_set(kind: str, rows: int, fp8: bool, device, seed: int) -> dict:
@@ -174,8 +166,8 @@ def time_point(kind: str, rows: int, fp8: bool, cands, device, matmul_tflops: fl
     paths = {"cublas": (None, [cublas_call(t) for t in sets])}
     paths["default"] = (default, [kernel_call(t, None) for t in sets])
     for c in cands:
-        if _key(c) != _key(default):
-            paths[_label(c)] = (c, [kernel_call(t, c) for t in sets])
+        if tuning.config_key(c, KNOBS) != tuning.config_key(default, KNOBS):
+            paths[tuning.config_label(c, KNOBS)] = (c, [kernel_call(t, c) for t in sets])
     with torch.no_grad():
         ms, errors = rotated_ms({p: calls for p, (_, calls) in paths.items()}, rounds=3,
                                 budget_ms=3.0)  # fmt: skip
@@ -246,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     def describe(point: tuple, b: dict) -> str:
         return (f"{point[0]} {b['quant']} rows {point[1]}: {b['us']:.1f} us ({b['pct_matmul']:.0f}% "
                 f"of matmul; default {b['default_us']:.1f}, cuBLAS {b['cublas_us']:.1f} us), "
-                f"x{b['speedup_vs_cublas']:.2f} vs cuBLAS {_label(b['config'])}")  # fmt: skip
+                f"x{b['speedup_vs_cublas']:.2f} vs cuBLAS {tuning.config_label(b['config'], KNOBS)}")  # fmt: skip
 
     rows = tuning.time_points(
         points, lambda pt: time_point(*pt, device, peak), best_per_point, describe, t0,

@@ -3,7 +3,7 @@
 into a tuned-config JSON that the kernel loads.
 
 Also the sweep itself (``time_points``: each point timed in turn until the budget is spent,
-its best printed) and its results (``write_results``: every timing, the best per point, the
+its best printed; ``config_key`` / ``config_label`` for its candidates) and its results (``write_results``: every timing, the best per point, the
 winners into the kernel's table). Used by ``tune_fp8_decode.py`` (decode_linear's FP8 GEMVs),
 ``tune_fp8_decode_gemm.py`` (fp8_decode_gemm) and ``tune_splitk_gemm.py`` (splitk_gemm); each
 builds its own points, timing, table keys and log line.
@@ -20,6 +20,16 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+
+
+def config_key(cfg: dict[str, int], knobs: Sequence[str]) -> tuple[int, ...]:
+    """A launch config's identity over a tuner's ``knobs`` (candidates deduplicated by it)."""
+    return tuple(int(cfg[k]) for k in knobs)
+
+
+def config_label(cfg: dict[str, int], knobs: Sequence[str]) -> str:
+    """``"KNOB=value ..."`` over ``knobs``: the tuners' log lines and timing paths."""
+    return " ".join(f"{k}={cfg[k]}" for k in knobs)
 
 
 def precompile(

@@ -12,6 +12,7 @@ import torch
 from test_fp8_decode_gemm import assert_close_to, error_bound, make_inputs
 
 from kernel_benchmark import tune_fp8_decode_gemm as tg
+from kernel_benchmark import tuning
 from nakta_model.kernels import fp8_decode_gemm as fdg
 
 
@@ -22,7 +23,7 @@ def test_grid_configs_resolve_unchanged(kind, rows, monkeypatch):
     clipped), so the timing measures what the JSON will say; splits stay useful."""
     n, k, _ = tg.SHAPES[kind]
     cands = tg.candidates(n, k, rows)
-    assert len(cands) >= 7 and len({tg._key(c) for c in cands}) == len(cands)
+    assert len(cands) >= 7 and len({tuning.config_key(c, tg.KNOBS) for c in cands}) == len(cands)
     for cand in cands:
         monkeypatch.setattr(fdg, "_TUNE", cand)
         got = fdg._config(n, k, rows, torch.device("cpu"))

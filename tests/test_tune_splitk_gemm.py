@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernel_benchmark import tune_splitk_gemm as ts
+from kernel_benchmark import tuning
 from nakta_model.kernels import splitk_gemm as skg
 
 
@@ -19,7 +20,7 @@ def test_candidates_cover_the_sms_without_empty_splits():
             for fp8 in (False, True):
                 cands = ts.candidates(n, k, rows, fp8)
                 assert len(cands) >= 10, (kind, rows)
-                assert len({ts._key(c) for c in cands}) == len(cands)
+                assert len({tuning.config_key(c, ts.KNOBS) for c in cands}) == len(cands)
                 for c in cands:
                     tiles = -(-rows // c["BLOCK_M"]) * -(-n // c["BLOCK_N"])
                     assert tiles * c["SPLIT_K"] <= 4 * ts.SMS or c["SPLIT_K"] == 1

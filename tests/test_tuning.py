@@ -8,6 +8,7 @@ import json
 import time
 
 import pandas as pd
+import pytest
 
 from kernel_benchmark import tuning
 
@@ -65,3 +66,11 @@ def test_a_failing_pool_leaves_compiling_to_the_timing_loop(monkeypatch, capsys)
     monkeypatch.setattr(tuning, "_precompile", broken)
     tuning.precompile(lambda: 0, [()], 2, time.perf_counter() + 1)
     assert "precompile failed (OSError: no processes here)" in capsys.readouterr().out
+
+
+def test_config_key_and_label_read_the_tuners_knobs():
+    cfg = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "extra": 1}
+    assert tuning.config_key(cfg, ("BLOCK_N", "num_warps")) == (8, 4)
+    assert tuning.config_label(cfg, ("BLOCK_K", "BLOCK_N")) == "BLOCK_K=512 BLOCK_N=8"
+    with pytest.raises(KeyError):
+        tuning.config_key(cfg, ("SPLIT_K",))
