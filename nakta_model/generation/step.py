@@ -356,22 +356,18 @@ class DecodeStep:
     def __call__(self) -> None:
         """Decode one token per row into ``history[:, step]`` and advance the buffers."""
         buf = self.buffers
-        if self.step_kernels:  # step advanced by the first launch: this step's column is step - 1
-            logits = self.logits(advance_step=True)
-            if not self.sampling:
-                _ga.greedy_advance_(logits, buf.history, buf.step, buf.tokens, buf.positions,
-                                    step_offset=-1)  # fmt: skip
-                return
-            column = buf.step - 1
-        else:
-            logits = self.logits()
-            column = buf.step
-        nxt = sample_next(logits, buf.temperature, buf.top_k, buf.top_p, any_sampling=self.sampling)
-        buf.history.index_copy_(1, column, nxt[:, None])
+        if self.step_kernels and not self.sampling:  # two launches around the layers
+            logits = self.logits(advance_step=True)  # step advanced: this step's column is step - 1
+            _ga.greedy_advance_(logits, buf.history, buf.step, buf.tokens, buf.positions,
+                                step_offset=-1)  # fmt: skip
+            return
+        nxt = sample_next(
+            self.logits(), buf.temperature, buf.top_k, buf.top_p, any_sampling=self.sampling
+        )
+        buf.history.index_copy_(1, buf.step, nxt[:, None])
         buf.tokens.copy_(nxt)
         buf.positions.add_(1)
-        if not self.step_kernels:
-            buf.step.add_(1)
+        buf.step.add_(1)
 
     # ---------------------------------------------------------------------------- graphs
     def capture(self) -> None:
