@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accuracy_test import parity
-from nakta_model import scoring
+from nakta_model import knobs, scoring
 from nakta_model.io_utils import atomic_write_text
 
 TASKS = Path(__file__).resolve().parent / "tasks"
@@ -43,7 +43,7 @@ def lm_eval_metrics(
 
     import accuracy_test.lm_eval_adapter  # noqa: F401  (registers the adapters)
 
-    old = os.environ.get("NAKTA_HELLASWAG_JSONL")
+    old = knobs.raw("NAKTA_HELLASWAG_JSONL")
     os.environ["NAKTA_HELLASWAG_JSONL"] = str(data)
     try:
         out = lm_eval.simple_evaluate(

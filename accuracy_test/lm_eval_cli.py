@@ -76,6 +76,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from accuracy_test.lm_eval_preload import PRELOAD_ENV, model_preloaded
+from nakta_model import knobs
 from nakta_model.process_exit import exit_without_teardown
 
 ENTRY_UNIX = time.time()  # this module is the entry's first import: process start + Python's
@@ -124,9 +125,9 @@ def local_task_names(include_path: object) -> set[str]:
 
 def _only_local_tasks(args: argparse.Namespace) -> bool:
     """Whether every requested task comes from ``--include_path`` (or the env var says so)."""
-    forced = os.environ.get(LOCAL_TASKS_ENV)
-    if forced is not None and forced != "":
-        return forced != "0"
+    forced = knobs.get_bool(LOCAL_TASKS_ENV)
+    if forced is not None:
+        return forced
     tasks = getattr(args, "tasks", None) or []
     if isinstance(tasks, str):
         tasks = tasks.split(",")
@@ -239,9 +240,8 @@ def _import_quietly(names: Sequence[str]) -> None:
             importlib.import_module(name)
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value != "0"
+def _env_flag(name: str) -> bool:
+    return bool(knobs.get_bool(name))
 
 
 # ------------------------------------------------------------------ task data, before the model
@@ -483,14 +483,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2)
     if getattr(args, "command", None) == "run" and _only_local_tasks(args):
         index_local_tasks_only()
-    timing_path = os.environ.get(TIMING_ENV)
+    timing_path = knobs.get_path(TIMING_ENV)
     with contextlib.ExitStack() as fixes:
-        if _env_flag(TEMPLATE_CACHE_ENV, True):
+        if _env_flag(TEMPLATE_CACHE_ENV):
             fixes.enter_context(cached_prompt_templates())
-        if _env_flag(ENV_PREFETCH_ENV, True):
+        if _env_flag(ENV_PREFETCH_ENV):
             fixes.enter_context(env_report_prefetched())
         timed: dict = {}
-        if _env_flag(PRELOAD_ENV, True):  # its start is recorded in the timing hook's events
+        if _env_flag(PRELOAD_ENV):  # its start is recorded in the timing hook's events
             fixes.enter_context(
                 model_preloaded(
                     on_start=lambda: "events" in timed and _event(timed, "preload_start")
@@ -572,7 +572,7 @@ def cli() -> None:
 
         raise SystemExit(spawn(["-m", "accuracy_test.lm_eval_cli", *sys.argv[1:]], world))
     main()
-    if _env_flag(FAST_EXIT_ENV, True):
+    if _env_flag(FAST_EXIT_ENV):
         exit_without_teardown(0)
 
 

@@ -9,9 +9,7 @@ the GEMM path's step time drops below the GEMVs' (``step_gemm.CROSSOVER``, per d
 Paths: ``decode_linear`` (the fused GEMVs, <= 64 rows); ``gemm`` (``step_gemm`` with cuBLAS, or
 cuBLASLt W8A8 for FP8 weights: ``fp8_decode_gemm`` turned off); for fp8 at <= 64 rows also
 ``triton_fp8`` (``step_gemm`` with its FP8 GEMMs on ``kernels/fp8_decode_gemm``, the swap-AB
-Triton kernel, forced on at every measured rows; the LM head stays bf16 on cuBLAS); from 64
-rows also ``splitk`` (``step_gemm`` with ``kernels/splitk_gemm`` for ``wo`` / ``w2``, the
-weights of at most ``SPLITK_MAX_N`` outputs, bf16 or FP8).
+Triton kernel, forced on at every measured rows; the LM head stays bf16 on cuBLAS).
 
 Sections (``--sections``):
 
@@ -108,21 +106,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------- blocks
-# step_gemm, without / with fp8_decode_gemm, and with splitk_gemm for the narrow float weights
-GEMM_PATHS = ("gemm", "triton_fp8", "splitk")
-# step_gemm overrides (its _TUNE) that make each path: fp8_decode_gemm off, or on at any rows;
-# splitk_gemm off, or on from 64 rows
+# step_gemm, without / with fp8_decode_gemm
+GEMM_PATHS = ("gemm", "triton_fp8")
+# step_gemm overrides (its _TUNE) that make each path: fp8_decode_gemm off, or on at any rows
 PATH_TUNE = {
-    "gemm": {"fp8_kernel_min": 1, "fp8_kernel_max": 0, "splitk": 0},
-    "triton_fp8": {"fp8_kernel_min": 1, "fp8_kernel_max": fdg.MAX_ROWS, "splitk": 0},
-    "splitk": {"fp8_kernel_min": 1, "fp8_kernel_max": 0, "splitk": 1},
+    "gemm": {"fp8_kernel_min": 1, "fp8_kernel_max": 0},
+    "triton_fp8": {"fp8_kernel_min": 1, "fp8_kernel_max": fdg.MAX_ROWS},
 }
 
 
 def paths_at(rows: int, quant: str = "bf16") -> tuple[str, ...]:
     paths = ("decode_linear", "gemm") if rows <= dl.MAX_BATCH else ("gemm",)
     paths += ("triton_fp8",) if quant == "fp8" and rows <= fdg.MAX_ROWS else ()
-    return paths + (("splitk",) if rows >= 64 else ())
+    return paths
 
 
 def block_set(shape: LinearShape, rows: int, quant: str, device, seed: int) -> dict:

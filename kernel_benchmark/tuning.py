@@ -4,9 +4,9 @@ into a tuned-config JSON that the kernel loads.
 
 Also the sweep itself (``time_points``: each point timed in turn until the budget is spent,
 its best printed; ``config_key`` / ``config_label`` for its candidates) and its results (``write_results``: every timing, the best per point, the
-winners into the kernel's table). Used by ``tune_fp8_decode.py`` (decode_linear's FP8 GEMVs),
-``tune_fp8_decode_gemm.py`` (fp8_decode_gemm) and ``tune_splitk_gemm.py`` (splitk_gemm); each
-builds its own points, timing, table keys and log line.
+winners into the kernel's table). Used by ``tune_fp8_decode.py`` (decode_linear's FP8 GEMVs)
+and ``tune_fp8_decode_gemm.py`` (fp8_decode_gemm); each builds its own points, timing, table
+keys and log line.
 """
 
 from __future__ import annotations

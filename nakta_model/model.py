@@ -17,12 +17,12 @@ scored rows). Building one (from a checkpoint, a Meta/HF directory, random weigh
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from nakta_model import knobs
 from nakta_model.attention import causal_attention
 from nakta_model.config import ModelArgs
 from nakta_model.fp8 import Fp8Linear, check_quant
@@ -40,7 +40,7 @@ KERNEL_MODES = ("auto", "triton", "reference")
 
 
 def _default_kernels() -> str:
-    mode = os.environ.get("NAKTA_KERNELS", "auto")
+    mode = knobs.get_str("NAKTA_KERNELS")
     if mode not in KERNEL_MODES:
         raise ValueError(f"NAKTA_KERNELS must be one of {KERNEL_MODES}, got {mode!r}")
     return mode

@@ -28,9 +28,7 @@ the host (median and p99); ``peak_mem_gb`` (``torch.cuda.max_memory_allocated``,
 off the GPU); for nakta ``step_floor_pct``: the byte floor of its mean decode step (the weights
 once + the K/V the mean step reads, at the mean rows in flight and mean context,
 ``decode_speed.step_bytes``) over the copy bandwidth measured in this run, as a percentage of the
-mean decode step's measured time (``Generator.stats``: decode seconds / decode steps; with
-``NAKTA_PREFILL_OVERLAP`` those seconds include the prefill run beside each chunk, so the
-percentage understates the step: compare output tok/s there).
+mean decode step's measured time (``Generator.stats``: decode seconds / decode steps).
 
 Writes to ``--out`` (after every run, so a run cut short keeps the finished ones) (default ``speed_bench/results/<device>/throughput/``):
 ``throughput_summary.json`` (``{"device_name", "runs": [{"engine", "prompts", "input_len",
@@ -233,9 +231,7 @@ def measure(engine, work: Workload, max_batch: int, device: torch.device) -> dic
     if out.stats:
         row.update(prefill_s=out.stats["prefill_s"], decode_s=out.stats["decode_s"])
         row["decode_steps"] = out.stats["decode_steps"]
-        row["overlap"] = out.stats.get("overlap")
         row["prefill_burst"] = out.stats.get("prefill_burst")
-        row["overlapped_chunks"] = out.stats.get("overlapped_chunks")
         row["nakta_stats"] = out.stats
     return row
 
@@ -329,7 +325,7 @@ def write_results(out: Path, device_name, model, dtype, bw, runs, skipped, quiet
     summary = summary_of(device_name, runs)
     write_json(summary, out / "throughput_summary.json")
     extra = ["wall_s", "prefill_s", "decode_s", "decode_steps", "mean_rows", "mean_context",
-             "step_ms", "floor_ms", "overlap", "overlapped_chunks", "prefill_burst"]  # fmt: skip
+             "step_ms", "floor_ms", "prefill_burst"]  # fmt: skip
     cols = list(SUMMARY_KEYS) + [c for c in extra if any(c in r for r in runs)]
     df = pd.DataFrame([{c: r.get(c) for c in cols} for r in runs], columns=cols)
     hf = [r for r in runs if r["engine"] == "hf"]

@@ -106,7 +106,6 @@ class NaktaThroughput(ThroughputEngine):
         results = gen.generate(reqs, on_tokens=on_tokens)
         stats = vars(gen.stats).copy()
         stats.pop("first_token_s")  # per request: measured here from on_tokens instead
-        stats["overlap"] = gen.overlap  # prefill beside decode (NAKTA_PREFILL_OVERLAP)
         stats["prefill_burst"] = gen.prefill_burst  # prefill forwards before a chunk
         return Outcome([len(r.tokens) for r in results], first, stats)
 

@@ -17,10 +17,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-SHARED_DATA = Path(
-    os.environ.get(
-        "NAKTA_SHARED_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-    )
+from nakta_model import knobs  # noqa: E402
+
+SHARED_DATA = (
+    knobs.get_path("NAKTA_SHARED_DATA")
+    or Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 )
 if not SHARED_DATA.exists():  # on the GPU machine the data travels in a git-ignored folder
     SHARED_DATA = Path(__file__).resolve().parents[1] / ".data"

@@ -26,7 +26,7 @@ def test_smoke_blocks_both_quants_and_rows_above_64(tmp_path):
                    "--out", str(tmp_path)])  # fmt: skip
     blocks = pd.read_csv(tmp_path / "decode_gemm_blocks.csv")
     assert (blocks["status"] == "ok").all() and (blocks["us"] > 0).all()
-    assert set(blocks[blocks["rows"] == 65]["path"]) == {"gemm", "splitk"}  # no GEMVs past 64
+    assert set(blocks[blocks["rows"] == 65]["path"]) == {"gemm"}  # no GEMVs past 64
     assert set(blocks[blocks["rows"] == 2]["path"]) == {"decode_linear", "gemm", "triton_fp8"}
     gemm = blocks[blocks["path"].isin(bg.GEMM_PATHS)]
     assert (gemm["rel_err"] < 2e-2).all()  # FP8 SwiGLU codes compared dequantized
@@ -54,14 +54,9 @@ def test_paths_turn_the_fp8_kernel_off_and_on():
         assert lo > hi
     with tuned(sg, **bg.PATH_TUNE["triton_fp8"]):
         assert sg.fp8_kernel_rows() == (1, 64)
-    assert bg.paths_at(64) == ("decode_linear", "gemm", "splitk")
-    assert bg.paths_at(128) == ("gemm", "splitk") == bg.paths_at(128, "fp8")
-    assert bg.paths_at(64, "fp8") == ("decode_linear", "gemm", "triton_fp8", "splitk")
-    with tuned(sg, **bg.PATH_TUNE["splitk"]):
-        assert sg.use_splitk(128, 4096) and not sg.use_splitk(32, 4096)
-        assert not sg.use_splitk(128, 11008)  # w13-wide outputs fill the SMs already
-    with tuned(sg, **bg.PATH_TUNE["gemm"]):
-        assert not sg.use_splitk(128, 4096)
+    assert bg.paths_at(64) == ("decode_linear", "gemm")
+    assert bg.paths_at(128) == ("gemm",) == bg.paths_at(128, "fp8")
+    assert bg.paths_at(64, "fp8") == ("decode_linear", "gemm", "triton_fp8")
 
 
 @cpu_only

@@ -155,22 +155,12 @@ def test_bad_arguments_name_what_is_wrong():
 
 
 def test_crossover_defaults_overrides_and_limits(monkeypatch):
-    monkeypatch.delenv(sg.ENV_CROSSOVER, raising=False)
     assert sg.crossover(torch.bfloat16) == sg.CROSSOVER["bfloat16"]
     assert sg.crossover(torch.bfloat16, "fp8") == sg.CROSSOVER["fp8"]
     assert sg.use_gemm(65, torch.float32) and not sg.use_gemm(1, torch.float32)
-    monkeypatch.setenv(sg.ENV_CROSSOVER, "bf16=8, fp8=2")
-    assert sg.crossover(torch.bfloat16) == 8 and sg.crossover(torch.float16, "fp8") == 2
+    monkeypatch.setattr(sg, "_TUNE", {"float32": 3, "fp8": 2})
+    assert sg.crossover(torch.float32) == 3 and sg.crossover(torch.float16, "fp8") == 2
     assert sg.crossover(torch.float16) == sg.CROSSOVER["float16"]
-    monkeypatch.setenv(sg.ENV_CROSSOVER, "16")
-    assert sg.crossover(torch.float32) == 16
-    monkeypatch.setattr(sg, "_TUNE", {"float32": 3})
-    assert sg.crossover(torch.float32) == 3  # _TUNE goes over the environment
-    for bad in ("int8=4", "bf16", "bf16=x"):
-        monkeypatch.setenv(sg.ENV_CROSSOVER, bad)
-        with pytest.raises(ValueError, match=sg.ENV_CROSSOVER):
-            sg.crossover(torch.bfloat16)
-    monkeypatch.delenv(sg.ENV_CROSSOVER)
     monkeypatch.setattr(sg, "_TUNE", {"bfloat16": 66})
     with pytest.raises(ValueError, match=r"\[1, 65\]"):
         sg.crossover(torch.bfloat16)

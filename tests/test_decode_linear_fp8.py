@@ -126,8 +126,8 @@ def test_fp8_dot_f16_matches_reference_and_fp64(variant, batch, device, monkeypa
 
 
 def test_fp8_dot_f16_only_where_it_is_exact(monkeypatch):
-    """DOT_F16 resolves to 1 only for FP8 weights, bf16 x, the tl.dot path and the escape
-    hatch open; a table row or _TUNE asking elsewhere gets 0."""
+    """DOT_F16 resolves to 1 only for FP8 weights, bf16 x and the tl.dot path; a table row or
+    _TUNE asking elsewhere gets 0, and _TUNE's DOT_F16=0 (the escape hatch) turns it off."""
     cpu = torch.device("cpu")
 
     def resolved(x_dtype=torch.bfloat16, w_dtype=FP8_DTYPE, **tune):
@@ -140,8 +140,6 @@ def test_fp8_dot_f16_only_where_it_is_exact(monkeypatch):
     assert resolved(w_dtype=torch.bfloat16) == 0
     assert resolved(USE_DOT=0) == 0
     assert resolved(DOT_F16=0) == 0
-    monkeypatch.setattr(dl, "FP8_DOT_F16", False)
-    assert resolved() == 0
 
 
 def test_fp8_dot_f16_overflow_caveat_and_escape_hatch(device, monkeypatch):
@@ -149,7 +147,7 @@ def test_fp8_dot_f16_overflow_caveat_and_escape_hatch(device, monkeypatch):
     outputs inf/NaN). Entries below fp16's normal range (6.1e-5) become fp16 subnormals, off
     by <= 2^-25 each: invisible in a row that also holds normal-sized entries (LLaMA's), and
     bounded by 2^-25 * sum |w| in a row of only tiny entries (where bf16 would keep ~3
-    digits). With the escape hatch (FP8_DOT_F16 False) every row is the reference's."""
+    digits). With the escape hatch (``_TUNE`` DOT_F16=0) every row is the reference's."""
     monkeypatch.setattr(dl, "_TUNE", {"USE_DOT": 1, "DOT_F16": 1})
     x, wq, kw, ref_kw, w_deq = fp8_case("plain", 4, torch.bfloat16, device)
     x[0, 5] = 1e5  # beyond fp16
@@ -161,7 +159,7 @@ def test_fp8_dot_f16_overflow_caveat_and_escape_hatch(device, monkeypatch):
     exact = x[2].double() @ w_deq.double().T
     bound = 2.0**-25 * w_deq.double().abs().sum(1) + 2.0**-8 * exact.abs()
     assert ((got[2].double() - exact).abs() <= bound).all()
-    monkeypatch.setattr(dl, "FP8_DOT_F16", False)
+    monkeypatch.setattr(dl, "_TUNE", {"USE_DOT": 1, "DOT_F16": 0})
     got, ref = run_both(x, wq, kw, ref_kw)
     assert_matches_reference(got, ref, torch.bfloat16)
 

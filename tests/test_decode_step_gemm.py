@@ -138,30 +138,6 @@ def test_residual_adds_made_by_the_next_norm_change_no_bit(kernels, dtype, quant
     assert torch.equal(out[True][1], out[False][1])
 
 
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_splitk_gemm_in_the_step_decodes_the_cublas_paths_tokens(quant, monkeypatch):
-    """``NAKTA_SPLITK_GEMM`` (here ``_TUNE["splitk"]``): a 64-row step's wo / w2 on
-    splitk_gemm (interpreter; FP8: W8A8 with the row and column scales) give the cuBLAS /
-    cuBLASLt path's logits up to summation order and its greedy tokens; a bad environment
-    value is named."""
-    ps = equal_length_prompts(64, 4, seed=5)
-    out = {}
-    for on in (0, 1):
-        monkeypatch.setattr(sg, "_TUNE", {"float32": 1, "fp8": 1, "splitk": on})
-        model = tiny_model("triton", quant=quant)
-        step = prefilled_step(model, ps, 2)
-        assert sg.use_splitk(64, model.args.dim) == bool(on)
-        logits = step.logits().clone()
-        step.run(2)
-        out[on] = logits, step.buffers.history.clone()
-    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[1][1], out[0][1])
-    monkeypatch.setattr(sg, "_TUNE", {})
-    monkeypatch.setenv(sg.ENV_SPLITK, "yes")
-    with pytest.raises(ValueError, match="NAKTA_SPLITK_GEMM must be 0 or 1"):
-        sg.use_splitk(64, 4096)
-
-
 def test_norm_residual_is_checked_and_returns_the_sum():
     x, r = torch.randn(3, 64), torch.randn(3, 64)
     w, nw = torch.randn(8, 64), torch.rand(64) + 0.5

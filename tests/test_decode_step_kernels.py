@@ -1,4 +1,4 @@
-"""The decode step's own launches around the layers (``STEP_KERNELS``: ``step_inputs`` first,
+"""The decode step's own launches around the layers (``step_kernels``: ``step_inputs`` first,
 ``greedy_advance_`` last on greedy steps) change no bit of what a step writes: three steps of a
 tiny model through the Triton kernels (interpreter) with them on and off give the same history,
 tokens, positions and step counter, greedy and sampling (seeded draws), batch 1 and 3."""
@@ -9,16 +9,14 @@ import pytest
 import torch
 from test_decode_step_gemm import equal_length_prompts, prefilled_step, tiny_model
 
-from nakta_model.generation import step as step_mod
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def three_steps(on: bool, batch: int, sampling: bool, monkeypatch) -> dict[str, torch.Tensor]:
-    monkeypatch.setattr(step_mod, "STEP_KERNELS", on)
+def three_steps(on: bool, batch: int, sampling: bool) -> dict[str, torch.Tensor]:
     model = tiny_model(kernels="triton")
     step = prefilled_step(model, equal_length_prompts(batch, 6, seed=batch), chunk=4)
-    assert step.step_kernels is on
+    assert step.step_kernels  # the default with kernels; off: the PyTorch ops it replaces
+    step.step_kernels = on
     step.sampling = sampling
     if sampling:
         step.buffers.temperature[0] = 1.0  # row 0 draws, the others stay greedy
@@ -30,9 +28,9 @@ def three_steps(on: bool, batch: int, sampling: bool, monkeypatch) -> dict[str, 
 
 
 @pytest.mark.parametrize("batch, sampling", [(1, False), (3, False), (3, True)])
-def test_step_kernels_change_no_bit(batch, sampling, monkeypatch):
-    off = three_steps(False, batch, sampling, monkeypatch)
-    on = three_steps(True, batch, sampling, monkeypatch)
+def test_step_kernels_change_no_bit(batch, sampling):
+    off = three_steps(False, batch, sampling)
+    on = three_steps(True, batch, sampling)
     for k in off:
         assert torch.equal(on[k], off[k]), k
     assert int(on["step"]) == 3 and torch.equal(on["history"][:, :3][:, -1], on["tokens"])

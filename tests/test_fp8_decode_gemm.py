@@ -209,21 +209,17 @@ def test_unusable_config_raises(tune, monkeypatch):
 
 # ------------------------------------------------------------------------------ step_gemm use
 def test_kernel_rows_defaults_and_overrides(monkeypatch):
-    monkeypatch.delenv(sg.ENV_FP8_KERNEL_ROWS, raising=False)
     assert sg.fp8_kernel_rows() == sg.FP8_KERNEL_ROWS == (8, 64)
-    monkeypatch.setenv(sg.ENV_FP8_KERNEL_ROWS, "16-32")
+    monkeypatch.setattr(sg, "_TUNE", {"fp8_kernel_min": 16, "fp8_kernel_max": 32})
     assert sg.fp8_kernel_rows() == (16, 32)
-    monkeypatch.setenv(sg.ENV_FP8_KERNEL_ROWS, "off")
+    monkeypatch.setattr(sg, "_TUNE", {"fp8_kernel_min": 1, "fp8_kernel_max": 0})
     lo, hi = sg.fp8_kernel_rows()
-    assert lo > hi
-    monkeypatch.setattr(sg, "_TUNE", {"fp8_kernel_min": 1, "fp8_kernel_max": 64})
-    assert sg.fp8_kernel_rows() == (1, 64)  # _TUNE goes over the environment
+    assert lo > hi  # never
     monkeypatch.setattr(sg, "_TUNE", {"fp8_kernel_max": 65})
     with pytest.raises(ValueError, match="<= 64"):
         sg.fp8_kernel_rows()
-    monkeypatch.setattr(sg, "_TUNE", {})
-    monkeypatch.setenv(sg.ENV_FP8_KERNEL_ROWS, "8..64")
-    with pytest.raises(ValueError, match=sg.ENV_FP8_KERNEL_ROWS):
+    monkeypatch.setattr(sg, "_TUNE", {"fp8_kernel_min": -1})
+    with pytest.raises(ValueError, match="min must be an int >= 0"):
         sg.fp8_kernel_rows()
 
 
@@ -247,7 +243,6 @@ def test_decode_gemm_blocks_take_the_kernel_in_range(variant, device, monkeypatc
     from test_decode_gemm import _fp8_case
     from test_decode_linear import assert_matches_reference
 
-    monkeypatch.delenv(sg.ENV_FP8_KERNEL_ROWS, raising=False)
     calls = _counting(monkeypatch)
     x, q, s, kw = _fp8_case(variant, 17, torch.bfloat16, device)
     got = sg.decode_gemm(x, q, weight_scale=s, **kw)
@@ -260,7 +255,7 @@ def test_decode_gemm_blocks_take_the_kernel_in_range(variant, device, monkeypatc
         torch.testing.assert_close(got, ref)
     else:
         assert_matches_reference(got, ref, torch.bfloat16)
-    monkeypatch.setenv(sg.ENV_FP8_KERNEL_ROWS, "off")
+    monkeypatch.setattr(sg, "_TUNE", {"fp8_kernel_min": 1, "fp8_kernel_max": 0})
     sg.decode_gemm(x, q, weight_scale=s, **kw)
     assert calls == [17]  # off: cuBLASLt / its reference
 
@@ -270,7 +265,6 @@ def test_fp8_decode_step_through_the_kernel_equals_the_reference_path(monkeypatc
     kernels, interpreter) its logits are the reference path's (cuBLASLt's math) and the W8A8
     forward's, and the greedy tokens of a few steps are the same."""
     monkeypatch.setattr(sg, "_TUNE", {"fp8": 1})
-    monkeypatch.delenv(sg.ENV_FP8_KERNEL_ROWS, raising=False)
     calls = _counting(monkeypatch)
     ps = equal_length_prompts(8, 5, seed=6)
     out = {}

@@ -86,17 +86,11 @@ def test_continuations_wait_for_admissions_and_stop_at_the_cache_room(monkeypatc
     assert gen.pool.free_pages == gen.pool.capacity
 
 
-def test_bad_pipeline_values(monkeypatch):
+def test_bad_pipeline_values():
     model = tiny_model()
     with pytest.raises(TypeError, match="pipeline must be a bool"):
         Generator(model, pipeline="yes")
-    monkeypatch.setenv("NAKTA_DECODE_PIPELINE", "on")
-    with pytest.raises(ValueError, match="NAKTA_DECODE_PIPELINE must be 0 or 1"):
-        Generator(model)
-    monkeypatch.setenv("NAKTA_DECODE_PIPELINE", "0")
-    assert Generator(model).pipeline is False
-    monkeypatch.delenv("NAKTA_DECODE_PIPELINE")
-    assert Generator(model).pipeline is True
+    assert Generator(model).pipeline is True  # the default
 
 
 @pytest.mark.gpu

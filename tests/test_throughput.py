@@ -189,27 +189,3 @@ def test_lengths_past_the_model_are_one_error_line(capsys):
         tp.main(["--preset", "tiny", "--input-len", "100", "--output-len", "100"])
     assert e.value.code == 2
     assert "max_seq_len 128" in capsys.readouterr().err
-
-
-def test_ab_table_puts_each_runs_setting_and_figures_side_by_side(tmp_path, monkeypatch):
-    """Two runs (overlap off, then equal) as gpu_throughput_ab.sh makes them: the A/B table
-    has one nakta row each, in run order, with the overlap mode each run had."""
-    from speed_bench import throughput_ab
-
-    argv = ["--preset", "tiny", "--engines", "nakta", "--prompts", "8", "--input-len", "5",
-            "--output-len", "40", "--max-batch", "3"]  # fmt: skip
-    for mode in ("off", "equal"):
-        monkeypatch.setenv("NAKTA_PREFILL_OVERLAP", mode)
-        tp.main(argv + ["--out", str(tmp_path / f"b3_{mode}")])
-    df = throughput_ab.main([str(tmp_path)])
-    assert list(df["run"]) == ["b3_off", "b3_equal"] and list(df["overlap"]) == ["off", "equal"]
-    assert (df["output_tok_s"] > 0).all() and list(df["max_batch"]) == [3, 3]
-    assert df["overlapped_chunks"].iloc[0] == 0 and df["overlapped_chunks"].iloc[1] > 0
-    assert (tmp_path / "throughput_ab.md").is_file() and (tmp_path / "throughput_ab.png").is_file()
-    with pytest.raises(SystemExit, match="no throughput.csv"):
-        throughput_ab.main([str(tmp_path / "b3_off")])  # a run's folder, not a stage
-    both = throughput_ab.main([str(tmp_path), str(tmp_path), "--out", str(tmp_path / "all")])
-    assert list(both["call"]) == [1, 1, 2, 2] and list(both["run"]) == list(df["run"]) * 2
-    assert (tmp_path / "all" / "throughput_ab.csv").is_file()
-    with pytest.raises(SystemExit):  # several stages need --out
-        throughput_ab.main([str(tmp_path), str(tmp_path)])

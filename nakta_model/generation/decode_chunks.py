@@ -1,6 +1,6 @@
 """The generation engine's decode chunks: which captured step runs the active rows, how a
-chunk is enqueued (beside a prefill on two streams with ``overlap``; continued before its
-tokens are read with ``pipeline``) and how its tokens come back to the rows.
+chunk is enqueued (continued before its tokens are read with ``pipeline``) and how its tokens
+come back to the rows.
 
 A mixin of :class:`~nakta_model.generation.engine.Generator`, as ``row_pages.RowPages`` is: it
 reads the engine's settings and state (annotated below) and calls its page keeping
@@ -33,11 +33,9 @@ class DecodeChunks:
     row_pages: int
     max_seq_len: int
     buckets: list[int]
-    overlap: str
     pipeline: bool
     stats: GenerationStats
     _steps: dict
-    _streams: tuple | None
     _call_bucket: int | None
     _last_read: float
     _on_tokens: Callable | None
@@ -86,8 +84,7 @@ class DecodeChunks:
         row dropped, as for a row that stops inside a chunk). A continuation needs no host
         write: the step advances its tokens and positions on the device, and the rows' pages
         for every position they may write are handed out at the launch."""
-        # overlap stages admissions beside every chunk: one chunk per engine step there
-        may_continue = may_continue and self.pipeline and self.overlap == "off"
+        may_continue = may_continue and self.pipeline
         pending = self._launch_decode(active, slots, draining, whole_budget=may_continue)
         while True:
             nxt = self._continuation(pending, active, slots) if may_continue else None
@@ -110,40 +107,6 @@ class DecodeChunks:
         steps = min(self.chunk, left)
         step.run(steps)
         return step, steps, t0, step.read_out(steps)
-
-    def _overlapped(self, prefilling: list[_Row], active: list[int], slots, draining: bool):
-        """The decode chunk of the active rows and the prefill of the admitted prompts, on two
-        streams where the device allows (module docstring), else one after the other."""
-        self.stats.overlapped_chunks += 1
-        streams = self._overlap_streams()
-        if streams is None:
-            pending = self._launch_decode(active, slots, draining)
-            self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
-            return self._finish_decode(pending, active, slots)
-        main = torch.cuda.current_stream(self.device)
-        for s in streams:  # the admission's page copies first
-            s.wait_stream(main)
-        with torch.cuda.stream(streams[0]):
-            pending = self._launch_decode(active, slots, draining)
-        with torch.cuda.stream(streams[1]):  # its first tokens' read waits for it alone
-            self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
-        for s in streams:  # the next chunk reads the pages both wrote
-            main.wait_stream(s)
-        self._finish_decode(pending, active, slots)
-
-    def _overlap_streams(self) -> tuple | None:
-        """(decode, prefill) streams, or None where the two phases must share one stream."""
-        m = self.model
-        if self.device.type != "cuda" or m.parallel.tp_size > 1 or self.graph_mode == "compile":
-            return None
-        if self._streams is None:
-            # a lower number is a higher priority; out-of-range values map to the nearest end
-            first = -16 if self.overlap == "decode_first" else 0
-            self._streams = (
-                torch.cuda.Stream(self.device, priority=first),
-                torch.cuda.Stream(self.device, priority=0),
-            )
-        return self._streams
 
     def _launch_decode(
         self, active: list[int], slots, draining: bool, whole_budget: bool = False

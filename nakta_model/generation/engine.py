@@ -28,17 +28,6 @@ before the host reads this one's tokens. Per request, the time to its first toke
 (which step, how enqueued, how read back) are ``decode_chunks.DecodeChunks``; the pages,
 ``row_pages.RowPages``; this file keeps the scheduling.
 
-``overlap`` (``"off"`` by default; ``NAKTA_PREFILL_OVERLAP`` when not given): on one CUDA device
-without tensor parallelism, an engine step that has both prompts to prefill and rows to decode
-launches the decode chunk on one stream and the prefill forward on another, so the prefill's
-compute-bound GEMMs can run while the decode's attention streams K/V (``"decode_first"`` gives
-the decode stream the higher priority, ``"equal"`` neither). The rows a prefill completes then
-join the next chunk instead of this one; so that the next chunk still runs a full batch, the
-prompts that will take the entries of the rows this chunk ends (their budget runs out in it)
-are admitted and prefilled beside it ("staged"; the default pool has room for them).
-Elsewhere (CPU; tensor parallel, where NCCL calls from two streams could interleave
-differently on each rank; ``graph_mode="compile"``) the same order runs on one stream.
-
 Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefixes``) prefill
 it once into pages of its own, held for later admissions (at most ``prefix_rows`` prefixes,
 least recently used first out). A row then holds the prefix's full pages by reference (a
@@ -55,13 +44,13 @@ math on each row, just not padded to the batch's shortest prompt.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import torch
 
+from nakta_model import knobs
 from nakta_model.generation.decode_chunks import DecodeChunks
 from nakta_model.generation.prefill_stream import PrefillStream
 from nakta_model.generation.requests import (
@@ -106,14 +95,10 @@ PREFILL_CHUNK = 8192
 # Prefill forwards that may run back to back before the running rows' next decode chunk. One
 # per chunk fills a 384-row batch only ~6 chunks after its rows start (64 prompts of 128 tokens
 # a forward), so a 1,000 x 128/128 run decoded 296 rows a step on average; 8 admit the whole
-# batch before it decodes: 333 rows a step, 12.45k instead of 11.97k output tok/s on an H100
-# (speed_bench/results/nvidia-h100-80gb-hbm3/throughput_ab/). The running rows then wait at
-# most 8 forwards (64k prompt tokens) between two chunks.
+# batch before it decodes (333 rows a step, ~4% more output tok/s: docs/experiments.md). The
+# running rows then wait at most 8 forwards (64k prompt tokens) between two chunks.
 PREFILL_BURST = 8
-OVERLAP_MODES = ("off", "equal", "decode_first")
-ENV_OVERLAP = "NAKTA_PREFILL_OVERLAP"
 ENV_BURST = "NAKTA_PREFILL_BURST"
-ENV_PIPELINE = "NAKTA_DECODE_PIPELINE"
 TokenCallback = Callable[[int, list[int], "str | None"], None]
 
 
@@ -130,24 +115,22 @@ class Generator(RowPages, DecodeChunks):
     tokens are decoded between host checks; ``prefill_chunk`` bounds the prompt tokens of one
     prefill forward (:data:`PREFILL_CHUNK`). ``pages``: the pages of ``PAGE_SIZE`` positions it
     asks of the model's KV pool (a larger pool is used as it is; default: enough for
-    ``max_batch`` full rows (twice that with ``overlap``: rows staged beside a chunk) and the
-    held prefixes, on CUDA at most what fits in
+    ``max_batch`` full rows and the held prefixes, on CUDA at most what fits in
     ``memory_fraction`` of the free memory). ``prefix_rows``: how many shared prefixes
     are held at once. ``graphs`` captures the decode step per batch bucket in CUDA graphs
     (default: on CUDA); ``graph_mode`` (instead of ``graphs``) names how the step runs:
     ``"cuda_graph"``, ``"compile"`` (``torch.compile(mode="reduce-overhead")``) or ``"eager"``.
     ``cascade`` (default on): each decode step computes every held prefix once for all the rows
-    that read it instead of row by row. ``overlap``: one of :data:`OVERLAP_MODES` (module
-    docstring; default ``NAKTA_PREFILL_OVERLAP``, else ``"off"``). ``prefill_burst``: prefill
+    that read it instead of row by row. ``prefill_burst``: prefill
     forwards that may run back to back while admitted prompts wait, before the running rows
     decode their next chunk (default ``NAKTA_PREFILL_BURST``, else :data:`PREFILL_BURST`; 1: one
     forward per chunk, the least wait for the running rows). More fills the batch sooner (a
     full batch decodes at the least cost per token) at the price of the running rows waiting up
-    to that many forwards between chunks. ``pipeline`` (default ``NAKTA_DECODE_PIPELINE``, else
-    on): while nothing waits to be admitted or prefilled, the next decode chunk of the same rows
-    is enqueued before this chunk's tokens are read, so the host's reading and bookkeeping
-    overlap the GPU's next chunk (``_decode_chunk``; not with ``overlap``, which stages
-    admissions beside every chunk).
+    to that many forwards between chunks. ``pipeline`` (default on): while nothing waits to be
+    admitted or prefilled, the next decode chunk of the same rows is enqueued before this
+    chunk's tokens are read, so the host's reading and bookkeeping overlap the GPU's next chunk
+    (``_decode_chunk``; off: each chunk read before the next is enqueued, the simpler order
+    tests compare against).
     """
 
     def __init__(
@@ -164,9 +147,8 @@ class Generator(RowPages, DecodeChunks):
         pages: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         memory_fraction: float = 0.8,
-        overlap: str | None = None,
         prefill_burst: int | None = None,
-        pipeline: bool | None = None,
+        pipeline: bool = True,
     ):
         check_int("max_batch", max_batch, 1, max_rows(), " (the decode step's limit)")
         check_int("chunk", chunk, 1)
@@ -177,27 +159,13 @@ class Generator(RowPages, DecodeChunks):
             check_int("pages", pages, 2, why=" (page 0 is scratch)")
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction!r}")
-        if overlap is None:
-            overlap = os.environ.get(ENV_OVERLAP, "").strip() or "off"
-        if overlap not in OVERLAP_MODES:
-            raise ValueError(
-                f"overlap (or {ENV_OVERLAP}) must be one of {OVERLAP_MODES}, got {overlap!r}"
-            )
-        self.overlap = overlap
         if prefill_burst is None:
-            text = os.environ.get(ENV_BURST, "").strip() or str(PREFILL_BURST)
-            prefill_burst = int(text) if text.isdigit() else text
+            prefill_burst = knobs.get_int(ENV_BURST)
         self.prefill_burst = check_int(f"prefill_burst (or {ENV_BURST})", prefill_burst, 1)
-        if pipeline is None:
-            text = os.environ.get(ENV_PIPELINE, "").strip() or "1"
-            if text not in ("0", "1"):
-                raise ValueError(f"{ENV_PIPELINE} must be 0 or 1, got {text!r}")
-            pipeline = text == "1"
         if not isinstance(pipeline, bool):
             raise TypeError(f"pipeline must be a bool, got {pipeline!r}")
         self.pipeline = pipeline
         self._last_read = 0.0  # when the host last read a chunk's tokens (decode_s accounting)
-        self._streams: tuple | None = None  # (decode, prefill) streams, made on first use
         self.model, self.max_batch = model, max_batch
         self.max_seq_len, self.chunk = max_seq_len, chunk
         self.prefill_chunk = prefill_chunk
@@ -213,8 +181,7 @@ class Generator(RowPages, DecodeChunks):
         self.cascade = bool(cascade)
         self.n_prefixes = prefix_rows
         self.row_pages = pages_for(max_seq_len)  # block-table width
-        staged = max_batch if overlap != "off" else 0  # rows admitted beside a chunk
-        full = 1 + (max_batch + staged + prefix_rows) * self.row_pages
+        full = 1 + (max_batch + prefix_rows) * self.row_pages
         self._pages_asked = pages
         self._n_pages = pages or pool_pages(model, cap=full, fraction=memory_fraction)
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -263,47 +230,35 @@ class Generator(RowPages, DecodeChunks):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
-        staged: list[_Row] = []  # admitted (overlap) for the entries this chunk frees
         burst = 0  # prefill forwards since the last decode chunk
         try:
-            while queue or staged or any(slots):
-                self._seat(staged, slots)
-                self._admit(queue, slots, done, bar, staged)
-                active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
-                if active and self.overlap != "off":
-                    self._stage(queue, slots, staged, active, done, bar)
-                prefilling = [r for r in (*slots, *staged) if r is not None and not r.prompt_in]
-                draining = not queue and not staged
-                if prefilling and active and self.overlap != "off":
-                    # the decode chunk beside the prefill; the newly ready decode next time
-                    self._overlapped(prefilling, active, slots, draining)
-                    for r in prefilling + [slots[s] for s in active]:
-                        if r.finished:
-                            self._release(r, slots, done, bar, staged)
-                    continue
+            while queue or any(slots):
+                self._admit(queue, slots, done, bar)
+                prefilling = [r for r in slots if r is not None and not r.prompt_in]
+                draining = not queue
                 if prefilling:
                     self._prefill_chunk(sorted(prefilling, key=lambda r: r.seq))
                     for r in prefilling:
                         if r.finished:
-                            self._release(r, slots, done, bar, staged)
+                            self._release(r, slots, done, bar)
                     burst += 1
                     if burst < self.prefill_burst and any(not r.prompt_in for r in prefilling):
                         continue  # the rest of the admitted prompts before the next chunk
                 active = [s for s, r in enumerate(slots) if r is not None and r.prompt_in]
                 if not active:
-                    if not prefilling and queue and not any(slots) and not staged:
+                    if not prefilling and queue and not any(slots):
                         raise RuntimeError("generation engine: a request could not be admitted")
                     continue
                 # nothing to admit or prefill before the next chunk: it may be enqueued early
-                waiting = any(r is not None and not r.prompt_in for r in (*slots, *staged))
+                waiting = any(r is not None and not r.prompt_in for r in slots)
                 free = queue and None in slots
                 self._decode_chunk(active, slots, draining, not (waiting or free))
                 burst = 0
                 for s in active:
                     if slots[s].finished:
-                        self._release(slots[s], slots, done, bar, staged)
+                        self._release(slots[s], slots, done, bar)
         finally:
-            for r in (*slots, *staged):
+            for r in slots:
                 if r is not None:
                     self._free_row(r)
             bar.close()
@@ -314,32 +269,16 @@ class Generator(RowPages, DecodeChunks):
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------ admission
-    def _admit(self, queue: deque, slots: list, done: list, bar, staged: list) -> None:
+    def _admit(self, queue: deque, slots: list, done: list, bar) -> None:
         """Move queued requests into free batch entries, in order, while the pool covers them
-        beside the running and staged rows; a request that could never fit finishes with an
-        error result."""
+        beside the running rows; a request that could never fit finishes with an error result."""
         free = [s for s in range(self.max_batch) if slots[s] is None]
 
         def place(r: _Row) -> None:
             slots[free.pop(0)] = r
 
-        running = [x for x in (*slots, *staged) if x is not None]
+        running = [x for x in slots if x is not None]
         self._admit_rows(queue, done, bar, len(free), place, running)
-
-    def _seat(self, staged: list[_Row], slots: list) -> None:
-        """Staged rows take the free batch entries, oldest admission first."""
-        for s in range(self.max_batch):
-            if staged and slots[s] is None:
-                slots[s] = staged.pop(0)
-
-    def _stage(self, queue: deque, slots: list, staged: list, active: list[int], done, bar):
-        """With ``overlap``: admit now, and prefill beside this chunk, the prompts that take the
-        entries of the rows this chunk ends (their token budget runs out in it), so the next
-        chunk runs a full batch instead of waiting a chunk for their prefill."""
-        steps = self._chunk_steps(active, slots)
-        ending = sum(self._left(slots[s]) == steps for s in active)
-        running = [x for x in (*slots, *staged) if x is not None]
-        self._admit_rows(queue, done, bar, ending - len(staged), staged.append, running)
 
     def _admit_rows(self, queue: deque, done: list, bar, n: int, place, running) -> None:
         """Admit up to ``n`` queued requests (``place`` each, in order) while the pool covers
@@ -414,11 +353,10 @@ class Generator(RowPages, DecodeChunks):
                 self._accept(r, [t])
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _release(self, r: _Row, slots, done: list[_Row], bar, staged: list[_Row]) -> None:
+    def _release(self, r: _Row, slots, done: list[_Row], bar) -> None:
         self._free_row(r)
         for s, x in enumerate(slots):
             if x is r:
                 slots[s] = None
-        staged[:] = [x for x in staged if x is not r]
         done.append(r)
         bar.update(1)

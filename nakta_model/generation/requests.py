@@ -102,11 +102,9 @@ class GenerationStats:
     """Counters of the last :meth:`Generator.generate` call (benchmarks report them)."""
 
     prefill_s: float = 0.0  # wall time in prefill forwards
-    decode_s: float = 0.0  # wall time from a chunk's launch to its tokens read (with
-    # ``overlap`` it includes the prefill launched beside it: the two then overlap)
+    decode_s: float = 0.0  # wall time from a chunk's launch to its tokens read
     decode_steps: int = 0  # graph replays (each decodes one token for every row of its bucket)
     prefill_chunks: int = 0  # packed prefill forwards
-    overlapped_chunks: int = 0  # decode chunks launched beside a prefill forward (``overlap``)
     continued_chunks: int = 0  # decode chunks enqueued before the previous one was read
     generated_tokens: int = 0  # tokens kept in results
     prefilled_tokens: int = 0  # prompt tokens run through the model (shared prefixes once)

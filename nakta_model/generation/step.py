@@ -27,7 +27,6 @@ SwiGLU and RoPE kernels around them (``step_gemm.py``), at the same rounding poi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,10 +58,8 @@ GRAPH_MODES = ("cuda_graph", "compile", "eager")
 # With kernels, a step's inputs (write slots, key counts, embedding rows, the step counter) are
 # one launch (``kernels/step_inputs.py``) and a greedy step's end (argmax, history, token,
 # position) another (``kernels/greedy_advance.py``), instead of ~14 small PyTorch launches
-# (~40 us a token on an H100: ``model_profile/decode_timeline.py``). ``NAKTA_STEP_KERNELS=0``
-# at import keeps the PyTorch ops (A/B runs); the same bits either way. Not under
-# ``graph_mode="compile"``, whose inductor fuses those ops itself.
-STEP_KERNELS = os.environ.get("NAKTA_STEP_KERNELS", "1") not in ("", "0")
+# (~40 us a token on an H100: ``model_profile/decode_timeline.py``); the same bits as those ops.
+# Not under ``graph_mode="compile"``, whose inductor fuses those ops itself.
 
 
 @dataclass
@@ -174,12 +171,9 @@ class DecodeStep:
         fp8_epilogue = model.quant == "fp8" and _gemm.use_fp8_kernel(batch, model.device)
         # GEMM path, one rank: each wo / w2 residual add is made by the next RMSNorm kernel
         # (``decode_gemm``'s norm_residual) instead of a launch of its own, except where the
-        # FP8 kernel already adds it in its epilogue (and under TP the partial sums come first)
-        # (NAKTA_DEFER_RESIDUAL=0: a separate add, for A/B runs; the same bits either way)
-        self.defer_residual = (
-            self.gemm and model.parallel.tp_size == 1 and not fp8_epilogue
-            and os.environ.get("NAKTA_DEFER_RESIDUAL", "1") != "0"
-        )  # fmt: skip
+        # FP8 kernel already adds it in its epilogue (and under TP the partial sums come first);
+        # the same bits as a separate add
+        self.defer_residual = self.gemm and model.parallel.tp_size == 1 and not fp8_epilogue
         if not model.max_seq_len:
             raise ValueError("the model needs a KV cache: call model.setup_cache() first")
         if isinstance(prefix_slots, bool) or not isinstance(prefix_slots, int) or prefix_slots < 0:
@@ -197,7 +191,7 @@ class DecodeStep:
         self.cos, self.sin = model._rope_tables(self.cache_len)
         self.kernels = model.ops.triton(model.output.weight)
         # under torch.compile inductor fuses the step's small ops itself
-        self.step_kernels = self.kernels and STEP_KERNELS and graph_mode != "compile"
+        self.step_kernels = self.kernels and graph_mode != "compile"
         self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
         self.slot_splits = (
             _da.cascade_splits(

@@ -37,16 +37,14 @@ prefill and scoring: FP8 decoding above the crossover is the scorer's math.
 The crossover (:func:`crossover`): rows at which a step's linears take this path, per dtype
 (``"fp8"`` for FP8 models); a step of more than ``decode_linear.MAX_BATCH`` rows always does.
 The defaults (``CROSSOVER``) come from ``kernel_benchmark/bench_decode_gemm.py``; ``_TUNE``
-(benchmarks, tests) and ``NAKTA_DECODE_GEMM_ROWS`` (``"bfloat16=64,fp8=16"``) override them.
-``FP8_KERNEL_ROWS`` (rows range of ``fp8_decode_gemm``) is overridden the same way: ``_TUNE``
-keys ``fp8_kernel_min`` / ``fp8_kernel_max``, or ``NAKTA_FP8_DECODE_GEMM_ROWS`` (``"8-64"``,
-``"off"``). Everything here is CUDA-graph capturable: no host syncs on CUDA, outputs from the caching
+(benchmarks, tests) overrides them. ``FP8_KERNEL_ROWS`` (rows range of ``fp8_decode_gemm``) is
+overridden the same way: ``_TUNE`` keys ``fp8_kernel_min`` / ``fp8_kernel_max``. These are
+measured constants, not user settings. Everything here is CUDA-graph capturable: no host syncs on CUDA, outputs from the caching
 allocator (a captured graph's private pool), cuBLAS/cuBLASLt handles their own workspace.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,7 +57,6 @@ from nakta_model.kernels import fp8_gemm as _fp8_gemm
 from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
-from nakta_model.kernels import splitk_gemm as _splitk
 from nakta_model.kernels import swiglu as _swiglu
 from nakta_model.kernels._checks import check_dtype, check_same_device, check_tensor, fp8_mma
 from nakta_model.kernels.decode_linear import RopeArgs
@@ -67,8 +64,6 @@ from nakta_model.kernels.fp8_quant import FP8_DTYPE, QuantRows
 
 __all__ = [
     "CROSSOVER",
-    "ENV_CROSSOVER",
-    "ENV_FP8_KERNEL_ROWS",
     "FP8_KERNEL_ROWS",
     "MAX_ROWS",
     "crossover",
@@ -77,22 +72,19 @@ __all__ = [
     "decode_gemm_reference",
     "fp8_kernel_rows",
     "use_fp8_kernel",
-    "use_splitk",
     "use_gemm",
 ]
 
 MAX_ROWS = 512  # rows a decode step may hold (the engine's largest bucket)
 
 # Rows from which a step's linears run as GEMMs, per activation dtype / "fp8" (W8A8 models),
-# from kernel_benchmark/bench_decode_gemm on an H200 (7B, the step's linears under CUDA graphs;
-# kernel_benchmark/results/nvidia-h200/decode_gemm): decode_linear wins at 1 row (bf16 3.65 vs
+# from kernel_benchmark/bench_decode_gemm on an H200 (7B, the step's linears under CUDA
+# graphs): decode_linear wins at 1 row (bf16 3.65 vs
 # 3.96 ms, fp8 2.80 vs 4.11), the GEMMs from 8 rows on (bf16 1.19x at 8, 1.24x at 32, 2.33x at
 # 64; fp8 1.79x, 1.80x, 2.72x). Rows 2 and 4 were not measured and stay on decode_linear;
 # fp32 (tests, CPU) keeps 64.
 CROSSOVER: dict[str, int] = {"bfloat16": 8, "float16": 8, "float32": 64, "fp8": 8}
 _TUNE: dict[str, int] = {}  # overrides CROSSOVER and FP8_KERNEL_ROWS (benchmarks, tests)
-ENV_CROSSOVER = "NAKTA_DECODE_GEMM_ROWS"
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def crossover_key(dtype: torch.dtype, quant: str | None) -> str:
@@ -100,35 +92,11 @@ def crossover_key(dtype: torch.dtype, quant: str | None) -> str:
     return "fp8" if quant == "fp8" else str(dtype).removeprefix("torch.")
 
 
-def _env_table() -> dict[str, int]:
-    """``NAKTA_DECODE_GEMM_ROWS``: ``KEY=ROWS`` pairs (keys as ``CROSSOVER``'s, or bf16, fp16,
-    fp32), or one int for every key."""
-    text = os.environ.get(ENV_CROSSOVER, "").strip()
-    if not text:
-        return {}
-    try:
-        if "=" not in text:
-            return dict.fromkeys(CROSSOVER, int(text))
-        table = {}
-        for part in text.split(","):
-            key, rows = (s.strip() for s in part.split("="))
-            key = _ALIASES.get(key, key)
-            if key not in CROSSOVER:
-                raise ValueError(f"unknown key {key!r}")
-            table[key] = int(rows)
-        return table
-    except ValueError as e:
-        raise ValueError(
-            f"{ENV_CROSSOVER} must be ROWS or KEY=ROWS pairs with KEY in {sorted(CROSSOVER)}, "
-            f"got {text!r} ({e})"
-        ) from e
-
-
 def crossover(dtype: torch.dtype, quant: str | None = None) -> int:
-    """Rows from which the decode step's linears are GEMMs (``CROSSOVER``, then the
-    environment, then ``_TUNE``); at most ``decode_linear.MAX_BATCH + 1``."""
+    """Rows from which the decode step's linears are GEMMs (``CROSSOVER``, then ``_TUNE``); at
+    most ``decode_linear.MAX_BATCH + 1``."""
     key = crossover_key(dtype, quant)
-    table = {**CROSSOVER, **_env_table(), **_TUNE}
+    table = {**CROSSOVER, **_TUNE}
     if key not in table:
         raise ValueError(f"no decode GEMM crossover for {key!r}; keys: {sorted(table)}")
     rows = table[key]
@@ -141,30 +109,17 @@ def crossover(dtype: torch.dtype, quant: str | None = None) -> int:
 
 
 # Rows [lo, hi] at which an FP8 step's GEMMs run ``fp8_decode_gemm`` instead of cuBLASLt: at 8-64
-# rows cuBLASLt's row-wise scaled GEMMs stream the 7B weights at 25-49% of copy bandwidth (H200,
-# kernel_benchmark/results/nvidia-h200/decode_gemm/decode_gemm_blocks.md: wqkv 29 us, w13 44,
-# wo 17, w2 31 at 32 rows, where copy bandwidth allows ~12/21/4/11); the Triton kernel keeps the
+# rows cuBLASLt's row-wise scaled GEMMs stream the 7B weights at 25-49% of copy bandwidth (H200:
+# wqkv 29 us, w13 44, wo 17, w2 31 at 32 rows, where copy bandwidth allows ~12/21/4/11); the Triton kernel keeps the
 # weight on the MMA's wide side and splits K for the narrow ones. hi is at most the kernel's
 # MAX_ROWS (64). ``bench_decode_gemm``'s triton_fp8 path and ``tune_fp8_decode_gemm`` measure it.
 FP8_KERNEL_ROWS = (8, _fp8_small.MAX_ROWS)
-ENV_FP8_KERNEL_ROWS = "NAKTA_FP8_DECODE_GEMM_ROWS"
 
 
 def fp8_kernel_rows() -> tuple[int, int]:
     """``(lo, hi)``: rows at which FP8 GEMMs take ``fp8_decode_gemm`` (``FP8_KERNEL_ROWS``, then
-    ``NAKTA_FP8_DECODE_GEMM_ROWS`` = ``"LO-HI"`` or ``"off"``, then ``_TUNE``'s
-    ``fp8_kernel_min`` / ``fp8_kernel_max``); ``lo > hi`` means never."""
+    ``_TUNE``'s ``fp8_kernel_min`` / ``fp8_kernel_max``); ``lo > hi`` means never."""
     lo, hi = FP8_KERNEL_ROWS
-    text = os.environ.get(ENV_FP8_KERNEL_ROWS, "").strip().lower()
-    if text in ("off", "0", "none"):
-        lo, hi = 1, 0
-    elif text:
-        try:
-            lo, hi = (int(v) for v in text.split("-"))
-        except ValueError as e:
-            raise ValueError(
-                f"{ENV_FP8_KERNEL_ROWS} must be LO-HI (rows, e.g. 8-64) or off, got {text!r}"
-            ) from e
     lo, hi = _TUNE.get("fp8_kernel_min", lo), _TUNE.get("fp8_kernel_max", hi)
     for name, v in (("min", lo), ("max", hi)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -205,38 +160,10 @@ class _Ops:
     linear: Callable  # the float weights' product
 
 
-# ``splitk_gemm`` for weights of at most SPLITK_MAX_N output columns (7B: wo, w2; float, or FP8
-# above fp8_decode_gemm's rows) from 64 rows, when NAKTA_SPLITK_GEMM=1 (or ``_TUNE["splitk"]``
-# = 1): cuBLAS / cuBLASLt tile those outputs into too few programs to fill the SMs. Off by
-# default: measured on an H100, the tuned kernel runs at 0.73-0.94x cuBLAS (docs/kernels.md).
-SPLITK_MAX_N = 8192
-ENV_SPLITK = "NAKTA_SPLITK_GEMM"
-
-
-def use_splitk(rows: int, n: int) -> bool:
-    """Whether a float weight of ``n`` output columns at ``rows`` rows takes ``splitk_gemm``."""
-    text = os.environ.get(ENV_SPLITK, "").strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{ENV_SPLITK} must be 0 or 1, got {text!r}")
-    return bool(_TUNE.get("splitk", text == "1")) and rows >= 64 and n <= SPLITK_MAX_N
-
-
-def _kernel_linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if use_splitk(h.shape[0], weight.shape[0]):
-        return _splitk.splitk_linear(h, weight)
-    return F.linear(h, weight)
-
-
-def _kernel_fp8_matmul(xq, xs, wq, ws, out_dtype) -> torch.Tensor:
-    if use_splitk(xq.shape[0], wq.shape[0]):
-        return _splitk.splitk_linear(xq, wq, xs, ws, out_dtype)
-    return _fp8_gemm.fp8_matmul(xq, xs, wq, ws, out_dtype)
-
-
 _KERNELS = _Ops(
     _rmsnorm.rms_norm, _rmsnorm.rms_norm_fp8, _swiglu.swiglu, _swiglu.swiglu_fp8,
-    _fp8.quantize_rows, _rope.apply_rope_qkv_, _kernel_fp8_matmul,
-    _fp8_small.fp8_decode_gemm, _kernel_linear,
+    _fp8.quantize_rows, _rope.apply_rope_qkv_, _fp8_gemm.fp8_matmul,
+    _fp8_small.fp8_decode_gemm, F.linear,
 )  # fmt: skip
 _REFERENCE = _Ops(
     _rmsnorm.rms_norm_reference, _rmsnorm.rms_norm_fp8_reference, _swiglu.swiglu_reference,

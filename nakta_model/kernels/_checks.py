@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
+from nakta_model import knobs
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -26,7 +28,7 @@ def interpreter_enabled() -> bool:
 def debug_checks() -> bool:
     """Host checks that need a device sync (index ranges) run on CUDA only with NAKTA_DEBUG=1;
     without it a kernel turns an out-of-range index into NaN instead of reading past a table."""
-    return os.environ.get("NAKTA_DEBUG", "0") not in ("", "0")
+    return bool(knobs.get_bool("NAKTA_DEBUG"))
 
 
 def tracing() -> bool:
@@ -61,19 +63,13 @@ def sm_count(device: torch.device, off_gpu: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-PDL_ENV = "NAKTA_PDL"
-
-
 @functools.lru_cache(maxsize=16)
 def dependent_launch(device: torch.device) -> bool:
     """Whether decode kernels launch as programmatic dependents (Hopper's PDL: a kernel's blocks
     are scheduled while its predecessor drains and wait in ``gdc_wait`` for its results, instead
     of the launch starting only after the predecessor ends). CUDA devices of compute capability
-    9.0 or later with a Triton that has ``launch_pdl``; never in the interpreter;
-    ``NAKTA_PDL=0`` turns it off."""
+    9.0 or later with a Triton that has ``launch_pdl``; never in the interpreter."""
     if device.type != "cuda" or interpreter_enabled():
-        return False
-    if os.environ.get(PDL_ENV, "1") in ("", "0"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index) < (9, 0):

@@ -10,11 +10,11 @@ and the tests set it).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
+from nakta_model import knobs
 from nakta_model.kernels._checks import check_positive_int, sm_count
 
 # Defaults for an H100/H200, to be replaced by ``bench_decode.py`` results: the split rule
@@ -66,7 +66,7 @@ def _parse_env(text: str) -> dict[str, int]:
 def _config(kind: str) -> dict[str, int]:
     """The table entry ``kind`` ("splits", "fma", "dot" or "cascade"), then ``ENV_TUNE``'s
     keys, then ``_TUNE``."""
-    return {**_CONFIGS[kind], **_parse_env(os.environ.get(ENV_TUNE, "")), **_TUNE}
+    return {**_CONFIGS[kind], **_parse_env(knobs.get_str(ENV_TUNE)), **_TUNE}
 
 
 def decode_splits(batch: int, n_kv_heads: int, max_seq: int, device: torch.device | str) -> int:

@@ -8,7 +8,6 @@ differs) and x's otherwise.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import triton
@@ -17,7 +16,7 @@ from nakta_model.kernels._tuned_tables import read_tuned
 
 # Configurations per (dtype, batch bucket = next power of two of B), and per-shape entries
 # keyed (dtype, bucket, variant, N, K) from ``bench_decode.py --tune`` (LLaMA-7B's five decode
-# GEMVs at batch 1, 8 and 32 on an H100: ``results/nvidia-h100-80gb-hbm3/decode_linear_tune*``),
+# GEMVs at batch 1, 8 and 32 on an H100),
 # applied over the bucket's; variant is "plain", "residual", "swiglu" or "rope" (``_variant``).
 # ``BLOCK_N`` is left to ``_block_n`` (fill the GPU) and ``BLOCK_K`` to ``_block_k`` (registers)
 # unless given. ``_TUNE`` overrides every key (set by the benchmark and the tests).
@@ -87,7 +86,7 @@ _CONFIGS: dict[tuple, dict[str, int]] = {
 }
 # Per-device overrides of the entries above, by a word of the device name: the H200's batch-1
 # --tune winners (% of copy bandwidth, H100 entry -> tuned, this run: wqkv 79.2 -> 89.7, w2
-# 89.0 -> 89.7; head, w13 and wo keep theirs: speed_bench/results/nvidia-h200/decode_tune).
+# 89.0 -> 89.7; head, w13 and wo keep theirs).
 _DEVICE_CONFIGS: dict[str, dict[tuple, dict[str, int]]] = {
     "h200": {
         ("bfloat16", 1, "rope", 12288, 4096): dict(
@@ -109,7 +108,7 @@ def _fp8_entry(cfg: dict[str, int], rows_per_col: int, bucket: int) -> dict[str,
     (``TILE_N x BLOCK_M x BLOCK_K``) would pass ``_FMA_ACC_MAX``; ``tl.dot`` rows of batch
     >= 16 keep bf16's ``BLOCK_K``: their bf16 x tile (``BLOCK_M x BLOCK_K``) is as large as
     before and outweighs the weight tile, and doubling it cost shared memory and occupancy
-    (H100, batch 32: 0.44-0.93x bf16 with it doubled, ``results/.../fp8_decode.md``)."""
+    (H100, batch 32: 0.44-0.93x bf16 with it doubled)."""
     out = dict(cfg)
     if "BLOCK_K" in cfg:
         acc = rows_per_col * cfg.get("BLOCK_N", 16) * bucket * 2 * cfg["BLOCK_K"]
@@ -167,21 +166,14 @@ for _family, _rows in load_fp8_tuned(FP8_TUNED_JSON).items():
     _DEVICE_CONFIGS.setdefault(_family, {}).update(_rows)
 
 
-# ------------------------------------------------------------------ launch knobs (A/B runs)
+# ------------------------------------------------------------------ the RMSNorm prologue
 
 # The RMSNorm prologue's pass over x (``_row_rstd``) runs before any weight load, one L2 round
 # trip per ``NORM_BLOCK`` elements: with ``BLOCK_K`` (256-512 at batch 1) that was 8-16 trips
 # in a row, the few microseconds by which the normed GEMVs (wqkv, w13, the LM head) trailed
 # the others at batch 1. ``NORM_BLOCK`` takes the whole row in one or two loads instead, up to
-# ``NORM_ELEMS_PER_THREAD`` fp32 squares a thread (never fewer than ``BLOCK_K``; 0 keeps
-# ``BLOCK_K``: ``NAKTA_NORM_ELEMS_PER_THREAD`` at import, for A/B runs).
-NORM_ELEMS_PER_THREAD = int(os.environ.get("NAKTA_NORM_ELEMS_PER_THREAD", "32") or 0)
-
-# Batch 1 on the CUDA cores: the first weight tile is loaded before the dependent launch's
-# wait (``EARLY_W``): the weights are no kernel's output, so that load's latency overlaps the
-# previous kernel's tail (the whole slice asked of L2 instead thrashed it: docs/experiments.md).
-# ``NAKTA_EARLY_WEIGHT=0`` at import turns it off (A/B runs).
-EARLY_WEIGHT = os.environ.get("NAKTA_EARLY_WEIGHT", "1") not in ("", "0")
+# ``NORM_ELEMS_PER_THREAD`` fp32 squares a thread (never fewer than ``BLOCK_K``).
+NORM_ELEMS_PER_THREAD = 32
 
 
 def norm_block(k: int, block_m: int, block_k: int, num_warps: int) -> int:

@@ -81,7 +81,7 @@ def _dot_loop(
     ``6.1e-5 <= |x| <= 65504`` (8 significant bits fit in 11), so the products are the bf16
     path's. Outside: ``|x| > 65504`` becomes inf (the output inf/NaN), ``|x| < 6.1e-5`` an fp16
     subnormal (absolute error <= 2^-25 per element, below the fp32 sum's rounding for LLaMA's
-    activations). ``_config`` sets it only where asked and ``NAKTA_FP8_DOT_F16=0`` allows none.
+    activations). ``_config`` sets it only where asked (``_TUNE["DOT_F16"] = 0`` allows none).
     ``UPCAST`` (interpreter, bf16) feeds fp32 copies of the operands: Triton 3.9's interpreter
     returns garbage for a bf16 ``tl.dot``; the copies are exact, so the sums are the same."""
     acc = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)

@@ -51,7 +51,6 @@ outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -333,10 +332,8 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
 # At batch 1 the last attention launch lets the next kernel launch at once (``wo``, a
 # programmatic dependent, whose blocks load their first weight tile while attention runs and
 # then wait for its output: ``decode_linear``'s ``EARLY_W``). Attention itself stays an ordinary
-# launch (as a dependent it measured slower: docs/experiments.md). ``NAKTA_ATTENTION_TRIGGER=0``
-# at import turns it off.
+# launch (as a dependent it measured slower: docs/experiments.md).
 TRIGGER_MAX_BATCH = 1
-ATTENTION_TRIGGER = os.environ.get("NAKTA_ATTENTION_TRIGGER", "1") not in ("", "0")
 
 
 def _launch(
@@ -365,7 +362,7 @@ def _launch(
     cascade = slots is not None
     total = n_splits + (slots[0].shape[0] * n_psplits if cascade else 0)  # partials per head
     single = total == 1
-    trigger = batch <= TRIGGER_MAX_BATCH and ATTENTION_TRIGGER and dependent_launch(q.device)
+    trigger = batch <= TRIGGER_MAX_BATCH and dependent_launch(q.device)
     if single:
         ws = q  # unused
         ws_strides = (0, 0, 0)

@@ -49,8 +49,6 @@ Launch configurations: ``_CONFIGS`` per (dtype, batch bucket), plus per-shape en
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -123,7 +121,8 @@ def _config(
     then ``_TUNE``; block sizes not set there are derived from the shape. ``dtype`` is x's;
     an FP8 ``weight_dtype`` looks up the FP8 rows instead (``_decode_linear_configs.py``).
     ``DOT_F16`` (fp16 MMA operands, ``_dot_loop``) holds only for FP8 weights, bf16 x and
-    ``USE_DOT``, where a table row or ``_TUNE`` asks and ``NAKTA_FP8_DOT_F16`` is not 0;
+    ``USE_DOT``, where a table row or ``_TUNE`` asks (``_TUNE["DOT_F16"] = 0`` is the escape
+    hatch for activations beyond fp16's 65504: the e4m3 codes converted to bf16 instead);
     ``PREFETCH`` (``_fma_prefetch_loop``) only for FP8 weights, CUDA cores, batch 1."""
     bucket = triton.next_power_of_2(batch)
     x_dtype = dtype
@@ -146,7 +145,7 @@ def _config(
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = dict(BLOCK_M=block_m, BLOCK_N=block_n, TILE_N=tile_n, BLOCK_K=block_k)
     out |= dict(USE_DOT=int(use_dot), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    f16 = use_dot and x_dtype == torch.bfloat16 and dtype == FP8_DTYPE and FP8_DOT_F16
+    f16 = use_dot and x_dtype == torch.bfloat16 and dtype == FP8_DTYPE
     out["DOT_F16"] = int(bool(cfg.get("DOT_F16", 0)) and f16)
     fma_fp8 = not use_dot and block_m == 1 and dtype == FP8_DTYPE
     out["PREFETCH"] = int(bool(cfg.get("PREFETCH", 0)) and fma_fp8)
@@ -173,12 +172,6 @@ def _stages_that_fit(cfg: dict[str, int], x_bytes: int, w_bytes: int) -> int:
     while stages > 2 and stages * per_stage > SMEM_BUDGET:
         stages -= 1
     return stages
-
-
-# The escape hatch from fp16 MMA operands for FP8 weights (``_dot_loop``'s ``DOT_F16``):
-# ``NAKTA_FP8_DOT_F16=0`` at import (or this flag False) converts the e4m3 codes to bf16, two
-# more conversions a weight pair, for activations beyond fp16's 65504 (inf there).
-FP8_DOT_F16 = os.environ.get("NAKTA_FP8_DOT_F16", "1") not in ("", "0")
 
 
 def _check_config(cfg: dict[str, int], variant: str) -> None:
@@ -268,7 +261,10 @@ def _launch(
         BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0, PREC=prec, UPCAST=upcast,
         FAST_SILU=x.dtype in FAST_IS_EXACT_DTYPES, ACCURATE=not interp, EMULATE_RNE=interp,
         NORM_BLOCK=_knobs.norm_block(k, cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]),
-        EARLY_W=_knobs.EARLY_WEIGHT and cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"],
+        # batch 1 on the CUDA cores: the first weight tile is loaded before the dependent
+        # launch's wait (the weights are no kernel's output, so that load overlaps the previous
+        # kernel's tail; asking L2 for the whole slice instead thrashed it)
+        EARLY_W=cfg["BLOCK_M"] == 1 and not cfg["USE_DOT"],
         PDL=pdl, DOT_F16=bool(cfg["DOT_F16"]), PREFETCH=words is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )  # fmt: skip
 

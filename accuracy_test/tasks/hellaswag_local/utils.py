@@ -8,7 +8,6 @@ Reads a local HellaSwag jsonl (original rowanz schema, processed exactly as lm-e
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 ENV = "NAKTA_HELLASWAG_JSONL"
@@ -21,7 +20,9 @@ _DEFAULTS = (
 
 def data_path(hellaswag_jsonl: str | None = None) -> Path:
     """The jsonl to read: argument (``--metadata``), then ``$NAKTA_HELLASWAG_JSONL``, then defaults."""
-    chosen = hellaswag_jsonl or os.environ.get(ENV)
+    from nakta_model import knobs
+
+    chosen = hellaswag_jsonl or knobs.get_path(ENV)
     if chosen:
         path = Path(chosen)
         if not path.is_file():
