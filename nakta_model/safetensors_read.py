@@ -105,7 +105,7 @@ def _fill_mapped(fd: int, buf: torch.Tensor, start: int, threads: int, populate:
     stages the pageable memory). Kept as the benchmark's alternative, not the default: on the
     H200 it read 6.3 GB/s alone against the pinned reader's 12.2, and beside a busy Python
     thread it slowed to 1.6 GB/s at the default switch interval just as the pinned one did
-    (``speed_bench/results/nvidia-h200/read_bench.md``). ``populate`` maps every page at
+    (``speed_bench/read_bench.py``). ``populate`` maps every page at
     ``mmap`` time (``MAP_POPULATE``) instead of faulting them in during the copies."""
     import mmap
     import warnings

@@ -5,7 +5,7 @@ importing torch first.
         --model_args checkpoint=DIR,dp=2 --tasks hellaswag_local ...
     python -m nakta_model.spawn --nproc 2 speed_bench/run_all.py --dp 2
 
-Why: measured on two H100s (``speed_bench/results/<device>/lm_eval_dp``), torchrun's own
+Why: measured on two H100s (``speed_bench/lm_eval_dp.py``), torchrun's own
 start-up (importing torch in the launcher, its elastic agent and rendezvous) put the ranks'
 Python 4.0 s after the command started; a data-parallel lm-eval run of ~37 s paid that on top
 of the single-GPU run's fixed part. This launcher imports only the standard library: it picks a

@@ -27,7 +27,7 @@ def _weight_mul(a, b, KEEP_FP32: tl.constexpr):
     after, into one packed half multiply (HMUL2, same bits). ``KEEP_FP32`` issues ``mul.rn.f32``
     instead, which it leaves alone: on an H200 that measured 0.3-0.9% faster for rows held in
     one chunk without the residual add (4096, 8192), 2.5% slower for rows of several chunks
-    (5120, 6656) and 0.4% slower with the residual add (results/nvidia-h200/ab/ab12)."""
+    (5120, 6656) and 0.4% slower with the residual add."""
     if KEEP_FP32:
         return libdevice.mul_rn(a, b)
     else:
@@ -253,8 +253,8 @@ def _rms_norm_fwd_kernel(
         # Row wider than one block: pass 1 sums squares (and writes h), pass 2 normalizes.
         # Pass 2 recomputes h from x and residual rather than reading back what pass 1 wrote.
         # Pass 1 asks L2 to keep the row (evict_last) and pass 2 to drop it (evict_first), so
-        # pass 2 reads it from L2, not DRAM: 1.08-1.2x faster at 6656 and 8192 on an H200
-        # (results/nvidia-h200/ab/ab15), the hints torch.compile's looped reductions use.
+        # pass 2 reads it from L2, not DRAM: 1.08-1.2x faster at 6656 and 8192 on an H200, the
+        # hints torch.compile's looped reductions use.
         row = pid
         cols = tl.arange(0, C0)
         acc = tl.zeros([C0], dtype=tl.float32)

@@ -9,7 +9,7 @@ for tests). With ``residual [rows, N]`` (the decode step's RESIDUAL kind, ``step
 
 Why: at 8..64 rows a decode linear streams its weight (``N x K`` bytes) for a tiny ``M``;
 cuBLASLt's row-wise scaled FP8 GEMM streams the 7B weights at 25-49% of copy bandwidth there
-(``kernel_benchmark/results/nvidia-h200/decode_gemm/decode_gemm_blocks.md``). Here the weight
+(``kernel_benchmark/bench_decode_gemm.py``). Here the weight
 tile is the MMA's M side (``BLOCK_N`` = 64/128 weight rows, wgmma on Hopper) and the rows are
 its N side (``BLOCK_R = max(16, next_pow2(rows))``), fp8 x fp8 ``tl.dot`` into an fp32
 accumulator, the weight stream pipelined (``num_stages``, loads evicted first). Narrow weights

@@ -66,7 +66,7 @@ MIN_CHUNK = 256  # smallest column chunk of a split row
 # Forward rows that need three chunks (e.g. 6656 = 4096 + 2048 + 512) and no residual loop
 # over column blocks of this width instead, in two passes (the second reads the row back from
 # L2): 3% faster at 6656 on an H200 and level with torch.compile's looped kernel, where every
-# chunked launch configuration measured slower (results/nvidia-h200/ab/ab14, ab15). With the
+# chunked launch configuration measured slower (docs/experiments.md). With the
 # residual add the chunked rows stay (97-99% of copy bandwidth at 6656 in the sweep); the loop
 # was not measured with the residual, where its second pass re-reads x and the residual.
 LOOPED_THREE_CHUNK_BLOCK = 2048
@@ -119,10 +119,9 @@ def _fwd_layout(
 
 
 # Launch configurations by (kernel, row width held = sum of the column chunks), chosen by
-# ``kernel_benchmark/bench_rmsnorm.py --tune`` on an NVIDIA H200 (16K rows, bf16;
-# results/nvidia-h200/rmsnorm_tune.csv); the forward at 4096 from interleaved A/B runs
-# (results/nvidia-h200/ab/ab5_rmsnorm_layouts.json: one 1-D row per program, 8 warps, beat the
-# [2, 4096] tile by ~1.5%). The bench rewrites these entries for its own run; the values kept
+# ``kernel_benchmark/bench_rmsnorm.py --tune`` on an NVIDIA H200 (16K rows, bf16); the forward
+# at 4096 from interleaved A/B runs (one 1-D row per program, 8 warps, beat the [2, 4096] tile
+# by ~1.5%). The bench rewrites these entries for its own run; the values kept
 # here are the ones its published results used. Other widths follow ``_rule``. ``_TUNE``
 # overrides BLOCK_M / num_warps / PROGRAMS_PER_SM, and sets BLOCK_N (rows laid out as one
 # column block of that width) and PROGRAMS (backward grid); set by the benchmark and tests only.

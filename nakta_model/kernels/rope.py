@@ -147,8 +147,8 @@ def _rope_qkv_kernel(
 # ------------------------------------------------------------------------------------------------
 
 # One configuration for every shape, chosen with ``kernel_benchmark/bench_rope.py --tune`` on an
-# H200 (results/nvidia-h200/rope_tune.*); HEADS_FASTEST "auto" from interleaved A/B runs
-# (results/nvidia-h200/ab/ab3). TARGET: rotated pairs per program. ``_TUNE`` overrides any key
+# H200; HEADS_FASTEST "auto" from interleaved A/B runs (heads fastest for multi-token programs).
+# TARGET: rotated pairs per program. ``_TUNE`` overrides any key
 # (set by the benchmark and the tests only).
 _CONFIGS: dict[str, dict[str, int | str]] = {
     "rope_qkv": dict(TARGET=2048, num_warps=4, JOINT=True, HEADS_FASTEST="auto"),

@@ -223,9 +223,9 @@ def _rope_te_kernel(
 # 2. Launch configuration and launcher
 # ------------------------------------------------------------------------------------------------
 
-# One rule set for every shape, chosen with ``kernel_benchmark/bench_rope.py --tune`` on an H200
-# (results/<device>/rope_tune.*); MIN_SPLIT, PREFETCH "auto" (PIPE_*) from interleaved A/B runs
-# (results/nvidia-h200/ab/ab1-ab3). ``_TUNE`` overrides any key (set by the benchmark and the
+# One rule set for every shape, chosen with ``kernel_benchmark/bench_rope.py --tune`` on an H200;
+# MIN_SPLIT, PREFETCH "auto" (PIPE_*) from interleaved A/B runs (the pipelined walk helps long
+# one-position walks only). ``_TUNE`` overrides any key (set by the benchmark and the
 # tests only). ``_config`` says what each key does.
 _CONFIGS: dict[str, dict[str, int | str | bool]] = {
     "rope_te": dict(

@@ -16,7 +16,7 @@ only 65,536 values and every one can be checked. For bf16 the fast arithmetic (t
 silu as eager on every gate: it was found so on an H200 by exhaustion, and the GPU test
 ``test_gpu_exact_forward_every_half_gate`` re-checks all of them on whatever GPU runs it. So
 bf16 always runs the fast kernel (16K x 11008: 102.6% of copy bandwidth vs 99.3% with the IEEE
-division, Liger 101.8%; results/nvidia-h200/ab/ab12). fp16 (2 of 65,536 gates differ by one ulp)
+division, Liger 101.8%). fp16 (2 of 65,536 gates differ by one ulp)
 and fp32 keep libdevice ``expf`` and IEEE ``div.rn`` unless ``exact=False`` is asked for.
 
 ``exact=False`` (forward only) then uses the fast arithmetic for every dtype: in fp16
@@ -26,7 +26,7 @@ hardware exp reduces its argument as ``x * log2(e)`` in fp32, an error that grow
 to ~2^-17.5 at |x| ~ 88. The division is the cost of the exact path: a branch-free correctly
 rounded division (reciprocal + Newton + residual with exact 2^-64 scaling, equal to ``div.rn``
 on all 2^32 fp32 gates) had fewer instructions but ran at 90%, because ptxas then interleaves
-the loads with the arithmetic instead of issuing them all first (results/nvidia-h200/ab/).
+the loads with the arithmetic instead of issuing them all first (docs/experiments.md).
 
 ``swiglu_fp8(gate_up)``: the forward's values quantized per row (``fp8_quant.py``'s rule) in
 the same kernel, e4m3 codes + one fp32 scale per row, bit for bit ``swiglu_fp8_reference``. A row
@@ -185,9 +185,8 @@ def _silu_mul_bwd_kernel(
 
 # Launch configurations per kernel (BLOCK_M rows x BLOCK_N columns per program, num_warps) on
 # an NVIDIA H200 (16K tokens, bf16): the forwards from interleaved A/B runs over 7 tiles at
-# F = 11008 and 22016 (results/nvidia-h200/ab/ab3_*: one-warp 1x512 tiles best for both), the
-# backward from ``kernel_benchmark/bench_swiglu.py --tune`` (results/nvidia-h200/
-# swiglu_tune.csv). ``--tune`` rewrites these for its own run; the values kept here are the
+# F = 11008 and 22016 (one-warp 1x512 tiles best for both), the backward from
+# ``kernel_benchmark/bench_swiglu.py --tune``. ``--tune`` rewrites these for its own run; the values kept here are the
 # ones the published results used. ``_TUNE`` overrides any key (benchmark and tests only).
 _CONFIGS: dict[str, dict[str, int]] = {
     "fwd": dict(BLOCK_M=1, BLOCK_N=512, num_warps=1),  # exact: libdevice expf, div.rn
