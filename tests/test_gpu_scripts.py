@@ -1,14 +1,14 @@
 """The GPU jobs under scripts/ run only on a lent GPU, where a syntax error or a wrong setting
-costs device time: every script parses (``bash -n``), and the throughput A/B job, driven with a
-fake ``nvidia-smi`` and ``python3`` that record what they are asked, runs each named setting
-with its environment, picks the big rows from the GPU's memory, keeps to its deadline and
-names what it skips."""
+costs device time: every script parses (``bash -n``), scripts/ holds the few reproduction scripts
+the docs name, and the throughput job, driven with a fake ``nvidia-smi``, ``python3`` and a git
+work tree, runs the catalogue's command for each setting and archives what it wrote."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -23,66 +23,67 @@ def test_every_gpu_script_parses(script):
     assert proc.returncode == 0, proc.stderr
 
 
-def _fake_tools(bin_dir: Path, calls: Path, mib: int) -> None:
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text(f"#!/usr/bin/env bash\necho {mib}\n")
-    py = bin_dir / "python3"
-    py.write_text(
-        "#!/usr/bin/env bash\n"
-        f'echo "overlap=$NAKTA_PREFILL_OVERLAP defer=$NAKTA_DEFER_RESIDUAL '
-        f'splitk=$NAKTA_SPLITK_GEMM burst=$NAKTA_PREFILL_BURST pipe=$NAKTA_DECODE_PIPELINE $*" >> {calls}\n'
-    )
-    for f in (smi, py):
-        f.chmod(0o755)
+def test_scripts_are_the_few_reproduction_scripts_the_docs_name():
+    names = {p.name for p in (REPO / "scripts").iterdir()}
+    assert len(names) <= 8, sorted(names)
+    assert {"gpu_env.sh", "fetch_device_wheels.sh"} <= names
+    doc = (REPO / "docs" / "benchmarks-and-reproducing.md").read_text(encoding="utf-8")
+    for name in names - {"gpu_env.sh"}:
+        assert f"scripts/{name}" in doc, name
 
 
-def _run_ab(tmp_path: Path, mib: int, args: list[str], deadline: int | None = None):
-    work = tmp_path / "repo"  # a copy without .whl/: no wheel install
+FAKE_PY = """#!/usr/bin/env bash
+echo "$*" >> {calls}
+case "$*" in
+  *device_slug*) echo fake-gpu ;;
+  *speed_bench.throughput*)
+    out=$(echo "$*" | sed -E 's/.*--out ([^ ]+).*/\\1/')
+    mkdir -p "$out" && echo "| run |" > "$out/throughput.md" ;;
+esac
+"""
+
+
+def _run(tmp_path: Path, args: list[str], **env_extra: str):
+    work = tmp_path / "repo"
     (work / "scripts").mkdir(parents=True)
-    for name in ("gpu_env.sh", "gpu_throughput_ab.sh"):
+    for name in ("gpu_env.sh", "reproduce_throughput.sh"):
         shutil.copy(REPO / "scripts" / name, work / "scripts" / name)
-    calls, out = tmp_path / "calls.txt", tmp_path / "out"
-    out.mkdir()
-    _fake_tools(tmp_path / "bin", calls, mib)
-    env = {**os.environ, "OUT": str(out), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    if deadline is not None:
-        env["DEADLINE"] = str(deadline)
+    subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+    bin_dir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'name, memory.used'\n")
+    (bin_dir / "python3").write_text(FAKE_PY.format(calls=calls))
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "OUT": str(out), "PATH": f"{bin_dir}:{os.environ['PATH']}", **env_extra}
     proc = subprocess.run(
-        ["bash", "scripts/gpu_throughput_ab.sh", *args], cwd=work, env=env,
+        ["bash", "scripts/reproduce_throughput.sh", *args], cwd=work, env=env,
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     lines = calls.read_text().splitlines() if calls.exists() else []
-    return proc, [ln for ln in lines if "speed_bench.throughput " in ln + " "], out
+    return proc, [ln for ln in lines if "speed_bench.throughput" in ln], out
 
 
-@pytest.mark.skipif(not shutil.which("tar"), reason="needs tar")
-def test_throughput_ab_runs_each_setting_with_its_environment(tmp_path):
-    proc, runs, out = _run_ab(tmp_path, 81559, [])
+@pytest.mark.skipif(not (shutil.which("tar") and shutil.which("git")), reason="needs tar, git")
+def test_throughput_job_runs_the_catalogue_command_and_archives_its_files(tmp_path):
+    proc, runs, out = _run(tmp_path, [])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (out / "throughput_ab.tar.gz").is_file()
-    want = [  # the default list, most wanted first; "big" is 384 rows on an 80 GB GPU
-        (0, "384"), (1, "384"), (0, "384"), (1, "384"), (0, "256"), (1, "256"),
-    ]  # fmt: skip
-    assert len(runs) == len(want)
-    for line, (pipe, rows) in zip(runs, want):
-        assert line.startswith(f"overlap=off defer=1 splitk=0 burst=8 pipe={pipe} ")
-        assert f"--engines nakta --max-batch {rows} " in line
+    assert len(runs) == 1
+    assert "--preset 7B --prompts 1000 --input-len 128 --output-len 128" in runs[0]
+    assert "--engines nakta,hf --max-batch 64,128,256,384 --hf-batches 128,64" in runs[0]
+    assert runs[0].endswith("--out speed_bench/results/fake-gpu/throughput")
+    with tarfile.open(out / "throughput.tar.gz") as t:
+        assert t.getnames() == ["speed_bench/results/fake-gpu/throughput/throughput.md"]
+    assert (out / "throughput_log.txt").is_file()
 
 
-def test_throughput_ab_named_runs_big_rows_deadline_and_bad_names(tmp_path):
-    proc, runs, _ = _run_ab(tmp_path / "a", 143771, ["big_fp8splitk", "256_fp8", "256_sep_2",
-                                                     "256_first", "big_equal", "big_nopipe",
-                                                     "big_pipe"])  # fmt: skip
+@pytest.mark.skipif(not (shutil.which("tar") and shutil.which("git")), reason="needs tar, git")
+def test_throughput_job_fp8_switch_size_and_bad_job(tmp_path):
+    proc, runs, _ = _run(tmp_path / "a", [], QUANT="fp8", SIZE="13B", HF_BATCHES="")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "splitk=1 " in runs[0] and "--engines nakta_fp8 --max-batch 512 " in runs[0]
-    assert "splitk=0 " in runs[1] and "--engines nakta_fp8 --max-batch 256 " in runs[1]
-    assert runs[2].startswith("overlap=off defer=0 splitk=0 burst=1 ")
-    assert runs[3].startswith("overlap=decode_first defer=1 ")
-    assert runs[4].startswith("overlap=equal ") and "--max-batch 512 " in runs[4]
-    assert " burst=8 pipe=0 " in runs[5] and " burst=8 pipe=1 " in runs[6]
-    proc, runs, _ = _run_ab(tmp_path / "b", 81559, ["256_off", "256_equal"], deadline=-1)
-    assert runs == [] and "=== 256_off: skipped at" in proc.stdout
-    assert "=== 256_equal: skipped at" in proc.stdout and "gemm_blocks" not in proc.stdout
-    proc, runs, _ = _run_ab(tmp_path / "c", 81559, ["256_bogus"])
-    assert proc.returncode == 1 and "unknown setting in run 256_bogus" in proc.stdout
+    assert "--preset 13B " in runs[0] and "--engines nakta,nakta_fp8 --max-batch 384 " in runs[0]
+    assert runs[0].endswith("--out speed_bench/results/fake-gpu/throughput_fp8")
+    proc, runs, _ = _run(tmp_path / "b", [], HF_BATCHES="")
+    assert "--engines nakta --max-batch 64,128,256,384 --out" in runs[0]  # HF left out
+    proc, runs, _ = _run(tmp_path / "c", ["nonsense"])
+    assert proc.returncode == 2 and runs == [] and "unknown job nonsense" in proc.stdout

@@ -10,7 +10,7 @@ import torch
 from kernel_benchmark import bench_rmsnorm, bench_rope, bench_swiglu
 from kernel_benchmark.common import head_to_head_rows, write_head_to_head
 
-# On a GPU the benchmarks run their full sweeps (minutes each): scripts/gpu_kernels.sh runs them.
+# On a GPU the benchmarks run their full sweeps (minutes each): scripts/reproduce_kernels.sh runs them.
 cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU smoke run; on a GPU the benchmark is the full sweep"
 )

@@ -1,6 +1,6 @@
 """``speed_bench/lm_eval_one_pool.py``'s pure parts: lm-eval samples read back, the one call's
 answers compared with the runs alone, metrics compared without the sample count, its command
-line. (The whole driver runs in ``scripts/gpu_one_pool.sh``'s CPU smoke mode.)"""
+line. (On a GPU, ``scripts/reproduce_lm_eval.sh one_pool`` runs the whole driver.)"""
 
 from __future__ import annotations
 

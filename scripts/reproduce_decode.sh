@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Reproduces the decoding catalogue rows on one GPU: greedy decoding against the memory-bandwidth
+# floor (speed_bench/results/<device>/decode/, fp8_decode/ with QUANT=fp8), the cascade over a
+# shared prefix (decode_shared_prefix/shared/) and the decode step's launch timeline
+# (model_profile/results/<device>/decode_b<N>[_fp8]/). Random weights of SIZE, < 10 min a job.
+#   OUT=/tmp/out bash scripts/reproduce_decode.sh [decode] [shared_prefix] [timeline]
+# Settings (environment): SIZE (preset, default 7B); QUANT (bf16 | fp8: nakta and nakta_fp8 in
+# one process, batch 1 / 8 / 32, prompt 64); BATCHES (the timeline's batches, default "1 8 32").
+# Writes into the catalogue folders of this GPU, then $OUT/decode.tar.gz and $OUT/decode_log.txt.
+set -uo pipefail
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+use_wheels
+begin decode
+SIZE=${SIZE:-7B} QUANT=${QUANT:-bf16}
+S=speed_bench/results/$SLUG P=model_profile/results/$SLUG
+for job in "${@:-decode}"; do
+  case $job in
+    decode)
+      if [ "$QUANT" = fp8 ]; then
+        step fp8_decode 300 python3 -m speed_bench.decode_speed --preset "$SIZE" \
+          --engines nakta,nakta_fp8 --batches 1,8,32 --lengths 64:128 --no-budget \
+          --out "$S/fp8_decode"
+      else  # with one layer's launches at batch 1 against their byte floors (decode_budget.md)
+        step decode 540 python3 -m speed_bench.decode_speed --preset "$SIZE" --batches 1,8,32 \
+          --lengths 64:128,512:128 --engines nakta,llama_org --out "$S/decode"
+      fi
+      ;;
+    shared_prefix)  # 896-token prompts sharing 768: the cascade vs the row-by-row read
+      step shared_prefix 300 python3 -m speed_bench.decode_speed --preset "$SIZE" \
+        --batches 32,64 --lengths 896:128 --engines nakta,nakta_rowwise --no-budget \
+        --shared-prefix 768 --out "$S/decode_shared_prefix/shared"
+      ;;
+    timeline)
+      q=() suffix=
+      [ "$QUANT" = fp8 ] && q=(--quant fp8) suffix=_fp8
+      for b in ${BATCHES:-1 8 32}; do
+        step "timeline_b$b$suffix" 150 python3 -m model_profile.decode_timeline --preset "$SIZE" \
+          --prompt 64 --gen 64 --batch "$b" "${q[@]}" --out "$P/decode_b$b$suffix"
+      done
+      ;;
+    *) echo "unknown job $job (decode, shared_prefix, timeline)" | tee -a "$LOG"; status=2 ;;
+  esac
+done
+finish

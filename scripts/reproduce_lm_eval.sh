@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Reproduces the lm-eval catalogue rows: lm-eval itself, the project's entry in fresh processes,
+# `--model nakta` against `--model hf` on the same random weights (speed_bench/results/<device>/
+# lm_eval_*/); with QUANT=fp8 the bf16 / quant=fp8 pair on all 10,042 HellaSwag tasks
+# (fp8/lm_eval/); with 2 GPUs the data-parallel rows (lm_eval_dp/). < 10 min a job.
+#   OUT=/tmp/out bash scripts/reproduce_lm_eval.sh [hellaswag0] [hellaswag10] [mmlu] [gen]
+#       [gsm8k] [one_pool] [quant] [dp]
+# Needs `.whl/` (lm-eval 0.4.13 and its deps: scripts/fetch_device_wheels.sh) and the real data
+# (.data/ or ../shared/data). Settings (environment): SIZE (preset, default 7B); QUANT (the
+# quant job's precision, default fp8). Writes into the catalogue folders of this GPU, then
+# $OUT/lm_eval.tar.gz (children's logs and raw results stay out) and $OUT/lm_eval_log.txt.
+set -uo pipefail
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+use_wheels
+begin lm_eval
+SIZE=${SIZE:-7B}
+S=speed_bench/results/$SLUG
+WORK=/tmp/nakta_lm_eval_work  # the random checkpoints (HF + Nakta), shared by the jobs
+speed() {  # speed NAME LIMIT_S ARGS...: lm_eval_speed into $S/NAME, the checkpoints reused
+  local name=$1 limit=$2 reuse=()
+  shift 2
+  [ -f "$WORK/nakta/params.json" ] && reuse=(--reuse-work)
+  step "$name" "$limit" python3 speed_bench/lm_eval_speed.py --preset "$SIZE" --tokenizer "$TOK" \
+    --data "$HS_FULL" --work "$WORK" "${reuse[@]}" --out "$S/$name" "$@"
+  rm -rf "${S:?}/$name/logs" "${S:?}/$name/runs"  # raw per-child files: the summary keeps the figures
+}
+for job in "${@:-hellaswag0}"; do
+  case $job in
+    hellaswag0)
+      speed lm_eval_hellaswag/0shot 540 --task hellaswag_local --fewshot 0 --warmup \
+        --batch-sizes default --hf-batch-sizes 64 --limit 3000
+      ;;
+    hellaswag10)
+      speed lm_eval_hellaswag/10shot 540 --task hellaswag_local --fewshot 10 --warmup \
+        --batch-sizes default --hf-batch-sizes 64 --fewshot-limit 300
+      ;;
+    mmlu)
+      speed lm_eval_mmlu 540 --task mmlu_shaped_local:5:20 --batch-sizes default --warmup \
+        --hf-batch-sizes 64
+      ;;
+    gen)
+      speed lm_eval_gen 540 --task gsm8k_shaped_local:8:128,bbh_shaped_local:3:128 \
+        --batch-sizes default --warmup --hf-batch-sizes 64
+      ;;
+    gsm8k)  # all 1,319 docs: the machine's first run (Triton's cache empty), warm, hf at 128
+      G=$S/lm_eval_gsm8k_full
+      TRITON_CACHE_DIR=$(mktemp -d) step gsm8k_first 200 python3 speed_bench/lm_eval_gsm8k.py \
+        --preset "$SIZE" --models nakta --tokenizer "$TOK" --run-timeout-s 180 \
+        --out "$G/first" --work /tmp/gsm8k_work
+      step gsm8k_warm 120 python3 speed_bench/lm_eval_gsm8k.py --checkpoint /tmp/gsm8k_work/nakta \
+        --tokenizer "$TOK" --models nakta --run-timeout-s 100 --out "$G/warm" \
+        --work /tmp/gsm8k_work_warm
+      step gsm8k_hf128 360 python3 speed_bench/lm_eval_gsm8k.py --preset "$SIZE" --models hf \
+        --tokenizer "$TOK" --hf-batch-sizes 128 --hf-timeout-s 330 --out "$G/hf128" \
+        --work /tmp/gsm8k_work_hf128
+      ;;
+    one_pool)  # three tasks in ONE lm-eval call vs one call each: one KV pool for both engines
+      step one_pool 300 python3 speed_bench/lm_eval_one_pool.py --preset "$SIZE" \
+        --tokenizer "$TOK" --data "$HS_FULL" --limit 40 --run-timeout-s 80 \
+        --work /tmp/one_pool_work --out "$S/lm_eval_one_pool"
+      ;;
+    quant)  # bf16 vs quant=$QUANT through the CLI, all 10,042 tasks, 0-shot
+      ckpt=/tmp/nakta_quant_ckpt/random-$SIZE
+      step make_checkpoint 300 bash -c 'random_checkpoint "$0" "$1"' "$ckpt" "$SIZE"
+      step lm_eval_quant 300 python3 speed_bench/lm_eval_quant.py --checkpoint "$ckpt" \
+        --data "$HS_FULL" --shots 0 --warmup-limit 0 --run-timeout-s 120 --deadline-s 280 \
+        --out "$S/fp8/lm_eval"
+      ;;
+    dp)  # 2 GPUs: one GPU vs dp=2 started by the entry and under torchrun, and a 4-task suite
+      step lm_eval_dp 575 python3 speed_bench/lm_eval_dp.py --preset "$SIZE" --tokenizer "$TOK" \
+        --data "$HS_FULL" --runs 10:2000,0:all --gpus 2 --launchers nakta,torchrun \
+        --suite-limit 20 --warmup-limit 32 --suite-hf --suite-hf-modes one_call \
+        --hf-batch-size auto --run-timeout-s 150 --deadline-s 555 --out "$S/lm_eval_dp" \
+        --work /tmp/lm_eval_dp_work
+      ;;
+    *) echo "unknown job $job" | tee -a "$LOG"; status=2 ;;
+  esac
+done
+finish

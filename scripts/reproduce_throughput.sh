@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Reproduces the generation-throughput catalogue rows (speed_bench/results/<device>/throughput/,
+# throughput_fp8/ with QUANT=fp8) and their kernel profile (model_profile/results/<device>/
+# throughput/): 1,000 random prompts of 128 tokens, 128 new each, greedy with EOS ignored,
+# random weights of SIZE. One GPU, < 10 min a job.
+#   OUT=/tmp/out bash scripts/reproduce_throughput.sh [throughput] [profile]
+# Settings (environment): SIZE (preset, default 7B); QUANT (bf16 | fp8: nakta and nakta_fp8 in
+# one process at the FP8 rows); MAX_BATCH (nakta's rows, default 64,128,256,384; fp8 384);
+# HF_BATCHES (the HF static-cache peer's batches, default 128,64; "" leaves HF out); PROMPTS.
+# Writes into the catalogue folders of this GPU, then $OUT/throughput.tar.gz (those files) and
+# $OUT/throughput_log.txt.
+set -uo pipefail
+# shellcheck source=scripts/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh"
+use_wheels
+begin throughput
+SIZE=${SIZE:-7B} QUANT=${QUANT:-bf16} PROMPTS=${PROMPTS:-1000}
+HF_BATCHES=${HF_BATCHES-128,64}
+S=speed_bench/results/$SLUG P=model_profile/results/$SLUG
+COMMON=(--preset "$SIZE" --prompts "$PROMPTS" --input-len 128 --output-len 128)
+for job in "${@:-throughput}"; do
+  case $job in
+    throughput)
+      if [ "$QUANT" = fp8 ]; then
+        step throughput_fp8 540 python3 -m speed_bench.throughput "${COMMON[@]}" \
+          --engines nakta,nakta_fp8 --max-batch "${MAX_BATCH:-384}" --out "$S/throughput_fp8"
+      else
+        engines=nakta hf=()
+        [ -n "$HF_BATCHES" ] && engines=nakta,hf hf=(--hf-batches "$HF_BATCHES")
+        step throughput 540 python3 -m speed_bench.throughput "${COMMON[@]}" \
+          --engines "$engines" --max-batch "${MAX_BATCH:-64,128,256,384}" "${hf[@]}" \
+          --out "$S/throughput"
+      fi
+      ;;
+    profile)  # the decode graph's kernels by name at 256 rows
+      q=()
+      [ "$QUANT" = fp8 ] && q=(--quant fp8)
+      step profile 300 python3 -m model_profile.throughput_profile --preset "$SIZE" \
+        --prompts "$PROMPTS" --max-batch "${MAX_BATCH:-256}" "${q[@]}" --out "$P/throughput"
+      ;;
+    *) echo "unknown job $job (throughput, profile)" | tee -a "$LOG"; status=2 ;;
+  esac
+done
+finish
