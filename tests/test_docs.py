@@ -73,3 +73,18 @@ def test_the_link_finder_sees_links_and_skips_urls_anchors_and_code():
         '`[not](code.md)`\n```\n[block](no.md)\n```\n[t](y.md "title")'
     )
     assert relative_links(text) == ["docs/x.md", "p.png", "y.md"]
+
+
+def test_results_folders_hold_the_catalogue_only():
+    """Superseded runs and A/B folders leave the tree (git keeps them): the committed result
+    files stay few enough that every one is the current result an index names."""
+    import shutil
+    import subprocess
+
+    if not (shutil.which("git") and (ROOT / ".git").exists()):
+        pytest.skip("needs a git checkout")
+    files = subprocess.run(
+        ["git", "ls-files", "--", "*/results/*"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    assert 0 < len(files) <= 150, len(files)
+    assert not [f for f in files if "_ab/" in f or "/ab/" in f], "A/B folders belong in git history"
