@@ -43,6 +43,7 @@ begin() {  # begin NAME: $LOG ($OUT/NAME_log.txt), status=0, $SLUG (the results 
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv \
     2>&1 | tee -a "$LOG"
   git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-120 | tee -a "$LOG"
+  STARTED=$(mktemp)  # files under */results/ newer than this are the run's
   SLUG=$(python3 -c "from bench_common.ceilings import device_slug; print(device_slug())")
   echo "results folder: */results/$SLUG" | tee -a "$LOG"
 }
@@ -78,11 +79,11 @@ PY
 }
 export -f random_checkpoint
 
-finish() {  # the catalogue files this run wrote or changed (*/results/, git's view) into
+finish() {  # the catalogue files this run wrote (*/results/, newer than begin) into
   # $OUT/$JOB.tar.gz, the log's tail to stdout, and the job's status as the exit code
   local changed
-  changed=$(git status --porcelain --untracked-files=all -- '*/results/*' 2>/dev/null |
-    awk '$1 !~ /D/ {print $NF}' | grep -v -E '\.pt\.trace\.json$')
+  changed=$(find . -path ./.git -prune -o -path '*/results/*' -type f -newer "$STARTED" -print |
+    sed 's|^\./||' | grep -v -E '\.pt\.trace\.json$' | sort)
   if [ -n "$changed" ]; then
     # shellcheck disable=SC2086
     tar czf "$OUT/$JOB.tar.gz" $changed && echo "$OUT/$JOB.tar.gz:" && echo "$changed"
