@@ -236,7 +236,7 @@ def head_to_head_rows(
     gives path ``j`` the group ``(j + b) mod P``, refilled with fresh values first (a peer may
     write into its inputs), and the second P blocks run the paths in reverse order. So every
     path runs on every allocation, in both orders: the same kernel measured ~1% apart on two
-    allocations of one shape (results/nvidia-h200/ab/ab16), which a fixed assignment turns
+    allocations of one shape (docs/experiments.md), which a fixed assignment turns
     into a difference between paths. us = median of the 2P block medians."""
     n = len(names)
     groups = [make_sets(k) for k in range(n)]
