@@ -36,14 +36,14 @@ class ScoringLM(TemplateLM):
         max_gen_toks: int | str = 256,
     ):
         super().__init__()
-        import nakta_model
+        from nakta_model.tokenizer import load_tokenizer
 
         self._device = models.resolve_device(device, fallback=True)
         try:
             self.dtype = models.parse_dtype(
                 dtype or ("bf16" if self.device.type == "cuda" else "fp32")
             )
-            self.tok = nakta_model.Tokenizer(tokenizer)
+            self.tok = load_tokenizer(tokenizer)
             self.token_budget = _positive_int("token_budget", token_budget)
             self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         except (ValueError, FileNotFoundError) as e:

@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 2 -m nakta_model.generate --checkpoint CKPT --prompt "..."  # tp 2
 
 CKPT is a Nakta (``convert.py``), Meta or HF folder, read by ``nakta_model.load``; the tokenizer
-is the checkpoint's own ``tokenizer.model`` unless ``--tokenizer`` names one. Text goes to
+is the checkpoint's own (``tokenizer.json`` or ``tokenizer.model``, read by
+``nakta_model.tokenizer.load_tokenizer``) unless ``--tokenizer`` names one. Text goes to
 stdout as it is decoded (several prompts: in order, each streamed once those before it are
 done); the timing line (tokens/s, time to first token) goes to stderr. Under ``torchrun`` the
 model is split over every process (tp = world size) and only rank 0 prints. Sampling defaults
@@ -42,7 +43,11 @@ _DTYPES = ("bf16", "fp16", "fp32")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineArgumentParser(prog="nakta-generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="Nakta, Meta or HF checkpoint folder")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.model (SentencePiece or Llama-3 tiktoken) or HF tokenizer.json "
+        "(default: the checkpoint's own)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", help="a text file, one prompt a line, generated batched")
@@ -100,21 +105,18 @@ def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
     """Every path and the tokenizer checked before the weights are read: ``(tokenizer,
     prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary."""
     from nakta_model.loading import checkpoint_args
-    from nakta_model.tokenizer import Tokenizer
+    from nakta_model.tokenizer import TokenizerError, check_fits_vocab, load_tokenizer
 
     require_checkpoint(a.checkpoint)
     with checkpoint_errors(a.checkpoint):
         args = checkpoint_args(a.checkpoint)
     tok_path = checkpoint_tokenizer_path(a.checkpoint, a.tokenizer, vocab_size=args.vocab_size)
     try:
-        n_words = Tokenizer(tok_path).n_words
-    except (OSError, RuntimeError, ValueError) as e:
-        raise InputError(f"--tokenizer {tok_path}: not a SentencePiece model ({e})") from e
-    if n_words > args.vocab_size:
-        raise InputError(
-            f"--tokenizer {tok_path} has {n_words} pieces, more than the checkpoint's "
-            f"vocab_size {args.vocab_size}: not this model's tokenizer"
-        )
+        check_fits_vocab(load_tokenizer(tok_path), args.vocab_size, a.checkpoint)
+    except TokenizerError as e:
+        raise InputError(f"--tokenizer {tok_path}: {e.reason}") from e
+    except ValueError as e:
+        raise InputError(str(e)) from e
     return tok_path, read_prompts(a)
 
 
@@ -155,7 +157,7 @@ def _run(a, parallel) -> list[dict] | None:
 
     from nakta_model.generation.console import GenerationSession, dtype_name
     from nakta_model.loading import load
-    from nakta_model.tokenizer import Tokenizer
+    from nakta_model.tokenizer import load_tokenizer
 
     tok_path, prompts = checked_on_every_rank(check_inputs, a)
     device = parallel.device
@@ -178,7 +180,7 @@ def _run(a, parallel) -> list[dict] | None:
             raise InputError(f"--quant {a.quant}: {e}") from None
     with checkpoint_errors(a.checkpoint):
         model = load(a.checkpoint, device, dtype, parallel, quant=a.quant)
-    session = GenerationSession(a, model, Tokenizer(tok_path), parallel)
+    session = GenerationSession(a, model, load_tokenizer(tok_path), parallel)
     if a.interactive:
         session.interactive()
         return None

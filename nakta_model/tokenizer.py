@@ -30,6 +30,7 @@ __all__ = [
     "TiktokenTokenizer",
     "Tokenizer",
     "TokenizerBase",
+    "TokenizerError",
     "check_fits_vocab",
     "find_tokenizer",
     "load_tokenizer",
@@ -37,6 +38,15 @@ __all__ = [
 
 HF_TOKENIZER = "tokenizer.json"
 MODEL_FILE = "tokenizer.model"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be read: ``reason`` says why, without the path (a CLI puts its
+    option name and the path in front)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        super().__init__(f"tokenizer {path}: {reason}")
+        self.path, self.reason = str(path), reason
 
 
 def _check_strings(strings: Sequence[str], name: str) -> list[str]:
@@ -62,6 +72,7 @@ class TokenizerBase:
     stop_ids: tuple[int, ...]
     special_tokens: dict[str, int]
     chat_template: str | None = None
+    template_tokens: dict[str, str] = {}  # noqa: RUF012 - what a chat template sees (HF only)
 
     def _encode_plain(self, s: str) -> list[int]:
         raise NotImplementedError
@@ -94,6 +105,13 @@ class TokenizerBase:
         if head or tail:
             out = [head + t + tail for t in out]
         return out
+
+    def encode_special(self, text: str) -> list[int]:
+        """``text`` with the text of special tokens read as those tokens (a rendered chat
+        prompt), no BOS added; for SentencePiece, plain :meth:`encode`."""
+        if type(text) is not str:
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self._encode_plain(text)
 
     def decode(self, t: Sequence[int]) -> str:
         raise NotImplementedError
@@ -189,7 +207,7 @@ def _llama3_special_names() -> list[str]:
     return list(LLAMA3_SPECIAL_TOKENS) + reserved
 
 
-def is_tiktoken_file(path: str | os.PathLike) -> bool:
+def _is_tiktoken_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` starts like a tiktoken rank file (``base64 rank`` lines); a
     SentencePiece model is a binary protobuf and never does."""
     with open(path, "rb") as f:
@@ -280,6 +298,9 @@ class TiktokenTokenizer(TokenizerBase):
         self.eot_id = self.special_tokens["<|eot_id|>"]
         self.eom_id = self.special_tokens["<|eom_id|>"]
         self.stop_ids = (self.eos_id, self.eom_id, self.eot_id)
+        self._special_re = re.compile(
+            "(" + "|".join(re.escape(t) for t in self.special_tokens) + ")"
+        )
 
     def _encode_plain(self, s: str) -> list[int]:
         out: list[int] = []
@@ -303,17 +324,15 @@ class TiktokenTokenizer(TokenizerBase):
     def encode_special(self, text: str) -> list[int]:
         """``text`` with its special tokens' text read as those tokens (a chat template's
         rendering); plain text in between is encoded as :meth:`encode` does."""
+        if type(text) is not str:
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
         out: list[int] = []
-        for part in self._special_split(text):
+        for part in self._special_re.split(text):
             if part in self.special_tokens:
                 out.append(self.special_tokens[part])
             elif part:
                 out.extend(self._encode_plain(part))
         return out
-
-    def _special_split(self, text: str) -> list[str]:
-        pattern = "(" + "|".join(re.escape(t) for t in self.special_tokens) + ")"
-        return re.split(pattern, text)
 
     def decode(self, t: Sequence[int]) -> str:
         return self.model.decode(list(t))
@@ -420,8 +439,9 @@ class HFTokenizer(TokenizerBase):
         self.chat_template = _chat_template(folder, tok_config)
         # what a chat template sees besides the messages (transformers passes these)
         self.template_tokens = {
-            key: _token_text(tok_config.get(key)) or ""
+            key: text
             for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (text := _token_text(tok_config.get(key))) is not None
         }
 
     def _encode_plain(self, s: str) -> list[int]:
@@ -430,10 +450,6 @@ class HFTokenizer(TokenizerBase):
     def _encode_plain_many(self, strings: list[str], num_threads: int) -> list[list[int]]:
         # threads: the tokenizers package's own pool (RAYON_NUM_THREADS)
         return [e.ids for e in self.model.encode_batch(strings, add_special_tokens=False)]
-
-    def encode_special(self, text: str) -> list[int]:
-        """A chat template's rendering: HF encodes its special tokens' text as those tokens."""
-        return self._encode_plain(text)
 
     def decode(self, t: Sequence[int]) -> str:
         return self.model.decode(list(t), skip_special_tokens=False)
@@ -456,31 +472,31 @@ def load_tokenizer(path: str | os.PathLike) -> TokenizerBase:
     """The tokenizer of ``path``: a checkpoint folder (its :func:`find_tokenizer` file), a
     ``*.json`` (HF ``tokenizer.json``; its configs read from its folder) or a
     ``tokenizer.model`` (Meta's tiktoken rank file when it reads as one, else SentencePiece).
-    Anything else, or a file that does not read, is one-line ValueError."""
+    Anything else, or a file that does not read, is a one-line :class:`TokenizerError`."""
     p = Path(path)
     if p.is_dir():
         found = find_tokenizer(p)
         if found is None:
-            raise ValueError(
-                f"tokenizer folder {p}: no {HF_TOKENIZER} or {MODEL_FILE} in it "
-                "(expected a HF tokenizer.json, a SentencePiece model or a Llama-3 tiktoken file)"
+            raise TokenizerError(
+                p,
+                f"no {HF_TOKENIZER} or {MODEL_FILE} in this folder (expected a HF "
+                "tokenizer.json, a SentencePiece model or a Llama-3 tiktoken file)",
             )
         p = found
     elif not p.exists():
-        raise ValueError(f"tokenizer {p}: no such file or folder")
+        raise TokenizerError(p, "no such file or folder")
     elif not p.is_file():
-        raise ValueError(f"tokenizer {p}: not a file or folder")
+        raise TokenizerError(p, "not a file or folder")
+    if p.suffix == ".json":
+        kind, what = HFTokenizer, "not a HF tokenizer.json"
+    elif _is_tiktoken_file(p):
+        kind, what = TiktokenTokenizer, "not a Llama-3 tiktoken file"
+    else:
+        kind, what = Tokenizer, "not a SentencePiece model"
     try:
-        if p.suffix == ".json":
-            return HFTokenizer(p)
-        if is_tiktoken_file(p):
-            return TiktokenTokenizer(p)
-        return Tokenizer(p)
+        return kind(p)
     except (OSError, RuntimeError, ValueError) as e:
-        what = " ".join(str(e).split())
-        if str(p) not in what:
-            what = f"{p}: {what}"
-        raise ValueError(f"tokenizer {what}") from e
+        raise TokenizerError(p, f"{what} ({' '.join(str(e).split())})") from e
 
 
 def check_fits_vocab(tokenizer: TokenizerBase, vocab_size: int, checkpoint: object = "") -> None:

@@ -117,11 +117,11 @@ def check_tokenizers_agree(hf_tokenizer: Path, sp_model: str | Path, texts: Sequ
     checkpoint's would, instead of converting the sentencepiece model again in every run."""
     from transformers import AutoTokenizer
 
-    from nakta_model import Tokenizer
+    from nakta_model.tokenizer import load_tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(hf_tokenizer))
     hf.save_pretrained(str(hf_tokenizer))
-    sp = Tokenizer(sp_model)
+    sp = load_tokenizer(sp_model)
     for text in texts:
         want = sp.encode(text, bos=True, eos=False)
         got = hf.encode(text)
@@ -159,9 +159,9 @@ def prepare_weights(
 ) -> tuple[Weights, dict]:
     """The HF directory (given or made), its tokenizer dir and the converted Nakta copy; the
     two tokenizers are checked to agree on ``texts`` (default: HellaSwag's from ``a.data``)."""
-    from nakta_model import Tokenizer
+    from nakta_model.tokenizer import load_tokenizer
 
-    n_words = Tokenizer(a.tokenizer).n_words
+    n_words = load_tokenizer(a.tokenizer).n_words
     meta: dict = {"make_hf_s": None}
     if a.reuse_work:  # an earlier run's checkpoints (checked by _check_inputs)
         hf_dir = work / "hf"

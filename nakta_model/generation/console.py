@@ -129,8 +129,8 @@ class GenerationSession:
     def _generate(self, gen, prompts, encoded, max_new: int, show: bool):
         torch.manual_seed(self.a.seed)  # the same draws on every rank, warm-up or not
         streams = [TextStream(self.tokenizer, ids, self.a.stop) for ids in encoded]
-        eos = (self.tokenizer.eos_id,) if self.tokenizer.eos_id >= 0 else ()
-        requests = [s.request(max_new, self.a.sampling, eos) for s in streams]
+        stops = tuple(self.tokenizer.stop_ids)  # Llama-3: end_of_text, eom and eot
+        requests = [s.request(max_new, self.a.sampling, stops) for s in streams]
         printer = OrderedPrinter(prompts, enabled=show and self.leader)
         results, timing = generate_streaming(gen, streams, requests, printer.write)
         return results, streams, timing
