@@ -384,6 +384,33 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+_LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def _llama_pipeline(model, tok_config: dict[str, Any]) -> None:
+    """What transformers (5.x) ``LlamaTokenizer`` does to a SentencePiece-converted
+    tokenizer.json (Llama-2, TinyLlama, Mistral folders): it keeps the file's BPE but replaces
+    the text pipeline by a Metaspace pre-tokenizer whose word-start ``▁`` goes before the first
+    piece only (``legacy: false``, its default) or after every special token too
+    (``legacy: true``), none with ``add_prefix_space: false``. Without it, text right after a
+    special token (``<s>[INST]``) would get another ``▁`` than AutoTokenizer gives it."""
+    from tokenizers import decoders, pre_tokenizers
+
+    add_prefix_space = tok_config.get("add_prefix_space")
+    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
+    scheme = "never"
+    if add_prefix_space:
+        scheme = "always" if tok_config.get("legacy", False) else "first"
+    model.normalizer = None
+    model.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))
+    model.decoder = decoders.Sequence(steps)
+
+
 class HFTokenizer(TokenizerBase):
     """A HF ``tokenizer.json``, as ``AutoTokenizer`` reads it: text is split on its added
     tokens (a special token's text in the input IS that token, as in HF), decoding keeps the
@@ -409,6 +436,8 @@ class HFTokenizer(TokenizerBase):
         tok_config = _read_json(folder / "tokenizer_config.json")
         gen_config = _read_json(folder / "generation_config.json")
         config = _read_json(folder / "config.json")
+        if tok_config.get("tokenizer_class") in _LLAMA_CLASSES:
+            _llama_pipeline(self.model, tok_config)
         vocab = self.model.get_vocab(with_added_tokens=True)
         self.n_words = max(vocab.values()) + 1 if vocab else 0
         added = self.model.get_added_tokens_decoder()

@@ -291,6 +291,22 @@ def test_hf_mistral_equals_autotokenizer(hf_mistral_dir):
     assert tok.stop_ids == (2,)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"legacy": True}, {"legacy": False}, {"add_prefix_space": False}],
+    ids=["default", "legacy", "not-legacy", "no-prefix-space"],
+)
+def test_hf_sentencepiece_folder_after_special_tokens(hf_mistral_dir, settings, tmp_path):
+    """transformers' LlamaTokenizer rebuilds the pipeline of a converted tokenizer.json: what
+    follows a special token (``<s>[INST]``) depends on ``legacy`` / ``add_prefix_space``."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_mistral_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **settings}))
+    strings = ["<s>[INST] Hello [/INST]", "</s> after", "a</s>b", " <s>  x", "Hello"]
+    _check_hf(load_tokenizer(folder), folder, strings + TRICKY)
+
+
 @pytest.mark.slow
 def test_hf_llama3_equals_autotokenizer_on_all_hellaswag(hf_llama3_dir):
     from transformers import AutoTokenizer
