@@ -3,6 +3,7 @@
     python -m nakta_model.generate --checkpoint CKPT --prompt "Once upon a time"
     nakta-generate --checkpoint CKPT --prompts-file prompts.txt --temperature 0   # batched
     nakta-generate --checkpoint CKPT --interactive                                # a prompt a line
+    nakta-generate --checkpoint CKPT --chat --interactive    # a conversation, in the chat format
     torchrun --nproc_per_node 2 -m nakta_model.generate --checkpoint CKPT --prompt "..."  # tp 2
 
 CKPT is a Nakta (``convert.py``), Meta or HF folder, read by ``nakta_model.load``; the tokenizer
@@ -12,7 +13,12 @@ stdout as it is decoded (several prompts: in order, each streamed once those bef
 done); the timing line (tokens/s, time to first token) goes to stderr. Under ``torchrun`` the
 model is split over every process (tp = world size) and only rank 0 prints. Sampling defaults
 are Meta's example's (temperature 0.6, top-p 0.9); ``--temperature 0`` is greedy, token for
-token what llama_org's loop gives. Every bad argument or input is one ``error:`` line, exit 2.
+token what llama_org's loop gives. ``--chat`` wraps each prompt in the checkpoint's chat format
+(Meta's Llama-3 dialog format, or an HF folder's ``chat_template``; ``--system`` adds a system
+message) and prints the reply only; with ``--interactive`` the conversation carries on from
+line to line. Generation stops at any of the tokenizer's stop ids (Llama-3: ``<|eot_id|>``,
+``<|eom_id|>`` and ``<|end_of_text|>``). Every bad argument or input is one ``error:`` line,
+exit 2.
 """
 
 from __future__ import annotations
@@ -57,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--top-k", type=int, default=0, help="0: no cut")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message in the checkpoint's chat format (Meta's Llama-3 "
+        "dialog format or the HF folder's chat_template); --interactive keeps the conversation",
+    )
+    p.add_argument("--system", help="a system message first (with --chat)")
     p.add_argument("--dtype", choices=_DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when present)")
     p.add_argument(
@@ -81,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e).replace("temperature", "--temperature").replace("top_", "--top-"))
     if any(not s for s in a.stop):
         p.error("--stop needs a non-empty string")
+    if a.system is not None and not a.chat:
+        p.error("--system goes with --chat")
     return a
 
 
@@ -104,6 +119,7 @@ def read_prompts(a: argparse.Namespace) -> list[str]:
 def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
     """Every path and the tokenizer checked before the weights are read: ``(tokenizer,
     prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary."""
+    from nakta_model.chat import chat_format
     from nakta_model.loading import checkpoint_args
     from nakta_model.tokenizer import TokenizerError, check_fits_vocab, load_tokenizer
 
@@ -112,11 +128,17 @@ def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
         args = checkpoint_args(a.checkpoint)
     tok_path = checkpoint_tokenizer_path(a.checkpoint, a.tokenizer, vocab_size=args.vocab_size)
     try:
-        check_fits_vocab(load_tokenizer(tok_path), args.vocab_size, a.checkpoint)
+        tok = load_tokenizer(tok_path)
+        check_fits_vocab(tok, args.vocab_size, a.checkpoint)
     except TokenizerError as e:
         raise InputError(f"--tokenizer {tok_path}: {e.reason}") from e
     except ValueError as e:
         raise InputError(str(e)) from e
+    if a.chat and chat_format(tok) is None:
+        raise InputError(
+            f"--chat: tokenizer {tok_path} has no chat format (a Meta Llama-3 tokenizer.model, "
+            "or a HF folder with a chat_template)"
+        )
     return tok_path, read_prompts(a)
 
 
