@@ -34,10 +34,21 @@ __all__ = [
     "check_fits_vocab",
     "find_tokenizer",
     "load_tokenizer",
+    "tokenizer_files",
 ]
 
 HF_TOKENIZER = "tokenizer.json"
 MODEL_FILE = "tokenizer.model"
+# what a converted checkpoint must carry for load_tokenizer to read the same tokenizer (the
+# configs give an HF folder's BOS / EOS / stop ids and chat template)
+TOKENIZER_FILES = (
+    HF_TOKENIZER,
+    MODEL_FILE,
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 class TokenizerError(ValueError):
@@ -495,6 +506,12 @@ def find_tokenizer(folder: str | os.PathLike) -> Path | None:
         if (folder / name).is_file():
             return folder / name
     return None
+
+
+def tokenizer_files(folder: str | os.PathLike) -> list[Path]:
+    """The tokenizer files of ``folder`` (:data:`TOKENIZER_FILES` present in it), what a
+    converter copies beside the weights."""
+    return [Path(folder) / n for n in TOKENIZER_FILES if (Path(folder) / n).is_file()]
 
 
 def load_tokenizer(path: str | os.PathLike) -> TokenizerBase:

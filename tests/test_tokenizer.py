@@ -39,6 +39,7 @@ from nakta_model.tokenizer import (
     check_fits_vocab,
     find_tokenizer,
     load_tokenizer,
+    tokenizer_files,
 )
 
 HELLASWAG = DATA / "hellaswag_val_full.jsonl"
@@ -359,3 +360,15 @@ def test_mistral_sentencepiece_equals_mistral_common(version):
         assert tok.encode_many(strings, bos=bos, eos=eos) == want
     sp = SentencePieceProcessor(model_file=str(path))  # mistral-common's decode trims: sp's
     assert all(tok.decode(ids) == sp.decode(ids) for ids in want)
+
+
+def test_tokenizer_files_lists_what_a_converter_copies(hf_llama3_dir, tmp_path):
+    names = [p.name for p in tokenizer_files(hf_llama3_dir)]
+    assert names[0] == "tokenizer.json" and "generation_config.json" in names
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in tokenizer_files(hf_llama3_dir):
+        shutil.copyfile(p, copy / p.name)
+    a, b = load_tokenizer(hf_llama3_dir), load_tokenizer(copy)
+    assert (a.bos_id, a.eos_id, a.stop_ids) == (b.bos_id, b.eos_id, b.stop_ids)
+    assert tokenizer_files(tmp_path / "copy" / "nothing") == []
