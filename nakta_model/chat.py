@@ -155,6 +155,8 @@ def _template_text(tokenizer, messages: list[dict], add_generation_prompt: bool)
     try:
         text = _compile(tokenizer.chat_template).render(
             messages=messages,
+            tools=None,  # given as None, as transformers does: `tools is not none` is False
+            documents=None,
             add_generation_prompt=add_generation_prompt,
             **tokenizer.template_tokens,
         )

@@ -333,16 +333,25 @@ class TiktokenTokenizer(TokenizerBase):
         return out
 
     def encode_special(self, text: str) -> list[int]:
-        """``text`` with its special tokens' text read as those tokens (a chat template's
-        rendering); plain text in between is encoded as :meth:`encode` does."""
+        """``text`` with its special tokens' text read as those tokens (a rendered chat
+        prompt); plain text in between is encoded as :meth:`encode` does, except that the
+        ``"\n\n"`` after ``<|end_header_id|>`` is encoded apart from what follows, as Meta's
+        ``ChatFormat`` encodes a header: a rendered dialog reads back to Meta's ids."""
         if type(text) is not str:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         out: list[int] = []
+        after_header = False
         for part in self._special_re.split(text):
             if part in self.special_tokens:
                 out.append(self.special_tokens[part])
-            elif part:
+                after_header = part == "<|end_header_id|>"
+                continue
+            if after_header and part.startswith("\n\n"):
+                out.extend(self._encode_plain("\n\n"))
+                part = part[2:]
+            if part:
                 out.extend(self._encode_plain(part))
+            after_header = False
         return out
 
     def decode(self, t: Sequence[int]) -> str:

@@ -30,6 +30,11 @@ DIALOGS = [
         {"role": "assistant", "content": "Kuzco."},
         {"role": "user", "content": "\nAnother, with <|eot_id|> in it?"},
     ],
+    [
+        {"role": "user", "content": "\n\n\nstarts with line breaks"},
+        {"role": "assistant", "content": " \n"},
+        {"role": "user", "content": "\n"},
+    ],
     [{"role": "user", "content": ""}],
 ]
 ALTERNATING = [d for d in DIALOGS if d[0]["role"] == "user"]  # what Mistral's template takes
@@ -62,7 +67,7 @@ def test_meta_dialog_equals_meta_chat_format(meta_tok, dialog):
     assert chat_format(meta_tok) == "llama3"
     assert encode_chat(meta_tok, dialog) == want
     assert meta_tok.decode(want) == render_chat(meta_tok, dialog)
-    if dialog in DIALOGS[:2]:  # plain text: the rendering reads back to the same ids
+    if "<|" not in str(dialog):  # the rendering reads back to Meta's ids (what lm-eval encodes)
         assert meta_tok.encode_special(render_chat(meta_tok, dialog)) == want
 
 
@@ -89,9 +94,14 @@ def _hf_check(folder, dialogs):
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         assert encode_chat(tok, dialog) == list(ids)
         if dialog[-1]["role"] == "assistant" or len(dialog) == 1:
-            cont = ref.apply_chat_template(
-                dialog, tokenize=False, add_generation_prompt=False, continue_final_message=True
-            )
+            try:
+                cont = ref.apply_chat_template(
+                    dialog, tokenize=False, add_generation_prompt=False, continue_final_message=True
+                )
+            except ValueError:  # the template rewrites the final message: refused alike
+                with pytest.raises(ValueError, match="drops part of the final message"):
+                    render_chat(tok, dialog, add_generation_prompt=False)
+                continue
             assert render_chat(tok, dialog, add_generation_prompt=False) == cont
 
 
@@ -129,3 +139,26 @@ def test_no_chat_format_and_bad_messages(meta_tok):
         encode_chat(meta_tok, [{"role": "user"}])
     with pytest.raises(ValueError, match=r"messages\[0\] has role 'bot'"):
         encode_chat(meta_tok, [{"role": "bot", "content": "x"}])
+
+
+# what transformers gives a template beyond the messages: tools / documents as None, its tojson
+# (no HTML escaping, non-ASCII kept), namespace, strftime_now, trim_blocks / lstrip_blocks
+FEATURES_TEMPLATE = """{{ bos_token }}{% if tools is not none %}TOOLS{% endif %}
+{% if documents is defined and documents is not none %}DOCS{% endif %}
+{% set ns = namespace(n=0) %}
+{% for m in messages %}
+    {% set ns.n = ns.n + 1 %}
+    {{ m['role'] }}: {{ m['content'] | tojson }}{% if loop.last %} [{{ ns.n }}]{% endif %}
+
+{% endfor %}
+{{ strftime_now('%Y') }}{% if add_generation_prompt %}<|start_header_id|>{% endif %}"""
+
+
+def test_hf_template_features_equal_transformers(hf_llama3):
+    import shutil
+
+    folder = hf_llama3.parent / "features"
+    shutil.copytree(hf_llama3, folder, dirs_exist_ok=True)
+    set_chat_template(folder, FEATURES_TEMPLATE)
+    dialogs = [*DIALOGS[:3], [{"role": "user", "content": '<b>&"quotes" ünï</b>'}]]
+    _hf_check(folder, dialogs)
