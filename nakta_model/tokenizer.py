@@ -451,7 +451,7 @@ class HFTokenizer(TokenizerBase):
         try:
             self.model = RustTokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - the Rust side raises its own exception types
-            raise ValueError(f"{path}: not a HF tokenizer.json ({e})") from e
+            raise ValueError(f"{path}: the tokenizers package cannot read it ({e})") from e
         folder = path.parent
         tok_config = _read_json(folder / "tokenizer_config.json")
         gen_config = _read_json(folder / "generation_config.json")
@@ -551,7 +551,8 @@ def load_tokenizer(path: str | os.PathLike) -> TokenizerBase:
     try:
         return kind(p)
     except (OSError, RuntimeError, ValueError) as e:
-        raise TokenizerError(p, f"{what} ({' '.join(str(e).split())})") from e
+        detail = " ".join(str(e).split()).removeprefix(f"{p}: ")  # the path is said once
+        raise TokenizerError(p, f"{what} ({detail})") from e
 
 
 def check_fits_vocab(tokenizer: TokenizerBase, vocab_size: int, checkpoint: object = "") -> None:

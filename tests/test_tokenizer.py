@@ -372,3 +372,24 @@ def test_tokenizer_files_lists_what_a_converter_copies(hf_llama3_dir, tmp_path):
     a, b = load_tokenizer(hf_llama3_dir), load_tokenizer(copy)
     assert (a.bos_id, a.eos_id, a.stop_ids) == (b.bos_id, b.eos_id, b.stop_ids)
     assert tokenizer_files(tmp_path / "copy" / "nothing") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["llama", "mistral-v3"])
+def test_sentencepiece_equals_references_on_all_hellaswag(which):
+    from sentencepiece import SentencePieceProcessor
+
+    if which == "llama":
+        if not LLAMA_SP.is_file():
+            pytest.skip(f"{LLAMA_SP} is missing")
+        sp = SentencePieceProcessor(model_file=str(LLAMA_SP))
+        tok, ref = load_tokenizer(LLAMA_SP), lambda s: [1, *sp.encode(s)]
+    else:
+        pytest.importorskip("mistral_common")
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+        path = mistral_sp(which.split("-")[1])
+        mistral = MistralTokenizer.from_file(str(path)).instruct_tokenizer.tokenizer
+        tok, ref = load_tokenizer(path), lambda s: mistral.encode(s, bos=True, eos=False)
+    strings = _hellaswag_strings(None)
+    assert tok.encode_many(strings, bos=True, eos=False) == [ref(s) for s in strings]
