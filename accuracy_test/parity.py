@@ -76,9 +76,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="Nakta, Meta or HF checkpoint folder")
-    p.add_argument(
-        "--tokenizer", help="sentencepiece tokenizer.model (default: the checkpoint's own)"
-    )
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's own)")
     p.add_argument(
         "--data",
         required=True,

@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a Nakta checkpoint directory (tokenizer.model in it)")
     src.add_argument("--preset", help="make a random LLaMA of this shape (e.g. 7B), converted")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's own)")
     p.add_argument("--data", required=True, help="HellaSwag .jsonl for hellaswag_local")
     p.add_argument("--runs", default="10:2000,0:all", help="SHOTS:LIMIT,... (LIMIT 'all')")
     p.add_argument("--gpus", type=int, default=2, help="processes of the dp runs")
