@@ -361,7 +361,7 @@ class NaktaLM(ScoringLM):
                     self.tok_encode(req.args[0])[-keep:],
                     gen.max_gen,
                     SamplingParams(gen.temperature, gen.top_k, gen.top_p),
-                    stop_token_ids=(self.eot_token_id,),
+                    stop_token_ids=tuple(self.tok.stop_ids),  # Llama-3: eot, eom, end_of_text
                     stop=StopStrings(gen.until, self.tok_decode),
                 )
             )

@@ -179,9 +179,10 @@ def default_tokenizer(tokenizer: str | None, checkpoint: str, model: str) -> str
     ``convert.py`` writes beside the weights, and what Meta's folders hold)."""
     if tokenizer not in (None, ""):
         return str(tokenizer)
-    own = Path(checkpoint) / "tokenizer.model"
-    if own.is_file():
-        return str(own)
+    for name in ("tokenizer.json", "tokenizer.model"):  # HF's first, as AutoTokenizer reads it
+        own = Path(checkpoint) / name
+        if own.is_file():
+            return str(own)
     raise ModelArgsError(
         f"{model}: no tokenizer= given and checkpoint {checkpoint} holds no tokenizer.model: "
         "pass tokenizer=PATH (the SentencePiece model the checkpoint was trained with)"

@@ -36,14 +36,16 @@ class ScoringLM(TemplateLM):
         max_gen_toks: int | str = 256,
     ):
         super().__init__()
-        import nakta_model
+        from nakta_model.tokenizer import load_tokenizer
 
         self._device = models.resolve_device(device, fallback=True)
         try:
             self.dtype = models.parse_dtype(
                 dtype or ("bf16" if self.device.type == "cuda" else "fp32")
             )
-            self.tok = nakta_model.Tokenizer(tokenizer)
+            self.tok = load_tokenizer(tokenizer)
+            # BOS as text, what a rendered chat prompt starts with (SentencePiece: none)
+            self._bos_text = self.tok.decode([self.tok.bos_id]) if self.tok.bos_id >= 0 else ""
             self.token_budget = _positive_int("token_budget", token_budget)
             self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         except (ValueError, FileNotFoundError) as e:
@@ -58,7 +60,15 @@ class ScoringLM(TemplateLM):
     def prefix_token_id(self) -> int:
         return self.tok.bos_id  # LLaMA conditions an empty context on BOS
 
+    def _chat_prompt(self, string: str) -> bool:
+        """A string that starts with BOS's text is a rendered chat prompt (``apply_chat_template``
+        wrote it): its special tokens' text is read as those tokens and no second BOS goes
+        first, as lm-eval's ``hf`` encodes one."""
+        return bool(self._bos_text) and string.startswith(self._bos_text)
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw) -> list[int]:
+        if add_special_tokens is None and self._chat_prompt(string):
+            return self.tok.encode_special(string)
         return self.tok.encode(string, bos=add_special_tokens is not False, eos=False)
 
     def tok_decode(self, tokens: Sequence[int], **kw) -> str:
@@ -66,7 +76,53 @@ class ScoringLM(TemplateLM):
 
     def _encode_many(self, strings: list[str], bos: bool) -> list[list[int]]:
         """``tok_encode`` of many strings (BOS when ``bos``) in one multi-threaded call."""
-        return self.tok.encode_many(strings, bos=bos, eos=False)
+        chat = [i for i, s in enumerate(strings) if bos and self._chat_prompt(s)]
+        if not chat:
+            return self.tok.encode_many(strings, bos=bos, eos=False)
+        out = self.tok.encode_many(strings, bos=bos, eos=False)
+        for i in chat:
+            out[i] = self.tok.encode_special(strings[i])
+        return out
+
+    # ---------------------------------------------------------------- chat (lm-eval's API)
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer file, as lm-eval's request cache names it (``/`` -> ``__``)."""
+        return self.tok.path.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The chat format lm-eval records (``--apply_chat_template``): the HF template's text,
+        or Meta's Llama-3 dialog format by name; a tokenizer with none is refused up front."""
+        from nakta_model.chat import chat_format
+
+        if not chat_template:
+            return None
+        fmt = chat_format(self.tok)
+        if fmt is None:
+            raise ModelArgsError(
+                f"--apply_chat_template: tokenizer {self.tok.path} has no chat format (a Meta "
+                "Llama-3 tokenizer.model, or a HF folder with a chat_template)"
+            )
+        return self.tok.chat_template if fmt == "template" else "llama3 (Meta's dialog format)"
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The dialog as the checkpoint's chat format writes it (``nakta_model.chat``), the
+        final message left open when ``add_generation_prompt`` is False, as ``hf`` does."""
+        from nakta_model.chat import render_chat
+
+        try:
+            return render_chat(self.tok, chat_history, add_generation_prompt)
+        except (TypeError, ValueError) as e:
+            # hf retries without system messages (templates that refuse them), so does this
+            rest = [m for m in chat_history if m.get("role") != "system"]
+            if len(rest) < len(chat_history):
+                try:
+                    return render_chat(self.tok, rest, add_generation_prompt)
+                except (TypeError, ValueError):
+                    pass
+            raise ModelArgsError(f"apply_chat_template: {e}") from e
 
     # ---------------------------------------------------------------- scoring
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

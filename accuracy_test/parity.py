@@ -76,9 +76,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="Nakta, Meta or HF checkpoint folder")
-    p.add_argument(
-        "--tokenizer", help="sentencepiece tokenizer.model (default: the checkpoint's own)"
-    )
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's own)")
     p.add_argument(
         "--data",
         required=True,
@@ -338,16 +336,16 @@ def load_inputs(a: argparse.Namespace):
     """``(docs, tokenizer)``, every path checked first (cheap), before any model is built; a
     file that is missing or does not read as what it should be is an :class:`InputError`
     naming it."""
-    import nakta_model
+    from nakta_model.tokenizer import TokenizerError, load_tokenizer
 
     if not a.random:
         require_checkpoint(a.checkpoint)
     a.tokenizer = checkpoint_tokenizer_path(None if a.random else a.checkpoint, a.tokenizer)
     require_file(a.data, "--data", "a HellaSwag .jsonl, or llama.cpp .txt[.bz2]")
     try:
-        tok = nakta_model.Tokenizer(a.tokenizer)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise InputError(f"--tokenizer {a.tokenizer}: not a SentencePiece model ({e})") from e
+        tok = load_tokenizer(a.tokenizer)
+    except TokenizerError as e:
+        raise InputError(f"--tokenizer {a.tokenizer}: {e.reason}") from e
     try:
         docs = hellaswag.load(a.data, limit=a.limit)
     except (OSError, ValueError, TypeError, KeyError) as e:

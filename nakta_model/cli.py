@@ -107,13 +107,17 @@ def checkpoint_tokenizer_path(
     option: str = "--tokenizer",
     vocab_size: int | None = None,
 ) -> Path:
-    """``tokenizer`` when given (it must be a file), else the checkpoint's own
-    (``tokenizer.model`` in the folder, or Meta's parent folder when it fits ``vocab_size``)."""
+    """``tokenizer`` when given (it must be a file), else the checkpoint's own (a HF
+    ``tokenizer.json`` or ``tokenizer.model`` in the folder, or Meta's parent folder's
+    ``tokenizer.model`` when it fits ``vocab_size``)."""
     if tokenizer is not None:
         return require_file(tokenizer, option, "a SentencePiece tokenizer.model")
     if checkpoint is None:
         raise InputError(f"{option} is needed (no checkpoint to take its tokenizer.model from)")
     from nakta_model.sources import checkpoint_tokenizer
+
+    if (Path(checkpoint) / "tokenizer.json").is_file():  # a HF folder: what AutoTokenizer reads
+        return Path(checkpoint) / "tokenizer.json"
 
     with checkpoint_errors(checkpoint):
         found = checkpoint_tokenizer(checkpoint, vocab_size)

@@ -3,15 +3,22 @@
     python -m nakta_model.generate --checkpoint CKPT --prompt "Once upon a time"
     nakta-generate --checkpoint CKPT --prompts-file prompts.txt --temperature 0   # batched
     nakta-generate --checkpoint CKPT --interactive                                # a prompt a line
+    nakta-generate --checkpoint CKPT --chat --interactive    # a conversation, in the chat format
     torchrun --nproc_per_node 2 -m nakta_model.generate --checkpoint CKPT --prompt "..."  # tp 2
 
 CKPT is a Nakta (``convert.py``), Meta or HF folder, read by ``nakta_model.load``; the tokenizer
-is the checkpoint's own ``tokenizer.model`` unless ``--tokenizer`` names one. Text goes to
+is the checkpoint's own (``tokenizer.json`` or ``tokenizer.model``, read by
+``nakta_model.tokenizer.load_tokenizer``) unless ``--tokenizer`` names one. Text goes to
 stdout as it is decoded (several prompts: in order, each streamed once those before it are
 done); the timing line (tokens/s, time to first token) goes to stderr. Under ``torchrun`` the
 model is split over every process (tp = world size) and only rank 0 prints. Sampling defaults
 are Meta's example's (temperature 0.6, top-p 0.9); ``--temperature 0`` is greedy, token for
-token what llama_org's loop gives. Every bad argument or input is one ``error:`` line, exit 2.
+token what llama_org's loop gives. ``--chat`` wraps each prompt in the checkpoint's chat format
+(Meta's Llama-3 dialog format, or an HF folder's ``chat_template``; ``--system`` adds a system
+message) and prints the reply only; with ``--interactive`` the conversation carries on from
+line to line. Generation stops at any of the tokenizer's stop ids (Llama-3: ``<|eot_id|>``,
+``<|eom_id|>`` and ``<|end_of_text|>``). Every bad argument or input is one ``error:`` line,
+exit 2.
 """
 
 from __future__ import annotations
@@ -42,7 +49,11 @@ _DTYPES = ("bf16", "fp16", "fp32")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineArgumentParser(prog="nakta-generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="Nakta, Meta or HF checkpoint folder")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.model (SentencePiece or Llama-3 tiktoken) or HF tokenizer.json "
+        "(default: the checkpoint's own)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", help="a text file, one prompt a line, generated batched")
@@ -52,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--top-k", type=int, default=0, help="0: no cut")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message in the checkpoint's chat format (Meta's Llama-3 "
+        "dialog format or the HF folder's chat_template); --interactive keeps the conversation",
+    )
+    p.add_argument("--system", help="a system message first (with --chat)")
     p.add_argument("--dtype", choices=_DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when present)")
     p.add_argument(
@@ -76,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e).replace("temperature", "--temperature").replace("top_", "--top-"))
     if any(not s for s in a.stop):
         p.error("--stop needs a non-empty string")
+    if a.system is not None and not a.chat:
+        p.error("--system goes with --chat")
     return a
 
 
@@ -99,21 +119,25 @@ def read_prompts(a: argparse.Namespace) -> list[str]:
 def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
     """Every path and the tokenizer checked before the weights are read: ``(tokenizer,
     prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary."""
+    from nakta_model.chat import chat_format
     from nakta_model.loading import checkpoint_args
-    from nakta_model.tokenizer import Tokenizer
+    from nakta_model.tokenizer import TokenizerError, check_fits_vocab, load_tokenizer
 
     require_checkpoint(a.checkpoint)
     with checkpoint_errors(a.checkpoint):
         args = checkpoint_args(a.checkpoint)
     tok_path = checkpoint_tokenizer_path(a.checkpoint, a.tokenizer, vocab_size=args.vocab_size)
     try:
-        n_words = Tokenizer(tok_path).n_words
-    except (OSError, RuntimeError, ValueError) as e:
-        raise InputError(f"--tokenizer {tok_path}: not a SentencePiece model ({e})") from e
-    if n_words > args.vocab_size:
+        tok = load_tokenizer(tok_path)
+        check_fits_vocab(tok, args.vocab_size, a.checkpoint)
+    except TokenizerError as e:
+        raise InputError(f"--tokenizer {tok_path}: {e.reason}") from e
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    if a.chat and chat_format(tok) is None:
         raise InputError(
-            f"--tokenizer {tok_path} has {n_words} pieces, more than the checkpoint's "
-            f"vocab_size {args.vocab_size}: not this model's tokenizer"
+            f"--chat: tokenizer {tok_path} has no chat format (a Meta Llama-3 tokenizer.model, "
+            "or a HF folder with a chat_template)"
         )
     return tok_path, read_prompts(a)
 
@@ -155,7 +179,7 @@ def _run(a, parallel) -> list[dict] | None:
 
     from nakta_model.generation.console import GenerationSession, dtype_name
     from nakta_model.loading import load
-    from nakta_model.tokenizer import Tokenizer
+    from nakta_model.tokenizer import load_tokenizer
 
     tok_path, prompts = checked_on_every_rank(check_inputs, a)
     device = parallel.device
@@ -178,7 +202,7 @@ def _run(a, parallel) -> list[dict] | None:
             raise InputError(f"--quant {a.quant}: {e}") from None
     with checkpoint_errors(a.checkpoint):
         model = load(a.checkpoint, device, dtype, parallel, quant=a.quant)
-    session = GenerationSession(a, model, Tokenizer(tok_path), parallel)
+    session = GenerationSession(a, model, load_tokenizer(tok_path), parallel)
     if a.interactive:
         session.interactive()
         return None

@@ -243,12 +243,12 @@ def open_meta(in_dir: Path, quiet: bool = False) -> Source:
 
 
 def _tokenizer_words(path: Path) -> int:
-    from nakta_model.tokenizer import Tokenizer
+    from nakta_model.tokenizer import TokenizerError, load_tokenizer
 
     try:
-        return Tokenizer(path).n_words
-    except (OSError, RuntimeError, ValueError) as e:  # sentencepiece: RuntimeError on garbage
-        raise CheckpointError(f"{path}: not a sentencepiece model ({e})") from e
+        return load_tokenizer(path).n_words
+    except TokenizerError as e:
+        raise CheckpointError(f"{path}: {e.reason}") from e
 
 
 # ----------------------------------------------------------------------------------- HF source

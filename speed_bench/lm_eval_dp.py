@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a Nakta checkpoint directory (tokenizer.model in it)")
     src.add_argument("--preset", help="make a random LLaMA of this shape (e.g. 7B), converted")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's own)")
     p.add_argument("--data", required=True, help="HellaSwag .jsonl for hellaswag_local")
     p.add_argument("--runs", default="10:2000,0:all", help="SHOTS:LIMIT,... (LIMIT 'all')")
     p.add_argument("--gpus", type=int, default=2, help="processes of the dp runs")
@@ -130,7 +130,7 @@ def _weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Path, Path |
     """``(nakta checkpoint, HF dir or None, what making them took)``."""
     if a.checkpoint:
         return Path(a.checkpoint).resolve(), None, {"weights": Path(a.checkpoint).name}
-    from nakta_model import Tokenizer
+    from nakta_model.tokenizer import load_tokenizer
     from speed_bench.lm_eval_weights import (
         convert,
         make_random_hf,
@@ -138,7 +138,7 @@ def _weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Path, Path |
         write_hf_tokenizer,
     )
 
-    args = preset_args(a.preset, Tokenizer(a.tokenizer).n_words, a.max_seq_len)
+    args = preset_args(a.preset, load_tokenizer(a.tokenizer).n_words, a.max_seq_len)
     t0 = time.perf_counter()
     make_random_hf(work / "hf", args, a.dtype, a.device, a.seed)
     write_hf_tokenizer(work / "hf", a.tokenizer, args.max_seq_len)

@@ -80,15 +80,15 @@ def make_weights(a: argparse.Namespace, work: Path) -> tuple[Path, dict]:
         return ckpt, {"weights": ckpt.name}
     import torch
 
-    from nakta_model import Tokenizer
     from nakta_model.checkpoint import save_checkpoint
     from nakta_model.io_utils import atomic_write_text
+    from nakta_model.tokenizer import load_tokenizer
     from speed_bench.lm_eval_weights import DTYPES, preset_args
     from speed_bench.weights import RandomWeights
 
     if not Path(a.tokenizer).is_file():
         raise UsageError(f"--tokenizer {a.tokenizer} is not a file")
-    args = preset_args(a.preset, Tokenizer(a.tokenizer).n_words, a.max_seq_len)
+    args = preset_args(a.preset, load_tokenizer(a.tokenizer).n_words, a.max_seq_len)
     stamp = {"preset": a.preset, "seed": a.seed, "dtype": a.dtype, "vocab": args.vocab_size,
              "max_seq_len": a.max_seq_len, "tokenizer": str(Path(a.tokenizer).resolve())}  # fmt: skip
     ckpt, made = work / "nakta", work / "made.json"

@@ -11,7 +11,8 @@ or a random one made with transformers at a ``--preset`` shape (on the GPU in bf
 is one; the vocabulary follows ``--tokenizer``), then converted for nakta with ``python
 convert.py HF OUT --dtype DTYPE`` (timed). ``hf`` reads the same sentencepiece ``--tokenizer``
 through ``AutoTokenizer`` (a ``tokenizer_config.json`` beside it: transformers then converts
-the model file; ``LlamaTokenizer(vocab_file=...)`` alone encodes to ``[]`` in transformers 5).
+the model file; ``LlamaTokenizer(vocab_file=...)`` alone encodes to ``[]`` in transformers 5;
+Meta's Llama-3 tiktoken file becomes an HF Llama-3 ``tokenizer.json``, checked to agree).
 
 Per run: ``wall_s`` (process start to end, measured here), ``load_s`` (model construction)
 and ``scoring_s`` (``lm_eval.evaluator.evaluate``), both measured inside the child by the
@@ -87,7 +88,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="HF LLaMA directory (config.json + weights)")
     src.add_argument("--preset", help="random weights of this shape: 7B, 13B, ..., tiny")
-    p.add_argument("--tokenizer", required=True, help="sentencepiece tokenizer.model")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.model (SentencePiece or Llama-3)")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="HellaSwag jsonl")
     p.add_argument(
         "--task",

@@ -75,7 +75,9 @@ def preset_args(name: str, vocab_size: int, max_seq_len: int):
     return dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=max_seq_len)
 
 
-def make_random_hf(out: Path, args, dtype_name: str, device: str, seed: int) -> None:
+def make_random_hf(
+    out: Path, args, dtype_name: str, device: str, seed: int, bos_eos: tuple[int, int] = (1, 2)
+) -> None:
     """``LlamaForCausalLM(LlamaConfig(...))`` with seeded random weights, saved as safetensors."""
     import torch
     from transformers import LlamaForCausalLM
@@ -83,7 +85,7 @@ def make_random_hf(out: Path, args, dtype_name: str, device: str, seed: int) -> 
     from speed_bench.hf_speed import default_dtype, hf_config
 
     config = hf_config(args, args.max_seq_len)
-    config.bos_token_id, config.eos_token_id = 1, 2
+    config.bos_token_id, config.eos_token_id = bos_eos  # the tokenizer's
     torch.manual_seed(seed)
     dtype = getattr(torch, DTYPES[dtype_name])
     with torch.device(device), default_dtype(dtype):
@@ -95,8 +97,13 @@ def make_random_hf(out: Path, args, dtype_name: str, device: str, seed: int) -> 
 
 
 def write_hf_tokenizer(out: Path, sp_model: str | Path, max_seq_len: int) -> Path:
-    """``tokenizer.model`` + a ``tokenizer_config.json`` that ``AutoTokenizer`` converts."""
+    """``tokenizer.model`` + a ``tokenizer_config.json`` that ``AutoTokenizer`` converts; for
+    Meta's Llama-3 tiktoken file, the ``tokenizer.json`` of an HF Llama-3 folder."""
+    from nakta_model.tokenizer import load_tokenizer
+
     out.mkdir(parents=True, exist_ok=True)
+    if load_tokenizer(sp_model).kind == "tiktoken":
+        return _write_hf_llama3_tokenizer(out, sp_model, max_seq_len)
     shutil.copyfile(sp_model, out / "tokenizer.model")
     config = {
         "tokenizer_class": "LlamaTokenizer",
@@ -111,17 +118,44 @@ def write_hf_tokenizer(out: Path, sp_model: str | Path, max_seq_len: int) -> Pat
     return out
 
 
+def _write_hf_llama3_tokenizer(out: Path, tiktoken_file: str | Path, max_seq_len: int) -> Path:
+    """An HF Llama-3 (base) tokenizer folder from Meta's file, as transformers converts it:
+    Meta's regex and special tokens, BOS added by the post-processor, EOS <|end_of_text|>."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from nakta_model.tokenizer import LLAMA3_PATTERN, load_tokenizer
+
+    tok = load_tokenizer(tiktoken_file)
+    specials = sorted(tok.special_tokens, key=tok.special_tokens.get)
+    converted = TikTokenConverter(
+        vocab_file=str(tiktoken_file), pattern=LLAMA3_PATTERN, extra_special_tokens=specials
+    ).converted()
+    bos = "<|begin_of_text|>"
+    converted.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=converted,
+        bos_token=bos,
+        eos_token="<|end_of_text|>",
+        model_max_length=max_seq_len,
+    ).save_pretrained(str(out))
+    return out
+
+
 def check_tokenizers_agree(hf_tokenizer: Path, sp_model: str | Path, texts: Sequence[str]) -> None:
     """hf and nakta must score the same tokens, or the comparison means nothing. The converted
     fast tokenizer is saved (``tokenizer.json``) so that hf's runs load it as a real HF
     checkpoint's would, instead of converting the sentencepiece model again in every run."""
     from transformers import AutoTokenizer
 
-    from nakta_model import Tokenizer
+    from nakta_model.tokenizer import load_tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(hf_tokenizer))
     hf.save_pretrained(str(hf_tokenizer))
-    sp = Tokenizer(sp_model)
+    sp = load_tokenizer(sp_model)
     for text in texts:
         want = sp.encode(text, bos=True, eos=False)
         got = hf.encode(text)
@@ -159,9 +193,10 @@ def prepare_weights(
 ) -> tuple[Weights, dict]:
     """The HF directory (given or made), its tokenizer dir and the converted Nakta copy; the
     two tokenizers are checked to agree on ``texts`` (default: HellaSwag's from ``a.data``)."""
-    from nakta_model import Tokenizer
+    from nakta_model.tokenizer import load_tokenizer
 
-    n_words = Tokenizer(a.tokenizer).n_words
+    tokenizer = load_tokenizer(a.tokenizer)
+    n_words = tokenizer.n_words
     meta: dict = {"make_hf_s": None}
     if a.reuse_work:  # an earlier run's checkpoints (checked by _check_inputs)
         hf_dir = work / "hf"
@@ -183,7 +218,9 @@ def prepare_weights(
         args = preset_args(a.preset, n_words, a.max_seq_len)
         hf_dir = work / "hf"
         t0 = time.perf_counter()
-        make_random_hf(hf_dir, args, a.dtype, a.device, a.seed)
+        make_random_hf(
+            hf_dir, args, a.dtype, a.device, a.seed, (tokenizer.bos_id, tokenizer.eos_id)
+        )
         write_hf_tokenizer(hf_dir, a.tokenizer, args.max_seq_len)
         meta["make_hf_s"] = time.perf_counter() - t0
         meta["weights"] = f"{a.preset}-random-seed{a.seed}"

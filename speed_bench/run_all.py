@@ -262,13 +262,12 @@ def load_real_workload(args: argparse.Namespace, limit: int) -> Workload:
     """lm-eval's requests from ``--data`` and ``--tokenizer``; a file that does not read as
     what it should be is an :class:`InputError` naming it."""
     from nakta_model.tasks.hellaswag import sentencepiece_encoder
+    from nakta_model.tokenizer import TokenizerError
 
     try:
         sentencepiece_encoder(args.tokenizer)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise InputError(
-            f"--tokenizer {args.tokenizer}: not a SentencePiece model ({e})".replace("\n", " ")
-        ) from e
+    except TokenizerError as e:
+        raise InputError(f"--tokenizer {args.tokenizer}: {e.reason}") from e
     try:
         return real_workload(args.data, args.tokenizer, limit, args.select)
     except (OSError, ValueError, TypeError, KeyError) as e:

@@ -420,4 +420,4 @@ def test_refuses_a_broken_tokenizer_but_passes_over_a_broken_shared_one(capsys, 
     assert run(capsys, src, tmp_path / "out")[0] == 0
     assert not (tmp_path / "out" / "tokenizer.model").exists()
     (src / "tokenizer.model").write_bytes(b"garbage")
-    _refused(capsys, tmp_path, src, match="tokenizer.model: not a sentencepiece model")
+    _refused(capsys, tmp_path, src, match="tokenizer.model: not a SentencePiece model")

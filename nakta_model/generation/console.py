@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from nakta_model.chat import encode_chat
 from nakta_model.cli import InputError
 from nakta_model.generation.engine import Generator, max_rows
 from nakta_model.generation.streaming import StreamTiming, TextStream, generate_streaming
@@ -60,12 +61,26 @@ class OrderedPrinter:
 
 class GenerationSession:
     """One loaded model, its tokenizer and the command's settings (``a``: parsed arguments with
-    ``sampling``, ``max_new_tokens``, ``stop``, ``seed``, ``warmup``)."""
+    ``sampling``, ``max_new_tokens``, ``stop``, ``seed``, ``warmup``; ``chat`` and ``system``
+    optional). In chat mode a prompt is a user message in the tokenizer's chat format, after
+    ``history`` (the interactive conversation so far)."""
 
     def __init__(self, a, model, tokenizer, parallel: ParallelContext):
         self.a, self.model, self.tokenizer, self.parallel = a, model, tokenizer, parallel
         self.leader = parallel.is_leader
         self._generators: dict[tuple[int, int], Generator] = {}
+        self.chat = bool(getattr(a, "chat", False))
+        self.history: list[dict[str, str]] = []
+        self.replies: list[str] = []  # the last run's texts, on every rank
+
+    def encode(self, prompt: str) -> list[int]:
+        """A prompt's ids: BOS + its text, or (chat) the dialog so far plus it as a user turn."""
+        if not self.chat:
+            return self.tokenizer.encode(prompt, bos=True, eos=False)
+        system = getattr(self.a, "system", None)
+        dialog = [{"role": "system", "content": system}] if system else []
+        dialog += [*self.history, {"role": "user", "content": prompt}]
+        return encode_chat(self.tokenizer, dialog)
 
     def say(self, message: str) -> None:
         """A status line on stderr (rank 0 only), apart from the generated text."""
@@ -75,7 +90,7 @@ class GenerationSession:
     # ------------------------------------------------------------------------------- runs
     def run(self, prompts: Sequence[str]) -> list[dict] | None:
         """Generate ``prompts`` (batched), print them in order, then the timing line."""
-        encoded = [self.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+        encoded = [self.encode(p) for p in prompts]
         limit = self.model.args.max_seq_len
         for i, ids in enumerate(encoded):
             if len(ids) >= limit:
@@ -93,6 +108,7 @@ class GenerationSession:
         results, streams, timing = self._generate(
             gen, prompts, encoded, self.a.max_new_tokens, True
         )
+        self.replies = [s.shown for s in streams]
         self.say(self.timing_line(timing, len(prompts), warmup))
         if not self.leader:
             return None
@@ -113,6 +129,12 @@ class GenerationSession:
                     self.run([line])
                 except InputError as e:  # every rank meets the same line: all go on
                     self.say(f"error: {e}")
+                    continue
+                if self.chat:  # the next line answers this reply
+                    self.history += [
+                        {"role": "user", "content": line},
+                        {"role": "assistant", "content": self.replies[0]},
+                    ]
 
     # ---------------------------------------------------------------------------- helpers
     def _generator(self, n_prompts: int, row_len: int) -> Generator:
@@ -129,9 +151,13 @@ class GenerationSession:
     def _generate(self, gen, prompts, encoded, max_new: int, show: bool):
         torch.manual_seed(self.a.seed)  # the same draws on every rank, warm-up or not
         streams = [TextStream(self.tokenizer, ids, self.a.stop) for ids in encoded]
-        eos = (self.tokenizer.eos_id,) if self.tokenizer.eos_id >= 0 else ()
-        requests = [s.request(max_new, self.a.sampling, eos) for s in streams]
-        printer = OrderedPrinter(prompts, enabled=show and self.leader)
+        stops = tuple(self.tokenizer.stop_ids)  # Llama-3: end_of_text, eom and eot
+        requests = [s.request(max_new, self.a.sampling, stops) for s in streams]
+        shown = prompts  # chat: the reply alone after a typed line, under its prompt for a batch
+        if self.chat:
+            typed = getattr(self.a, "interactive", False)
+            shown = ["" if typed else p + "\n" for p in prompts]
+        printer = OrderedPrinter(shown, enabled=show and self.leader)
         results, timing = generate_streaming(gen, streams, requests, printer.write)
         return results, streams, timing
 

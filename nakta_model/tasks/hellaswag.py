@@ -262,15 +262,14 @@ def build_requests(
 
 
 def sentencepiece_encoder(model_file: str | Path, bos: bool = True) -> Callable[[str], list[int]]:
-    """An ``encode`` for :func:`build_requests` from a sentencepiece model (BOS like LLaMA)."""
-    import sentencepiece as spm
+    """An ``encode`` for :func:`build_requests` from a tokenizer file or folder (any kind
+    :func:`~nakta_model.tokenizer.load_tokenizer` reads; BOS like LLaMA)."""
+    from nakta_model.tokenizer import load_tokenizer
 
-    sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    bos_id = sp.bos_id()
+    tok = load_tokenizer(model_file)
 
     def encode(text: str) -> list[int]:
-        ids = sp.encode(text)
-        return [bos_id, *ids] if bos else ids
+        return tok.encode(text, bos=bos, eos=False)
 
     return encode
 
