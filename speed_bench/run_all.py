@@ -36,6 +36,13 @@ between barriers on all ranks, MFU divides by the sum of every GPU's measured pe
 is the largest rank's, and rank 0 alone prints and writes (default folder
 ``results/<device>/<model>-tp<N>-dp<M>/``).
 
+Results never replace an earlier run that exists nowhere else: when the results folder holds
+result files that git does not hold as they are (the CPU folder is git-ignored; any folder
+outside git), the run is refused before anything is timed unless ``--overwrite`` (or pick
+another ``--out``). The catalogue's committed files are replaced: git keeps them. A run of the
+tiny model (the CPU default) says in one line under its table why ``nakta_cache`` is not faster
+there.
+
 This file is the command line and the run, engine after engine; ``run_measure.py`` times one
 engine and makes its row, ``run_report.py`` prints the table and writes the files.
 """
@@ -155,6 +162,9 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     p.add_argument("--seed", type=int, default=0, help="random weights and embedded workload")
     p.add_argument("--device", help="default cuda when present")
     p.add_argument("--out", type=Path, help="results folder (default results/<device>/...)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run's results in the folder even where git holds no "
+                        "copy of them (the CPU folder, a folder of your own)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tp", type=int,
                    help="tensor-parallel GPUs per replica (torchrun; default world size / --dp)")  # fmt: skip
@@ -234,6 +244,23 @@ def main(argv: list[str] | None = None, engine_set: EngineSet = RUN_ALL) -> dict
             torch.cuda.set_device(device)
         return exit_on_input_error(_run, args, engine_set, ParallelContext(device=device))
     return launch(lambda parallel: _run(args, engine_set, parallel), tp, dp, device=args.device)
+
+
+def tiny_model_note(rows: dict[str, dict], margs, device: torch.device) -> str | None:
+    """One line under the table when the model is tiny (the embedded CPU default): its times
+    measure per-call overhead, not the caches' worth, so ``nakta_cache`` may well be slower
+    than plain ``nakta`` there, and the table must not be read as their verdict."""
+    cache, plain = rows.get("nakta_cache"), rows.get("nakta")
+    params = sum(matmul_params(margs))
+    if cache is None or plain is None or params > 1e8:  # a real model: the numbers stand
+        return None
+    return (
+        f"note: nakta_cache {cache['tasks_per_s'] / plain['tasks_per_s']:.2f}x nakta on a tiny "
+        f"model ({params / 1e6:.2g}M matmul params, {device.type}): a forward costs about the same "
+        "whatever its tokens, so the caches' packing and prefix bookkeeping cost about as much as "
+        "the tokens they save, and nakta_cache can be the slower; what they buy shows on a real "
+        "model (--checkpoint, or --preset 7B on a GPU)"
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -324,6 +351,45 @@ def _check_fp8(device: torch.device) -> None:
         raise InputError(f"--quant fp8 / *_fp8 engines: {e}") from None
 
 
+RESULT_FILES = ("summary.json", "speed.md", "speed.csv", "speed.png")  # what write_results writes
+
+
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse, before anything is timed, to replace an earlier run's results that exist nowhere
+    else: result files in ``out`` that git does not hold as they are (untracked, ignored -- the
+    CPU folder is git-ignored -- or modified). The catalogue's committed files are replaced
+    (git keeps them); ``--overwrite`` replaces anything."""
+    present = [f for f in RESULT_FILES if (out / f).exists()]
+    if overwrite or not present or _git_holds(out, present):
+        return
+    import datetime
+
+    when = datetime.datetime.fromtimestamp((out / present[0]).stat().st_mtime)
+    raise InputError(
+        f"results folder {out} holds an earlier run's results ({present[0]}, "
+        f"{when:%Y-%m-%d %H:%M}) that git holds no copy of: pass --overwrite to replace them, "
+        "or --out DIR for another folder"
+    )
+
+
+def _git_holds(folder: Path, files: list[str]) -> bool:
+    """Whether every one of ``files`` in ``folder`` is tracked by git and unmodified."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(folder), "status", "--porcelain", "--ignored", "--", *files],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        tracked = subprocess.run(
+            ["git", "-C", str(folder), "ls-files", "--error-unmatch", "--", *files],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False  # no git here: nothing holds a copy
+    return proc.returncode == 0 and not proc.stdout.strip() and tracked.returncode == 0
+
+
 def default_out(engine_set: EngineSet, slug: str, model: str, parallel: ParallelContext) -> Path:
     """``results/<device>/[<engine set>/][<model>-tp<N>-dp<M>/]`` beside this file."""
     out = results_dir(__file__, slug)
@@ -352,6 +418,9 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     weights, workload = checked_on_every_rank(load_inputs, args, preset_name, limit)
     margs = weights.args
     validate_grid(parallel.tp_size, parallel.dp_size, world, args=margs)  # every rank: same verdict
+    slug = device_slug(device)
+    out = args.out or default_out(engine_set, slug, weights.name, parallel)
+    checked_on_every_rank(check_replaceable, out, args.overwrite)  # before hours are spent
 
     cfg = EngineConfig(
         device=device,
@@ -427,7 +496,6 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
                 ratios[f"nakta_cache_vs_{peer}"] = (
                     rows["nakta_cache"]["tasks_per_s"] / rows[peer]["tasks_per_s"]
                 )
-    slug = device_slug(device)
     summary = {
         "device": slug,
         "gpus": world,
@@ -470,7 +538,6 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     }
     if not parallel.is_leader:
         return None
-    out = args.out or default_out(engine_set, slug, weights.name, parallel)
     notes = (
         f"{workload.name}: {workload.n_tasks} tasks, {workload.request_tokens()} lm-eval tokens "
         f"({workload.unique_tokens()} unique: shared contexts and prefixes counted once); model {weights.name}, "
@@ -494,6 +561,8 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     print(format_table(df))
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
+    if note := tiny_model_note(rows, margs, device):
+        print(note)
     for k, v in skipped.items():
         print(f"skipped {k}: {v}")
     print(f"results -> {out}")

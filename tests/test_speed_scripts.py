@@ -83,6 +83,49 @@ def test_default_results_folders_do_not_overwrite_each_other(monkeypatch, tmp_pa
     )
 
 
+def test_an_earlier_run_git_holds_no_copy_of_is_never_replaced_silently(tmp_path):
+    """A second run into a folder with results git does not hold (the git-ignored CPU folder,
+    any folder outside git) is refused before anything is timed, unless --overwrite; files git
+    tracks unmodified (the catalogue) are replaced, git keeps them."""
+    import subprocess
+
+    from nakta_model.cli import InputError
+
+    out = tmp_path / "res"
+    run_all.check_replaceable(out, overwrite=False)  # nothing there yet
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    with pytest.raises(InputError, match=r"earlier run's results \(summary.json, .*--overwrite"):
+        run_all.check_replaceable(out, overwrite=False)
+    run_all.check_replaceable(out, overwrite=True)
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", "res/summary.json")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "r")
+    (out / "speed.md").write_text("untracked")
+    with pytest.raises(InputError):  # an untracked result beside the committed one
+        run_all.check_replaceable(out, overwrite=False)
+    (out / "speed.md").unlink()
+    run_all.check_replaceable(out, overwrite=False)  # tracked and clean: replaced
+    (out / "summary.json").write_text('{"edited": 1}')
+    with pytest.raises(InputError):
+        run_all.check_replaceable(out, overwrite=False)
+
+
+def test_a_tiny_model_run_says_why_the_caches_are_not_faster():
+    from nakta_model.config import preset
+
+    rows = {"nakta": {"tasks_per_s": 10.0}, "nakta_cache": {"tasks_per_s": 0.9}}
+    note = run_all.tiny_model_note(rows, preset("tiny"), torch.device("cpu"))
+    assert note.startswith("note: nakta_cache 0.09x nakta on a tiny model (")
+    assert "--checkpoint, or --preset 7B on a GPU" in note and "\n" not in note
+    assert run_all.tiny_model_note(rows, preset("7B"), torch.device("cpu")) is None
+    assert run_all.tiny_model_note({"nakta": rows["nakta"]}, preset("tiny"), "cpu") is None
+
+
 def test_grid_defaults_to_one_replica_over_the_world():
     assert resolve_grid(None, None, 1) == (1, 1)
     assert resolve_grid(None, None, 4) == (4, 1)  # the seed's torchrun --nproc_per_node 4
