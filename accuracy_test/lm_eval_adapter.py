@@ -153,8 +153,8 @@ class NaktaLM(ScoringLM):
         quant: str | None = None,
         **unknown,
     ):
-        from nakta_model.fp8 import check_quant
-        from nakta_model.loading import checkpoint_args
+        from nakta_model.fp8 import Precision
+        from nakta_model.loading import CheckpointDir
         from nakta_model.model import KERNEL_MODES
         from nakta_model.parallel import ParallelConfigError, ParallelContext, init_parallel
 
@@ -173,8 +173,8 @@ class NaktaLM(ScoringLM):
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
         background = _as_bool(background_load, "background_load")
-        try:  # quant=fp8: e4m3 block matrices (nakta_model/fp8.py); opt-in
-            self.quant = check_quant(quant)
+        try:  # quant=fp8: e4m3 block matrices (nakta_model/fp8.py); opt-in; parsed once here
+            self.precision = Precision.parse(quant)
         except (TypeError, ValueError) as e:
             raise ModelArgsError(f"nakta quant: {e}") from None
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
@@ -191,18 +191,24 @@ class NaktaLM(ScoringLM):
             device = str(self.parallel.device)
             _share_host_threads()
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        with _load_errors(checkpoint):  # params only: a bad tokenizer fails before the load
-            args = checkpoint_args(checkpoint)
+        try:  # the device's verdict on the precision, before any weight is read
+            self.precision.check_device(self.device)
+        except ValueError as e:
+            raise ModelArgsError(f"nakta quant={self.precision.quant}: {e}") from None
+        with _load_errors(checkpoint):  # settings only (read once): a bad tokenizer fails first
+            opened = CheckpointDir.open(checkpoint)
+        args = opened.args
         _check_vocab(self.tok, tokenizer, args.vocab_size, checkpoint)
         self._max_length = _max_length(max_length, args.max_seq_len, checkpoint)
-        build = functools.partial(self._build, checkpoint, kernels)
+        build = functools.partial(self._build, opened, kernels)
         if background and self.parallel.world_size == 1:
             self._pending = _start_in_background(build, self.device)
         else:
             self._model = build()
 
-    def _build(self, checkpoint: str, kernels: str | None):
-        """Read the weights (or take the ones ``lm_eval_preload`` prefetched). The ``*_unix``
+    def _build(self, checkpoint, kernels: str | None):
+        """Read the weights of the opened ``checkpoint`` (a ``CheckpointDir``: its settings are
+        not read again), or take the ones ``lm_eval_preload`` prefetched. The ``*_unix``
         timings are wall-clock moments (the CLI's timing hook turns them into events)."""
         from nakta_model import prefetch
         from nakta_model.loading import load
@@ -213,7 +219,7 @@ class NaktaLM(ScoringLM):
         with _load_errors(checkpoint):
             model = load(
                 checkpoint, self.device, self.dtype, self.parallel, kernels=kernels,
-                quant=self.quant,
+                quant=self.precision,
             )  # fmt: skip
         t["read_s"] = time.perf_counter() - t0
         t["prefetched"] = prefetch.handed_out > taken

@@ -21,6 +21,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if not __package__:  # run by path: import from the repo root, not from this script's folder
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -35,6 +36,9 @@ from nakta_model.cli import (
     require_checkpoint,
     require_file,
 )
+
+if TYPE_CHECKING:
+    from nakta_model.loading import CheckpointDir
 
 _DTYPES = ("bf16", "fp16", "fp32")
 
@@ -76,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e).replace("temperature", "--temperature").replace("top_", "--top-"))
     if any(not s for s in a.stop):
         p.error("--stop needs a non-empty string")
+    from nakta_model.fp8 import Precision
+
+    a.precision = Precision.parse(a.quant)  # the precision options, parsed once: passed down
     return a
 
 
@@ -96,15 +103,17 @@ def read_prompts(a: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
-    """Every path and the tokenizer checked before the weights are read: ``(tokenizer,
-    prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary."""
-    from nakta_model.loading import checkpoint_args
+def check_inputs(a: argparse.Namespace) -> tuple[CheckpointDir, Path, list[str]]:
+    """Every path and the tokenizer checked before the weights are read: ``(checkpoint opened,
+    tokenizer, prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary. The
+    checkpoint's settings are read here, once: the load reads only its weights."""
+    from nakta_model.loading import CheckpointDir
     from nakta_model.tokenizer import Tokenizer
 
     require_checkpoint(a.checkpoint)
     with checkpoint_errors(a.checkpoint):
-        args = checkpoint_args(a.checkpoint)
+        opened = CheckpointDir.open(a.checkpoint)
+    args = opened.args
     tok_path = checkpoint_tokenizer_path(a.checkpoint, a.tokenizer, vocab_size=args.vocab_size)
     try:
         n_words = Tokenizer(tok_path).n_words
@@ -115,7 +124,7 @@ def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
             f"--tokenizer {tok_path} has {n_words} pieces, more than the checkpoint's "
             f"vocab_size {args.vocab_size}: not this model's tokenizer"
         )
-    return tok_path, read_prompts(a)
+    return opened, tok_path, read_prompts(a)
 
 
 def main(argv: list[str] | None = None) -> list[dict] | None:
@@ -157,7 +166,7 @@ def _run(a, parallel) -> list[dict] | None:
     from nakta_model.loading import load
     from nakta_model.tokenizer import Tokenizer
 
-    tok_path, prompts = checked_on_every_rank(check_inputs, a)
+    opened, tok_path, prompts = checked_on_every_rank(check_inputs, a)
     device = parallel.device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -169,15 +178,12 @@ def _run(a, parallel) -> list[dict] | None:
             file=sys.stderr,
             flush=True,
         )
-    if a.quant:  # the device's verdict, before the weights are read
-        from nakta_model.fp8 import check_fp8_device
-
-        try:
-            check_fp8_device(device)
-        except ValueError as e:
-            raise InputError(f"--quant {a.quant}: {e}") from None
+    try:  # the device's verdict, before the weights are read
+        a.precision.check_device(device)
+    except ValueError as e:
+        raise InputError(f"--quant {a.quant}: {e}") from None
     with checkpoint_errors(a.checkpoint):
-        model = load(a.checkpoint, device, dtype, parallel, quant=a.quant)
+        model = load(opened, device, dtype, parallel, quant=a.precision)
     session = GenerationSession(a, model, Tokenizer(tok_path), parallel)
     if a.interactive:
         session.interactive()
