@@ -76,6 +76,7 @@ from nakta_model.cli import (
     require_file,
 )
 from nakta_model.config import preset
+from nakta_model.fp8 import Precision
 from nakta_model.parallel import (
     ParallelContext,
     gather_objects,
@@ -86,8 +87,9 @@ from speed_bench.engines import (
     ALL_ENGINES,
     DEFAULT_ENGINES,
     EngineConfig,
+    EngineSpec,
+    engine_spec,
     make_engine,
-    quantized_name,
     skip_reason,
 )
 from speed_bench.run_measure import agreement, engine_row, free_memory, run_engine, sync
@@ -125,7 +127,8 @@ RUN_ALL = EngineSet(ALL_ENGINES, None, __doc__.split("\n\n")[0], DEFAULT_ENGINES
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argparse.Namespace:
     """The one command line of run_all and of the engine scripts (``engine_set`` limits
-    ``--engines``); ``args.engines`` comes back as a tuple of names."""
+    ``--engines``); ``args.engines`` comes back as a tuple of :class:`EngineSpec` (the names
+    and ``--quant`` read once, here)."""
     p = argparse.ArgumentParser(description=engine_set.description)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="random weights of this shape: 7B 13B 30B 65B tiny ...")
@@ -187,11 +190,16 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
         p.error("--warmup must be >= 0")
     if args.passes < 1:
         p.error("--passes must be >= 1")
-    args.engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-    args.engines = tuple(dict.fromkeys(quantized_name(e, args.quant) for e in args.engines))
-    unknown = [e for e in args.engines if e not in engine_set.engines]
-    if unknown or not args.engines:
+    names = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    unknown = [e for e in names if e not in engine_set.engines]
+    if unknown or not names:
         p.error(f"--engines: choose from {','.join(engine_set.engines)}, got {unknown or 'none'}")
+    args.precision = Precision.parse(args.quant)
+    specs = dict.fromkeys(engine_spec(e, args.precision) for e in names)
+    unknown = [s.name for s in specs if s.name not in engine_set.engines]
+    if unknown:  # --quant fp8 made a twin this command does not time
+        p.error(f"--engines: choose from {','.join(engine_set.engines)}, got {unknown}")
+    args.engines = tuple(specs)
     return args
 
 
@@ -328,10 +336,13 @@ def load_inputs(
     return weights, workload
 
 
-def plan_engines(engines: tuple[str, ...], parallel: ParallelContext) -> dict[str, str]:
-    """The requested engines that will be skipped here, with why; refuses a run where none can
-    run (e.g. ``hf_speed.py`` under torchrun)."""
-    skipped = {name: reason for name in engines if (reason := skip_reason(name, parallel))}
+def plan_engines(
+    engines: tuple[EngineSpec | str, ...], parallel: ParallelContext
+) -> dict[str, str]:
+    """The requested engines that will be skipped here (by name), with why; refuses a run where
+    none can run (e.g. ``hf_speed.py`` under torchrun)."""
+    specs = [engine_spec(e) for e in engines]
+    skipped = {s.name: reason for s in specs if (reason := skip_reason(s, parallel))}
     if len(skipped) == len(engines):
         raise InputError(
             "no requested engine can run here: "
@@ -340,15 +351,14 @@ def plan_engines(engines: tuple[str, ...], parallel: ParallelContext) -> dict[st
     return skipped
 
 
-def _check_fp8(device: torch.device) -> None:
-    """The FP8 engines' device requirement as one ``error:`` line (not a traceback after the
-    warm-ups)."""
-    from nakta_model.fp8 import check_fp8_device
-
-    try:
-        check_fp8_device(device)
-    except ValueError as e:
-        raise InputError(f"--quant fp8 / *_fp8 engines: {e}") from None
+def _check_precision(engines: tuple[EngineSpec, ...], device: torch.device) -> None:
+    """Every engine's precision on this device (FP8's compute capability) as one ``error:``
+    line, before any weights are drawn or read (not a traceback after the warm-ups)."""
+    for spec in engines:
+        try:
+            spec.precision.check_device(device)
+        except ValueError as e:
+            raise InputError(f"--quant {spec.precision.quant} / {spec.name}: {e}") from None
 
 
 RESULT_FILES = ("summary.json", "speed.md", "speed.csv", "speed.png")  # what write_results writes
@@ -407,8 +417,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     say = print if parallel.is_leader else (lambda *a, **k: None)
     dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     engines = args.engines
-    if any(e.endswith("_fp8") for e in engines):  # before any weights are drawn or read
-        checked_on_every_rank(_check_fp8, device)
+    checked_on_every_rank(_check_precision, engines, device)  # before any weights are read
     skipped = checked_on_every_rank(plan_engines, engines, parallel)
     preset_name = (
         None if args.checkpoint else (args.preset or _default_preset(device, parallel.tp_size))
@@ -457,12 +466,13 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
 
     rows: dict[str, dict] = {}
     shared: dict = {}
-    for i, name in enumerate(engines):
+    for i, spec in enumerate(engines):
+        name = spec.name
         if name in skipped:
             say(f"[{name}] skipped: {skipped[name]}")
             continue
         t0 = time.perf_counter()
-        engine = make_engine(name, weights, cfg, shared, parallel)
+        engine = make_engine(spec, weights, cfg, shared, parallel)
         sync(device)
         build_s = max(gather_objects(time.perf_counter() - t0))
         results, passes, peak = run_engine(engine, workload, warmup, cfg, parallel, args.passes)
@@ -478,7 +488,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
         )
         engine.close()
         del engine
-        if shared and not any(e.startswith("nakta") for e in engines[i + 1 :]):
+        if shared and not any(s.is_nakta for s in engines[i + 1 :]):
             shared.clear()
         free_memory(device)
     reference = "llama_org" if "llama_org" in rows else next(iter(rows))

@@ -62,14 +62,46 @@ def test_engine_scripts_by_path_are_run_all_with_their_engines():
         assert f"comma-separated, from {engines} (default: {engines})" in text
 
 
+def _names(argv, engine_set=run_all.RUN_ALL) -> tuple[str, ...]:
+    return tuple(spec.name for spec in run_all.parse_args(argv, engine_set).engines)
+
+
 def test_engine_scripts_take_only_their_engines(capsys):
     nakta = EngineSet(("nakta", "nakta_cache"), "nakta", "Nakta")
-    assert run_all.parse_args(["--engines", "nakta_cache"], nakta).engines == ("nakta_cache",)
-    assert run_all.parse_args([], nakta).engines == ("nakta", "nakta_cache")
+    assert _names(["--engines", "nakta_cache"], nakta) == ("nakta_cache",)
+    assert _names([], nakta) == ("nakta", "nakta_cache")
     with pytest.raises(SystemExit) as exc:
         run_all.parse_args(["--engines", "nakta,hf"], nakta)
     assert exc.value.code == 2
     assert "--engines: choose from nakta,nakta_cache, got ['hf']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --quant fp8 would time nakta_cache_fp8: not this set's
+        run_all.parse_args(["--engines", "nakta_cache", "--quant", "fp8"], nakta)
+    assert "got ['nakta_cache_fp8']" in capsys.readouterr().err
+
+
+def test_engines_and_quant_are_read_once_into_specs():
+    """``--engines`` names and ``--quant`` become EngineSpecs (kind + Precision) at the entry;
+    the name is only what tables show, never parsed again below."""
+    from nakta_model.fp8 import Precision
+    from speed_bench.engines import EngineSpec, engine_spec
+
+    args = run_all.parse_args(["--engines", "nakta,nakta_cache_fp8,hf", "--quant", "fp8"])
+    fp8 = Precision("fp8")
+    assert args.engines == (
+        EngineSpec("nakta", fp8), EngineSpec("nakta_cache", fp8), EngineSpec("hf"),
+    )  # fmt: skip
+    assert [s.name for s in args.engines] == ["nakta_fp8", "nakta_cache_fp8", "hf"]
+    assert args.precision == fp8
+    both = run_all.parse_args(["--engines", "nakta_cache,nakta_cache_fp8"]).engines
+    assert [(s.kind, s.precision.quant) for s in both] == [
+        ("nakta_cache", None), ("nakta_cache", "fp8"),
+    ]  # fmt: skip
+    assert engine_spec("nakta_ctx_fp8") == EngineSpec("nakta_ctx", fp8)
+    assert engine_spec(both[0]) is both[0]
+    with pytest.raises(ValueError, match="unknown engine 'hf_fp8'"):
+        engine_spec("hf_fp8")
+    with pytest.raises(ValueError, match="has no quant"):
+        EngineSpec("llama_org", fp8)
 
 
 def test_default_results_folders_do_not_overwrite_each_other(monkeypatch, tmp_path):
