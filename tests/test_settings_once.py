@@ -125,3 +125,35 @@ def test_precision_is_parsed_once_and_passed_as_is():
 def test_sources_open_checkpoint_format_matches_the_opened_dir(ckpts):
     for fmt, path in ckpts.items():
         assert sources.checkpoint_format(path) == CheckpointDir.open(path).format == fmt
+
+
+def test_the_walk_of_checkpoint_from_the_lm_eval_adapter_passes_at_most_six_files(ckpts):
+    """Every function of the repo that receives the checkpoint path, from the adapter's
+    constructor to the loaded model: the files they live in (a structure check, as the import
+    graph's: the path must not wander through the house)."""
+    pytest.importorskip("lm_eval")
+    import os
+    import sys
+    from pathlib import Path
+
+    from accuracy_test.lm_eval_adapter import NaktaLM
+
+    repo = str(Path(__file__).resolve().parents[1])
+    path = str(ckpts["nakta"])
+    files: list[str] = []
+
+    def profile(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(repo):
+            return
+        if any(isinstance(v, (str, Path)) and str(v) == path for v in frame.f_locals.values()):
+            files.append(os.path.relpath(frame.f_code.co_filename, repo))
+
+    sys.setprofile(profile)
+    try:
+        lm = NaktaLM(checkpoint=path, device="cpu")
+    finally:
+        sys.setprofile(None)
+    assert lm.model.args.vocab_size == TINY_PARAMS["vocab_size"]
+    walked = list(dict.fromkeys(files))
+    assert walked[0] == os.path.join("accuracy_test", "lm_eval_adapter.py")
+    assert len(walked) <= 6, walked
