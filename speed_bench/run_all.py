@@ -36,10 +36,11 @@ between barriers on all ranks, MFU divides by the sum of every GPU's measured pe
 is the largest rank's, and rank 0 alone prints and writes (default folder
 ``results/<device>/<model>-tp<N>-dp<M>/``).
 
-Results never replace an earlier run that exists nowhere else: when the results folder holds
-result files that git does not hold as they are (the CPU folder is git-ignored; any folder
-outside git), the run is refused before anything is timed unless ``--overwrite`` (or pick
-another ``--out``). The catalogue's committed files are replaced: git keeps them. A run of the
+A run never silently replaces an earlier run in a folder of one's own: when the results folder
+(the git-ignored ``results/cpu/``, any ``--out``) holds result files, the run is refused before
+anything is timed unless ``--overwrite`` (or pick another ``--out``). A catalogue folder
+(``results/<device>/`` with its ``README.md`` index, and what is under it) is replaced: that is
+what re-measuring it means, and git keeps what was committed. A run of the
 tiny model (the CPU default) says in one line under its table why ``nakta_cache`` is not faster
 there.
 
@@ -166,8 +167,8 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     p.add_argument("--device", help="default cuda when present")
     p.add_argument("--out", type=Path, help="results folder (default results/<device>/...)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier run's results in the folder even where git holds no "
-                        "copy of them (the CPU folder, a folder of your own)")  # fmt: skip
+                   help="replace an earlier run's results in a folder of your own (the CPU "
+                        "folder, an --out); a catalogue folder's are always replaced")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tp", type=int,
                    help="tensor-parallel GPUs per replica (torchrun; default world size / --dp)")  # fmt: skip
@@ -362,42 +363,36 @@ def _check_precision(engines: tuple[EngineSpec, ...], device: torch.device) -> N
 
 
 RESULT_FILES = ("summary.json", "speed.md", "speed.csv", "speed.png")  # what write_results writes
+CATALOGUE_INDEX = "README.md"  # results/<device>/README.md: the catalogue's index
 
 
 def check_replaceable(out: Path, overwrite: bool) -> None:
-    """Refuse, before anything is timed, to replace an earlier run's results that exist nowhere
-    else: result files in ``out`` that git does not hold as they are (untracked, ignored -- the
-    CPU folder is git-ignored -- or modified). The catalogue's committed files are replaced
-    (git keeps them); ``--overwrite`` replaces anything."""
+    """Refuse, before anything is timed, to replace an earlier run's results in a folder of
+    one's own (the git-ignored ``results/cpu/``, any ``--out``) without ``--overwrite``. A
+    catalogue folder (``results/<device>/`` with its index, and the folders under it) is
+    replaced: re-measuring it is what its commands are for, and git keeps what was committed."""
     present = [f for f in RESULT_FILES if (out / f).exists()]
-    if overwrite or not present or _git_holds(out, present):
+    if overwrite or not present or in_catalogue(out):
         return
     import datetime
 
     when = datetime.datetime.fromtimestamp((out / present[0]).stat().st_mtime)
     raise InputError(
         f"results folder {out} holds an earlier run's results ({present[0]}, "
-        f"{when:%Y-%m-%d %H:%M}) that git holds no copy of: pass --overwrite to replace them, "
-        "or --out DIR for another folder"
+        f"{when:%Y-%m-%d %H:%M}): pass --overwrite to replace them, or --out DIR for another "
+        "folder"
     )
 
 
-def _git_holds(folder: Path, files: list[str]) -> bool:
-    """Whether every one of ``files`` in ``folder`` is tracked by git and unmodified."""
-    import subprocess
-
-    try:
-        proc = subprocess.run(
-            ["git", "-C", str(folder), "status", "--porcelain", "--ignored", "--", *files],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        tracked = subprocess.run(
-            ["git", "-C", str(folder), "ls-files", "--error-unmatch", "--", *files],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return False  # no git here: nothing holds a copy
-    return proc.returncode == 0 and not proc.stdout.strip() and tracked.returncode == 0
+def in_catalogue(out: Path) -> bool:
+    """Whether ``out`` is a device folder of a results catalogue (``.../results/<device>/``
+    holding its index ``README.md``) or inside one."""
+    out = out.resolve()
+    chain = (out, *out.parents)
+    for depth, folder in enumerate(chain):
+        if folder.parent.name == "results":  # the device folder: the index is here or below
+            return any((f / CATALOGUE_INDEX).is_file() for f in chain[: depth + 1])
+    return False
 
 
 def default_out(engine_set: EngineSet, slug: str, model: str, parallel: ParallelContext) -> Path:

@@ -115,36 +115,33 @@ def test_default_results_folders_do_not_overwrite_each_other(monkeypatch, tmp_pa
     )
 
 
-def test_an_earlier_run_git_holds_no_copy_of_is_never_replaced_silently(tmp_path):
-    """A second run into a folder with results git does not hold (the git-ignored CPU folder,
-    any folder outside git) is refused before anything is timed, unless --overwrite; files git
-    tracks unmodified (the catalogue) are replaced, git keeps them."""
-    import subprocess
-
+def test_an_earlier_run_in_a_folder_of_ones_own_is_never_replaced_silently(tmp_path):
+    """A second run into a folder holding results (the git-ignored results/cpu/, any --out) is
+    refused before anything is timed, unless --overwrite; a catalogue folder
+    (results/<device>/ with its README.md index, and its subfolders) is replaced."""
     from nakta_model.cli import InputError
 
-    out = tmp_path / "res"
-    run_all.check_replaceable(out, overwrite=False)  # nothing there yet
-    out.mkdir()
-    (out / "summary.json").write_text("{}")
-    with pytest.raises(InputError, match=r"earlier run's results \(summary.json, .*--overwrite"):
-        run_all.check_replaceable(out, overwrite=False)
-    run_all.check_replaceable(out, overwrite=True)
-
-    def git(*args):
-        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
-
-    git("init", "-q")
-    git("add", "res/summary.json")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "r")
-    (out / "speed.md").write_text("untracked")
-    with pytest.raises(InputError):  # an untracked result beside the committed one
-        run_all.check_replaceable(out, overwrite=False)
-    (out / "speed.md").unlink()
-    run_all.check_replaceable(out, overwrite=False)  # tracked and clean: replaced
-    (out / "summary.json").write_text('{"edited": 1}')
-    with pytest.raises(InputError):
-        run_all.check_replaceable(out, overwrite=False)
+    cpu = tmp_path / "speed_bench" / "results" / "cpu"
+    run_all.check_replaceable(cpu, overwrite=False)  # nothing there yet
+    for out in (cpu, cpu / "nakta", tmp_path / "mine"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "speed.md").write_text("an earlier run")
+        with pytest.raises(InputError, match=r"earlier run's results \(speed.md, .*--overwrite"):
+            run_all.check_replaceable(out, overwrite=False)
+        run_all.check_replaceable(out, overwrite=True)
+    (cpu / "notes.txt").write_text("not a result file")
+    (tmp_path / "mine" / "speed.md").unlink()
+    run_all.check_replaceable(tmp_path / "mine", overwrite=False)  # no result file left
+    device = tmp_path / "speed_bench" / "results" / "nvidia-h200"
+    (device / "nakta").mkdir(parents=True)
+    for out in (device, device / "nakta"):
+        (out / "summary.json").write_text("{}")
+    (device / "README.md").write_text("# the catalogue's index")
+    assert run_all.in_catalogue(device) and run_all.in_catalogue(device / "nakta")
+    assert not run_all.in_catalogue(cpu) and not run_all.in_catalogue(tmp_path / "mine")
+    run_all.check_replaceable(device, overwrite=False)
+    run_all.check_replaceable(device / "nakta", overwrite=False)
+    assert run_all.in_catalogue(REPO / "speed_bench" / "results" / "nvidia-h200")
 
 
 def test_a_tiny_model_run_says_why_the_caches_are_not_faster():
