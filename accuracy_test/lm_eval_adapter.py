@@ -95,11 +95,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import lm_eval.models  # noqa: F401  (lm-eval's built-ins first: see lm_eval_cli)
 from lm_eval.api.registry import register_model
@@ -117,6 +115,7 @@ from accuracy_test.lm_eval_args import (
     _rows,
     default_tokenizer,
     generation_settings,
+    require_checkpoint_arg,
 )
 from accuracy_test.lm_eval_base import ScoringLM
 from nakta_model import scoring
@@ -135,7 +134,7 @@ class NaktaLM(ScoringLM):
 
     def __init__(
         self,
-        checkpoint: str,
+        checkpoint: str | None = None,
         tokenizer: str | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | str | None = None,
@@ -154,14 +153,19 @@ class NaktaLM(ScoringLM):
         quant: str | None = None,
         **unknown,
     ):
-        from nakta_model.fp8 import check_quant
-        from nakta_model.loading import checkpoint_args
+        from nakta_model.fp8 import Precision
+        from nakta_model.loading import CheckpointDir
+        from nakta_model.model import KERNEL_MODES
         from nakta_model.parallel import ParallelConfigError, ParallelContext, init_parallel
 
         _refuse_unknown_args("nakta", NaktaLM, unknown)
-        if not Path(checkpoint).is_dir():
-            raise ModelArgsError(f"nakta checkpoint {checkpoint} is not a directory")
+        checkpoint = require_checkpoint_arg("nakta", checkpoint)
+        _require_format(checkpoint)
         tokenizer = default_tokenizer(tokenizer, checkpoint, "nakta")
+        if kernels not in (None, "") and kernels not in KERNEL_MODES:
+            raise ModelArgsError(
+                f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}"
+            )
         self.rows = _rows(batch_size, max_batch_size)
         self.use_cache = _as_bool(use_cache, "use_cache")
         self.use_prefix_cache = self.use_cache and _as_bool(prefix_cache, "prefix_cache")
@@ -169,8 +173,8 @@ class NaktaLM(ScoringLM):
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
         background = _as_bool(background_load, "background_load")
-        try:  # quant=fp8: e4m3 block matrices (nakta_model/fp8.py); opt-in
-            self.quant = check_quant(quant)
+        try:  # quant=fp8: e4m3 block matrices (nakta_model/fp8.py); opt-in; parsed once here
+            self.precision = Precision.parse(quant)
         except (TypeError, ValueError) as e:
             raise ModelArgsError(f"nakta quant: {e}") from None
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
@@ -187,18 +191,24 @@ class NaktaLM(ScoringLM):
             device = str(self.parallel.device)
             _share_host_threads()
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        with _load_errors(checkpoint):  # params only: a bad tokenizer fails before the load
-            args = checkpoint_args(checkpoint)
+        try:  # the device's verdict on the precision, before any weight is read
+            self.precision.check_device(self.device)
+        except ValueError as e:
+            raise ModelArgsError(f"nakta quant={self.precision.quant}: {e}") from None
+        with _load_errors(checkpoint):  # settings only (read once): a bad tokenizer fails first
+            opened = CheckpointDir.open(checkpoint)
+        args = opened.args
         _check_vocab(self.tok, tokenizer, args.vocab_size, checkpoint)
         self._max_length = _max_length(max_length, args.max_seq_len, checkpoint)
-        build = functools.partial(self._build, checkpoint, kernels)
+        build = functools.partial(self._build, opened, kernels)
         if background and self.parallel.world_size == 1:
             self._pending = _start_in_background(build, self.device)
         else:
             self._model = build()
 
-    def _build(self, checkpoint: str, kernels: str | None):
-        """Read the weights (or take the ones ``lm_eval_preload`` prefetched). The ``*_unix``
+    def _build(self, checkpoint, kernels: str | None):
+        """Read the weights of the opened ``checkpoint`` (a ``CheckpointDir``: its settings are
+        not read again), or take the ones ``lm_eval_preload`` prefetched. The ``*_unix``
         timings are wall-clock moments (the CLI's timing hook turns them into events)."""
         from nakta_model import prefetch
         from nakta_model.loading import load
@@ -209,7 +219,7 @@ class NaktaLM(ScoringLM):
         with _load_errors(checkpoint):
             model = load(
                 checkpoint, self.device, self.dtype, self.parallel, kernels=kernels,
-                quant=self.quant,
+                quant=self.precision,
             )  # fmt: skip
         t["read_s"] = time.perf_counter() - t0
         t["prefetched"] = prefetch.handed_out > taken
@@ -404,16 +414,29 @@ class NaktaLM(ScoringLM):
         return self._gen
 
 
+def _require_format(checkpoint: str) -> None:
+    """A folder in one of the formats ``nakta_model.load`` reads (files looked at, none read)."""
+    from nakta_model.cli import InputError, require_checkpoint
+
+    try:
+        require_checkpoint(checkpoint, "nakta checkpoint")
+    except InputError as e:
+        raise ModelArgsError(str(e)) from None
+
+
 @contextlib.contextmanager
-def _load_errors(checkpoint: object) -> Iterator[None]:
+def _load_errors(checkpoint: object, model: str = "nakta") -> Iterator[None]:
     """A checkpoint that cannot be read (missing, truncated or corrupted files: the manifest's
-    checks, a failed read on some rank) becomes one line for the user: a ``ModelArgsError``."""
+    checks, a failed read on some rank, a ``.pth`` torch cannot unpickle) becomes one line for
+    the user: a ``ModelArgsError``."""
+    from nakta_model.cli import LOAD_ERRORS
+
     try:
         yield
     except ModelArgsError:
         raise
-    except (OSError, ValueError) as e:  # CheckpointError, ParallelConfigError are ValueErrors
-        raise ModelArgsError(f"nakta checkpoint {checkpoint}: cannot load it: {e}") from e
+    except LOAD_ERRORS as e:  # CheckpointError, ParallelConfigError are ValueErrors
+        raise ModelArgsError(f"{model} checkpoint {checkpoint}: cannot load it: {e}") from e
 
 
 def _share_host_threads() -> None:
@@ -457,7 +480,7 @@ class LlamaOrgLM(ScoringLM):
 
     def __init__(
         self,
-        checkpoint: str,
+        checkpoint: str | None = None,
         tokenizer: str | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | str | None = None,
@@ -468,18 +491,23 @@ class LlamaOrgLM(ScoringLM):
         max_gen_toks: int | str = 256,
         **unknown,
     ):
+        from nakta_model.checkpoint import read_json_object
+
         _refuse_unknown_args("llama_org", LlamaOrgLM, unknown)
+        checkpoint = require_checkpoint_arg("llama_org", checkpoint)
         meta = _meta_dir(checkpoint)
         tokenizer = default_tokenizer(tokenizer, checkpoint, "llama_org")
         self.rows = _rows(batch_size, max_batch_size) or LLAMA_ORG_ROWS
-        params = json.loads((meta / "params.json").read_text())
-        # Meta's params.json usually has no max_seq_len (Llama.build takes one): then 2048
-        limit = int(params.get("max_seq_len", 2048))
+        with _load_errors(checkpoint, "llama_org"):
+            params = read_json_object(meta / "params.json")
+            # Meta's params.json usually has no max_seq_len (Llama.build takes one): then 2048
+            limit = int(params.get("max_seq_len", 2048))
         self._max_length = _max_length(max_length, limit, checkpoint)
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
-        self.llama = models.load_llama_org(
-            checkpoint, tokenizer, self.device, self.dtype, self._max_length, self.rows
-        )
+        with _load_errors(checkpoint, "llama_org"):
+            self.llama = models.load_llama_org(
+                checkpoint, tokenizer, self.device, self.dtype, self._max_length, self.rows
+            )
 
     @property
     def max_length(self) -> int:

@@ -4,23 +4,31 @@ Every value lm-eval hands the ``nakta`` / ``llama_org`` constructors (``--model_
 ``--batch_size``, ``--device``, generation kwargs) is parsed here into what the engines use, or
 refused with a :class:`ModelArgsError` naming the argument and what was expected
 (``lm_eval_cli`` prints it as one ``error:`` line, exit status 2).
+
+Torch-free at import (``lm_eval_preload`` merges the constructor's arguments with
+:func:`merged_model_args` before torch is imported).
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-
-from accuracy_test import models
-from nakta_model.sources import is_meta_checkpoint
 
 __all__ = [
     "GenSettings",
     "ModelArgsError",
     "default_tokenizer",
     "generation_settings",
+    "merged_model_args",
 ]
+
+# what lm-eval passes beside model_args (``additional_config``) when the user gave nothing:
+# ``--batch_size`` defaults to 1, the rest to None (the entry unsets lm-eval's ``cuda:0``)
+LM_EVAL_DEFAULTS = {"batch_size": (1, "1"), "max_batch_size": (), "device": ()}
 
 IMPLEMENTED_GEN_KWARGS = ("until", "max_gen_toks", "temperature", "do_sample", "top_p", "top_k")
 # settings the engine does not implement, accepted only at the value that changes nothing
@@ -96,8 +104,30 @@ def _float(name: str, value: object) -> float:
         raise ModelArgsError(f"{name} must be a number, got {value!r}") from None
 
 
+def merged_model_args(model_args: dict, additional: dict | None, warn: bool = True) -> dict:
+    """The constructor's keyword arguments from ``--model_args`` and what lm-eval adds beside
+    them (``--batch_size``, ``--max_batch_size``, ``--device``; None values dropped, as lm-eval
+    does). A key in both: the model_args value wins (it names this model's own setting), with
+    one warning line when the other was given on lm-eval's command line and differs."""
+    merged = dict(model_args)
+    for key, value in (additional or {}).items():
+        if value is None:
+            continue
+        if key not in merged:
+            merged[key] = value
+            continue
+        given = value not in LM_EVAL_DEFAULTS.get(key, ())
+        if warn and given and str(value) != str(merged[key]) and os.environ.get("RANK", "0") == "0":
+            logging.getLogger(__name__).warning(  # once under torchrun: rank 0
+                "warning: model_args %s=%s is used; lm-eval's --%s %s is ignored",
+                key, merged[key], key, value,
+            )  # fmt: skip
+    return merged
+
+
 def _refuse_unknown_args(model: str, cls: type, extra: dict) -> None:
-    """A typo (``dtyp=bf16``) must not run silently with the defaults."""
+    """A typo (``dtyp=bf16``) must not run silently with the defaults: the unknown keys named,
+    the nearest known one suggested, every known one listed."""
     if not extra:
         return
     known = [
@@ -105,9 +135,30 @@ def _refuse_unknown_args(model: str, cls: type, extra: dict) -> None:
         for n, p in inspect.signature(cls.__init__).parameters.items()
         if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
     ]
+    near = {
+        k: close[0]
+        for k in sorted(extra)
+        if (close := difflib.get_close_matches(k, known, n=1, cutoff=0.7))
+    }
+    hint = ""
+    if len(extra) == 1 and near:
+        hint = f" (did you mean {next(iter(near.values()))}?)"
+    elif near:
+        hint = f" (did you mean {', '.join(f'{v} for {k}' for k, v in near.items())}?)"
     raise ModelArgsError(
-        f"{model}: unknown model_args {', '.join(sorted(extra))}; known: {', '.join(known)}"
+        f"{model}: unknown model_args {', '.join(sorted(extra))}{hint}; known: {', '.join(known)}"
     )
+
+
+def require_checkpoint_arg(model: str, checkpoint: object) -> str:
+    """``checkpoint=`` must be given (it has no default)."""
+    if checkpoint in (None, ""):
+        raise ModelArgsError(
+            f"{model}: model_args needs checkpoint=DIR (a Nakta, Meta or HF checkpoint folder"
+            + (", Meta for llama_org" if model == "llama_org" else "")
+            + ")"
+        )
+    return str(checkpoint)
 
 
 def _max_length(requested: object, limit: int, checkpoint: object) -> int:
@@ -167,6 +218,8 @@ def generation_settings(kwargs: dict, default_max_gen: int, eos_text: str) -> Ge
 def _parallel_device(device: str | None) -> str | None:
     """Under torchrun every rank takes its own GPU: ``cuda:N`` (lm-eval's default ``cuda:0``)
     would put all ranks on one; ``cuda`` lets ``init_parallel`` pick ``LOCAL_RANK``'s."""
+    from accuracy_test import models
+
     if device is None or not str(device).startswith("cuda"):
         return device
     if models.resolve_device(device, fallback=True).type != "cuda":
@@ -200,6 +253,8 @@ def _check_vocab(tok, tokenizer: object, vocab_size: int, checkpoint: object) ->
 
 def _meta_dir(checkpoint: str) -> Path:
     """llama_org's checkpoint: an existing Meta dir (params.json + consolidated.*.pth)."""
+    from nakta_model.sources import is_meta_checkpoint
+
     path = Path(checkpoint)
     if not path.exists():
         raise ModelArgsError(f"llama_org checkpoint {checkpoint} does not exist")

@@ -17,6 +17,7 @@ from accuracy_test.lm_eval_args import (
     ModelArgsError,
     _positive_int,
     generation_settings,
+    merged_model_args,
 )
 from accuracy_test.lm_eval_requests import tokenize_requests
 from nakta_model import scoring
@@ -38,18 +39,39 @@ class ScoringLM(TemplateLM):
         super().__init__()
         from nakta_model.tokenizer import load_tokenizer
 
-        self._device = models.resolve_device(device, fallback=True)
+        try:
+            self._device = models.resolve_device(device, fallback=True)
+        except RuntimeError:  # torch.device("gpu"): a list of every device type torch knows
+            raise ModelArgsError(f"device {device!r}: expected cpu, cuda or cuda:N") from None
+        except ValueError as e:
+            raise ModelArgsError(f"device {device!r}: {e}") from None
         try:
             self.dtype = models.parse_dtype(
                 dtype or ("bf16" if self.device.type == "cuda" else "fp32")
             )
-            self.tok = load_tokenizer(tokenizer)
-            # BOS as text, what a rendered chat prompt starts with (SentencePiece: none)
-            self._bos_text = self.tok.decode([self.tok.bos_id]) if self.tok.bos_id >= 0 else ""
             self.token_budget = _positive_int("token_budget", token_budget)
             self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
-        except (ValueError, FileNotFoundError) as e:
+        except ValueError as e:
             raise ModelArgsError(str(e)) from e
+        try:  # a missing file, or one that is no SentencePiece model (RuntimeError)
+            self.tok = load_tokenizer(tokenizer)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise ModelArgsError(f"tokenizer {tokenizer}: cannot read it ({e})") from e
+        # BOS as text, what a rendered chat prompt starts with (SentencePiece: none)
+        self._bos_text = self.tok.decode([self.tok.bos_id]) if self.tok.bos_id >= 0 else ""
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm-eval's constructor call, but a key given both in ``--model_args`` and by lm-eval
+        (``batch_size``, ``device``) is passed once: the model_args value wins
+        (:func:`merged_model_args`), never a ``TypeError`` for a duplicate keyword."""
+        args = lm_utils.simple_parse_args_string(arg_string)
+        return cls(**merged_model_args(args, additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """As :meth:`create_from_arg_string`, from a dict of model args."""
+        return cls(**merged_model_args(dict(arg_dict), additional_config))
 
     # ---------------------------------------------------------------- tokenizer
     @property

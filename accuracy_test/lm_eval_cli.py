@@ -14,8 +14,11 @@ imports ``lm_eval.models`` first (``registry.get_model`` imports it only while t
 empty, so registering ours first hid every built-in), then adds ``nakta`` and ``llama_org`` as
 placeholders: torch and Nakta are imported only when one of them is used.
 
-Bad ``nakta`` / ``llama_org`` model_args or generation settings (``ModelArgsError``) are one
-``error:`` line and exit code 2 as well. Before lm-eval loads the model, the data file of the offline ``hellaswag_local`` task is checked
+Bad ``nakta`` / ``llama_org`` model_args or generation settings, and a checkpoint or tokenizer
+that cannot be read (``ModelArgsError``), are one ``error:`` line and exit code 2 as well (under
+``dp``/``tp``: from rank 0 only). A key given both in ``--model_args`` and by lm-eval
+(``batch_size``, ``device``) is passed once, the model_args value winning. Given no device,
+``nakta`` / ``llama_org`` take CUDA when present, else the CPU (not lm-eval's ``cuda:0``). Before lm-eval loads the model, the data file of the offline ``hellaswag_local`` task is checked
 (``--metadata hellaswag_jsonl=...``, ``$NAKTA_HELLASWAG_JSONL`` or the defaults): a missing one
 is one ``error:`` line and exit code 2, not a traceback after a long model load.
 
@@ -242,6 +245,32 @@ def _import_quietly(names: Sequence[str]) -> None:
 
 def _env_flag(name: str) -> bool:
     return bool(knobs.get_bool(name))
+
+
+@contextlib.contextmanager
+def device_left_to_our_models() -> Iterator[None]:
+    """Inside the block, a ``nakta`` / ``llama_org`` run given no device (no ``--device``, none
+    in a ``--config`` file) hands the model None, not lm-eval's default ``cuda:0``: the model
+    then takes CUDA when present, else the CPU, and a CPU machine gets no warning about a device
+    nobody asked for. Other models keep lm-eval's default."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    original = EvaluatorConfig.__dict__["from_cli"]
+
+    def from_cli(cls, namespace):
+        cfg = original.__get__(None, cls)(namespace)
+        if getattr(cfg, "model", None) in OUR_MODELS and not getattr(namespace, "device", None):
+            used_config = getattr(namespace, "config", None)
+            from_file = cls.load_yaml_config(used_config).get("device") if used_config else None
+            if not from_file:
+                cfg.device = None
+        return cfg
+
+    EvaluatorConfig.from_cli = classmethod(from_cli)
+    try:
+        yield
+    finally:
+        EvaluatorConfig.from_cli = original
 
 
 # ------------------------------------------------------------------ task data, before the model
@@ -485,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         index_local_tasks_only()
     timing_path = knobs.get_path(TIMING_ENV)
     with contextlib.ExitStack() as fixes:
+        fixes.enter_context(device_left_to_our_models())  # first: the preload reads the device
         if _env_flag(TEMPLATE_CACHE_ENV):
             fixes.enter_context(cached_prompt_templates())
         if _env_flag(ENV_PREFETCH_ENV):

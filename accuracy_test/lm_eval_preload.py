@@ -34,8 +34,9 @@ PRELOADABLE = frozenset({"nakta"})  # llama_org reads Meta shards through fairsc
 
 
 def constructor_kwargs(model_args: object, additional: dict | None) -> dict | None:
-    """The keyword arguments lm-eval's ``create_from_arg_*`` passes to the model class (its
-    ``additional_config`` without ``None`` values), or None where they cannot be known here."""
+    """The keyword arguments the model class receives from lm-eval's ``create_from_arg_*``
+    (model_args merged with its ``additional_config`` as ``ScoringLM`` merges them: a model_args
+    value wins), or None where they cannot be known here."""
     from lm_eval.utils import simple_parse_args_string
 
     if isinstance(model_args, str):
@@ -44,10 +45,9 @@ def constructor_kwargs(model_args: object, additional: dict | None) -> dict | No
         args = dict(model_args)
     else:
         return None
-    extra = {k: v for k, v in (additional or {}).items() if v is not None}
-    if set(args) & set(extra):
-        return None  # the class would refuse the duplicate itself: let it
-    return {**args, **extra}
+    from accuracy_test.lm_eval_args import merged_model_args
+
+    return merged_model_args(args, additional, warn=False)  # as the class merges them
 
 
 def prefetchable_checkpoint(kwargs: dict) -> Path | None:

@@ -511,8 +511,10 @@ def load_rank_state_dict(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     verify: str | bool = "fast",
+    settings: tuple[ModelArgs, dict] | None = None,
 ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Rank ``tp_rank``'s tensors, read straight onto ``device`` and checked against the manifest.
+    ``settings``: :func:`read_args` of ``path`` when the caller has read them already.
 
     Refuses a checkpoint sharded for another tensor-parallel size, and any missing, extra or
     misshapen tensor: a model must never run on uninitialized memory. ``verify``: ``"fast"``
@@ -523,7 +525,7 @@ def load_rank_state_dict(
     from nakta_model.safetensors_read import read_safetensors
 
     path = Path(path)
-    args, params = read_args(path)
+    args, params = settings if settings is not None else read_args(path)
     stored_tp = params.get("tp_size")
     if stored_tp != tp_size:
         raise CheckpointError(

@@ -14,6 +14,7 @@ cannot leave the others waiting, nor exit before rank 0 has said why).
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import re
 import sys
@@ -33,7 +34,7 @@ CHECKPOINT = (
 )
 # what a checkpoint that does not read raises (CheckpointError is a ValueError; torch.load of a
 # truncated .pth: RuntimeError, EOFError or an unpickling error; a file that vanished: OSError)
-_LOAD_ERRORS = (ValueError, OSError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError)
+LOAD_ERRORS = (ValueError, OSError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError)
 
 
 class InputError(ValueError):
@@ -97,7 +98,7 @@ def checkpoint_errors(path: str | Path, option: str = "--checkpoint") -> Iterato
         yield
     except (InputError, ParallelConfigError):
         raise
-    except _LOAD_ERRORS as e:
+    except LOAD_ERRORS as e:
         raise InputError(f"{option} {path}: cannot load it: {type(e).__name__}: {e}") from e
 
 
@@ -166,10 +167,22 @@ def exit_on_input_error(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
 QUIET_RANK_DELAY_S = 2.0  # torchrun stops every rank when the first exits: rank 0 prints first
 
 
+def _launched_rank() -> int:
+    """This process's ``RANK`` under a launcher of several processes (``WORLD_SIZE`` > 1), else 0."""
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        pass
+    return 0
+
+
 def exit_with_error(message: str) -> NoReturn:
     """``error: message`` on stderr and exit status 2, from any command, under torchrun too.
 
-    In one process: the line, then ``SystemExit(2)``. Under a process group of several ranks
+    In one process: the line, then ``SystemExit(2)``; so too on rank 0 of a launch
+    (``torchrun``, ``nakta_model.spawn``) that failed before its process group was up, the other
+    ranks exiting quietly a moment later. Under a process group of several ranks
     (each rank met the same failure): rank 0 prints, the others wait a moment so rank 0 is the
     one torchrun reports, and every rank ends through
     :func:`~nakta_model.process_exit.exit_without_teardown` -- a group still alive (pinned by a
@@ -183,7 +196,10 @@ def exit_with_error(message: str) -> NoReturn:
     line = "error: " + re.sub(r"\s*\n\s*", " ", str(message)).strip()
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not group:
-        print(line, file=sys.stderr, flush=True)
+        if _launched_rank() > 0:  # a rank of a launch whose group is not up yet: rank 0 says it
+            time.sleep(QUIET_RANK_DELAY_S)
+        else:
+            print(line, file=sys.stderr, flush=True)
         raise SystemExit(2)
     if dist.get_rank() == 0:
         print(line, file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ capability 8.9 (Ada, Hopper) or newer; on the CPU, FP8 runs only under the Trito
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,7 @@ __all__ = [
     "QUANT_MODES",
     "QUANTIZED_KINDS",
     "Fp8Linear",
+    "Precision",
     "check_fp8_device",
     "check_quant",
     "is_quantized_name",
@@ -59,6 +61,41 @@ def check_quant(quant: object) -> str | None:
     if q != "fp8":
         raise ValueError(f"quant must be None or 'fp8', got {quant!r}")
     return q
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision options beyond the model's dtype, parsed once where a command reads its
+    arguments (:meth:`parse`) and passed down as this one object: ``load``, ``random_model``
+    and the model take it as it is, nothing below re-checks or re-encodes it.
+
+    ``quant``: None (the model's dtype throughout) or ``"fp8"`` (e4m3 block matrices and
+    activations, see the module docstring). The KV cache's dtype is the next option to join
+    (a ``kv_cache`` field, ``"bf16"`` / ``"fp8"``): one more field here, parsed in
+    :meth:`parse`, read where the cache is built.
+    """
+
+    quant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANT_MODES:  # only parse() and the defaults build one
+            raise ValueError(f"quant must be None or 'fp8', got {self.quant!r} (use parse)")
+
+    @classmethod
+    def parse(cls, quant: object = None) -> Precision:
+        """The options from a user's values (``quant``: see :func:`check_quant`)."""
+        return cls(quant=check_quant(quant))
+
+    @classmethod
+    def of(cls, value: Precision | str | None) -> Precision:
+        """``value`` itself when already parsed; a library caller's ``quant`` string is parsed
+        here, once, at that call's entry."""
+        return value if isinstance(value, Precision) else cls.parse(value)
+
+    def check_device(self, device: torch.device | str) -> None:
+        """Whether ``device`` can run these options (:func:`check_fp8_device` for FP8)."""
+        if self.quant == "fp8":
+            check_fp8_device(device)
 
 
 def check_fp8_device(device: torch.device | str) -> None:

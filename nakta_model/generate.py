@@ -28,6 +28,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if not __package__:  # run by path: import from the repo root, not from this script's folder
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -42,6 +43,9 @@ from nakta_model.cli import (
     require_checkpoint,
     require_file,
 )
+
+if TYPE_CHECKING:
+    from nakta_model.loading import CheckpointDir
 
 _DTYPES = ("bf16", "fp16", "fp32")
 
@@ -96,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stop needs a non-empty string")
     if a.system is not None and not a.chat:
         p.error("--system goes with --chat")
+    from nakta_model.fp8 import Precision
+
+    a.precision = Precision.parse(a.quant)  # the precision options, parsed once: passed down
     return a
 
 
@@ -116,16 +123,18 @@ def read_prompts(a: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
-    """Every path and the tokenizer checked before the weights are read: ``(tokenizer,
-    prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary."""
+def check_inputs(a: argparse.Namespace) -> tuple[CheckpointDir, Path, list[str]]:
+    """Every path and the tokenizer checked before the weights are read: ``(checkpoint opened,
+    tokenizer, prompts)``; the tokenizer's ids must fit the checkpoint's vocabulary. The
+    checkpoint's settings are read here, once: the load reads only its weights."""
     from nakta_model.chat import chat_format
-    from nakta_model.loading import checkpoint_args
+    from nakta_model.loading import CheckpointDir
     from nakta_model.tokenizer import TokenizerError, check_fits_vocab, load_tokenizer
 
     require_checkpoint(a.checkpoint)
     with checkpoint_errors(a.checkpoint):
-        args = checkpoint_args(a.checkpoint)
+        opened = CheckpointDir.open(a.checkpoint)
+    args = opened.args
     tok_path = checkpoint_tokenizer_path(a.checkpoint, a.tokenizer, vocab_size=args.vocab_size)
     try:
         tok = load_tokenizer(tok_path)
@@ -139,7 +148,7 @@ def check_inputs(a: argparse.Namespace) -> tuple[Path, list[str]]:
             f"--chat: tokenizer {tok_path} has no chat format (a Meta Llama-3 tokenizer.model, "
             "or a HF folder with a chat_template)"
         )
-    return tok_path, read_prompts(a)
+    return opened, tok_path, read_prompts(a)
 
 
 def main(argv: list[str] | None = None) -> list[dict] | None:
@@ -181,7 +190,7 @@ def _run(a, parallel) -> list[dict] | None:
     from nakta_model.loading import load
     from nakta_model.tokenizer import load_tokenizer
 
-    tok_path, prompts = checked_on_every_rank(check_inputs, a)
+    opened, tok_path, prompts = checked_on_every_rank(check_inputs, a)
     device = parallel.device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         a.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -193,15 +202,12 @@ def _run(a, parallel) -> list[dict] | None:
             file=sys.stderr,
             flush=True,
         )
-    if a.quant:  # the device's verdict, before the weights are read
-        from nakta_model.fp8 import check_fp8_device
-
-        try:
-            check_fp8_device(device)
-        except ValueError as e:
-            raise InputError(f"--quant {a.quant}: {e}") from None
+    try:  # the device's verdict, before the weights are read
+        a.precision.check_device(device)
+    except ValueError as e:
+        raise InputError(f"--quant {a.quant}: {e}") from None
     with checkpoint_errors(a.checkpoint):
-        model = load(a.checkpoint, device, dtype, parallel, quant=a.quant)
+        model = load(opened, device, dtype, parallel, quant=a.precision)
     session = GenerationSession(a, model, load_tokenizer(tok_path), parallel)
     if a.interactive:
         session.interactive()

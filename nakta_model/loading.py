@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,8 +44,7 @@ import torch
 from nakta_model.checkpoint import load_rank_state_dict, read_args
 from nakta_model.config import ModelArgs
 from nakta_model.fp8 import (
-    check_fp8_device,
-    check_quant,
+    Precision,
     is_quantized_name,
     quantize_state,
     scale_name,
@@ -53,6 +53,7 @@ from nakta_model.kernels.fp8_quant import FP8_DTYPE, quantize_weight
 from nakta_model.layout import CheckpointError, check_meta_names, nakta_shapes, nakta_tensor
 from nakta_model.model import Transformer
 from nakta_model.parallel import (
+    ParallelConfigError,
     ParallelContext,
     collective_call,
     gather_last_dim,
@@ -68,6 +69,7 @@ from nakta_model.sources import (
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "CheckpointDir",
     "checkpoint_args",
     "load",
     "quantized",
@@ -81,15 +83,43 @@ _EMBEDDING = "tok_embeddings.weight"
 StateDict = dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class CheckpointDir:
+    """A checkpoint folder opened once (:meth:`open`): its format and settings, read once, for
+    a command to check a tokenizer or a length against, then hand to :func:`load`, which reads
+    only the weights. A Meta or HF folder is opened memory-mapped (``source``: every name and
+    shape checked); a Nakta folder's ``params.json`` is kept as read (``params``)."""
+
+    path: Path
+    format: str  # "nakta" | "meta" | "hf"
+    args: ModelArgs
+    params: dict | None = None  # Nakta: params.json (tp_size, quant)
+    source: Source | None = None  # Meta / HF: the opened source
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> CheckpointDir:
+        """Open folder ``path`` (a ``CheckpointError`` / ``OSError`` when it does not read)."""
+        path = Path(path)
+        if is_meta_checkpoint(path) or is_hf_checkpoint(path):
+            source = open_source(path, quiet=True)
+            fmt = "meta" if is_meta_checkpoint(path) else "hf"
+            return cls(path, fmt, source.args, source=source)
+        args, params = read_args(path)
+        return cls(path, "nakta", args, params=params)
+
+    def __str__(self) -> str:  # messages name the folder, as for a path
+        return str(self.path)
+
+
 def load(
-    source: str | os.PathLike | Source | MetaRankShard,
+    source: str | os.PathLike | CheckpointDir | Source | MetaRankShard,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     parallel: ParallelContext | None = None,
     *,
     kernels: str | None = None,
     verify: str | bool = "fast",
-    quant: str | None = None,
+    quant: Precision | str | None = None,
 ) -> Transformer:
     """This rank's model from ``source`` (see the module docstring for the kinds).
 
@@ -99,13 +129,15 @@ def load(
     ``quant="fp8"``: e4m3 block matrices (``nakta_model/fp8.py``), read as stored from an FP8
     Nakta checkpoint (``convert.py --quant fp8``) or quantized here from any other (round to
     nearest, one scale per output channel of this rank's shard); an FP8 checkpoint loaded
-    without it is refused, never reinterpreted.
+    without it is refused, never reinterpreted. ``quant`` is a :class:`~nakta_model.fp8.Precision`
+    parsed where the command read its arguments (a string is parsed here). A
+    :class:`CheckpointDir` already opened (its settings read) is read for its weights only.
     """
-    quant = check_quant(quant)
+    precision = Precision.of(quant)
+    quant = precision.quant
     parallel = parallel or ParallelContext()
     device, dtype = _resolve(device if device is not None else parallel.device, dtype)
-    if quant is not None:
-        check_fp8_device(device)
+    precision.check_device(device)
     if parallel.world_size == 1:
         args, state = read_rank_state(source, parallel, device, dtype, verify, quant)
     else:
@@ -123,21 +155,18 @@ def load(
         )
     if quant is not None:
         quantize_state(state)
-    return _assemble(args, state, parallel, kernels, quant)
+    return _assemble(args, state, parallel, kernels, precision)
 
 
 def checkpoint_args(path: str | os.PathLike) -> ModelArgs:
     """The ``ModelArgs`` that :func:`load` of checkpoint directory ``path`` builds, without
-    reading its weights (a Nakta ``params.json``; a Meta or HF directory opened memory-mapped):
-    callers check a tokenizer or a length against them before a long load, or while it runs."""
-    path = Path(path)
-    if is_meta_checkpoint(path) or is_hf_checkpoint(path):
-        return open_source(path, quiet=True).args
-    return read_args(path)[0]
+    reading its weights. A command that loads the folder afterwards opens it once instead
+    (:meth:`CheckpointDir.open`) and hands that to :func:`load`."""
+    return CheckpointDir.open(path).args
 
 
 def read_rank_state(
-    source: str | os.PathLike | Source | MetaRankShard,
+    source: str | os.PathLike | CheckpointDir | Source | MetaRankShard,
     parallel: ParallelContext,
     device: torch.device,
     dtype: torch.dtype | None,
@@ -154,12 +183,21 @@ def read_rank_state(
             tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
             return load_rank_state_dict(path, tp_rank, tp_size, device, dtype, verify=verify)
         source = open_source(path, quiet=True)
+    if isinstance(source, CheckpointDir):  # opened: its settings are not read again
+        if source.source is None:
+            tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
+            settings = (source.args, source.params)
+            return load_rank_state_dict(
+                source.path, tp_rank, tp_size, device, dtype, verify=verify, settings=settings
+            )
+        source = source.source
     if isinstance(source, Source):
         return source.args, _state_from_source(source, parallel, device, dtype, quant)
     if isinstance(source, MetaRankShard):
         return source.args, _state_from_rank_shard(source, parallel, device, dtype)
     raise TypeError(
-        "source must be a checkpoint directory (Nakta, Meta or HF), a sources.Source or a "
+        "source must be a checkpoint directory (Nakta, Meta or HF; or a CheckpointDir), a "
+        "sources.Source or a "
         f"sources.MetaRankShard, got {type(source).__name__}"
     )
 
@@ -172,7 +210,7 @@ def random_model(
     parallel: ParallelContext | None = None,
     *,
     kernels: str | None = None,
-    quant: str | None = None,
+    quant: Precision | str | None = None,
 ) -> Transformer:
     """Random weights initialized directly on ``device`` (this rank's shard only), for speed runs.
 
@@ -183,14 +221,13 @@ def random_model(
     block matrix quantized as it is drawn (one matrix in ``dtype`` at a time: a 30B fits one
     80 GB GPU), so it is the quantized twin of the model drawn without it.
     """
-    quant = check_quant(quant)
+    precision = Precision.of(quant)
     parallel = parallel or ParallelContext()
     device, dtype = _resolve(device, dtype)
     dtype = dtype or torch.bfloat16
-    if quant is not None:
-        check_fp8_device(device)
+    precision.check_device(device)
     with torch.device("meta"):
-        model = Transformer(args, parallel, kernels, quant).to(dtype)  # no fp32 copy
+        model = Transformer(args, parallel, kernels, precision).to(dtype)  # no fp32 copy
     # Storage by assignment, not ``to_empty``: that goes through torch._refs.empty_like, which
     # imports sympy (seconds of one thread's start-up, more beside a busy one).
     empty = {
@@ -253,10 +290,19 @@ def _resolve(device, dtype) -> tuple[torch.device, torch.dtype | None]:
 def _check_grid(source: object, parallel: ParallelContext) -> None:
     """A Nakta checkpoint sharded for another ``tp``: the same ``ParallelConfigError`` on every
     rank, from its ``params.json`` (which every rank reads alike), before any collective."""
-    if isinstance(source, (str, os.PathLike)):
+    tp, dp, world = parallel.tp_size, parallel.dp_size, parallel.world_size
+    if isinstance(source, CheckpointDir):  # its settings already read: checked from them
+        validate_grid(tp, dp, world, args=source.args)
+        stored_tp = None if source.params is None else source.params.get("tp_size")
+        if source.params is not None and stored_tp != tp:
+            raise ParallelConfigError(
+                f"checkpoint {source.path} is sharded for tp={stored_tp}, but this run has "
+                f"--tp {tp}; reshard it with: python convert.py <meta-or-hf-dir> <out-dir> --tp {tp}"
+            )
+    elif isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if path.is_dir() and not (is_meta_checkpoint(path) or is_hf_checkpoint(path)):
-            validate_grid(parallel.tp_size, parallel.dp_size, parallel.world_size, checkpoint=path)
+            validate_grid(tp, dp, world, checkpoint=path)
 
 
 def _owned(t: torch.Tensor, handed_out: set[int], device, dtype) -> torch.Tensor:
@@ -326,7 +372,7 @@ def _assemble(
     state: StateDict,
     parallel: ParallelContext,
     kernels: str | None,
-    quant: str | None = None,
+    quant: Precision | None = None,
 ) -> Transformer:
     """The model on the ``meta`` device, filled by assignment: every tensor present, none
     extra, every shape the model's."""
@@ -349,16 +395,16 @@ def _assemble(
     return model.eval()
 
 
-def quantized(model: Transformer, quant: str = "fp8") -> Transformer:
+def quantized(model: Transformer, quant: Precision | str = "fp8") -> Transformer:
     """A new model holding ``model``'s weights with ``quant`` (the block matrices quantized on
     this rank's shard; the rest shared with ``model``, which is left as it is): a parity run
     scores both from one load."""
-    quant = check_quant(quant)
-    if quant is None:
-        raise ValueError(f"quant must be 'fp8', got {quant!r}")
+    precision = Precision.of(quant)
+    if precision.quant is None:
+        raise ValueError(f"quant must be 'fp8', got {precision.quant!r}")
     if model.quant is not None:
         raise ValueError(f"model is already quantized (quant={model.quant!r}): pass its source")
-    check_fp8_device(model.device)
+    precision.check_device(model.device)
     state = dict(model.state_dict())
     quantize_state(state)
-    return _assemble(model.args, state, model.parallel, model.kernels, quant)
+    return _assemble(model.args, state, model.parallel, model.kernels, precision)

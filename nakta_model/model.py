@@ -25,7 +25,7 @@ import torch.nn as nn
 from nakta_model import knobs
 from nakta_model.attention import causal_attention
 from nakta_model.config import ModelArgs
-from nakta_model.fp8 import Fp8Linear, check_quant
+from nakta_model.fp8 import Fp8Linear, Precision
 from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import packed_attention as _packed
 from nakta_model.kernels import rmsnorm as _rmsnorm
@@ -55,11 +55,11 @@ class _Ops:
     ``QuantRows`` (e4m3 + a scale per row) for the FP8 GEMMs; ``act_dtype`` is the model's
     dtype, in which those GEMMs write (set by the model at each forward)."""
 
-    def __init__(self, mode: str, quant: str | None = None):
+    def __init__(self, mode: str, quant: Precision | str | None = None):
         if mode not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
         self.mode = mode
-        self.quant = check_quant(quant)
+        self.quant = Precision.of(quant).quant  # parsed by the caller: not again
         self.act_dtype = torch.bfloat16
 
     def triton(self, x: torch.Tensor) -> bool:
@@ -260,7 +260,7 @@ class Transformer(nn.Module):
         args: ModelArgs,
         parallel: ParallelContext | None = None,
         kernels: str | None = None,
-        quant: str | None = None,
+        quant: Precision | str | None = None,
     ):
         super().__init__()
         ctx = parallel or ParallelContext()

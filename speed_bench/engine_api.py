@@ -9,28 +9,61 @@ the speed scripts (``nakta_speed.py`` ...) that run them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from nakta_model.fp8 import Precision
 from nakta_model.scoring import score_with_forward
 from speed_bench.workload import Request, Workload
 
-# ``*_fp8``: the same Nakta engine on the model with quant="fp8" (nakta_model/fp8.py)
-NAKTA_ENGINES = (
-    "nakta", "nakta_cache", "nakta_ctx", "nakta_fp8", "nakta_cache_fp8", "nakta_ctx_fp8",
-)  # fmt: skip
-ALL_ENGINES = (*NAKTA_ENGINES, "llama_org", "hf")
+NAKTA_KINDS = ("nakta", "nakta_cache", "nakta_ctx")
+PEER_KINDS = ("llama_org", "hf")
+# the names a user types and the tables show: ``*_fp8`` is the same Nakta engine on the model
+# with quant="fp8" (nakta_model/fp8.py); read into an EngineSpec once, by engine_spec()
+NAKTA_ENGINES = (*NAKTA_KINDS, *(f"{k}_fp8" for k in NAKTA_KINDS))
+ALL_ENGINES = (*NAKTA_ENGINES, *PEER_KINDS)
 DEFAULT_ENGINES = ("nakta", "nakta_cache", "llama_org", "hf")  # nakta_ctx: for --workload mmlu
-FP8_SUFFIX = "_fp8"
 
 
-def quantized_name(name: str, quant: str | None) -> str:
-    """The engine that runs ``name`` with ``quant`` (``--quant fp8``: Nakta's engines get their
-    ``_fp8`` twin; the peers stay as they are)."""
-    if quant and name in NAKTA_ENGINES and not name.endswith(FP8_SUFFIX):
-        return name + FP8_SUFFIX
-    return name
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine to build: its ``kind`` and the precision options of the model it scores
+    (Nakta's engines only). Built once where the command reads ``--engines`` / ``--quant``
+    (:func:`engine_spec`); everything below reads the fields, never the name."""
+
+    kind: str
+    precision: Precision = field(default_factory=Precision)
+
+    def __post_init__(self) -> None:
+        if self.kind not in (*NAKTA_KINDS, *PEER_KINDS):
+            raise ValueError(f"unknown engine {self.kind!r}; choose from {ALL_ENGINES}")
+        if self.precision.quant and self.kind not in NAKTA_KINDS:
+            raise ValueError(f"engine {self.kind!r} has no quant={self.precision.quant!r}")
+
+    @property
+    def name(self) -> str:
+        """What tables and results call it: ``nakta_cache``, ``nakta_cache_fp8``, ``hf``."""
+        return self.kind + (f"_{self.precision.quant}" if self.precision.quant else "")
+
+    @property
+    def is_nakta(self) -> bool:
+        return self.kind in NAKTA_KINDS
+
+
+def engine_spec(name: str | EngineSpec, precision: Precision | None = None) -> EngineSpec:
+    """The engine a user named (``--engines``), read once: ``nakta_cache_fp8`` is
+    ``nakta_cache`` on the FP8 model. ``precision`` (``--quant fp8``) gives Nakta's engines
+    that precision; the peers stay as they are."""
+    if isinstance(name, EngineSpec):
+        return name
+    if name not in ALL_ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
+    fp8 = name in NAKTA_ENGINES and name.endswith("_fp8")
+    spec = EngineSpec(name.removesuffix("_fp8") if fp8 else name, Precision("fp8" if fp8 else None))
+    if precision is not None and precision.quant and spec.is_nakta:
+        spec = EngineSpec(spec.kind, precision)
+    return spec
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from nakta_model.parallel import ParallelContext
 from speed_bench.engine_api import (
     ALL_ENGINES,
     DEFAULT_ENGINES,
-    FP8_SUFFIX,
     NAKTA_ENGINES,
     Engine,
     EngineConfig,
-    quantized_name,
+    EngineSpec,
+    engine_spec,
 )
 from speed_bench.weights import WeightSource
 
@@ -30,9 +30,10 @@ __all__ = [
     "ALL_ENGINES",
     "DEFAULT_ENGINES",
     "NAKTA_ENGINES",
-    "quantized_name",
     "Engine",
     "EngineConfig",
+    "EngineSpec",
+    "engine_spec",
     "make_engine",
     "skip_reason",
 ]
@@ -40,36 +41,35 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- building
 def make_engine(
-    name: str,
+    spec: EngineSpec | str,
     weights: WeightSource,
     cfg: EngineConfig,
     shared: dict,
     parallel: ParallelContext | None = None,
 ) -> Engine:
-    """Build ``name``; ``nakta`` and ``nakta_cache`` share one model (kept in ``shared``): this
-    rank's shard, built by ``nakta_model.load`` from the weights one Meta tensor at a time."""
+    """Build the engine ``spec`` (an :class:`EngineSpec`, or a name read by ``engine_spec``);
+    Nakta's engines of one precision share one model (kept in ``shared``): this rank's shard,
+    built by ``nakta_model.load`` from the weights one Meta tensor at a time."""
+    spec = engine_spec(spec)
     parallel = parallel or ParallelContext()
-    if name in NAKTA_ENGINES:
+    if spec.is_nakta:
         from nakta_model.loading import load
         from speed_bench.nakta_engine import NaktaEngine
 
-        base = name.removesuffix(FP8_SUFFIX)
-        quant = "fp8" if base != name else None
-        key = "nakta" + (FP8_SUFFIX if quant else "")  # bf16 and FP8 models side by side
+        key = ("nakta", spec.precision)  # bf16 and FP8 models side by side
         if key not in shared:
             source = weights.source(cfg.device, cfg.dtype)
-            shared[key] = load(source, cfg.device, cfg.dtype, parallel, quant=quant)
+            shared[key] = load(source, cfg.device, cfg.dtype, parallel, quant=spec.precision)
         engine = NaktaEngine(
             shared[key],
             cfg,
-            use_cache=base != "nakta",
+            use_cache=spec.kind != "nakta",
             parallel=parallel,
-            prefix_cache=base != "nakta_ctx",
+            prefix_cache=spec.kind != "nakta_ctx",
         )
-        engine.name = name
+        engine.name = spec.name
         return engine
-    if name not in ALL_ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose from {ALL_ENGINES}")
+    name = spec.kind
     reason = _grid_reason(name, parallel)
     if reason:
         raise ValueError(f"engine {name!r} cannot run on {parallel.describe()}: {reason}")
@@ -83,8 +83,8 @@ def make_engine(
 
 
 def _grid_reason(name: str, parallel: ParallelContext) -> str | None:
-    """Why ``name`` cannot run on this grid: llama_org splits over the whole world only
-    (Meta's model parallel, MP = world size), hf runs in one process."""
+    """Why engine kind ``name`` cannot run on this grid: llama_org splits over the whole world
+    only (Meta's model parallel, MP = world size), hf runs in one process."""
     if parallel.world_size == 1 or name in NAKTA_ENGINES:
         return None
     if name == "hf":
@@ -98,8 +98,9 @@ def _grid_reason(name: str, parallel: ParallelContext) -> str | None:
     return None
 
 
-def skip_reason(name: str, parallel: ParallelContext | None = None) -> str | None:
-    """Why ``name`` is not timed here (this grid, or a package missing), or None."""
+def skip_reason(spec: EngineSpec | str, parallel: ParallelContext | None = None) -> str | None:
+    """Why engine ``spec`` is not timed here (this grid, or a package missing), or None."""
+    name = engine_spec(spec).kind
     reason = _grid_reason(name, parallel or ParallelContext())
     if reason:
         return reason

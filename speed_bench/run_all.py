@@ -36,6 +36,14 @@ between barriers on all ranks, MFU divides by the sum of every GPU's measured pe
 is the largest rank's, and rank 0 alone prints and writes (default folder
 ``results/<device>/<model>-tp<N>-dp<M>/``).
 
+A run never silently replaces an earlier run in a folder of one's own: when the results folder
+(the git-ignored ``results/cpu/``, any ``--out``) holds result files, the run is refused before
+anything is timed unless ``--overwrite`` (or pick another ``--out``). A catalogue folder
+(``results/<device>/`` with its ``README.md`` index, and what is under it) is replaced: that is
+what re-measuring it means, and git keeps what was committed. A run of the
+tiny model (the CPU default) says in one line under its table why ``nakta_cache`` is not faster
+there.
+
 This file is the command line and the run, engine after engine; ``run_measure.py`` times one
 engine and makes its row, ``run_report.py`` prints the table and writes the files.
 """
@@ -69,6 +77,7 @@ from nakta_model.cli import (
     require_file,
 )
 from nakta_model.config import preset
+from nakta_model.fp8 import Precision
 from nakta_model.parallel import (
     ParallelContext,
     gather_objects,
@@ -79,8 +88,9 @@ from speed_bench.engines import (
     ALL_ENGINES,
     DEFAULT_ENGINES,
     EngineConfig,
+    EngineSpec,
+    engine_spec,
     make_engine,
-    quantized_name,
     skip_reason,
 )
 from speed_bench.run_measure import agreement, engine_row, free_memory, run_engine, sync
@@ -118,7 +128,8 @@ RUN_ALL = EngineSet(ALL_ENGINES, None, __doc__.split("\n\n")[0], DEFAULT_ENGINES
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argparse.Namespace:
     """The one command line of run_all and of the engine scripts (``engine_set`` limits
-    ``--engines``); ``args.engines`` comes back as a tuple of names."""
+    ``--engines``); ``args.engines`` comes back as a tuple of :class:`EngineSpec` (the names
+    and ``--quant`` read once, here)."""
     p = argparse.ArgumentParser(description=engine_set.description)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="random weights of this shape: 7B 13B 30B 65B tiny ...")
@@ -155,6 +166,9 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
     p.add_argument("--seed", type=int, default=0, help="random weights and embedded workload")
     p.add_argument("--device", help="default cuda when present")
     p.add_argument("--out", type=Path, help="results folder (default results/<device>/...)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run's results in a folder of your own (the CPU "
+                        "folder, an --out); a catalogue folder's are always replaced")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tp", type=int,
                    help="tensor-parallel GPUs per replica (torchrun; default world size / --dp)")  # fmt: skip
@@ -177,11 +191,16 @@ def parse_args(argv: list[str] | None, engine_set: EngineSet = RUN_ALL) -> argpa
         p.error("--warmup must be >= 0")
     if args.passes < 1:
         p.error("--passes must be >= 1")
-    args.engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-    args.engines = tuple(dict.fromkeys(quantized_name(e, args.quant) for e in args.engines))
-    unknown = [e for e in args.engines if e not in engine_set.engines]
-    if unknown or not args.engines:
+    names = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    unknown = [e for e in names if e not in engine_set.engines]
+    if unknown or not names:
         p.error(f"--engines: choose from {','.join(engine_set.engines)}, got {unknown or 'none'}")
+    args.precision = Precision.parse(args.quant)
+    specs = dict.fromkeys(engine_spec(e, args.precision) for e in names)
+    unknown = [s.name for s in specs if s.name not in engine_set.engines]
+    if unknown:  # --quant fp8 made a twin this command does not time
+        p.error(f"--engines: choose from {','.join(engine_set.engines)}, got {unknown}")
+    args.engines = tuple(specs)
     return args
 
 
@@ -234,6 +253,23 @@ def main(argv: list[str] | None = None, engine_set: EngineSet = RUN_ALL) -> dict
             torch.cuda.set_device(device)
         return exit_on_input_error(_run, args, engine_set, ParallelContext(device=device))
     return launch(lambda parallel: _run(args, engine_set, parallel), tp, dp, device=args.device)
+
+
+def tiny_model_note(rows: dict[str, dict], margs, device: torch.device) -> str | None:
+    """One line under the table when the model is tiny (the embedded CPU default): its times
+    measure per-call overhead, not the caches' worth, so ``nakta_cache`` may well be slower
+    than plain ``nakta`` there, and the table must not be read as their verdict."""
+    cache, plain = rows.get("nakta_cache"), rows.get("nakta")
+    params = sum(matmul_params(margs))
+    if cache is None or plain is None or params > 1e8:  # a real model: the numbers stand
+        return None
+    return (
+        f"note: nakta_cache {cache['tasks_per_s'] / plain['tasks_per_s']:.2f}x nakta on a tiny "
+        f"model ({params / 1e6:.2g}M matmul params, {device.type}): a forward costs about the same "
+        "whatever its tokens, so the caches' packing and prefix bookkeeping cost about as much as "
+        "the tokens they save, and nakta_cache can be the slower; what they buy shows on a real "
+        "model (--checkpoint, or --preset 7B on a GPU)"
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -300,10 +336,13 @@ def load_inputs(
     return weights, workload
 
 
-def plan_engines(engines: tuple[str, ...], parallel: ParallelContext) -> dict[str, str]:
-    """The requested engines that will be skipped here, with why; refuses a run where none can
-    run (e.g. ``hf_speed.py`` under torchrun)."""
-    skipped = {name: reason for name in engines if (reason := skip_reason(name, parallel))}
+def plan_engines(
+    engines: tuple[EngineSpec | str, ...], parallel: ParallelContext
+) -> dict[str, str]:
+    """The requested engines that will be skipped here (by name), with why; refuses a run where
+    none can run (e.g. ``hf_speed.py`` under torchrun)."""
+    specs = [engine_spec(e) for e in engines]
+    skipped = {s.name: reason for s in specs if (reason := skip_reason(s, parallel))}
     if len(skipped) == len(engines):
         raise InputError(
             "no requested engine can run here: "
@@ -312,15 +351,47 @@ def plan_engines(engines: tuple[str, ...], parallel: ParallelContext) -> dict[st
     return skipped
 
 
-def _check_fp8(device: torch.device) -> None:
-    """The FP8 engines' device requirement as one ``error:`` line (not a traceback after the
-    warm-ups)."""
-    from nakta_model.fp8 import check_fp8_device
+def _check_precision(engines: tuple[EngineSpec, ...], device: torch.device) -> None:
+    """Every engine's precision on this device (FP8's compute capability) as one ``error:``
+    line, before any weights are drawn or read (not a traceback after the warm-ups)."""
+    for spec in engines:
+        try:
+            spec.precision.check_device(device)
+        except ValueError as e:
+            raise InputError(f"--quant {spec.precision.quant} / {spec.name}: {e}") from None
 
-    try:
-        check_fp8_device(device)
-    except ValueError as e:
-        raise InputError(f"--quant fp8 / *_fp8 engines: {e}") from None
+
+RESULT_FILES = ("summary.json", "speed.md", "speed.csv", "speed.png")  # what write_results writes
+CATALOGUE_INDEX = "README.md"  # results/<device>/README.md: the catalogue's index
+
+
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse, before anything is timed, to replace an earlier run's results in a folder of
+    one's own (the git-ignored ``results/cpu/``, any ``--out``) without ``--overwrite``. A
+    catalogue folder (``results/<device>/`` with its index, and the folders under it) is
+    replaced: re-measuring it is what its commands are for, and git keeps what was committed."""
+    present = [f for f in RESULT_FILES if (out / f).exists()]
+    if overwrite or not present or in_catalogue(out):
+        return
+    import datetime
+
+    when = datetime.datetime.fromtimestamp((out / present[0]).stat().st_mtime)
+    raise InputError(
+        f"results folder {out} holds an earlier run's results ({present[0]}, "
+        f"{when:%Y-%m-%d %H:%M}): pass --overwrite to replace them, or --out DIR for another "
+        "folder"
+    )
+
+
+def in_catalogue(out: Path) -> bool:
+    """Whether ``out`` is a device folder of a results catalogue (``.../results/<device>/``
+    holding its index ``README.md``) or inside one."""
+    out = out.resolve()
+    chain = (out, *out.parents)
+    for depth, folder in enumerate(chain):
+        if folder.parent.name == "results":  # the device folder: the index is here or below
+            return any((f / CATALOGUE_INDEX).is_file() for f in chain[: depth + 1])
+    return False
 
 
 def default_out(engine_set: EngineSet, slug: str, model: str, parallel: ParallelContext) -> Path:
@@ -340,8 +411,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     say = print if parallel.is_leader else (lambda *a, **k: None)
     dtype = _DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     engines = args.engines
-    if any(e.endswith("_fp8") for e in engines):  # before any weights are drawn or read
-        checked_on_every_rank(_check_fp8, device)
+    checked_on_every_rank(_check_precision, engines, device)  # before any weights are read
     skipped = checked_on_every_rank(plan_engines, engines, parallel)
     preset_name = (
         None if args.checkpoint else (args.preset or _default_preset(device, parallel.tp_size))
@@ -351,6 +421,9 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     weights, workload = checked_on_every_rank(load_inputs, args, preset_name, limit)
     margs = weights.args
     validate_grid(parallel.tp_size, parallel.dp_size, world, args=margs)  # every rank: same verdict
+    slug = device_slug(device)
+    out = args.out or default_out(engine_set, slug, weights.name, parallel)
+    checked_on_every_rank(check_replaceable, out, args.overwrite)  # before hours are spent
 
     cfg = EngineConfig(
         device=device,
@@ -387,12 +460,13 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
 
     rows: dict[str, dict] = {}
     shared: dict = {}
-    for i, name in enumerate(engines):
+    for i, spec in enumerate(engines):
+        name = spec.name
         if name in skipped:
             say(f"[{name}] skipped: {skipped[name]}")
             continue
         t0 = time.perf_counter()
-        engine = make_engine(name, weights, cfg, shared, parallel)
+        engine = make_engine(spec, weights, cfg, shared, parallel)
         sync(device)
         build_s = max(gather_objects(time.perf_counter() - t0))
         results, passes, peak = run_engine(engine, workload, warmup, cfg, parallel, args.passes)
@@ -408,7 +482,7 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
         )
         engine.close()
         del engine
-        if shared and not any(e.startswith("nakta") for e in engines[i + 1 :]):
+        if shared and not any(s.is_nakta for s in engines[i + 1 :]):
             shared.clear()
         free_memory(device)
     reference = "llama_org" if "llama_org" in rows else next(iter(rows))
@@ -426,7 +500,6 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
                 ratios[f"nakta_cache_vs_{peer}"] = (
                     rows["nakta_cache"]["tasks_per_s"] / rows[peer]["tasks_per_s"]
                 )
-    slug = device_slug(device)
     summary = {
         "device": slug,
         "gpus": world,
@@ -469,7 +542,6 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     }
     if not parallel.is_leader:
         return None
-    out = args.out or default_out(engine_set, slug, weights.name, parallel)
     notes = (
         f"{workload.name}: {workload.n_tasks} tasks, {workload.request_tokens()} lm-eval tokens "
         f"({workload.unique_tokens()} unique: shared contexts and prefixes counted once); model {weights.name}, "
@@ -493,6 +565,8 @@ def _run(args: argparse.Namespace, engine_set: EngineSet, parallel: ParallelCont
     print(format_table(df))
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
+    if note := tiny_model_note(rows, margs, device):
+        print(note)
     for k, v in skipped.items():
         print(f"skipped {k}: {v}")
     print(f"results -> {out}")

@@ -195,6 +195,27 @@ def test_interactive_goes_on_after_a_line_too_long(stories, monkeypatch, capsys)
     assert captured.err.count("tokens/s") == 1
 
 
+def test_max_new_tokens_cut_by_the_context_is_one_warning_line(stories, capsys):
+    """A prompt that leaves fewer positions than --max-new-tokens: a warning naming both
+    numbers, and generation stops at the context's end."""
+    tok = Tokenizer(str(stories / "tokenizer.model"))
+    limit = nakta_model.loading.checkpoint_args(stories).max_seq_len
+    prompt = "Lily " * 505
+    n_prompt = len(tok.encode(prompt, bos=True, eos=False))
+    room = limit - n_prompt
+    assert 0 < room < 12, (n_prompt, limit)  # the prompt leaves less than --max-new-tokens
+    (result,), _, err = _generate(
+        ["--checkpoint", str(stories), "--prompt", prompt, "--max-new-tokens", "12", *GREEDY],
+        capsys,
+    )
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        f"warning: prompt 1 has {n_prompt} tokens and the model's max_seq_len is {limit}: "
+        f"at most {room} new tokens, not --max-new-tokens 12"
+    ]
+    assert len(result["tokens"]) <= room
+
+
 def test_an_fp8_checkpoint_generates_with_quant_fp8(stories, tmp_path, capsys):
     """An FP8 checkpoint is refused without ``--quant fp8`` (the error names the flag) and
     generates with it (the CPU runs FP8 under the interpreter, as the tests do)."""

@@ -172,7 +172,7 @@ def test_adapter_argument_errors(tiny):
         adapter._as_bool("maybe")
     with pytest.raises(ValueError, match="dtype"):
         adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="int8")
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="no such directory"):
         adapter.NaktaLM(checkpoint=str(ckpt / "nope"), tokenizer=str(tok), device="cpu")
 
 
@@ -228,7 +228,11 @@ def test_default_batch_size_scores_with_the_token_budget_alone(tiny, monkeypatch
 @pytest.mark.parametrize("cls", [adapter.NaktaLM, adapter.LlamaOrgLM])
 def test_unknown_model_args_are_refused_with_the_known_ones(tiny, cls):
     ckpt, tok = tiny
-    with pytest.raises(ValueError, match=r"unknown model_args dtyp, max_len; known: .*dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown model_args dtyp, max_len \(did you mean dtype for dtyp, "
+        r"max_length for max_len\?\); known: .*dtype",
+    ):
         cls(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtyp="bf16", max_len=8)
 
 

@@ -168,7 +168,9 @@ def test_bad_model_args_are_one_error_line(monkeypatch, capsys, shared_data):
         )
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: nakta: unknown model_args dtyp; known: checkpoint")
+    assert err[-1].startswith(
+        "error: nakta: unknown model_args dtyp (did you mean dtype?); known: checkpoint"
+    )
     # no traceback through the adapter (lm-eval's log handler may hold an earlier test's
     # closed stderr and print "--- Logging error ---" here: a test artifact, so not "Traceback")
     assert not any("lm_eval_adapter.py" in line for line in err), err

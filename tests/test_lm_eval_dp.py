@@ -78,7 +78,7 @@ def _damaged(src: Path, root: Path) -> dict[str, tuple[Path, str]]:
     cases["shard-missing"] = (root / "shard-missing", r"cannot load it: .*")
     (root / "params-garbage" / "params.json").write_text("{not json")
     cases["params-garbage"] = (root / "params-garbage", r"cannot load it: .*params")
-    cases["missing"] = (root / "nope", r"nakta checkpoint .*nope is not a directory")
+    cases["missing"] = (root / "nope", r"nakta checkpoint .*nope: no such directory")
     return cases
 
 

@@ -45,7 +45,8 @@ def test_constructor_kwargs_are_what_lm_eval_passes():
         "batch_size": 4,
     }
     assert constructor_kwargs({"a": 1}, None) == {"a": 1}
-    assert constructor_kwargs({"device": "cpu"}, {"device": "cuda"}) is None  # a duplicate
+    # a key in both: model_args' value wins, as the model class merges them
+    assert constructor_kwargs({"device": "cpu"}, {"device": "cuda"}) == {"device": "cpu"}
     assert constructor_kwargs(42, {}) is None
 
 

@@ -62,14 +62,46 @@ def test_engine_scripts_by_path_are_run_all_with_their_engines():
         assert f"comma-separated, from {engines} (default: {engines})" in text
 
 
+def _names(argv, engine_set=run_all.RUN_ALL) -> tuple[str, ...]:
+    return tuple(spec.name for spec in run_all.parse_args(argv, engine_set).engines)
+
+
 def test_engine_scripts_take_only_their_engines(capsys):
     nakta = EngineSet(("nakta", "nakta_cache"), "nakta", "Nakta")
-    assert run_all.parse_args(["--engines", "nakta_cache"], nakta).engines == ("nakta_cache",)
-    assert run_all.parse_args([], nakta).engines == ("nakta", "nakta_cache")
+    assert _names(["--engines", "nakta_cache"], nakta) == ("nakta_cache",)
+    assert _names([], nakta) == ("nakta", "nakta_cache")
     with pytest.raises(SystemExit) as exc:
         run_all.parse_args(["--engines", "nakta,hf"], nakta)
     assert exc.value.code == 2
     assert "--engines: choose from nakta,nakta_cache, got ['hf']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --quant fp8 would time nakta_cache_fp8: not this set's
+        run_all.parse_args(["--engines", "nakta_cache", "--quant", "fp8"], nakta)
+    assert "got ['nakta_cache_fp8']" in capsys.readouterr().err
+
+
+def test_engines_and_quant_are_read_once_into_specs():
+    """``--engines`` names and ``--quant`` become EngineSpecs (kind + Precision) at the entry;
+    the name is only what tables show, never parsed again below."""
+    from nakta_model.fp8 import Precision
+    from speed_bench.engines import EngineSpec, engine_spec
+
+    args = run_all.parse_args(["--engines", "nakta,nakta_cache_fp8,hf", "--quant", "fp8"])
+    fp8 = Precision("fp8")
+    assert args.engines == (
+        EngineSpec("nakta", fp8), EngineSpec("nakta_cache", fp8), EngineSpec("hf"),
+    )  # fmt: skip
+    assert [s.name for s in args.engines] == ["nakta_fp8", "nakta_cache_fp8", "hf"]
+    assert args.precision == fp8
+    both = run_all.parse_args(["--engines", "nakta_cache,nakta_cache_fp8"]).engines
+    assert [(s.kind, s.precision.quant) for s in both] == [
+        ("nakta_cache", None), ("nakta_cache", "fp8"),
+    ]  # fmt: skip
+    assert engine_spec("nakta_ctx_fp8") == EngineSpec("nakta_ctx", fp8)
+    assert engine_spec(both[0]) is both[0]
+    with pytest.raises(ValueError, match="unknown engine 'hf_fp8'"):
+        engine_spec("hf_fp8")
+    with pytest.raises(ValueError, match="has no quant"):
+        EngineSpec("llama_org", fp8)
 
 
 def test_default_results_folders_do_not_overwrite_each_other(monkeypatch, tmp_path):
@@ -81,6 +113,46 @@ def test_default_results_folders_do_not_overwrite_each_other(monkeypatch, tmp_pa
     assert run_all.default_out(nakta, "cpu", "random-tiny", grid) == (
         tmp_path / "cpu" / "nakta" / "random-tiny-tp2-dp1"
     )
+
+
+def test_an_earlier_run_in_a_folder_of_ones_own_is_never_replaced_silently(tmp_path):
+    """A second run into a folder holding results (the git-ignored results/cpu/, any --out) is
+    refused before anything is timed, unless --overwrite; a catalogue folder
+    (results/<device>/ with its README.md index, and its subfolders) is replaced."""
+    from nakta_model.cli import InputError
+
+    cpu = tmp_path / "speed_bench" / "results" / "cpu"
+    run_all.check_replaceable(cpu, overwrite=False)  # nothing there yet
+    for out in (cpu, cpu / "nakta", tmp_path / "mine"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "speed.md").write_text("an earlier run")
+        with pytest.raises(InputError, match=r"earlier run's results \(speed.md, .*--overwrite"):
+            run_all.check_replaceable(out, overwrite=False)
+        run_all.check_replaceable(out, overwrite=True)
+    (cpu / "notes.txt").write_text("not a result file")
+    (tmp_path / "mine" / "speed.md").unlink()
+    run_all.check_replaceable(tmp_path / "mine", overwrite=False)  # no result file left
+    device = tmp_path / "speed_bench" / "results" / "nvidia-h200"
+    (device / "nakta").mkdir(parents=True)
+    for out in (device, device / "nakta"):
+        (out / "summary.json").write_text("{}")
+    (device / "README.md").write_text("# the catalogue's index")
+    assert run_all.in_catalogue(device) and run_all.in_catalogue(device / "nakta")
+    assert not run_all.in_catalogue(cpu) and not run_all.in_catalogue(tmp_path / "mine")
+    run_all.check_replaceable(device, overwrite=False)
+    run_all.check_replaceable(device / "nakta", overwrite=False)
+    assert run_all.in_catalogue(REPO / "speed_bench" / "results" / "nvidia-h200")
+
+
+def test_a_tiny_model_run_says_why_the_caches_are_not_faster():
+    from nakta_model.config import preset
+
+    rows = {"nakta": {"tasks_per_s": 10.0}, "nakta_cache": {"tasks_per_s": 0.9}}
+    note = run_all.tiny_model_note(rows, preset("tiny"), torch.device("cpu"))
+    assert note.startswith("note: nakta_cache 0.09x nakta on a tiny model (")
+    assert "--checkpoint, or --preset 7B on a GPU" in note and "\n" not in note
+    assert run_all.tiny_model_note(rows, preset("7B"), torch.device("cpu")) is None
+    assert run_all.tiny_model_note({"nakta": rows["nakta"]}, preset("tiny"), "cpu") is None
 
 
 def test_grid_defaults_to_one_replica_over_the_world():

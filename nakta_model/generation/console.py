@@ -98,6 +98,14 @@ class GenerationSession:
                     f"prompt {i + 1} has {len(ids)} tokens; the model's max_seq_len {limit} "
                     "leaves no room to generate"
                 )
+        for i, ids in enumerate(encoded):  # the row ends at max_seq_len: say so, not stop early
+            room = limit - len(ids)
+            if room < self.a.max_new_tokens:
+                self.say(
+                    f"warning: prompt {i + 1} has {len(ids)} tokens and the model's max_seq_len "
+                    f"is {limit}: at most {room} new tokens, not --max-new-tokens "
+                    f"{self.a.max_new_tokens}"
+                )
         row_len = min(limit, max(map(len, encoded)) + self.a.max_new_tokens)
         gen = self._generator(len(prompts), row_len)
         warmup = (
