@@ -3,7 +3,7 @@
 # floor (speed_bench/results/<device>/decode/, fp8_decode/ with QUANT=fp8), the cascade over a
 # shared prefix (decode_shared_prefix/shared/) and the decode step's launch timeline
 # (model_profile/results/<device>/decode_b<N>[_fp8]/). Random weights of SIZE, < 10 min a job.
-#   OUT=/tmp/out bash scripts/reproduce_decode.sh [decode] [shared_prefix] [timeline]
+#   OUT=/tmp/out bash scripts/reproduce_decode.sh [decode] [shared_prefix] [timeline] [families]
 # Settings (environment): SIZE (preset, default 7B); QUANT (bf16 | fp8: nakta and nakta_fp8 in
 # one process, batch 1 / 8 / 32, prompt 64); BATCHES (the timeline's batches, default "1 8 32").
 # Writes into the catalogue folders of this GPU, then $OUT/decode.tar.gz and $OUT/decode_log.txt.
@@ -39,7 +39,14 @@ for job in "${@:-decode}"; do
           --prompt 64 --gen 64 --batch "$b" "${q[@]}" --out "$P/decode_b$b$suffix"
       done
       ;;
-    *) echo "unknown job $job (decode, shared_prefix, timeline)" | tee -a "$LOG"; status=2 ;;
+    families)  # batch 1 beside HF at each FAMILIES preset (speed_bench/families_report.py)
+      for preset in ${FAMILIES:-llama3-8B llama3.2-1B}; do
+        step "families_decode_$preset" 240 python3 -m speed_bench.decode_speed --preset "$preset" \
+          --batches 1 --lengths 64:128 --engines nakta,hf --no-budget \
+          --out "$S/families/$preset/decode"
+      done
+      ;;
+    *) echo "unknown job $job (decode, shared_prefix, timeline, families)" | tee -a "$LOG"; status=2 ;;
   esac
 done
 finish

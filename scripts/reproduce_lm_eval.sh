@@ -4,7 +4,7 @@
 # lm_eval_*/); with QUANT=fp8 the bf16 / quant=fp8 pair on all 10,042 HellaSwag tasks
 # (fp8/lm_eval/); with 2 GPUs the data-parallel rows (lm_eval_dp/). < 10 min a job.
 #   OUT=/tmp/out bash scripts/reproduce_lm_eval.sh [hellaswag0] [hellaswag10] [mmlu] [gen]
-#       [gsm8k] [one_pool] [quant] [dp]
+#       [gsm8k] [one_pool] [quant] [dp] [families]
 # Needs `.whl/` (lm-eval 0.4.13 and its deps: scripts/fetch_device_wheels.sh) and the real data
 # (.data/ or ../shared/data). Settings (environment): SIZE (preset, default 7B); QUANT (the
 # quant job's precision, default fp8). Writes into the catalogue folders of this GPU, then
@@ -73,6 +73,19 @@ for job in "${@:-hellaswag0}"; do
         --suite-limit 20 --warmup-limit 32 --suite-hf --suite-hf-modes one_call \
         --hf-batch-size auto --run-timeout-s 150 --deadline-s 555 --out "$S/lm_eval_dp" \
         --work /tmp/lm_eval_dp_work
+      ;;
+    families)  # FAMILIES "preset:tokenizer:limit ...": HellaSwag 0-shot, nakta vs hf, fresh
+      # processes on random weights of each family's shape; the report over every families job
+      for spec in ${FAMILIES:-llama3-8B:$DATA/llama3_tokenizer.model:all}; do
+        IFS=: read -r preset tok limit <<<"$spec"
+        lim=() && [ "$limit" != all ] && lim=(--limit "$limit")
+        step "families_lm_eval_$preset" 420 python3 speed_bench/lm_eval_speed.py \
+          --preset "$preset" --tokenizer "$tok" --data "$HS_FULL" --work "/tmp/families_$preset" \
+          --task hellaswag_local --fewshot 0 --batch-sizes default --hf-batch-sizes 64 "${lim[@]}" \
+          --out "$S/families/$preset/lm_eval"
+        rm -rf "${S:?}/families/$preset/lm_eval/logs" "${S:?}/families/$preset/lm_eval/runs"
+      done
+      step families_report 60 python3 -m speed_bench.families_report --root "$S/families"
       ;;
     *) echo "unknown job $job" | tee -a "$LOG"; status=2 ;;
   esac

@@ -3,7 +3,7 @@
 # throughput_fp8/ with QUANT=fp8) and their kernel profile (model_profile/results/<device>/
 # throughput/): 1,000 random prompts of 128 tokens, 128 new each, greedy with EOS ignored,
 # random weights of SIZE. One GPU, < 10 min a job.
-#   OUT=/tmp/out bash scripts/reproduce_throughput.sh [throughput] [profile]
+#   OUT=/tmp/out bash scripts/reproduce_throughput.sh [throughput] [profile] [families]
 # Settings (environment): SIZE (preset, default 7B); QUANT (bf16 | fp8: nakta and nakta_fp8 in
 # one process at the FP8 rows); MAX_BATCH (nakta's rows, default 64,128,256,384; fp8 384);
 # HF_BATCHES (the HF static-cache peer's batches, default 128,64; "" leaves HF out); PROMPTS.
@@ -38,7 +38,18 @@ for job in "${@:-throughput}"; do
       step profile 300 python3 -m model_profile.throughput_profile --preset "$SIZE" \
         --prompts "$PROMPTS" --max-batch "${MAX_BATCH:-256}" "${q[@]}" --out "$P/throughput"
       ;;
-    *) echo "unknown job $job (throughput, profile)" | tee -a "$LOG"; status=2 ;;
+    families)  # each FAMILIES preset: bf16 beside HF's static cache, then FP8 weights
+      for preset in ${FAMILIES:-llama3-8B}; do
+        F=$S/families/$preset COMMON[1]=$preset
+        step "families_throughput_$preset" 420 python3 -m speed_bench.throughput "${COMMON[@]}" \
+          --engines nakta,hf --max-batch "${MAX_BATCH:-512}" --hf-batches "${HF_BATCHES:-128}" \
+          --out "$F/throughput"
+        step "families_throughput_fp8_$preset" 240 python3 -m speed_bench.throughput \
+          "${COMMON[@]}" --engines nakta_fp8 --max-batch "${MAX_BATCH:-512}" \
+          --out "$F/throughput_fp8"
+      done
+      ;;
+    *) echo "unknown job $job (throughput, profile, families)" | tee -a "$LOG"; status=2 ;;
   esac
 done
 finish
