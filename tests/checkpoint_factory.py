@@ -132,7 +132,8 @@ def shard_state_dict(
         if llama3 and kind == "tok_embeddings":
             d = 0
         if llama3 and kind in ("wk", "wv") and n_kv_heads and n_shards > n_kv_heads:
-            t = t.repeat_interleave(n_shards // n_kv_heads, dim=0)
+            heads = t.view(n_kv_heads, -1, t.shape[1])  # [n_kv, head_dim, dim]: whole heads
+            t = heads.repeat_interleave(n_shards // n_kv_heads, dim=0).flatten(0, 1)
         if d is None:
             for s in shards:
                 s[key] = t.clone()
