@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
+
+from nakta_model.config_readers import (
+    META_LLAMA3_SCALING,
+    SUPPORTED_ROPE_TYPES,
+    RopeScaling,
+    check_head_dim,
+    check_positive,
+    check_positive_number,
+    hf_rope,
+    refuse_hf_keys,
+)
 
 __all__ = [
     "META_LLAMA3_SCALING",
@@ -35,75 +45,8 @@ _IGNORED_PARAMS_KEYS = frozenset(
 _META_ONLY_KEYS = frozenset({"use_scaled_rope", "head_dim"})
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _check_positive_number(name: str, value: object) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (number and value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-
-
 # HF ``model_type`` values read (same math; Mistral adds ``sliding_window``).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-# RoPE types built into the cos/sin tables (``rope_type`` / ``type`` in HF configs).
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3.1's RoPE frequency scaling (HF ``rope_type: llama3``).
-
-    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their
-    frequency, longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
-    ``factor``, and the band between is interpolated (``kernels/rope.rope_frequencies``).
-    """
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    rope_type: str = "llama3"
-
-    def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
-            raise ValueError(
-                f"rope_type {self.rope_type!r} is not supported; supported: "
-                f"{list(SUPPORTED_ROPE_TYPES)}"
-            )
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            _check_positive_number(f"rope_scaling.{name}", getattr(self, name))
-        _check_positive(
-            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
-        )
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
-                f"low_freq_factor ({self.low_freq_factor})"
-            )
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], what: str = "rope_scaling") -> RopeScaling:
-        """From a ``{"rope_type": "llama3", "factor": ...}`` dict (a Nakta ``params.json``)."""
-        if not isinstance(d, dict):
-            raise ValueError(f"{what} must be an object, got {d!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{what} has unknown key(s) {unknown}; known: {sorted(known)}")
-        missing = sorted(k for k in known - {"rope_type"} if k not in d)
-        if missing:
-            raise ValueError(f"{what} is missing {missing}")
-        return cls(**d)
-
-
-# Meta's ``use_scaled_rope: true`` (llama_models/llama3/model.py ``apply_scaling``): these
-# constants are in Meta's reference code, not in its params.json.
-META_LLAMA3_SCALING = RopeScaling(
-    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-)
 
 
 def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -150,10 +93,10 @@ class ModelArgs:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.hidden_dim is None:
-            _check_positive("dim", self.dim)
-            _check_positive("multiple_of", self.multiple_of)
+            check_positive("dim", self.dim)
+            check_positive("multiple_of", self.multiple_of)
             if self.ffn_dim_multiplier is not None:
-                _check_positive_number("ffn_dim_multiplier", self.ffn_dim_multiplier)
+                check_positive_number("ffn_dim_multiplier", self.ffn_dim_multiplier)
             object.__setattr__(
                 self,
                 "hidden_dim",
@@ -188,7 +131,7 @@ class ModelArgs:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when the shape cannot be a LLaMA model."""
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int):
             raise ValueError(f"vocab_size must be an int, got {self.vocab_size!r}")
         if self.vocab_size <= 0:
@@ -206,8 +149,8 @@ class ModelArgs:
             raise ValueError(
                 f"head_dim = dim / n_heads = {self.head_dim} must be even (RoPE rotates pairs)"
             )
-        _check_positive_number("norm_eps", self.norm_eps)
-        _check_positive_number("rope_theta", self.rope_theta)
+        check_positive_number("norm_eps", self.norm_eps)
+        check_positive_number("rope_theta", self.rope_theta)
         if not isinstance(self.rope_interleaved, bool):
             raise ValueError(
                 f"rope_interleaved must be true or false, got {self.rope_interleaved!r}"
@@ -221,13 +164,13 @@ class ModelArgs:
                 f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}"
             )
         if self.sliding_window is not None:
-            _check_positive("sliding_window", self.sliding_window)
+            check_positive("sliding_window", self.sliding_window)
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ``ValueError`` when ``tp_size`` cannot split heads, FFN or vocab. KV heads split
         when ``tp_size`` divides them and are replicated when they divide ``tp_size`` (each rank
         holds the one KV head its query heads use, as vLLM does)."""
-        _check_positive("tp_size", tp_size)
+        check_positive("tp_size", tp_size)
         for name, value in (
             ("n_heads", self.n_heads),
             ("hidden_dim (FFN width)", self.hidden_dim),
@@ -288,7 +231,7 @@ class ModelArgs:
             if kw.get("rope_scaling") is not None:
                 raise ValueError("params.json has both use_scaled_rope and rope_scaling")
             kw["rope_scaling"] = META_LLAMA3_SCALING
-        _check_head_dim(params.get("head_dim"), kw["dim"], kw["n_heads"], "params.json")
+        check_head_dim(params.get("head_dim"), kw["dim"], kw["n_heads"], "params.json")
         stated = kw.get("vocab_size")
         if stated in (None, -1):
             if vocab_size is None:
@@ -328,10 +271,10 @@ class ModelArgs:
                 raise ValueError(f"config.json is missing {key!r}")
         if "intermediate_size" not in config:
             raise ValueError("config.json is missing 'intermediate_size'")
-        _refuse_hf_keys(config)
+        refuse_hf_keys(config)
         dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-        _check_head_dim(config.get("head_dim"), dim, n_heads, "config.json")
-        theta, scaling = _hf_rope(config)
+        check_head_dim(config.get("head_dim"), dim, n_heads, "config.json")
+        theta, scaling = hf_rope(config)
         window = config.get("sliding_window")
         if model_type == "llama" and window is not None:
             raise ValueError(
@@ -416,112 +359,6 @@ META_PARAMS_KEYS = (
     | _IGNORED_PARAMS_KEYS
     | _META_ONLY_KEYS
 )
-
-# HF config keys that change the math, and the values Nakta implements (the reference's default).
-_HF_MATH_KEYS: dict[str, tuple[Any, ...]] = {
-    "attention_bias": (False, None),
-    "mlp_bias": (False, None),
-    "hidden_act": ("silu", None),
-    "hidden_activation": ("silu", None),
-    "partial_rotary_factor": (1.0, 1, None),
-    "quantization_config": (None,),
-    "qk_norm": (False, None),
-    "use_qk_norm": (False, None),
-    "attn_logit_softcapping": (None,),
-    "final_logit_softcapping": (None,),
-    "logits_scaling": (None, 1, 1.0),
-    "layer_types": (None,),
-}
-_ROPE_KEYS = frozenset(
-    {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-     "original_max_position_embeddings", "partial_rotary_factor"}
-)  # fmt: skip
-
-
-def _refuse_hf_keys(config: dict[str, Any]) -> None:
-    for key, allowed in _HF_MATH_KEYS.items():
-        if key in config and config[key] not in allowed:
-            raise ValueError(
-                f"config.json {key}={config[key]!r} changes the model's math and is not "
-                f"implemented (supported: {allowed[0]!r})"
-            )
-
-
-def _check_head_dim(head_dim: object, dim: int, n_heads: int, what: str) -> None:
-    if head_dim is None or not isinstance(n_heads, int) or n_heads <= 0:
-        return
-    if head_dim != dim // n_heads or dim % n_heads:
-        raise ValueError(
-            f"{what} head_dim={head_dim} differs from dim / n_heads = {dim}/{n_heads}: "
-            "head_dim != dim / n_heads is not supported"
-        )
-
-
-def _hf_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, scaling)`` from ``rope_parameters`` (transformers 5), ``rope_scaling``
-    (``type`` or ``rope_type``) and ``rope_theta``: every place a value is stated must agree."""
-    thetas: dict[str, Any] = {}
-    kinds: dict[str, dict[str, Any]] = {}
-    if config.get("rope_theta") is not None:
-        thetas["rope_theta"] = config["rope_theta"]
-    for key in ("rope_parameters", "rope_scaling"):
-        d = config.get(key)
-        if d is None or d == {}:
-            continue
-        if not isinstance(d, dict):
-            raise ValueError(f"config.json {key} must be an object, got {d!r}")
-        unknown = sorted(set(d) - _ROPE_KEYS)
-        if unknown:  # e.g. per-layer-type dicts, mrope sections: not a Llama RoPE
-            raise ValueError(
-                f"config.json {key} has key(s) {unknown} this RoPE does not implement; "
-                f"supported rope types: {list(SUPPORTED_ROPE_TYPES)}"
-            )
-        if d.get("rope_theta") is not None:
-            thetas[f"{key}.rope_theta"] = d["rope_theta"]
-        if d.get("partial_rotary_factor") not in (None, 1, 1.0):
-            raise ValueError(
-                f"config.json {key}.partial_rotary_factor={d['partial_rotary_factor']!r} is "
-                "not supported (RoPE over the whole head)"
-            )
-        kinds[key] = d
-    if len({float(v) for v in thetas.values() if isinstance(v, (int, float))}) > 1:
-        raise ValueError(f"config.json states different RoPE thetas: {thetas}")
-    theta = next(iter(thetas.values()), 10000.0)
-    scalings = []
-    for key, d in kinds.items():
-        rope_type = d.get("rope_type", d.get("type", "default"))
-        if "rope_type" in d and "type" in d and d["rope_type"] != d["type"]:
-            raise ValueError(
-                f"config.json {key} has type {d['type']!r} and rope_type {rope_type!r}"
-            )
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"config.json {key} rope type {rope_type!r} is not supported; supported: "
-                f"{list(SUPPORTED_ROPE_TYPES)}"
-            )
-        if rope_type == "default":
-            extra = sorted(set(d) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
-            if extra:
-                raise ValueError(f"config.json {key} (default RoPE) has scaling key(s) {extra}")
-            scalings.append(None)
-            continue
-        fields = {
-            k: d.get(k)
-            for k in ("factor", "low_freq_factor", "high_freq_factor")
-        }  # fmt: skip
-        missing = sorted(k for k, v in fields.items() if v is None)
-        if missing:
-            raise ValueError(f"config.json {key} (llama3 RoPE) is missing {missing}")
-        original = d.get("original_max_position_embeddings")
-        if original is None:  # transformers falls back to the model's context
-            original = config.get("max_position_embeddings")
-        try:
-            scalings.append(RopeScaling(**fields, original_max_position_embeddings=original))
-        except ValueError as e:
-            raise ValueError(f"config.json {key}: {e}") from None
-    if len(set(scalings)) > 1:
-        raise ValueError(f"config.json rope_parameters and rope_scaling disagree: {kinds}")
-    return theta, (scalings[0] if scalings else None)
 
 
 def _hf_preset(

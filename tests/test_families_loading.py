@@ -105,3 +105,52 @@ def test_converted_checkpoint_keeps_scaling_window_and_tie(tmp_path):
     (qwen / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
     with pytest.raises(CheckpointError, match="'qwen2' is not supported; supported"):
         open_source(qwen, quiet=True)
+
+
+def _replicated_kv_worker(rank: int, world: int, init_file: str, rows, out_file: str) -> None:
+    import torch.distributed as dist
+    from checkpoint_factory import TINY_PARAMS
+
+    from nakta_model.config import ModelArgs
+    from nakta_model.parallel import ParallelContext
+    from nakta_model.sources import state_dict_source
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=64)
+        source = state_dict_source(meta_state_dict(TINY_PARAMS, seed=6), args)
+        model = nakta_model.load(source, "cpu", torch.float32, ParallelContext(rank, world),
+                                 kernels="reference")  # fmt: skip
+        assert model.layers[0].attention.n_kv_heads == 1  # 2 KV heads over 4 ranks
+        res = {"full": model(rows)}
+        model.setup_cache(2, 16)
+        model(rows[:, :5], 0)
+        res["decode"] = model(rows[:, 5:6], 5)
+        if rank == 0:
+            torch.save(res, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # four fresh interpreters importing torch
+def test_tp_above_kv_heads_gives_the_single_process_logits(tmp_path):
+    """tp 4 over 2 KV heads (each replicated on 2 ranks, as vLLM): the same logits, prefill and
+    decode, as one process."""
+    import torch.multiprocessing as mp
+    from checkpoint_factory import TINY_PARAMS
+
+    from nakta_model.config import ModelArgs
+    from nakta_model.sources import state_dict_source
+
+    rows = torch.randint(0, TINY_PARAMS["vocab_size"], (2, 6))
+    out = tmp_path / "tp.pt"
+    mp.start_processes(_replicated_kv_worker, args=(4, str(tmp_path / "rdv"), rows, str(out)),
+                       nprocs=4, join=True, start_method="spawn")  # fmt: skip
+    got = torch.load(out, weights_only=True)
+    args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=64)
+    one = nakta_model.load(state_dict_source(meta_state_dict(TINY_PARAMS, seed=6), args), "cpu",
+                           torch.float32, kernels="reference")  # fmt: skip
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["full"], one(rows), **tol)
+    torch.testing.assert_close(got["decode"], one(rows)[:, 5:6], **tol)

@@ -391,6 +391,17 @@ def rope_frequencies(
     return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
+def te_inv_freq(
+    rotary_dim: int, base: float, scaling: Llama3Scaling | None = None, device=None
+) -> torch.Tensor:
+    """fp32 inverse frequencies as TransformerEngine's ``RotaryPositionEmbedding`` forms them
+    (``base**(-2i/d)`` in fp32), or Llama-3.1's scaled ones (:func:`rope_frequencies`)."""
+    if scaling is not None:
+        return rope_frequencies(rotary_dim, base, scaling, device).float()
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
 def build_rope_cache(
     max_positions: int,
     rotary_dim: int,
