@@ -21,7 +21,8 @@ than the reference).
 Mistral's sliding window (4096) is larger than every sequence here: not exercised by this
 report (the attention kernels' own tests cover it).
 
-Usage: ``python accuracy_test/families_parity.py [--out DIR] [--dtypes fp32,bf16]``, writes
+Usage: ``python accuracy_test/families_parity.py [--out DIR] [--dtypes fp32,bf16] [--device
+cuda]``, writes
 ``DIR/families_parity.json`` (``{"rows": [{"preset", "format", "dtype", "reference",
 "max_abs_logit_err", "greedy_identical"}]}``) and ``families_parity.md``.
 """
@@ -219,7 +220,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def _llama_models(case: Case, folder: Path, dtype: torch.dtype) -> Callable:
+def _llama_models(case: Case, folder: Path, dtype: torch.dtype, device: torch.device) -> Callable:
     from llama_models.checkpoint import maybe_reshard_state_dict
     from llama_models.llama3.args import ModelArgs as MetaArgs
     from llama_models.llama3.model import Transformer as MetaTransformer
@@ -239,24 +240,25 @@ def _llama_models(case: Case, folder: Path, dtype: torch.dtype) -> Callable:
     with _default_dtype(dtype):
         model = MetaTransformer(MetaArgs(**params, max_seq_len=_SEQ + 8, max_batch_size=_BATCH))
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
+    model.to(device)  # its KV cache follows the inputs on the first forward
     return lambda tokens: model.forward(tokens, 0).float()
 
 
-def _llama_org(case: Case, folder: Path, dtype: torch.dtype) -> Callable:
+def _llama_org(case: Case, folder: Path, dtype: torch.dtype, device: torch.device) -> Callable:
     from llama_org import Llama
     from nakta_model.layout import merge_meta_shards
 
     shards = [torch.load(p, weights_only=True) for p in sorted(folder.glob("consolidated.*.pth"))]
     sd = merge_meta_shards(shards, _args(case))
-    ref = Llama.from_state_dict(case.params, sd, _SEQ + 8, _BATCH, device="cpu", dtype=dtype)
+    ref = Llama.from_state_dict(case.params, sd, _SEQ + 8, _BATCH, device=device, dtype=dtype)
     return lambda tokens: ref.model.forward(tokens, 0).float()
 
 
-def _transformers(case: Case, folder: Path, dtype: torch.dtype) -> Callable:
+def _transformers(case: Case, folder: Path, dtype: torch.dtype, device: torch.device) -> Callable:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
-    model.eval()
+    model.to(device).eval()
 
     def logits(tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -265,13 +267,16 @@ def _transformers(case: Case, folder: Path, dtype: torch.dtype) -> Callable:
     return logits
 
 
-def reference_logits_fn(case: Case, folder: Path, dtype: torch.dtype) -> Callable:
+def reference_logits_fn(
+    case: Case, folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Callable:
     """``tokens [B, S] -> fp32 logits [B, S, vocab]`` of the case's reference in ``dtype``."""
+    device = torch.device(device)
     if case.reference == _META3:
-        return _llama_models(case, folder, dtype)
+        return _llama_models(case, folder, dtype, device)
     if case.reference == "llama_org":
-        return _llama_org(case, folder, dtype)
-    return _transformers(case, folder, dtype)
+        return _llama_org(case, folder, dtype, device)
+    return _transformers(case, folder, dtype, device)
 
 
 def _greedy(logits_fn: Callable, prompts: torch.Tensor, n: int) -> list[list[int]]:
@@ -292,6 +297,7 @@ def run_case(
     seed: int = 0,
     kernels: str | None = None,
     gen_len: int = _GEN,
+    device: torch.device | str = "cpu",
 ) -> list[dict]:
     """The rows of one case (one per dtype), each with the markdown-only extra
     ``reference_err`` (the reference at that dtype against the fp32 truth)."""
@@ -301,15 +307,17 @@ def run_case(
     folder = write_case(case, work / f"{case.preset}-{case.format}", tiny_weights(case, seed))
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = case.params["vocab_size"]
-    tokens = torch.randint(3, vocab, (_BATCH, _SEQ), generator=gen)
+    tokens = torch.randint(3, vocab, (_BATCH, _SEQ), generator=gen).to(device)
     prompts = tokens[:, :_PROMPT]
-    truth_fn = reference_logits_fn(case, folder, torch.float32)
+    truth_fn = reference_logits_fn(case, folder, torch.float32, device)
     truth, truth_greedy = truth_fn(tokens), _greedy(truth_fn, prompts, gen_len)
     rows = []
     for name in dtypes:
         dtype = _DTYPES[name]
-        ref = truth_fn if dtype == torch.float32 else reference_logits_fn(case, folder, dtype)
-        model = nakta_model.load(folder, "cpu", dtype, kernels=kernels)
+        ref = (
+            truth_fn if dtype == torch.float32 else reference_logits_fn(case, folder, dtype, device)
+        )
+        model = nakta_model.load(folder, device, dtype, kernels=kernels)
         ours = model(tokens)
         got = generate_tokens(
             model, prompts.tolist(), gen_len, eos_id=-1, pad_id=-1, max_seq_len=_SEQ + 8
@@ -338,9 +346,9 @@ def run_case(
 # ------------------------------------------------------------------------------------ report
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], device: str = "CPU") -> str:
     lines = [
-        "# Families parity (tiny random models, CPU)",
+        f"# Families parity (tiny random models, {device})",
         "",
         "Nakta against each family's reference reading the same folder (`accuracy_test/"
         "families_parity.py`; what each column means: its docstring and docs/families.md). "
@@ -377,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--presets", default="", help="comma list (default: every case)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     a = p.parse_args(argv)
     dtypes = [d for d in a.dtypes.split(",") if d]
     bad = [d for d in dtypes if d not in _DTYPES]
@@ -394,14 +403,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for case in CASES:
             if wanted and case.preset not in wanted:
                 continue
-            for row in run_case(case, Path(work), dtypes):
+            for row in run_case(case, Path(work), dtypes, device=a.device):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     keys = ("preset", "format", "dtype", "reference", "max_abs_logit_err", "greedy_identical")
     data = {"rows": [{k: r[k] for k in keys} for r in rows]}
     a.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(a.out / "families_parity.json", json.dumps(data, indent=2) + "\n")
-    atomic_write_text(a.out / "families_parity.md", markdown(rows))
+    label = "CPU" if a.device == "cpu" else torch.cuda.get_device_name(torch.device(a.device))
+    atomic_write_text(a.out / "families_parity.md", markdown(rows, label))
     return 0
 
 
