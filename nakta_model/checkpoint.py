@@ -254,7 +254,7 @@ def write_checkpoint(
     quant = check_quant(quant)
     shapes, dtypes = stored_layout(args, tp_size, dtype, quant)
     get_meta = functools.lru_cache(maxsize=4)(get_meta)  # wqkv needs wq, wk, wv for each rank
-    tensor = quantizing_fetch(get_meta, tp_size) if quant else None
+    tensor = quantizing_fetch(get_meta, tp_size, args) if quant else None
     out_dir = Path(out_dir)
     notify = _print_stderr if progress else None
     with atomic_output_dir(out_dir, force, may_replace=check_replaceable, notify=notify) as tmp:
@@ -270,7 +270,11 @@ def write_checkpoint(
                 names = tqdm(names, desc=f"writing {tp_size} shard(s)", unit="tensor")
             for name in names:
                 for r, stream in enumerate(streams):
-                    t = tensor(name, r) if tensor else nakta_tensor(name, get_meta, r, tp_size)
+                    t = (
+                        tensor(name, r)
+                        if tensor
+                        else nakta_tensor(name, get_meta, r, tp_size, args)
+                    )
                     stream.add(name, t)
             written = [s.finish() for s in streams]
         except BaseException:

@@ -9,17 +9,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["META_PARAMS_KEYS", "ModelArgs", "PRESETS", "meta_hidden_dim", "preset"]
+from nakta_model.config_readers import (
+    META_LLAMA3_SCALING,
+    SUPPORTED_ROPE_TYPES,
+    RopeScaling,
+    check_head_dim,
+    check_positive,
+    check_positive_number,
+    hf_rope,
+    refuse_hf_keys,
+)
+
+__all__ = [
+    "META_LLAMA3_SCALING",
+    "META_PARAMS_KEYS",
+    "ModelArgs",
+    "PRESETS",
+    "RopeScaling",
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "meta_hidden_dim",
+    "preset",
+]
 
 # params.json keys that are read without becoming a ModelArgs field: llama_org's runtime batch
 # size and the metadata a Nakta checkpoint's params.json carries (see checkpoint.py).
 _IGNORED_PARAMS_KEYS = frozenset(
     {"max_batch_size", "tp_size", "format_version", "dtype", "quant"}  # storage, not the model
 )
+# params.json keys read into other fields: Llama-3's flag for Meta's RoPE scaling, Mistral's
+# explicit head_dim (checked against dim / n_heads).
+_META_ONLY_KEYS = frozenset({"use_scaled_rope", "head_dim"})
+
+
+# HF ``model_type`` values read (same math; Mistral adds ``sliding_window``).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
 
 def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -37,6 +64,11 @@ class ModelArgs:
     ``hidden_dim`` is derived by Meta's rule unless given (HF configs state it directly).
     ``rope_interleaved`` says how q/k pairs are rotated: True for Meta's adjacent pairs
     ``(x[2j], x[2j+1])`` (Nakta checkpoints always store this layout), False for HF's halves.
+    ``rope_scaling`` None is plain RoPE; a :class:`RopeScaling` is Llama-3.1's. ``max_seq_len``
+    is the context the config states: nothing is allocated for it (the rope tables grow with the
+    positions a run uses; the KV pool bounds memory). ``tie_word_embeddings``: the LM head is
+    the embedding (Llama-3.2); ``sliding_window`` None is full attention, else each query sees
+    the last ``sliding_window`` keys (Mistral).
     """
 
     dim: int
@@ -51,15 +83,20 @@ class ModelArgs:
     max_seq_len: int = 2048
     hidden_dim: int | None = None
     rope_interleaved: bool = True
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # a params.json read back
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.hidden_dim is None:
-            _check_positive("dim", self.dim)
-            _check_positive("multiple_of", self.multiple_of)
+            check_positive("dim", self.dim)
+            check_positive("multiple_of", self.multiple_of)
             if self.ffn_dim_multiplier is not None:
-                _check_positive_number("ffn_dim_multiplier", self.ffn_dim_multiplier)
+                check_positive_number("ffn_dim_multiplier", self.ffn_dim_multiplier)
             object.__setattr__(
                 self,
                 "hidden_dim",
@@ -94,7 +131,7 @@ class ModelArgs:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when the shape cannot be a LLaMA model."""
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int):
             raise ValueError(f"vocab_size must be an int, got {self.vocab_size!r}")
         if self.vocab_size <= 0:
@@ -112,24 +149,51 @@ class ModelArgs:
             raise ValueError(
                 f"head_dim = dim / n_heads = {self.head_dim} must be even (RoPE rotates pairs)"
             )
-        _check_positive_number("norm_eps", self.norm_eps)
-        _check_positive_number("rope_theta", self.rope_theta)
+        check_positive_number("norm_eps", self.norm_eps)
+        check_positive_number("rope_theta", self.rope_theta)
         if not isinstance(self.rope_interleaved, bool):
             raise ValueError(
                 f"rope_interleaved must be true or false, got {self.rope_interleaved!r}"
             )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                f"rope_scaling must be None or a RopeScaling, got {self.rope_scaling!r}"
+            )
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}"
+            )
+        if self.sliding_window is not None:
+            check_positive("sliding_window", self.sliding_window)
 
     def check_tp(self, tp_size: int) -> None:
-        """Raise ``ValueError`` when ``tp_size`` cannot split heads, KV heads, FFN or vocab."""
-        _check_positive("tp_size", tp_size)
+        """Raise ``ValueError`` when ``tp_size`` cannot split heads, FFN or vocab. KV heads split
+        when ``tp_size`` divides them and are replicated when they divide ``tp_size`` (each rank
+        holds the one KV head its query heads use, as vLLM does)."""
+        check_positive("tp_size", tp_size)
         for name, value in (
             ("n_heads", self.n_heads),
-            ("n_kv_heads", self.n_kv_heads),
             ("hidden_dim (FFN width)", self.hidden_dim),
             ("vocab_size", self.vocab_size),
         ):
             if value % tp_size:
                 raise ValueError(f"tensor-parallel size {tp_size} does not divide {name} = {value}")
+        if self.n_kv_heads % tp_size and tp_size % self.n_kv_heads:
+            raise ValueError(
+                f"tensor-parallel size {tp_size} neither divides n_kv_heads = {self.n_kv_heads} "
+                "nor is a multiple of it (KV heads are split or replicated whole)"
+            )
+
+    def local_kv_heads(self, tp_size: int) -> int:
+        """KV heads one rank holds at ``tp_size``: split, or one replicated head when
+        ``tp_size`` exceeds ``n_kv_heads``."""
+        return max(1, self.n_kv_heads // tp_size)
+
+    def kv_head_start(self, tp_rank: int, tp_size: int) -> int:
+        """The first (unsplit) KV head of rank ``tp_rank``: the one its query heads use."""
+        return tp_rank * self.n_kv_heads // tp_size if tp_size <= self.n_kv_heads else (
+            tp_rank * (self.n_heads // tp_size) // self.n_rep
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ readers
     @classmethod
@@ -138,17 +202,19 @@ class ModelArgs:
     ) -> ModelArgs:
         """From Meta's ``params.json`` dict; ``vocab_size`` replaces Meta's ``-1`` placeholder.
 
-        Known keys: llama_org's ``ModelArgs`` set (Meta's LLaMA-1/2 ``params.json``), Nakta's own
-        fields (``hidden_dim``, ``rope_interleaved``) and a Nakta checkpoint's metadata, so its
-        ``params.json`` reads back through the same function. Any other key is refused: it means
-        a model this code would silently run wrong (e.g. Llama-3.1's ``use_scaled_rope``).
+        Known keys: llama_org's ``ModelArgs`` set (Meta's LLaMA-1/2 ``params.json``), Llama-3's
+        ``use_scaled_rope`` (Meta's constants, :data:`META_LLAMA3_SCALING`), Mistral's
+        ``head_dim`` / ``sliding_window``, Nakta's own fields (``hidden_dim``,
+        ``rope_interleaved``, ``rope_scaling``, ...) and a Nakta checkpoint's metadata, so its
+        ``params.json`` reads back through the same function. Any other key is refused: it
+        means a model this code would silently run wrong.
         """
         if not isinstance(params, dict):
             raise TypeError(
                 f"params must be a dict (params.json object), got {type(params).__name__}"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - fields - _IGNORED_PARAMS_KEYS)
+        unknown = sorted(set(params) - fields - _IGNORED_PARAMS_KEYS - _META_ONLY_KEYS)
         if unknown:
             raise ValueError(
                 f"params.json has unknown key(s) {unknown}; known keys: {sorted(META_PARAMS_KEYS)}"
@@ -158,6 +224,14 @@ class ModelArgs:
             raise ValueError(
                 f"params.json needs dim, n_layers and n_heads; got keys {sorted(params)}"
             )
+        scaled = params.get("use_scaled_rope", False)
+        if not isinstance(scaled, bool):
+            raise ValueError(f"use_scaled_rope must be true or false, got {scaled!r}")
+        if scaled:
+            if kw.get("rope_scaling") is not None:
+                raise ValueError("params.json has both use_scaled_rope and rope_scaling")
+            kw["rope_scaling"] = META_LLAMA3_SCALING
+        check_head_dim(params.get("head_dim"), kw["dim"], kw["n_heads"], "params.json")
         stated = kw.get("vocab_size")
         if stated in (None, -1):
             if vocab_size is None:
@@ -175,28 +249,40 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> ModelArgs:
-        """From a HF LLaMA ``config.json`` dict. HF checkpoints store q/k permuted for
-        rotate-half RoPE; ``layout.unpermute_hf`` undoes that, so the result keeps
-        ``rope_interleaved=True`` (Meta pairing) like every Nakta checkpoint."""
+        """From a HF ``config.json`` dict (``model_type`` llama or mistral). HF checkpoints
+        store q/k permuted for rotate-half RoPE; ``layout.unpermute_hf`` undoes that, so the
+        result keeps ``rope_interleaved=True`` (Meta pairing) like every Nakta checkpoint.
+
+        RoPE is read from every spelling transformers writes (``rope_theta`` + ``rope_scaling``
+        with ``type`` or ``rope_type``; transformers 5's ``rope_parameters``), and any key that
+        changes the math and is not implemented (biases, another activation, another RoPE type,
+        a quantization) is a ``ValueError`` naming it: never a model run silently wrong.
+        """
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict (config.json object), got {type(config)}")
         model_type = config.get("model_type", "llama")
-        if model_type != "llama":
-            raise ValueError(f"config.json model_type must be 'llama', got {model_type!r}")
-        if config.get("rope_scaling") not in (None, {}):
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"config.json rope_scaling={config['rope_scaling']!r} is not supported "
-                "(LLaMA-1 uses plain RoPE)"
+                f"config.json model_type {model_type!r} is not supported; supported: "
+                f"{list(SUPPORTED_MODEL_TYPES)}"
             )
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
             if key not in config:
                 raise ValueError(f"config.json is missing {key!r}")
-        dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-        if config.get("head_dim") not in (None, dim // max(n_heads, 1)):
-            raise ValueError(
-                f"config.json head_dim={config['head_dim']} differs from hidden_size / "
-                f"num_attention_heads = {dim // n_heads}; not a LLaMA-1 layout"
-            )
         if "intermediate_size" not in config:
             raise ValueError("config.json is missing 'intermediate_size'")
+        refuse_hf_keys(config)
+        dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+        check_head_dim(config.get("head_dim"), dim, n_heads, "config.json")
+        theta, scaling = hf_rope(config)
+        window = config.get("sliding_window")
+        if model_type == "llama" and window is not None:
+            raise ValueError(
+                f"config.json sliding_window={window!r} with model_type 'llama': transformers' "
+                "Llama ignores it; refusing rather than guessing which was meant"
+            )
+        if model_type == "mistral" and config.get("use_sliding_window") is False:
+            window = None
         kw = dict(
             dim=dim,
             n_layers=config["num_hidden_layers"],
@@ -205,8 +291,11 @@ class ModelArgs:
             vocab_size=config["vocab_size"],
             hidden_dim=config["intermediate_size"],
             norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=config.get("rope_theta", 10000.0),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_seq_len=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            sliding_window=window,
         )
         kw.update(overrides)
         return cls(**kw)
@@ -229,6 +318,12 @@ class ModelArgs:
         Meta's FFN rule cannot give. An HF config states ``intermediate_size`` but no
         ``multiple_of``: when the stored one does not give ``hidden_dim``, the largest
         ``multiple_of`` that does is written instead (the same shape, in Meta's terms)."""
+        for name in ("rope_scaling", "sliding_window"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: llama_org (LLaMA-1) implements plain RoPE "
+                    "and full attention, it cannot build this model"
+                )
         multiple_of = self.multiple_of
         if meta_hidden_dim(self.dim, multiple_of, self.ffn_dim_multiplier) != self.hidden_dim:
             fits = [
@@ -259,19 +354,38 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
-META_PARAMS_KEYS = frozenset(f.name for f in dataclasses.fields(ModelArgs)) | _IGNORED_PARAMS_KEYS
+META_PARAMS_KEYS = (
+    frozenset(f.name for f in dataclasses.fields(ModelArgs))
+    | _IGNORED_PARAMS_KEYS
+    | _META_ONLY_KEYS
+)
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _hf_preset(
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    theta: float,
+    context: int,
+    *,
+    scaling: RopeScaling | None = None,
+    tie: bool = False,
+    window: int | None = None,
+) -> ModelArgs:
+    """A preset from a published HF config (rms_norm_eps 1e-5 in every one of them)."""
+    return ModelArgs(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab,
+        hidden_dim=intermediate, norm_eps=1e-5, rope_theta=theta, max_seq_len=context,
+        rope_scaling=scaling, tie_word_embeddings=tie, sliding_window=window,
+    )  # fmt: skip
 
 
-def _check_positive_number(name: str, value: object) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (number and value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-
+# meta-llama/Llama-3.1-8B and Llama-3.2-1B/3B config.json rope_scaling (rope_type llama3).
+_LLAMA31_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
+_LLAMA32_SCALING = RopeScaling(32.0, 1.0, 4.0, 8192)
 
 PRESETS: dict[str, ModelArgs] = {
     # LLaMA-1 shapes (Meta's params.json; vocab from the 32000-piece tokenizer).
@@ -279,6 +393,23 @@ PRESETS: dict[str, ModelArgs] = {
     "13B": ModelArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256),
     "30B": ModelArgs(dim=6656, n_layers=60, n_heads=52, vocab_size=32000, multiple_of=256),
     "65B": ModelArgs(dim=8192, n_layers=80, n_heads=64, vocab_size=32000, multiple_of=256),
+    # Today's families, as their published HF config.json files state them (vocab, width,
+    # heads, KV heads, intermediate_size, rope theta / scaling, context, tied head, window).
+    "llama2-7B": _hf_preset(4096, 32, 32, 32, 11008, 32000, 10000.0, 4096),
+    "llama2-70B": _hf_preset(8192, 80, 64, 8, 28672, 32000, 10000.0, 4096),
+    "llama3-8B": _hf_preset(4096, 32, 32, 8, 14336, 128256, 500000.0, 8192),
+    "llama3-70B": _hf_preset(8192, 80, 64, 8, 28672, 128256, 500000.0, 8192),
+    "llama3.1-8B": _hf_preset(
+        4096, 32, 32, 8, 14336, 128256, 500000.0, 131072, scaling=_LLAMA31_SCALING
+    ),
+    "llama3.2-1B": _hf_preset(
+        2048, 16, 32, 8, 8192, 128256, 500000.0, 131072, scaling=_LLAMA32_SCALING, tie=True
+    ),
+    "llama3.2-3B": _hf_preset(
+        3072, 28, 24, 8, 8192, 128256, 500000.0, 131072, scaling=_LLAMA32_SCALING, tie=True
+    ),
+    "mistral-7B": _hf_preset(4096, 32, 32, 8, 14336, 32000, 10000.0, 32768, window=4096),
+    "tinyllama-1.1B": _hf_preset(2048, 22, 32, 4, 5632, 32000, 10000.0, 2048),
     # Tiny shapes for tests: GQA and plain multi-head, odd-ish FFN width.
     "tiny": ModelArgs(
         dim=64,
@@ -313,7 +444,9 @@ PRESETS: dict[str, ModelArgs] = {
 
 
 def preset(name: str) -> ModelArgs:
-    """A named shape: ``7B``, ``13B``, ``30B``, ``65B``, ``tiny``, ``tiny-mha``, ``stories260K``."""
+    """A named shape (``sorted(PRESETS)``): LLaMA-1 ``7B`` .. ``65B``, ``llama2-7B``,
+    ``llama3-8B``, ``llama3.2-1B``, ``mistral-7B``, ``tinyllama-1.1B``, ..., and the tiny test
+    shapes ``tiny``, ``tiny-mha``, ``stories260K``."""
     try:
         return PRESETS[name]
     except KeyError:

@@ -162,20 +162,20 @@ def stored_layout(
     return shapes, dtypes
 
 
-def quantizing_fetch(get_meta, tp_size: int):
+def quantizing_fetch(get_meta, tp_size: int, args=None):
     """``tensor(name, rank)``: a rank's Nakta tensor, its block matrices quantized once for the
     weight and its scale (written one after the other: names sort that way)."""
 
     @functools.lru_cache(maxsize=tp_size)
     def quantized(weight_name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_weight(nakta_tensor(weight_name, get_meta, rank, tp_size))
+        return quantize_weight(nakta_tensor(weight_name, get_meta, rank, tp_size, args))
 
     def tensor(name: str, rank: int) -> torch.Tensor:
         if is_quantized_name(name):
             return quantized(name, rank)[0]
         if name.endswith("_scale") and is_quantized_name(name[: -len("_scale")]):
             return quantized(name[: -len("_scale")], rank)[1]
-        return nakta_tensor(name, get_meta, rank, tp_size)
+        return nakta_tensor(name, get_meta, rank, tp_size, args)
 
     return tensor
 

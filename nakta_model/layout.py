@@ -43,6 +43,7 @@ __all__ = [
     "merge_meta_shards",
     "merge_meta_tensor",
     "meta_shapes",
+    "meta_shard_plan",
     "meta_split_dim",
     "meta_tensor",
     "meta_to_hf_name",
@@ -89,7 +90,7 @@ def nakta_shapes(args: ModelArgs, tp_size: int = 1) -> dict[str, tuple[int, ...]
     """Per-rank (local) shape of every tensor of a Nakta checkpoint sharded ``tp_size`` ways."""
     args.check_tp(tp_size)
     d, hd = args.dim, args.head_dim
-    hq, hkv = args.n_heads // tp_size, args.n_kv_heads // tp_size
+    hq, hkv = args.n_heads // tp_size, args.local_kv_heads(tp_size)
     f, v = args.hidden_dim // tp_size, args.vocab_size // tp_size
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, d)}
     for i in range(args.n_layers):
@@ -118,18 +119,35 @@ def _cols(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     return t[:, rank * n : (rank + 1) * n]
 
 
+def _kv_rows(t: torch.Tensor, args: ModelArgs | None, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s KV heads of an unsplit ``wk``/``wv``: its share, or (``tp`` above the
+    KV-head count) the one head its query heads use, replicated over ``tp / n_kv_heads`` ranks."""
+    if args is None or tp <= args.n_kv_heads:
+        return _rows(t, rank, tp)
+    hd = args.head_dim
+    start = args.kv_head_start(rank, tp) * hd
+    return t[start : start + hd]
+
+
 def nakta_tensor(
-    name: str, get_meta: Callable[[str], torch.Tensor], tp_rank: int, tp_size: int
+    name: str,
+    get_meta: Callable[[str], torch.Tensor],
+    tp_rank: int,
+    tp_size: int,
+    args: ModelArgs | None = None,
 ) -> torch.Tensor:
-    """Rank ``tp_rank``'s Nakta tensor ``name`` built from unsplit Meta tensors ``get_meta(n)``."""
+    """Rank ``tp_rank``'s Nakta tensor ``name`` built from unsplit Meta tensors ``get_meta(n)``
+    (``args`` needed only when ``tp_size`` exceeds the KV heads, which are then replicated)."""
     m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(wqkv|w13)\.weight", name)
     if m:
         p = f"layers.{m.group(1)}."
         if m.group(3) == "wqkv":
-            parts = ["attention.wq", "attention.wk", "attention.wv"]
+            wq, wk, wv = (get_meta(p + f"attention.{x}.weight") for x in ("wq", "wk", "wv"))
+            pieces = [_rows(wq, tp_rank, tp_size)]
+            pieces += [_kv_rows(w, args, tp_rank, tp_size) for w in (wk, wv)]
         else:
             parts = ["feed_forward.w1", "feed_forward.w3"]
-        pieces = [_rows(get_meta(p + x + ".weight"), tp_rank, tp_size) for x in parts]
+            pieces = [_rows(get_meta(p + x + ".weight"), tp_rank, tp_size) for x in parts]
         return torch.cat(pieces, dim=0)
     if name.endswith((".wo.weight", ".w2.weight")):
         return _cols(get_meta(name), tp_rank, tp_size)
@@ -152,7 +170,7 @@ def from_meta_state_dict(
                 f"{name} has shape {tuple(meta_sd[name].shape)}, params say {shape}"
             )
     return {
-        name: nakta_tensor(name, meta_sd.__getitem__, tp_rank, tp_size).contiguous().clone()
+        name: nakta_tensor(name, meta_sd.__getitem__, tp_rank, tp_size, args).contiguous().clone()
         for name in shapes
     }
 
@@ -171,14 +189,17 @@ def meta_tensor(
     one tensor at a time, so a reader of a Nakta checkpoint hands out Meta names lazily."""
     tp = len(shards)
     hd = args.head_dim
-    hq, hkv, f = args.n_heads // tp, args.n_kv_heads // tp, args.hidden_dim // tp
+    hq, hkv, f = args.n_heads // tp, args.local_kv_heads(tp), args.hidden_dim // tp
     m = re.fullmatch(r"layers\.(\d+)\.(attention|feed_forward)\.(\w+)\.weight", name)
     kind = m.group(3) if m else name.split(".")[0]
     p = f"layers.{m.group(1)}." if m else ""
     if kind in ("wq", "wk", "wv"):
         lo = {"wq": 0, "wk": hq * hd, "wv": (hq + hkv) * hd}[kind]
         n = (hq if kind == "wq" else hkv) * hd
-        return torch.cat([s[p + "attention.wqkv.weight"][lo : lo + n] for s in shards])
+        owners = shards
+        if kind != "wq" and tp > args.n_kv_heads:  # replicated: the first rank of each head
+            owners = shards[:: tp // args.n_kv_heads]
+        return torch.cat([s[p + "attention.wqkv.weight"][lo : lo + n] for s in owners])
     if kind in ("w1", "w3"):
         lo = 0 if kind == "w1" else f
         return torch.cat([s[p + "feed_forward.w13.weight"][lo : lo + f] for s in shards])
@@ -228,15 +249,53 @@ def merge_meta_shards(
         check_meta_names(s.keys(), args, what=f"shard {i}")
     shapes = meta_shapes(args)
     return {
-        name: merge_meta_tensor(name, [s[name] for s in shards], shapes[name]) for name in shapes
+        name: merge_meta_tensor(name, [s[name] for s in shards], shapes[name], args)
+        for name in shapes
     }
 
 
+def meta_shard_plan(
+    name: str, piece_shape: Sequence[int], n_shards: int, args: ModelArgs
+) -> tuple[int | None, int]:
+    """``(split dim, stride)`` of one tensor over ``n_shards`` Meta shards: which dimension the
+    pieces concatenate on (None: replicated) and which pieces to take (every ``stride``-th).
+
+    Beyond LLaMA-1/2's fairscale split (:func:`meta_split_dim`), as Llama-3's code writes it:
+    the embedding split by vocabulary rows (``VocabParallelEmbedding``) rather than by dim, read
+    from the piece's shape; and ``wk``/``wv`` over more shards than KV heads, each shard holding
+    one whole head replicated over ``n_shards / n_kv_heads`` shards (llama_models' ``reshard_mp``
+    with ``repeat_qk_qv``): one piece of each head is taken.
+    """
+    kind = name.split(".")[-2]
+    shape = tuple(piece_shape)
+    if n_shards > 1 and kind == "tok_embeddings" and shape == (
+        args.vocab_size // n_shards, args.dim
+    ):  # fmt: skip
+        return 0, 1
+    if (
+        kind in ("wk", "wv")
+        and n_shards > args.n_kv_heads
+        and n_shards % args.n_kv_heads == 0
+        and shape == (args.head_dim, args.dim)
+    ):
+        return 0, n_shards // args.n_kv_heads
+    return meta_split_dim(name), 1
+
+
 def merge_meta_tensor(
-    name: str, pieces: Sequence[torch.Tensor], expected: tuple[int, ...]
+    name: str,
+    pieces: Sequence[torch.Tensor],
+    expected: tuple[int, ...],
+    args: ModelArgs | None = None,
 ) -> torch.Tensor:
-    """Concatenate one tensor's shards on its fairscale split dim; check the result's shape."""
-    d = meta_split_dim(name)
+    """Concatenate one tensor's shards on its split dim (:func:`meta_shard_plan` with ``args``,
+    else fairscale's LLaMA-1 split); check the result's shape."""
+    d, stride = meta_split_dim(name), 1
+    if args is not None and pieces:
+        d, stride = meta_shard_plan(name, pieces[0].shape, len(pieces), args)
+    if stride > 1:
+        _check_replicas(name, pieces, stride)
+        pieces = list(pieces)[::stride]
     if d is None:
         for i, p in enumerate(pieces):
             if tuple(p.shape) != expected:
@@ -254,6 +313,18 @@ def merge_meta_tensor(
             f"{tuple(pieces[0].shape)} disagrees with params {expected}"
         )
     return merged
+
+
+def _check_replicas(name: str, pieces: Sequence[torch.Tensor], stride: int) -> None:
+    """The shards that replicate one KV head must hold the same head (else the split is not
+    the one :func:`meta_shard_plan` read from the shapes)."""
+    for i in range(0, len(pieces), stride):
+        for j in range(i + 1, i + stride):
+            if not torch.equal(pieces[i], pieces[j]):
+                raise CheckpointError(
+                    f"{name}: shards {i} and {j} should hold the same replicated KV head "
+                    f"({len(pieces)} shards, {len(pieces) // stride} KV heads) but differ"
+                )
 
 
 # --------------------------------------------------------------------------- HF -> Meta names

@@ -336,7 +336,7 @@ def _rank_tensor(name: str, source: Source, parallel: ParallelContext, device, d
         handed_out.add(t.untyped_storage().data_ptr())
         return t
 
-    t = nakta_tensor(name, fetch, parallel.tp_rank, parallel.tp_size)
+    t = nakta_tensor(name, fetch, parallel.tp_rank, parallel.tp_size, source.args)
     return _owned(t, handed_out, device, dtype)
 
 
@@ -390,9 +390,28 @@ def _assemble(
             raise ValueError(
                 f"{name}: shape {tuple(t.shape)}, the model needs {tuple(expected[name].shape)}"
             )
+    _tie(args, state, parallel)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _tie(args: ModelArgs, state: StateDict, parallel: ParallelContext) -> None:
+    """A tied head (``tie_word_embeddings``) is the embedding: refused when the weights say
+    otherwise, and on one rank held once (the embedding's storage) instead of twice."""
+    if not args.tie_word_embeddings:
+        return
+    emb, out = state[_EMBEDDING], state["output.weight"]
+    if out.dtype == FP8_DTYPE or out.dtype != emb.dtype:
+        return
+    rows = out.shape[0]
+    own = emb[parallel.tp_rank * rows : (parallel.tp_rank + 1) * rows]
+    if out.data_ptr() != own.data_ptr() and not torch.equal(out, own):
+        raise CheckpointError(
+            "tie_word_embeddings is set but output.weight differs from tok_embeddings.weight"
+        )
+    if parallel.tp_size == 1:
+        state["output.weight"] = emb
 
 
 def quantized(model: Transformer, quant: Precision | str = "fp8") -> Transformer:

@@ -150,7 +150,7 @@ class Attention(nn.Module):
         super().__init__()
         self.ctx, self.ops = ctx, ops
         self.n_heads = args.n_heads // ctx.tp_size
-        self.n_kv_heads = args.n_kv_heads // ctx.tp_size
+        self.n_kv_heads = args.local_kv_heads(ctx.tp_size)  # replicated when tp > n_kv_heads
         self.head_dim = args.head_dim
         self.interleaved = args.rope_interleaved  # Meta pairs (Nakta checkpoints) or HF halves
         self.wqkv = ops.linear(args.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim)
@@ -304,15 +304,26 @@ class Transformer(nn.Module):
         self.ops.mode = _Ops(mode).mode  # validates; shared by every layer
 
     def _rope_tables(self, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for at least ``n_positions`` (and 2 x max_seq_len, as Meta), on our device."""
-        need = max(n_positions, 2 * self.args.max_seq_len)
+        """cos/sin (the config's theta and scaling) for at least ``n_positions``, on our device.
+
+        Grown on demand, to the next power of two: a 128K-context config allocates only what
+        a run reaches, never ``max_seq_len`` rows up front. A grown table is a new tensor, so a
+        captured decode step keeps the one it was built with (already long enough for it).
+        """
+        if not isinstance(n_positions, int) or n_positions < 1:
+            raise ValueError(f"n_positions must be an int >= 1, got {n_positions!r}")
         if (
             self._rope is None
-            or self._rope[0].shape[0] < need
+            or self._rope[0].shape[0] < n_positions
             or self._rope[0].device != self.device
         ):
+            need = max(n_positions, 256, self._rope[0].shape[0] if self._rope else 0)
             self._rope = _rope.build_rope_cache(
-                need, self.args.head_dim, self.args.rope_theta, device=self.device
+                1 << (need - 1).bit_length(),
+                self.args.head_dim,
+                self.args.rope_theta,
+                device=self.device,
+                scaling=self.args.rope_scaling,
             )
         return self._rope
 
@@ -452,7 +463,12 @@ class Transformer(nn.Module):
             raise ValueError("logits_index must be a 1-D integer tensor of token indices")
         if logits_index.dtype not in (torch.int64, torch.int32):
             raise TypeError("logits_index must be an int64/int32 tensor")
-        cos, sin = self._rope_tables(self.args.max_seq_len)
+        # A position is a token's depth in its tree (< n) plus its prefix's length (at most the
+        # prefix's pages); prefill continuing a row is covered by the generator, which grows the
+        # tables to its rows' capacity first. Known on the host: no synchronisation.
+        held = isinstance(prefix, PrefixPages)
+        reach = n + (prefix.page_table.shape[1] * prefix.page_size if held else 0)
+        cos, sin = self._rope_tables(reach)
         step = _Step(1, n, positions, cos, sin, packed=(seq_start, span_end))
         step.cache_slots = _cache_slots  # forward_prefill: K/V into the cache
         if prefix is not None:

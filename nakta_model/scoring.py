@@ -199,7 +199,7 @@ def default_prefix_budget(model) -> int:
     if args is None:
         return 8192
     tp = model.parallel.tp_size
-    per_token = 2 * args.n_layers * (args.n_kv_heads // tp) * args.head_dim
+    per_token = 2 * args.n_layers * args.local_kv_heads(tp) * args.head_dim
     per_token *= torch.empty((), dtype=model.dtype).element_size()
     if model.device.type == "cuda":
         free = kv_bytes_available(model)

@@ -34,7 +34,7 @@ from nakta_model.layout import (
     hf_to_meta_name,
     merge_meta_tensor,
     meta_shapes,
-    meta_split_dim,
+    meta_shard_plan,
     meta_tensor,
 )
 
@@ -218,13 +218,13 @@ def open_meta(in_dir: Path, quiet: bool = False) -> Source:
     merged_shapes = {}
     for name in expected:
         pieces = [sd[name] for sd in shards]
-        d = meta_split_dim(name)
         piece_shapes = {tuple(t.shape) for t in pieces}
         if len(piece_shapes) != 1:
             raise CheckpointError(f"{name}: shards disagree on shape {sorted(piece_shapes)}")
+        d, stride = meta_shard_plan(name, pieces[0].shape, len(pieces), args)
         s = list(pieces[0].shape)
         if d is not None and len(s) > d:
-            s[d] *= len(pieces)
+            s[d] *= len(pieces) // stride
         merged_shapes[name] = tuple(s)
     _check_shapes(
         merged_shapes,
@@ -235,7 +235,7 @@ def open_meta(in_dir: Path, quiet: bool = False) -> Source:
 
     return Source(
         args=args,
-        get=lambda name: merge_meta_tensor(name, [sd[name] for sd in shards], expected[name]),
+        get=lambda name: merge_meta_tensor(name, [sd[name] for sd in shards], expected[name], args),
         dtype=shards[0]["tok_embeddings.weight"].dtype,
         tokenizer=_find_tokenizer(in_dir, args.vocab_size),
         description=f"Meta checkpoint, {len(paths)} shard(s)",
@@ -288,8 +288,9 @@ def hf_weight_files(in_dir: Path) -> list[Path]:
 
 
 def open_hf(in_dir: Path, quiet: bool = False) -> Source:
-    """A HF LLaMA directory: tensors renamed to Meta's names, q/k rows un-permuted on ``get``
-    (Meta's adjacent-pair RoPE layout, what every Nakta checkpoint stores)."""
+    """A HF ``llama`` / ``mistral`` directory: tensors renamed to Meta's names, q/k rows
+    un-permuted on ``get`` (Meta's adjacent-pair RoPE layout, what every Nakta checkpoint
+    stores); with ``tie_word_embeddings`` the head is the embedding."""
     config = read_json_object(in_dir / "config.json")
     try:
         args = ModelArgs.from_hf_config(config)
@@ -310,8 +311,8 @@ def open_hf(in_dir: Path, quiet: bool = False) -> Source:
             readers[meta], shapes[meta] = load, shape
             if meta == "tok_embeddings.weight":
                 dtype = tdtype
-    tied = config.get("tie_word_embeddings", False)
-    if tied and "output.weight" not in readers and "tok_embeddings.weight" in readers:
+    if args.tie_word_embeddings and "tok_embeddings.weight" in readers:
+        # transformers ties the head to the embedding whether or not lm_head.weight is stored
         readers["output.weight"] = readers["tok_embeddings.weight"]
         shapes["output.weight"] = shapes["tok_embeddings.weight"]
     check_meta_names(readers.keys(), args, what=f"HF checkpoint {in_dir}")

@@ -50,9 +50,19 @@ def meta_to_hf(meta: StateDict, args: ModelArgs) -> StateDict:
 
 
 def hf_config(args: ModelArgs, max_length: int):
-    from transformers import LlamaConfig
+    """The transformers config of ``args``: Llama (Llama-3.1's RoPE scaling included), or
+    Mistral when the model has a sliding window (the head stays a weight of its own)."""
+    from transformers import LlamaConfig, MistralConfig
 
-    return LlamaConfig(
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        sc = args.rope_scaling
+        rope = {
+            "rope_type": "llama3", "rope_theta": args.rope_theta, "factor": sc.factor,
+            "low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
+            "original_max_position_embeddings": sc.original_max_position_embeddings,
+        }  # fmt: skip
+    kw = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
         intermediate_size=args.hidden_dim,
@@ -61,10 +71,13 @@ def hf_config(args: ModelArgs, max_length: int):
         num_key_value_heads=args.n_kv_heads,
         max_position_embeddings=max(args.max_seq_len, max_length),
         rms_norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta,
+        rope_parameters=rope,
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+    if args.sliding_window is not None:
+        return MistralConfig(sliding_window=args.sliding_window, **kw)
+    return LlamaConfig(**kw)
 
 
 @contextlib.contextmanager
@@ -81,10 +94,10 @@ def default_dtype(dtype: torch.dtype):
 def hf_model(weights: WeightSource, device, dtype: torch.dtype, max_length: int):
     """HF's ``LlamaForCausalLM`` (SDPA attention) holding ``weights``, built on ``device`` in
     ``dtype`` and filled by assignment, in eval mode: every HF engine's model."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(hf_config(weights.args, max_length))
+    with torch.device(device), default_dtype(dtype):  # Llama, or Mistral with a window
+        model = AutoModelForCausalLM.from_config(hf_config(weights.args, max_length))
     if model.config._attn_implementation != "sdpa":
         raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}")
     state = meta_to_hf(weights.state_dict(device, dtype), weights.args)

@@ -61,7 +61,10 @@ def split_dim_for_key(key: str) -> int | None:
 
 
 def ffn_hidden_dim(params: dict) -> int:
-    """Meta's FFN width rule (LLaMA-1, plus Llama-2's optional ffn_dim_multiplier)."""
+    """Meta's FFN width rule (LLaMA-1, plus Llama-2's optional ffn_dim_multiplier); Mistral's
+    params.json states ``hidden_dim`` itself."""
+    if params.get("hidden_dim") is not None:
+        return params["hidden_dim"]
     dim, multiple_of = params["dim"], params["multiple_of"]
     hidden = int(2 * (4 * dim) / 3)
     if params.get("ffn_dim_multiplier") is not None:
@@ -113,11 +116,24 @@ def meta_state_dict(params: dict, seed: int = 0, dtype: torch.dtype = torch.floa
     return out
 
 
-def shard_state_dict(state: dict, n_shards: int) -> list[dict]:
-    """Split an unsplit Meta state dict into ``n_shards`` model-parallel shards, as fairscale does."""
+def shard_state_dict(
+    state: dict, n_shards: int, *, llama3: bool = False, n_kv_heads: int | None = None
+) -> list[dict]:
+    """Split an unsplit Meta state dict into ``n_shards`` model-parallel shards, as fairscale does.
+
+    ``llama3``: as Meta's Llama-3 code writes them (llama_models/llama3/model.py): the embedding
+    is a ``VocabParallelEmbedding`` (split by vocabulary rows, dim 0), and with more shards than
+    ``n_kv_heads`` each shard's ``wk``/``wv`` is one KV head, repeated over ``n_shards /
+    n_kv_heads`` shards (llama_models.checkpoint.reshard_mp's ``repeat_qk_qv``)."""
     shards: list[dict] = [{} for _ in range(n_shards)]
     for key, t in state.items():
         d = split_dim_for_key(key)
+        kind = key.split(".")[-2]
+        if llama3 and kind == "tok_embeddings":
+            d = 0
+        if llama3 and kind in ("wk", "wv") and n_kv_heads and n_shards > n_kv_heads:
+            heads = t.view(n_kv_heads, -1, t.shape[1])  # [n_kv, head_dim, dim]: whole heads
+            t = heads.repeat_interleave(n_shards // n_kv_heads, dim=0).flatten(0, 1)
         if d is None:
             for s in shards:
                 s[key] = t.clone()
@@ -137,13 +153,21 @@ def write_meta_checkpoint(
     n_shards: int = 1,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    *,
+    llama3: bool = False,
+    state: dict | None = None,
 ) -> Path:
-    """Write ``consolidated.NN.pth`` (``n_shards`` of them) + ``params.json`` into ``out_dir``."""
+    """Write ``consolidated.NN.pth`` (``n_shards`` of them) + ``params.json`` into ``out_dir``
+    (``llama3``: Meta's Llama-3 split, see :func:`shard_state_dict`; ``state``: these unsplit
+    weights instead of ``meta_state_dict(params, seed)``)."""
     if n_shards < 1:
         raise ValueError(f"n_shards must be >= 1, got {n_shards}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = shard_state_dict(meta_state_dict(params, seed=seed, dtype=dtype), n_shards)
+    if state is None:
+        state = meta_state_dict(params, seed=seed, dtype=dtype)
+    n_kv = params.get("n_kv_heads") or params["n_heads"]
+    shards = shard_state_dict(state, n_shards, llama3=llama3, n_kv_heads=n_kv)
     for rank, shard in enumerate(shards):
         torch.save(shard, out / f"consolidated.{rank:02d}.pth")
     (out / "params.json").write_text(json.dumps(params))

@@ -32,19 +32,32 @@ def hf_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
 
 
-def hf_config(params: dict, tie: bool = False) -> dict:
+def hf_config(
+    params: dict,
+    tie: bool = False,
+    *,
+    model_type: str = "llama",
+    rope_scaling: dict | None = None,
+    rope_style: str = "v4",
+    sliding_window: int | None = None,
+) -> dict:
+    """A ``config.json`` for ``params``. ``rope_scaling``: HF's llama3 dict (``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+    ``rope_style`` ``"v4"`` writes ``rope_theta`` + ``rope_scaling`` (transformers 4),
+    ``"v5"`` one ``rope_parameters`` dict (what transformers 5 saves)."""
     n_heads = params["n_heads"]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    theta = params.get("rope_theta", 10000.0)
+    cfg = {
+        "architectures": ["MistralForCausalLM" if model_type == "mistral" else "LlamaForCausalLM"],
+        "model_type": model_type,
         "hidden_size": params["dim"],
         "intermediate_size": ffn_hidden_dim(params),
         "num_hidden_layers": params["n_layers"],
         "num_attention_heads": n_heads,
         "num_key_value_heads": params.get("n_kv_heads") or n_heads,
+        "head_dim": params["dim"] // n_heads,
         "vocab_size": params["vocab_size"],
         "rms_norm_eps": params["norm_eps"],
-        "rope_theta": params.get("rope_theta", 10000.0),
         "max_position_embeddings": params.get("max_seq_len", 2048),
         "tie_word_embeddings": tie,
         "hidden_act": "silu",
@@ -52,6 +65,18 @@ def hf_config(params: dict, tie: bool = False) -> dict:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if rope_style == "v5":
+        kind = {"rope_type": "llama3", **rope_scaling} if rope_scaling else {"rope_type": "default"}
+        cfg["rope_parameters"] = {**kind, "rope_theta": theta}
+    elif rope_style == "v4":
+        cfg["rope_theta"] = theta
+        if rope_scaling:
+            cfg["rope_scaling"] = {"rope_type": "llama3", **rope_scaling}
+    else:
+        raise ValueError(f"rope_style must be 'v4' or 'v5', got {rope_style!r}")
+    if model_type == "mistral":
+        cfg["sliding_window"] = sliding_window
+    return cfg
 
 
 def hf_state_dict(meta_sd: dict, params: dict, tie: bool = False) -> dict:
@@ -88,16 +113,21 @@ def write_hf_checkpoint(
     fmt: str = "safetensors",
     tie: bool = False,
     index: bool = True,
+    state: dict | None = None,
+    **config: object,
 ) -> tuple[Path, dict]:
-    """Write a HF LLaMA directory; returns ``(dir, meta_sd)`` with the Meta-named source weights
-    (with ``tie`` the LM head equals the embedding, as the tied HF model computes)."""
-    meta_sd = meta_state_dict(params, seed=seed, dtype=dtype)
+    """Write a HF LLaMA / Mistral directory; returns ``(dir, meta_sd)`` with the Meta-named
+    source weights (with ``tie`` the LM head equals the embedding, as the tied HF model
+    computes); ``state``: these weights instead of random ones; ``config``: :func:`hf_config`'s
+    keywords (model_type, rope_scaling, rope_style, sliding_window)."""
+    meta_sd = dict(state) if state is not None else meta_state_dict(params, seed=seed, dtype=dtype)
     if tie:
         meta_sd["output.weight"] = meta_sd["tok_embeddings.weight"].clone()
     sd = hf_state_dict(meta_sd, params, tie=tie)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(params, tie=tie), indent=2))
+    cfg = hf_config(params, tie=tie, **config)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     names = list(sd)
     chunks = [names[i::n_files] for i in range(n_files)]
     ext = "safetensors" if fmt == "safetensors" else "bin"

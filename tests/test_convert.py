@@ -38,7 +38,8 @@ def assert_round_trip(out, meta_sd, params, tp, dtype=torch.float32):
     args = ModelArgs.from_meta_params(params)
     for r in range(tp):
         loaded_args, sd = ck.load_rank_state_dict(out, r, tp)
-        assert loaded_args.replace(multiple_of=args.multiple_of) == args  # HF has no multiple_of
+        # HF has no multiple_of; a tied HF source records its tie (checked by the HF test)
+        assert loaded_args.replace(multiple_of=args.multiple_of, tie_word_embeddings=False) == args
         want = layout.from_meta_state_dict(meta_sd, args, r, tp)
         assert sd.keys() == want.keys()
         for k, v in want.items():
@@ -94,6 +95,7 @@ def test_hf_to_nakta_round_trips(tmp_path, capsys, n_files, fmt, tie, index, tp)
     rc, err = run(capsys, src, tmp_path / "out", "--tp", tp)
     assert rc == 0, err
     assert_round_trip(tmp_path / "out", meta_sd, TINY_PARAMS, tp)
+    assert ck.read_args(tmp_path / "out")[0].tie_word_embeddings == tie
 
 
 def _sha(path) -> dict[str, str]:
@@ -193,9 +195,36 @@ def test_refuses_more_layers_in_params_than_in_the_weights(capsys, tmp_path, met
     _refused(capsys, tmp_path, meta_dir, match="missing tensors ['layers.2.")
 
 
-@pytest.mark.parametrize("tp, what", [(3, "n_heads = 4"), (4, "n_kv_heads = 2")])
+@pytest.mark.parametrize("tp, what", [(3, "n_heads = 4"), (8, "n_heads = 4")])
 def test_refuses_tp_that_does_not_divide(capsys, tmp_path, meta_dir, tp, what):
     _refused(capsys, tmp_path, meta_dir, "--tp", tp, match=f"size {tp} does not divide {what}")
+
+
+def test_tp_above_kv_heads_replicates_them(capsys, tmp_path, meta_dir):
+    """tp 4 over 2 KV heads (as vLLM): each rank holds its query heads and the one KV head they
+    use; reading the checkpoint back gives the source weights."""
+    from nakta_model.sources import open_nakta
+
+    rc, err = run(capsys, meta_dir, tmp_path / "out", "--tp", 4)
+    assert rc == 0, err
+    src = meta_state_dict(TINY_PARAMS, seed=3)
+    args = ModelArgs.from_meta_params(TINY_PARAMS)
+    hd = args.head_dim
+    for r in range(4):
+        _, sd = ck.load_rank_state_dict(tmp_path / "out", r, 4)
+        wqkv = sd["layers.1.attention.wqkv.weight"]
+        assert wqkv.shape == ((1 + 2) * hd, args.dim)  # 1 query head, 1 K head, 1 V head
+        kv = r // 2  # ranks 0, 1 use KV head 0; ranks 2, 3 KV head 1
+        assert torch.equal(wqkv[:hd], src["layers.1.attention.wq.weight"][r * hd : (r + 1) * hd])
+        assert torch.equal(
+            wqkv[hd : 2 * hd], src["layers.1.attention.wk.weight"][kv * hd : (kv + 1) * hd]
+        )
+        assert torch.equal(
+            wqkv[2 * hd :], src["layers.1.attention.wv.weight"][kv * hd : (kv + 1) * hd]
+        )
+    back = open_nakta(tmp_path / "out")
+    for name, t in src.items():
+        assert torch.equal(back.get(name), t), name
 
 
 def test_refuses_existing_output_without_force(capsys, tmp_path, meta_dir):
@@ -296,7 +325,7 @@ def test_refuses_bad_tp_before_reading(capsys, tmp_path, meta_dir):
 
 def test_refuses_unknown_or_unreadable_params(capsys, tmp_path, meta_dir):
     params = json.loads((meta_dir / "params.json").read_text())
-    (meta_dir / "params.json").write_text(json.dumps({**params, "use_scaled_rope": True}))
+    (meta_dir / "params.json").write_text(json.dumps({**params, "vision_chunk_size": 448}))
     _refused(capsys, tmp_path, meta_dir, match="params.json: params.json has unknown key(s)")
     (meta_dir / "params.json").write_text("{")
     _refused(capsys, tmp_path, meta_dir, match="params.json: cannot read it as JSON")

@@ -184,7 +184,7 @@ class DecodeStep:
         self.buffers = DecodeBuffers.allocate(batch, chunk, model.device, prefix_slots, row_pages)
         args = model.args
         tp = model.parallel.tp_size
-        self.n_q, self.n_kv = args.n_heads // tp, args.n_kv_heads // tp
+        self.n_q, self.n_kv = args.n_heads // tp, args.local_kv_heads(tp)
         self.head_dim = args.head_dim
         self.page = model.max_seq_len  # positions per page of the KV cache
         self.cache_len = row_pages * self.page  # the most positions a row holds

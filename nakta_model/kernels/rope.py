@@ -12,6 +12,9 @@ pair load / rotate / store of ``_triton_math.py``.
 
 from __future__ import annotations
 
+import math
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
@@ -348,30 +351,80 @@ class _RopeQKVFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 
 
-def build_rope_cache(
-    max_positions: int, rotary_dim: int, base: float = 10000.0, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: fp32 ``[max_positions, rotary_dim // 2]``, angle[p, i] = p * base**(-2i/rotary_dim).
+class Llama3Scaling(Protocol):
+    """What ``rope_frequencies`` reads of a Llama-3.1 scaling (``config.RopeScaling``)."""
 
-    Angles are formed in fp64 and rounded once: in fp32, ``p * inv_freq`` at p ~ 2**20 is off by
-    up to ~0.06 rad, which would make long-context positions wrong.
-    """
-    if not isinstance(max_positions, int) or max_positions <= 0:
-        raise ValueError(f"max_positions must be a positive int, got {max_positions!r}")
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def rope_frequencies(
+    rotary_dim: int, base: float = 10000.0, scaling: Llama3Scaling | None = None, device=None
+) -> torch.Tensor:
+    """fp64 ``[rotary_dim // 2]`` inverse frequencies ``base**(-2i/rotary_dim)``, with
+    Llama-3.1's scaling when ``scaling`` is given (Meta's ``apply_scaling``, transformers'
+    ``_compute_llama3_parameters``): wavelengths below ``old / high_freq_factor`` kept, above
+    ``old / low_freq_factor`` divided by ``factor``, the band between interpolated."""
     if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
-    if base <= 0:
+    if not base > 0:
         raise ValueError(f"base must be positive, got {base!r}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     half = rotary_dim // 2
     inv = float(base) ** (
         -2.0 * torch.arange(half, dtype=torch.float64, device=device) / rotary_dim
     )
-    cos = torch.empty(max_positions, half, dtype=torch.float32, device=device)
+    if scaling is None:
+        return inv
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old = scaling.original_max_position_embeddings
+    if not (factor > 0 and low > 0 and high > low and old > 0):
+        raise ValueError(
+            f"scaling must have factor > 0 and high_freq_factor > low_freq_factor > 0, got {scaling!r}"
+        )
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def te_inv_freq(
+    rotary_dim: int, base: float, scaling: Llama3Scaling | None = None, device=None
+) -> torch.Tensor:
+    """fp32 inverse frequencies as TransformerEngine's ``RotaryPositionEmbedding`` forms them
+    (``base**(-2i/d)`` in fp32), or Llama-3.1's scaled ones (:func:`rope_frequencies`)."""
+    if scaling is not None:
+        return rope_frequencies(rotary_dim, base, scaling, device).float()
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def build_rope_cache(
+    max_positions: int,
+    rotary_dim: int,
+    base: float = 10000.0,
+    device=None,
+    *,
+    scaling: Llama3Scaling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: fp32 ``[max_positions, rotary_dim // 2]``, angle[p, i] = p * inv_freq[i]
+    (``rope_frequencies``: ``base**(-2i/rotary_dim)``, Llama-3.1-scaled with ``scaling``).
+
+    Angles are formed in fp64 and rounded once: in fp32, ``p * inv_freq`` at p ~ 2**20 is off by
+    up to ~0.06 rad, which would make long-context positions wrong.
+    """
+    if not isinstance(max_positions, int) or max_positions <= 0:
+        raise ValueError(f"max_positions must be a positive int, got {max_positions!r}")
+    inv = rope_frequencies(rotary_dim, base, scaling, device)
+    half = rotary_dim // 2
+    cos = torch.empty(max_positions, half, dtype=torch.float32, device=inv.device)
     sin = torch.empty_like(cos)
     chunk = max(1, (1 << 22) // half)  # bounds the fp64 temporaries
     for p0 in range(0, max_positions, chunk):
-        p = torch.arange(p0, min(p0 + chunk, max_positions), dtype=torch.float64, device=device)
+        p = torch.arange(p0, min(p0 + chunk, max_positions), dtype=torch.float64, device=inv.device)
         ang = p[:, None] * inv[None, :]
         cos[p0 : p0 + len(p)] = torch.cos(ang)
         sin[p0 : p0 + len(p)] = torch.sin(ang)

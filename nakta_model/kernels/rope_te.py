@@ -27,6 +27,7 @@ from nakta_model.kernels._checks import (
     interpreter_enabled,
 )
 from nakta_model.kernels._triton_math import load_pairs, rotate, store_pairs
+from nakta_model.kernels.rope import Llama3Scaling, te_inv_freq
 
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 
@@ -458,8 +459,8 @@ class _RopeTEFunction(torch.autograd.Function):
 class RotaryPositionEmbedding(torch.nn.Module):
     """TE's ``RotaryPositionEmbedding``: ``forward(max_seq_len, offset)`` returns fp32 angles
     ``[max_seq_len, 1, 1, dim']`` (``dim' = int(dim * rotary_percent)``), each angle twice:
-    ``cat(f, f)`` for rotate-half pairing, or repeated in place for interleaved pairing.
-    """
+    ``cat(f, f)`` for rotate-half pairing, or repeated in place for interleaved pairing;
+    ``rope_scaling`` (not TE's): Llama-3.1's scaled frequencies, as the model's tables."""
 
     def __init__(
         self,
@@ -469,6 +470,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
         rotary_base: float = 10000.0,
         interleaved: bool = False,
         device: torch.device | str | None = None,
+        rope_scaling: Llama3Scaling | None = None,
     ):
         super().__init__()
         if rotary_percent < 1.0:
@@ -480,8 +482,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.rotary_base = rotary_base
         self.interleaved = interleaved
-        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))
+        self.register_buffer("inv_freq", te_inv_freq(dim, rotary_base, rope_scaling, device))
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset

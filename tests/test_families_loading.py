@@ -1,0 +1,156 @@
+"""Reading today's families' checkpoint layouts: Meta's Llama-3 split (embedding by vocabulary
+rows), more Meta shards than KV heads (one head a shard, repeated), tied heads, and a converted
+checkpoint that keeps every setting of its source."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoint_factory import meta_state_dict, write_meta_checkpoint
+from hf_factory import write_hf_checkpoint
+
+import convert
+import nakta_model
+from nakta_model.checkpoint import read_args
+from nakta_model.layout import CheckpointError
+from nakta_model.sources import open_meta, open_source
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+L3 = {"dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 512,
+      "multiple_of": 32, "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5, "rope_theta": 5e5,
+      "use_scaled_rope": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("n_shards", [2, 4])
+def test_meta_llama3_split_merges_to_the_unsplit_weights(tmp_path, n_shards):
+    """2 shards: the embedding split by vocabulary rows; 4 shards over 2 KV heads: each shard
+    holds one KV head, repeated on 2 shards (llama_models' reshard_mp)."""
+    sd = meta_state_dict(L3, seed=5)
+    folder = write_meta_checkpoint(tmp_path / "m", L3, n_shards, state=sd, llama3=True)
+    shard = torch.load(folder / "consolidated.00.pth", weights_only=True)
+    assert shard["tok_embeddings.weight"].shape == (512 // n_shards, 64)
+    src = open_meta(folder, quiet=True)
+    assert src.args.rope_scaling is not None
+    for name, t in sd.items():
+        assert torch.equal(src.get(name), t), name
+
+
+def test_replicated_kv_heads_that_differ_are_refused(tmp_path):
+    folder = write_meta_checkpoint(tmp_path / "m", L3, 4, seed=1, llama3=True)
+    path = folder / "consolidated.01.pth"
+    shard = torch.load(path, weights_only=True)
+    shard["layers.0.attention.wk.weight"] += 1.0  # shard 1 no longer a copy of shard 0
+    torch.save(shard, path)
+    src = open_meta(folder, quiet=True)
+    with pytest.raises(CheckpointError, match="shards 0 and 1 should hold the same replicated"):
+        src.get("layers.0.attention.wk.weight")
+
+
+def test_tied_hf_folder_uses_the_embedding_even_with_a_stored_head(tmp_path):
+    """transformers ties lm_head to the embedding when tie_word_embeddings is set, whatever
+    lm_head.weight holds: Nakta reads the same head, and holds it once."""
+    params = {k: v for k, v in L3.items() if k != "use_scaled_rope"}
+    folder, sd = write_hf_checkpoint(tmp_path / "hf", params, seed=2, tie=True)
+    model = nakta_model.load(folder, "cpu", torch.float32)
+    assert model.args.tie_word_embeddings
+    assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    assert torch.equal(model.output.weight, sd["tok_embeddings.weight"])
+    # a stored lm_head that differs: transformers ignores it, so does Nakta
+    from safetensors.torch import load_file, save_file
+
+    st = load_file(folder / "model.safetensors")
+    st["lm_head.weight"] = torch.zeros_like(st["model.embed_tokens.weight"])
+    save_file(st, str(folder / "model.safetensors"))
+    assert torch.equal(open_source(folder, quiet=True).get("output.weight"),
+                       sd["tok_embeddings.weight"])  # fmt: skip
+
+
+def test_a_tied_nakta_checkpoint_with_a_different_head_is_refused(tmp_path):
+    params = {k: v for k, v in L3.items() if k != "use_scaled_rope"}
+    folder, _ = write_hf_checkpoint(tmp_path / "hf", params, seed=2, tie=True)
+    assert convert.main([str(folder), str(tmp_path / "n"), "--quiet"]) == 0
+    assert read_args(tmp_path / "n")[0].tie_word_embeddings
+    nakta_model.load(tmp_path / "n", "cpu")  # fine as converted
+    sd = meta_state_dict(params, seed=3)  # untied weights under a tied params.json
+    from nakta_model.checkpoint import save_checkpoint
+    from nakta_model.config import ModelArgs
+
+    args = ModelArgs.from_meta_params(params).replace(tie_word_embeddings=True)
+    save_checkpoint(tmp_path / "bad", sd, args)
+    with pytest.raises(CheckpointError, match="output.weight differs from tok_embeddings"):
+        nakta_model.load(tmp_path / "bad", "cpu")
+
+
+def test_converted_checkpoint_keeps_scaling_window_and_tie(tmp_path):
+    params = {k: v for k, v in L3.items() if k != "use_scaled_rope"}
+    sc = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # fmt: skip
+    folder, _ = write_hf_checkpoint(
+        tmp_path / "hf", params, seed=4, n_files=2, tie=True, rope_scaling=sc, rope_style="v5"
+    )
+    assert convert.main([str(folder), str(tmp_path / "n"), "--tp", "4", "--quiet"]) == 0
+    args = read_args(tmp_path / "n")[0]
+    assert args.rope_scaling.factor == 32.0 and args.tie_word_embeddings
+    assert args == open_source(folder, quiet=True).args
+    mistral, _ = write_hf_checkpoint(
+        tmp_path / "mi", params, seed=4, model_type="mistral", sliding_window=24
+    )
+    assert convert.main([str(mistral), str(tmp_path / "mn"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "mn" / "params.json").read_text())["sliding_window"] == 24
+    qwen, _ = write_hf_checkpoint(tmp_path / "q", params, seed=4)
+    cfg = json.loads((qwen / "config.json").read_text())
+    (qwen / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
+    with pytest.raises(CheckpointError, match="'qwen2' is not supported; supported"):
+        open_source(qwen, quiet=True)
+
+
+def _replicated_kv_worker(rank: int, world: int, init_file: str, rows, out_file: str) -> None:
+    import torch.distributed as dist
+    from checkpoint_factory import TINY_PARAMS
+
+    from nakta_model.config import ModelArgs
+    from nakta_model.parallel import ParallelContext
+    from nakta_model.sources import state_dict_source
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=64)
+        source = state_dict_source(meta_state_dict(TINY_PARAMS, seed=6), args)
+        model = nakta_model.load(source, "cpu", torch.float32, ParallelContext(rank, world),
+                                 kernels="reference")  # fmt: skip
+        assert model.layers[0].attention.n_kv_heads == 1  # 2 KV heads over 4 ranks
+        res = {"full": model(rows)}
+        model.setup_cache(2, 16)
+        model(rows[:, :5], 0)
+        res["decode"] = model(rows[:, 5:6], 5)
+        if rank == 0:
+            torch.save(res, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # four fresh interpreters importing torch
+def test_tp_above_kv_heads_gives_the_single_process_logits(tmp_path):
+    """tp 4 over 2 KV heads (each replicated on 2 ranks, as vLLM): the same logits, prefill and
+    decode, as one process."""
+    import torch.multiprocessing as mp
+    from checkpoint_factory import TINY_PARAMS
+
+    from nakta_model.config import ModelArgs
+    from nakta_model.sources import state_dict_source
+
+    rows = torch.randint(0, TINY_PARAMS["vocab_size"], (2, 6))
+    out = tmp_path / "tp.pt"
+    mp.start_processes(_replicated_kv_worker, args=(4, str(tmp_path / "rdv"), rows, str(out)),
+                       nprocs=4, join=True, start_method="spawn")  # fmt: skip
+    got = torch.load(out, weights_only=True)
+    args = ModelArgs.from_meta_params(TINY_PARAMS, max_seq_len=64)
+    one = nakta_model.load(state_dict_source(meta_state_dict(TINY_PARAMS, seed=6), args), "cpu",
+                           torch.float32, kernels="reference")  # fmt: skip
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["full"], one(rows), **tol)
+    torch.testing.assert_close(got["decode"], one(rows)[:, 5:6], **tol)
