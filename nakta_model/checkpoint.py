@@ -5,7 +5,8 @@ Layout of a checkpoint directory::
     params.json                          Meta-style params + hidden_dim, tp_size, format_version
     model.tp00-of-02.safetensors         rank 0's tensors (fused wqkv / w13, local shapes)
     model.tp01-of-02.safetensors         rank 1's tensors
-    tokenizer.model                      (when the source had one)
+    tokenizer.model / tokenizer.json     (when the source had one, with its HF configs and chat
+                                         template beside it)
     manifest.json                        size, sha256 and sampled sha256 of every file,
                                          shape + dtype of every tensor
 
@@ -300,9 +301,17 @@ def write_checkpoint(
             **({"quant": quant} if quant else {}),
         }
         atomic_write_text(tmp / PARAMS, json.dumps(params, indent=2, sort_keys=True) + "\n")
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER)
-        for extra in (PARAMS, TOKENIZER):
+        extras = [PARAMS]
+        if tokenizer is not None:  # the tokenizer file and its companions (HF configs, chat)
+            from nakta_model.tokenizer import tokenizer_files
+
+            copied = {Path(tokenizer).name: Path(tokenizer)}
+            for companion in tokenizer_files(Path(tokenizer).parent):
+                copied.setdefault(companion.name, companion)
+            for name, path in copied.items():
+                shutil.copyfile(path, tmp / name)
+                extras.append(name)
+        for extra in extras:
             if (tmp / extra).exists():
                 files[extra] = _file_record(tmp / extra)
         manifest = {

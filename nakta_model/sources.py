@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from nakta_model.checkpoint import TOKENIZER, load_rank_state_dict, read_args, read_json_object
+from nakta_model.checkpoint import load_rank_state_dict, read_args, read_json_object
 from nakta_model.checkpoint_names import MANIFEST, PARAMS
 from nakta_model.config import ModelArgs
 from nakta_model.layout import (
@@ -65,7 +65,7 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
 class Source:
     """Unsplit Meta-named tensors of one model, fetched one at a time by ``get(name)``.
 
-    ``dtype`` is the stored one (the embedding's), ``tokenizer`` the sentencepiece model found
+    ``dtype`` is the stored one (the embedding's), ``tokenizer`` the tokenizer file found
     beside the weights (or None); ``description`` says where the tensors come from."""
 
     args: ModelArgs
@@ -125,12 +125,15 @@ def _progress(items, desc: str, quiet: bool):
 
 
 def _find_tokenizer(in_dir: Path, vocab_size: int | None) -> Path | None:
-    """``IN/tokenizer.model``, else Meta's layout ``IN/../tokenizer.model`` if it fits.
+    """``IN/tokenizer.json`` (a HF folder: what AutoTokenizer reads), else ``IN/tokenizer.model``,
+    else Meta's layout ``IN/../tokenizer.model`` if it fits.
 
-    A broken ``IN/tokenizer.model`` is an error; a broken or mismatched one in the parent
-    (shared by several model folders, maybe not ours) is passed over.
+    A broken tokenizer in IN is an error; a broken or mismatched one in the parent (shared by
+    several model folders, maybe not ours) is passed over. A ``tokenizer.json`` may hold fewer
+    ids than the vocabulary (HF pads embeddings); a ``tokenizer.model`` must hold exactly as many.
     """
     for candidate, strict in (
+        (in_dir / "tokenizer.json", True),
         (in_dir / "tokenizer.model", True),
         (in_dir.parent / "tokenizer.model", False),
     ):
@@ -142,7 +145,9 @@ def _find_tokenizer(in_dir: Path, vocab_size: int | None) -> Path | None:
             if strict:
                 raise
             continue
-        if vocab_size is None or n_words == vocab_size:
+        if vocab_size is None or (
+            n_words <= vocab_size if candidate.suffix == ".json" else n_words == vocab_size
+        ):
             return candidate
         if strict:
             raise CheckpointError(
@@ -386,12 +391,13 @@ def open_nakta(in_dir: str | Path, verify: str | bool = "fast") -> Source:
     fp8 = any(t.dtype == torch.float8_e4m3fn for s in shards for t in s.values())  # as stored
     if fp8:  # the peers get what the e4m3 codes stand for, in the checkpoint's dtype
         shards = [_dequantized(s, dtype) for s in shards]
-    tokenizer = in_dir / TOKENIZER
+    from nakta_model.tokenizer import find_tokenizer
+
     return Source(
         args=args,
         get=lambda name: meta_tensor(name, shards, args),
         dtype=dtype,
-        tokenizer=tokenizer if tokenizer.is_file() else None,
+        tokenizer=find_tokenizer(in_dir),
         description=f"Nakta checkpoint, tp={tp}" + (", FP8 dequantized" if fp8 else ""),
     )
 

@@ -154,3 +154,26 @@ def test_tp_above_kv_heads_gives_the_single_process_logits(tmp_path):
     tol = dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["full"], one(rows), **tol)
     torch.testing.assert_close(got["decode"], one(rows)[:, 5:6], **tol)
+
+
+def test_convert_carries_an_hf_llama3_tokenizer_folder(tmp_path):
+    """An HF Llama-3 folder's tokenizer.json, its configs and chat template travel with the
+    weights: the converted checkpoint tokenizes and stops as the source folder does."""
+    from tokenizer_assets import LLAMA3_TEMPLATE, hf_llama3_folder
+
+    from nakta_model.tokenizer import load_tokenizer
+
+    params = {k: v for k, v in L3.items() if k != "use_scaled_rope"}
+    params.update(vocab_size=128256, n_layers=1)  # the tokenizer's ids must fit the vocabulary
+    folder, _ = write_hf_checkpoint(tmp_path / "hf", params, seed=5, dtype=torch.bfloat16)
+    hf_llama3_folder(folder, chat_template=LLAMA3_TEMPLATE)
+    assert convert.main([str(folder), str(tmp_path / "n"), "--quiet"]) == 0
+    out = tmp_path / "n"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).is_file(), name
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "tokenizer.json" in json.dumps(manifest)
+    ours, source = load_tokenizer(out), load_tokenizer(folder)
+    text = "Hello, world! It's 2026."
+    assert ours.encode(text, bos=True, eos=False) == source.encode(text, bos=True, eos=False)
+    assert set(ours.stop_ids) == set(source.stop_ids) >= {128001, 128009}
