@@ -267,6 +267,10 @@ def random_model(
                 p.copy_(q)
                 state[scale_name(name)].copy_(s)
                 del w
+        if args.tie_word_embeddings:  # the head is the embedding: this rank's rows of it
+            head = state["output.weight"]
+            rows = head.shape[0]
+            head.copy_(state["tok_embeddings.weight"][parallel.tp_rank * rows :][:rows])
     model.requires_grad_(False)
     return model.eval()
 

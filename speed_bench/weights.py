@@ -102,6 +102,8 @@ class RandomWeights(WeightSource):
     def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         if name not in self._shapes:
             raise KeyError(f"{name!r} is not a Meta tensor name of this model")
+        if name == "output.weight" and self.args.tie_word_embeddings:
+            return self.tensor("tok_embeddings.weight", device, dtype)  # a tied head
         shape = self._shapes[name]
         if len(shape) == 1:
             return torch.ones(shape, dtype=dtype, device=device)

@@ -177,3 +177,20 @@ def test_convert_carries_an_hf_llama3_tokenizer_folder(tmp_path):
     text = "Hello, world! It's 2026."
     assert ours.encode(text, bos=True, eos=False) == source.encode(text, bos=True, eos=False)
     assert set(ours.stop_ids) == set(source.stop_ids) >= {128001, 128009}
+
+
+def test_random_weights_of_a_tied_preset_tie_the_head():
+    """Speed runs of Llama-3.2 (tied) draw one matrix for the embedding and the head, as the
+    checkpoint holds it; loading them passes the tie check."""
+    from nakta_model.config import preset
+    from speed_bench.weights import RandomWeights
+
+    args = preset("llama3.2-1B").replace(dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                                          hidden_dim=96, vocab_size=1000)  # fmt: skip
+    weights = RandomWeights(args, "tied")
+    emb = weights.tensor("tok_embeddings.weight", "cpu", torch.float32)
+    assert torch.equal(weights.tensor("output.weight", "cpu", torch.float32), emb)
+    model = nakta_model.load(weights.source("cpu", torch.float32), "cpu", torch.float32)
+    assert torch.equal(model.output.weight, model.tok_embeddings.weight)
+    rand = nakta_model.random_model(args, "cpu", torch.float32)
+    assert torch.equal(rand.output.weight, rand.tok_embeddings.weight)

@@ -1,7 +1,7 @@
-"""No source file of the tree is over 600 lines: small files with one job each (DESIGN.md).
+"""No source file of the tree is over 800 lines: files with one job each (DESIGN.md).
 
-A long ``@triton.jit`` body moves to ``_<op>_kernels.py``, a bench's shared cases to a module
-both the bench and its tuner import, and so on.
+Size is a smell past that, not a reason to cut one idea in two: a file that must grow past it
+is split along its jobs, never into ``_<op>_kernels.py`` halves of one kernel.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_LINES = 600
+MAX_LINES = 800
 
 
 def _sources() -> list[Path]:
@@ -32,6 +32,6 @@ def test_the_tree_is_read():
     assert {"convert.py", "nakta_model/loading.py", "tests/test_file_sizes.py"} <= names
 
 
-def test_no_source_file_is_over_600_lines():
+def test_no_source_file_is_over_800_lines():
     long = {p.relative_to(REPO).as_posix(): n for p in _sources() if (n := _lines(p)) > MAX_LINES}
     assert long == {}, f"files over {MAX_LINES} lines: {long}"
