@@ -173,6 +173,7 @@ class EngineBridge:
 
     def poll(self, idle: bool):  # Feed
         self._flush()
+        self._note_pool()  # before a wait: the gauges show the pool as it is while idle
         with self._cv:
             while idle and not (self._new or self._cancel or self._calls or self._stop):
                 self._cv.wait(timeout=1.0)
@@ -185,10 +186,12 @@ class EngineBridge:
                 fut.set_result(fn())
             except BaseException as e:  # the caller's error, not the engine's
                 fut.set_exception(e)
-        g = self.generator
-        self.metrics.kv_used.set(g.pool.used_pages)
-        self.metrics.kv_usage.set(g.pool.used_pages / max(1, g.pool.capacity))
         return new, cancel
+
+    def _note_pool(self) -> None:
+        pool = self.generator.pool
+        self.metrics.kv_used.set(pool.used_pages)
+        self.metrics.kv_usage.set(pool.used_pages / max(1, pool.capacity))
 
     def _take_calls(self) -> list:
         with self._cv:
