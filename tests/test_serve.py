@@ -379,3 +379,47 @@ def test_full_queue_is_429_and_sigterm_drains_then_exits_0(stories):
     finally:
         if s.proc.poll() is None:
             s.stop(signal.SIGKILL)
+
+
+# ------------------------------------------------------------------- the engine's feed API
+def test_generator_feed_joins_running_batch_and_cancel_frees_pages(offline):
+    """``Generator.generate(feed=...)`` with no HTTP: requests arrive while it runs and get
+    the tokens an offline call gives; a cancelled row gives every page back."""
+    from nakta_model.generation.engine import GenerationRequest
+
+    _, tok, gen = offline
+    ids = [tok.encode(p, bos=True, eos=False) for p in PROMPTS]
+    eos = (tok.eos_id,)
+    want = [
+        r.tokens for r in gen.generate([GenerationRequest(p, 20, stop_token_ids=eos) for p in ids])
+    ]
+
+    class Feed:
+        def __init__(self):
+            self.new, self.cancel, self.polls, self.flushes = [], [], 0, 0
+
+        def poll(self, idle):
+            self.polls += 1
+            if self.polls == 2:  # a long request arrives while the first ones decode
+                self.new.append((99, GenerationRequest(ids[0], 300)))
+            if idle and not self.new:
+                return None  # everything done: stop
+            new, self.new = self.new, []
+            cancel, self.cancel = self.cancel, []
+            return new, cancel
+
+        def pending(self):
+            return bool(self.new or self.cancel)
+
+        def flush(self):  # the client goes away while its row decodes (as a server sees it)
+            self.flushes += 1
+            if self.flushes == 6:
+                self.cancel.append(99)
+
+    feed = Feed()
+    feed.new = [(i, GenerationRequest(p, 20, stop_token_ids=eos)) for i, p in enumerate(ids)]
+    got = {}
+    gen.generate([], on_tokens=lambda i, t, f: f and got.__setitem__(i, (list(t), f)), feed=feed)
+    assert [got[i][0] for i in range(len(ids))] == want
+    assert got[99][1] == "cancelled" and 0 < len(got[99][0]) < 300
+    assert gen.pool.used_pages == gen.held_pages == 0 and feed.flushes > 0

@@ -128,11 +128,15 @@ class Feed(Protocol):
     their pages go back at once and ``on_tokens`` reports ``"cancelled"``); or None to stop
     (rows still running are cancelled). ``idle``: nothing is queued or running, so the call may
     block until something arrives. ``pending()``: something waits, so a pipelined run of decode
-    chunks ends at the next read instead of running on to a row's end."""
+    chunks ends at the next read instead of running on to a row's end. ``flush()``: the tokens
+    ``on_tokens`` reported since the last call may go out now (called after every prefill
+    forward and every decode chunk read, so a stream never waits for a run of chunks)."""
 
     def poll(self, idle: bool) -> tuple[list[tuple[int, GenerationRequest]], list[int]] | None: ...
 
     def pending(self) -> bool: ...
+
+    def flush(self) -> None: ...
 
 
 def max_rows() -> int:
@@ -408,6 +412,11 @@ class Generator(RowPages, DecodeChunks):
         if self._on_tokens is not None:
             self._on_tokens(key, r.tokens, r.finished)
 
+    def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
+        super()._finish_decode(pending, active, slots)
+        if self._feed is not None:
+            self._feed.flush()
+
     def _continuation(self, pending: tuple, active: list[int], slots) -> tuple | None:
         """A pipelined chunk run ends at the next read when the feed has something waiting."""
         if self._feed is not None and self._feed.pending():
@@ -514,6 +523,8 @@ class Generator(RowPages, DecodeChunks):
                 self.stats.first_token_s[r.index] = now
                 self._accept(r, [t])
         self.stats.prefill_s += time.perf_counter() - t0
+        if self._feed is not None:
+            self._feed.flush()
 
     def _release(self, r: _Row, slots, done: list[_Row], bar, staged: list[_Row]) -> None:
         self._free_row(r)

@@ -322,7 +322,7 @@ def _submit(state: ServerState, prompts: list[list[int]], s: Sampling) -> list[_
     """One engine request per prompt and choice (``n``), every one queued or none (429)."""
     tok = state.tokenizer
     sampling = SamplingParams(s.temperature, s.top_k, s.top_p)
-    eos = (tok.eos_id,) if getattr(tok, "eos_id", -1) >= 0 else ()
+    eos = (tok.eos_id,) if getattr(tok, "eos_id", -1) >= 0 and not s.ignore_eos else ()
     jobs: list[_Job] = []
     try:
         for p in prompts:

@@ -225,6 +225,9 @@ class EngineBridge:
         if finish is not None:
             self.metrics.e2e.observe(now - h.arrived)
 
+    def flush(self) -> None:  # Feed
+        self._flush()
+
     def _flush(self) -> None:
         """Hand the updates since the last step to the event loop, one call for all."""
         if not self._dirty:

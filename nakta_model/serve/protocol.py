@@ -64,6 +64,7 @@ class Sampling:
     n: int
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False  # vLLM's extension: EOS does not end the row (benchmarks)
 
 
 @dataclass
@@ -166,7 +167,12 @@ def _sampling(body: dict, max_context: int, default_max: int) -> Sampling:
     include_usage = opts.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise _bad("stream_options.include_usage", "a boolean", include_usage)
-    return Sampling(max_tokens, temperature, top_p, top_k, stop, seed, n, stream, include_usage)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("ignore_eos", "a boolean", ignore_eos)
+    return Sampling(
+        max_tokens, temperature, top_p, top_k, stop, seed, n, stream, include_usage, ignore_eos
+    )
 
 
 def _prompts(p: object, vocab: int) -> list[str | list[int]]:
