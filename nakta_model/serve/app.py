@@ -372,6 +372,8 @@ async def _wait_all(request: Request, state: ServerState, jobs: list[_Job]) -> N
     for j in jobs:
         if j.handle.finish == "error":
             raise APIError(500, "the engine could not run this request", type="server_error")
+        if j.handle.finish == "cancelled":  # only the server cancels a live client's rows
+            raise APIError(503, "cancelled: the server is shutting down", type="server_error")
 
 
 def _piece(tok, i: int) -> str:
@@ -547,9 +549,14 @@ def _sse(request, state, jobs: list[_Job], s: Sampling, head: dict, chat: bool):
                     h = j.handle
                     if j.index in done or (not h.n and h.finish is None):
                         continue
-                    if h.finish == "error":
+                    if h.finish in ("error", "cancelled"):
+                        why = (
+                            "the server is shutting down"
+                            if h.finish == "cancelled"
+                            else ("the engine could not run this request")
+                        )
                         err = APIError(
-                            500, "the engine could not run this request", type="server_error"
+                            500 if h.finish == "error" else 503, why, type="server_error"
                         )
                         yield f"data: {json.dumps(error_body(err))}\n\n"
                         return
