@@ -349,7 +349,7 @@ def test_bad_chat_input_and_routes_then_good_requests_still_served(server):
 def test_full_queue_is_429_and_sigterm_drains_then_exits_0(stories):
     s = ServerProcess(stories, "--max-batch", "1", "--max-queue", "2", "--drain-s", "60")
     try:
-        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0}
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0}
 
         def one(_):
             return post(s, "/v1/completions", body, key=None)
