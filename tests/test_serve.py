@@ -423,3 +423,19 @@ def test_generator_feed_joins_running_batch_and_cancel_frees_pages(offline):
     assert [got[i][0] for i in range(len(ids))] == want
     assert got[99][1] == "cancelled" and 0 < len(got[99][0]) < 300
     assert gen.pool.used_pages == gen.held_pages == 0 and feed.flushes > 0
+
+
+def test_bad_command_line_is_one_error_line_exit_2(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for argv, words in (
+        (["--checkpoint", str(tmp_path / "nope")], "--checkpoint"),
+        (["--checkpoint", str(tmp_path), "--port", "70000"], "--port"),
+        (["--random", "7B"], "--tokenizer"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "nakta_model.serve", *argv],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith("error: ") and words in lines[0]
