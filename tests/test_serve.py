@@ -133,11 +133,11 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+def post(server, path: str, body, key: str | None = KEY, timeout: float = 120) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if isinstance(body, (bytes, str)):
-        return httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=120, **kw)
-    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120, **kw)
+        return httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=timeout)
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=timeout)
 
 
 # ------------------------------------------------------------------------- the openai client
@@ -264,6 +264,7 @@ def test_models_health_tokenize_metrics(server, offline):
     assert r["prompt"] == "a cat"
     info = httpx.get(f"{server.url}/tokenizer_info", headers=h).json()
     assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>"
+    assert post(server, "/v1/completions", {"model": NAME, "prompt": "A"}).status_code == 200
     metrics = server.metrics()
     for name in (
         "nakta_prompt_tokens_total", "nakta_generation_tokens_total", "nakta_queue_depth",
@@ -439,3 +440,21 @@ def test_bad_command_line_is_one_error_line_exit_2(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, r.stderr
         assert lines[0].startswith("error: ") and words in lines[0]
+
+
+def test_a_client_gone_before_its_answer_cancels_its_row(server):
+    """A non-streaming client that stops waiting: its row is dropped (it stops generating
+    long before its budget) and its pages go back."""
+    before = server.metrics()["nakta_generation_tokens_total"]
+    body = {"model": NAME, "prompt": [1] + [300] * 8, "max_tokens": 500, "temperature": 0}
+    body["ignore_eos"] = True
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", body, timeout=0.3)
+    deadline = time.monotonic() + 60
+    while True:
+        m = server.metrics()
+        if m["nakta_running_rows"] == 0 and m["nakta_kv_pages_used"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    assert m["nakta_generation_tokens_total"] - before < 500

@@ -9,6 +9,7 @@ Every error, ours or the framework's (unknown route, wrong method), is OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -356,15 +357,17 @@ def _submit(state: ServerState, prompts: list[list[int]], s: Sampling) -> list[_
 
 async def _wait_all(request: Request, state: ServerState, jobs: list[_Job]) -> None:
     """Until every job finished; a client that goes away cancels them (their pages return)."""
+    checked = time.monotonic()
     try:
         while not all(j.handle.finish for j in jobs):
             ev = jobs[0].handle.event
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ev.wait(), DISCONNECT_CHECK_S)
                 ev.clear()
-            except asyncio.TimeoutError:
+            if time.monotonic() - checked >= DISCONNECT_CHECK_S:  # tokens or not
+                checked = time.monotonic()
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError() from None
+                    raise asyncio.CancelledError()
     except BaseException:
         for j in jobs:
             state.bridge.cancel(j.handle)
