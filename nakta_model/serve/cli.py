@@ -218,6 +218,7 @@ def serve(s: ServeSettings) -> int:
     except OSError as e:
         bridge.stop(0)
         raise InputError(f"--host {s.host} --port {s.port}: cannot bind ({e})") from None
+    sock.listen(4096)  # connections queue from now on, before uvicorn accepts them
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app,
