@@ -47,6 +47,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -73,6 +74,7 @@ from nakta_model.generation.step import (
 from nakta_model.kv_pages import PAGE_SIZE, pages_for, pool_pages
 
 __all__ = [
+    "Feed",
     "GenerationRequest",
     "GenerationResult",
     "GenerationStats",
@@ -100,6 +102,26 @@ PREFILL_CHUNK = 8192
 PREFILL_BURST = 8
 ENV_BURST = "NAKTA_PREFILL_BURST"
 TokenCallback = Callable[[int, list[int], "str | None"], None]
+
+
+class Feed(Protocol):
+    """Requests that arrive while :meth:`Generator.generate` runs (an online server's queue).
+
+    ``poll(idle)`` is called between engine steps (never inside a chunk) and returns
+    ``(new, cancel)``: new ``(key, request)`` pairs to queue (the key is the index ``on_tokens``
+    reports; unique among live requests) and the keys of requests to drop (queued or running:
+    their pages go back at once and ``on_tokens`` reports ``"cancelled"``); or None to stop
+    (rows still running are cancelled). ``idle``: nothing is queued or running, so the call may
+    block until something arrives. ``pending()``: something waits, so a pipelined run of decode
+    chunks ends at the next read instead of running on to a row's end. ``flush()``: the tokens
+    ``on_tokens`` reported since the last call may go out now (called after every prefill
+    forward and every decode chunk read, so a stream never waits for a run of chunks)."""
+
+    def poll(self, idle: bool) -> tuple[list[tuple[int, GenerationRequest]], list[int]] | None: ...
+
+    def pending(self) -> bool: ...
+
+    def flush(self) -> None: ...
 
 
 def max_rows() -> int:
@@ -192,6 +214,7 @@ class Generator(RowPages, DecodeChunks):
         self._ensure_cache()
         self.stats = GenerationStats()
         self._on_tokens: TokenCallback | None = None
+        self._feed: Feed | None = None
 
     # --------------------------------------------------------------------------- public
     def generate(
@@ -199,6 +222,7 @@ class Generator(RowPages, DecodeChunks):
         requests: Sequence[GenerationRequest],
         progress: bool = False,
         on_tokens: TokenCallback | None = None,
+        feed: Feed | None = None,
     ) -> list[GenerationResult]:
         """Generate every request; results in request order.
 
@@ -207,10 +231,18 @@ class Generator(RowPages, DecodeChunks):
         request's position, its tokens so far (as the result will hold them) and its finish
         reason (None while it runs): what a caller streams text from as it is decoded. Every
         page a row took is back in the pool when this returns (or raises); only the held
-        prefixes keep theirs."""
+        prefixes keep theirs.
+
+        ``feed`` (a :class:`Feed`): the call also takes requests as they arrive, between engine
+        steps, until ``feed.poll`` returns None (online serving; their results are reported
+        through ``on_tokens`` only, and ``first_token_s`` is keyed by their keys while they
+        run)."""
         check_requests(requests, self.model.args.vocab_size, self.max_seq_len)
         self._ensure_cache()
         self.stats = GenerationStats(first_token_s=[float("nan")] * len(requests))
+        self._feed = feed
+        if feed is not None:
+            self.stats.first_token_s = {}  # type: ignore[assignment]  # keyed, not listed
         self._on_tokens = on_tokens
         self._t0 = time.perf_counter()
         self._call_bucket = None  # the bucket this call's last chunk ran
@@ -232,7 +264,9 @@ class Generator(RowPages, DecodeChunks):
         bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
         burst = 0  # prefill forwards since the last decode chunk
         try:
-            while queue or any(slots):
+            while queue or any(slots) or feed is not None:
+                if feed is not None and not self._poll(feed, queue, slots, done, bar):
+                    break
                 self._admit(queue, slots, done, bar)
                 prefilling = [r for r in slots if r is not None and not r.prompt_in]
                 draining = not queue
@@ -261,12 +295,88 @@ class Generator(RowPages, DecodeChunks):
             for r in slots:
                 if r is not None:
                     self._free_row(r)
+                    if feed is not None and not r.finished:
+                        r.finished = "cancelled"
+                        if on_tokens is not None:
+                            on_tokens(r.index, r.tokens, r.finished)
+            self._feed = None
             bar.close()
+        if feed is not None:
+            return []  # every result went out through on_tokens
         out: list[GenerationResult | None] = [None] * len(requests)
         for r in done:
             out[r.index] = GenerationResult(r.tokens, r.text, r.finished, r.error)
             self.stats.generated_tokens += len(r.tokens)
         return out  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------------- online feed
+    def _poll(self, feed: Feed, queue: deque, slots: list, done: list, bar) -> bool:
+        """Take the feed's new requests and cancellations (``generate``'s ``feed``); False when
+        the feed says stop. Finished rows are reported already: they are not kept."""
+        for r in done:
+            self.stats.generated_tokens += len(r.tokens)
+            self.stats.first_token_s.pop(r.index, None)  # type: ignore[call-overload]
+        done.clear()
+        idle = not queue and not any(slots)
+        got = feed.poll(idle)
+        if got is None:
+            return False
+        new, cancel = got
+        for key in cancel:
+            self._cancel(key, queue, slots, done, bar)
+        fresh = []
+        for key, req in new:
+            try:
+                check_requests([req], self.model.args.vocab_size, self.max_seq_len)
+            except (TypeError, ValueError) as e:
+                r = _Row(key, req, finished="error", error=str(e).replace("requests[0]", "request"))
+                if self._on_tokens is not None:
+                    self._on_tokens(key, r.tokens, r.finished)
+                continue
+            fresh.append(_Row(key, req))
+        if fresh:
+            self._share_online(fresh)
+            queue.extend(fresh)
+        return True
+
+    def _share_online(self, rows: list[_Row]) -> None:
+        """Shared prefixes of arriving prompts: a held prefix they begin with, else one they
+        share with each other (``prefix_cache.shared_prefixes``)."""
+        if not self.n_prefixes:
+            return
+        from nakta_model.prefix_cache import shared_prefixes
+
+        among = shared_prefixes([list(r.request.prompt) for r in rows])
+        for r, n in zip(rows, among):
+            p = tuple(r.request.prompt)
+            held = [len(k) for k in self._held if len(k) < len(p) and p[: len(k)] == k]
+            r.shared = max(held + [n])
+
+    def _cancel(self, key: int, queue: deque, slots: list, done: list, bar) -> None:
+        """Drop request ``key`` wherever it is; its pages go back to the pool now."""
+        for r in list(queue):
+            if r.index == key:
+                queue.remove(r)
+                break
+        else:
+            r = next((x for x in slots if x is not None and x.index == key), None)
+            if r is None:
+                return  # finished already
+            self._release(r, slots, done, bar)
+        r.finished = "cancelled"
+        if self._on_tokens is not None:
+            self._on_tokens(key, r.tokens, r.finished)
+
+    def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
+        super()._finish_decode(pending, active, slots)
+        if self._feed is not None:
+            self._feed.flush()
+
+    def _continuation(self, pending: tuple, active: list[int], slots) -> tuple | None:
+        """A pipelined chunk run ends at the next read when the feed has something waiting."""
+        if self._feed is not None and self._feed.pending():
+            return None
+        return super()._continuation(pending, active, slots)
 
     # ------------------------------------------------------------------------ admission
     def _admit(self, queue: deque, slots: list, done: list, bar) -> None:
@@ -352,6 +462,8 @@ class Generator(RowPages, DecodeChunks):
                 self.stats.first_token_s[r.index] = now
                 self._accept(r, [t])
         self.stats.prefill_s += time.perf_counter() - t0
+        if self._feed is not None:
+            self._feed.flush()
 
     def _release(self, r: _Row, slots, done: list[_Row], bar) -> None:
         self._free_row(r)

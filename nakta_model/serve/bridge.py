@@ -1,0 +1,257 @@
+"""The engine bridge: one background thread owns the model and runs the ``Generator`` for the
+server's lifetime; the asyncio side submits requests and reads their tokens through it.
+
+The thread runs ``Generator.generate(feed=bridge)``: between engine steps it takes the requests
+submitted since (they join the running batch at once: online continuous batching), the
+cancellations (a client that went away: its row and pages go back at once) and the calls that
+must run on the model's thread (prompt logprobs), and hands the tokens decoded since to the
+event loop in one batch per step. A bounded number of requests may wait for their first token;
+past it :meth:`EngineBridge.submit` refuses (the route answers 429 with ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nakta_model.generation.engine import GenerationRequest, Generator
+from nakta_model.serve.metrics import Metrics
+
+__all__ = ["EngineBridge", "Handle", "QueueFull", "ShuttingDown"]
+
+log = logging.getLogger("nakta.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new requests."""
+
+
+@dataclass
+class Handle:
+    """One submitted request as the asyncio side sees it. ``tokens`` grows as tokens arrive
+    (the engine's own list, read up to ``n``); ``finish`` is ``"stop"``, ``"length"``,
+    ``"cancelled"`` or ``"error"`` once it is done."""
+
+    key: int
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    arrived: float
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    tokens: list[int] = field(default_factory=list)
+    n: int = 0
+    finish: str | None = None
+    first_token_at: float | None = None
+    # engine-thread side
+    _seen: int = 0
+    _last: float = 0.0
+    _started: bool = False  # it has left the waiting queue (a first token, or its end)
+    _update: tuple | None = None
+
+    async def wait(self) -> None:
+        """Until something new arrived (or the request finished)."""
+        await self.event.wait()
+        self.event.clear()
+
+    def text_tokens(self) -> list[int]:
+        return self.tokens[: self.n]
+
+
+class EngineBridge:
+    """The generator's thread and the thread-safe hand-over around it (module docstring).
+    ``max_queue``: requests that may wait for their first token before ``submit`` refuses."""
+
+    def __init__(self, generator: Generator, metrics: Metrics, max_queue: int):
+        self.generator = generator
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._cv = threading.Condition()
+        self._new: list[tuple[int, GenerationRequest]] = []
+        self._cancel: list[int] = []
+        self._calls: list[tuple[Callable, concurrent.futures.Future]] = []
+        self._live: dict[int, Handle] = {}  # submitted, not finished (engine-thread view)
+        self._dirty: list[Handle] = []
+        self._waiting = 0  # live handles with no token yet (guarded by _cv)
+        self._next_key = 0
+        self._stop = False
+        self._draining = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nakta-engine", daemon=True)
+        metrics.kv_total.set(generator.pool.capacity)
+
+    # ------------------------------------------------------------------ asyncio side
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, request: GenerationRequest) -> Handle:
+        """Queue a request for the engine (call on the event loop)."""
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            if self._draining or not self.alive:
+                raise ShuttingDown()
+            if self._waiting >= self.max_queue:
+                raise QueueFull()
+            key = self._next_key
+            self._next_key += 1
+            h = Handle(key, request, loop, time.perf_counter())
+            self._live[key] = h
+            self._waiting += 1
+            self._new.append((key, request))
+            self._cv.notify()
+        self.metrics.queue_depth.set(self._waiting)
+        return h
+
+    def cancel(self, h: Handle) -> None:
+        """Drop a request (its client went away); a finished one is left alone."""
+        with self._cv:
+            if h.key in self._live and h.finish is None:
+                self._cancel.append(h.key)
+                self._cv.notify()
+
+    def call(self, fn: Callable[[], object]) -> asyncio.Future:
+        """Run ``fn()`` on the engine thread between two engine steps; its result awaited."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if not self.alive:
+                raise ShuttingDown()
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return asyncio.wrap_future(fut)
+
+    def live(self) -> int:
+        with self._cv:
+            return len(self._live)
+
+    def stop(self, drain_s: float = 30.0) -> None:
+        """Take no new requests, let the running ones finish for up to ``drain_s`` seconds,
+        cancel what is left, and end the engine thread (blocking; call off the event loop)."""
+        with self._cv:
+            self._draining = True
+        deadline = time.monotonic() + drain_s
+        while self.live() and time.monotonic() < deadline and self.alive:
+            time.sleep(0.02)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=60)
+
+    # --------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        import torch
+
+        dev = self.generator.device
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        try:
+            with torch.inference_mode():
+                self.generator.generate([], on_tokens=self._on_tokens, feed=self)
+        except BaseException as e:  # the server answers 503 from now on
+            self.error = e
+            log.exception("engine thread failed")
+            for h in list(self._live.values()):
+                self._on_tokens(h.key, h.tokens, "error")
+        finally:
+            for _fn, fut in self._take_calls():
+                fut.set_exception(RuntimeError("the engine stopped"))
+            self._flush()
+
+    def pending(self) -> bool:  # Feed
+        return bool(self._new or self._cancel or self._calls or self._stop)
+
+    def poll(self, idle: bool):  # Feed
+        self._flush()
+        self._note_pool()  # before a wait: the gauges show the pool as it is while idle
+        with self._cv:
+            while idle and not (self._new or self._cancel or self._calls or self._stop):
+                self._cv.wait(timeout=1.0)
+            if self._stop:
+                return None
+            new, self._new = self._new, []
+            cancel, self._cancel = self._cancel, []
+        for fn, fut in self._take_calls():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # the caller's error, not the engine's
+                fut.set_exception(e)
+        return new, cancel
+
+    def _note_pool(self) -> None:
+        pool = self.generator.pool
+        self.metrics.kv_used.set(pool.used_pages)
+        self.metrics.kv_usage.set(pool.used_pages / max(1, pool.capacity))
+
+    def _take_calls(self) -> list:
+        with self._cv:
+            calls, self._calls = self._calls, []
+        return calls
+
+    def _on_tokens(self, key: int, tokens: list[int], finish: str | None) -> None:
+        h = self._live.get(key)
+        if h is None:
+            return
+        n = len(tokens)
+        now = time.perf_counter()
+        new = n - h._seen
+        if new > 0:
+            if h._seen == 0:
+                self.metrics.ttft.observe(now - h.arrived)
+            else:
+                self.metrics.itl.observe((now - h._last) / new)
+            self.metrics.generation_tokens.inc(new)
+            h._last, h._seen = now, n
+        if h._update is None:
+            self._dirty.append(h)
+        h._update = (tokens, n, finish, now)
+        if finish is not None or new > 0:
+            with self._cv:
+                if not h._started:
+                    h._started = True
+                    self._waiting -= 1
+                if finish is not None:
+                    self._live.pop(key, None)
+        if finish is not None:
+            self.metrics.e2e.observe(now - h.arrived)
+
+    def flush(self) -> None:  # Feed
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the updates since the last step to the event loop, one call for all."""
+        if not self._dirty:
+            return
+        batch, self._dirty = self._dirty, []
+        updates = []
+        for h in batch:
+            updates.append((h, h._update))
+            h._update = None
+        with self._cv:
+            waiting, running = self._waiting, len(self._live) - self._waiting
+        self.metrics.queue_depth.set(waiting)
+        self.metrics.running.set(running)
+        loop = batch[0].loop
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody reads them
+            loop.call_soon_threadsafe(_deliver, updates)
+
+
+def _deliver(updates: list) -> None:
+    """On the event loop: the latest tokens of each request, and wake its reader."""
+    for h, (tokens, n, finish, now) in updates:
+        h.tokens, h.n = tokens, n
+        if n and h.first_token_at is None:
+            h.first_token_at = now
+        if finish is not None:
+            h.finish = finish
+        h.event.set()

@@ -1,0 +1,276 @@
+"""``nakta-serve``: load a model once and serve it over OpenAI's HTTP API.
+
+    nakta-serve --checkpoint CKPT                        # http://127.0.0.1:8000/v1
+    nakta-serve --checkpoint CKPT --api-key KEY --port 8080 --quant fp8
+    python -m nakta_model.serve --random 7B --tokenizer llama_tokenizer.model   # speed runs
+
+Binds 127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` takes a free port. Once it
+serves it prints ``nakta-serve: listening on http://HOST:PORT`` on stderr. SIGTERM or Ctrl-C:
+no new connections, the running requests finish (at most ``--drain-s`` seconds, then they are
+cancelled), exit status 0. Prompts are not logged unless ``--log-prompts``. Every bad argument is
+one ``error:`` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from nakta_model.cli import (
+    InputError,
+    OneLineArgumentParser,
+    checkpoint_errors,
+    checkpoint_tokenizer_path,
+    exit_on_input_error,
+    require_checkpoint,
+)
+
+__all__ = ["ServeSettings", "main", "parse_args"]
+
+_DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Every setting of one server, parsed once from the command line."""
+
+    checkpoint: str | None
+    random: str | None
+    tokenizer: str | None
+    model_name: str
+    host: str
+    port: int
+    api_key: str | None
+    dtype: str | None
+    device: str | None
+    quant: str | None
+    max_batch: int
+    max_queue: int
+    chunk: int
+    max_body_bytes: int
+    drain_s: float
+    warmup: bool | None
+    log_prompts: bool
+    access_log: bool
+    seed: int
+
+
+def parse_args(argv: list[str] | None = None) -> ServeSettings:
+    p = OneLineArgumentParser(prog="nakta-serve", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="Nakta, Meta or HF checkpoint folder")
+    src.add_argument("--random", metavar="PRESET", help="random weights of a preset (7B, ...)")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's own)")
+    p.add_argument("--model-name", help="the model id clients send (default: folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="0: a free port")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only 1 for now)")
+    p.add_argument("--dtype", choices=_DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when present)")
+    p.add_argument("--quant", choices=["fp8"], help="fp8 weights (opt-in; GPU cc >= 8.9)")
+    p.add_argument("--max-batch", type=int, help="rows decoded at once (default 256 GPU, 8 CPU)")
+    p.add_argument(
+        "--max-queue", type=int, default=1024, help="requests waiting for a first token "
+        "before new ones get 429 (default 1024)"
+    )  # fmt: skip
+    p.add_argument(
+        "--chunk", type=int, default=8, help="tokens decoded between host checks (default 8: "
+        "an arrival waits for at most the chunk in flight before its prefill)"
+    )  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap")
+    p.add_argument("--drain-s", type=float, default=30.0, help="SIGTERM: wait for rows (s)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture every batch bucket first (default: on a GPU)")  # fmt: skip
+    p.add_argument("--log-prompts", action="store_true", help="log prompts (off by default)")
+    p.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; random weights' seed")
+    a = p.parse_args(argv)
+    if a.tp != 1:
+        p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port must be in [0, 65535], got {a.port}")
+    for name in ("max_queue", "chunk", "max_body_bytes"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.max_batch is not None and a.max_batch < 1:
+        p.error(f"--max-batch must be >= 1, got {a.max_batch}")
+    if a.drain_s < 0:
+        p.error(f"--drain-s must be >= 0, got {a.drain_s}")
+    if a.api_key is not None and not a.api_key.strip():
+        p.error("--api-key must not be empty")
+    if a.random and not a.tokenizer:
+        p.error("--random needs --tokenizer (random weights come with no tokenizer)")
+    name = a.model_name or (Path(a.checkpoint).resolve().name if a.checkpoint else a.random)
+    return ServeSettings(
+        a.checkpoint, a.random, a.tokenizer, name, a.host, a.port, a.api_key, a.dtype,
+        a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.max_body_bytes,
+        a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
+    )  # fmt: skip
+
+
+def _load(s: ServeSettings):
+    """(model, tokenizer, device): the model built once, the tokenizer checked against it."""
+    import torch
+
+    from nakta_model.generate import _device
+    from nakta_model.tokenizer import Tokenizer
+
+    device = _device(s.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        s.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    ]
+    if s.quant:
+        from nakta_model.fp8 import check_fp8_device
+
+        try:
+            check_fp8_device(device)
+        except ValueError as e:
+            raise InputError(f"--quant {s.quant}: {e}") from None
+    if s.random:
+        from nakta_model.config import preset
+        from nakta_model.loading import random_model
+
+        try:
+            args = preset(s.random)
+        except ValueError as e:
+            raise InputError(f"--random: {e}") from None
+        tok_path = checkpoint_tokenizer_path(None, s.tokenizer)
+        model = random_model(args, device, dtype, seed=s.seed, quant=s.quant)
+    else:
+        from nakta_model.loading import checkpoint_args, load
+
+        require_checkpoint(s.checkpoint)
+        with checkpoint_errors(s.checkpoint):
+            args = checkpoint_args(s.checkpoint)
+        tok_path = checkpoint_tokenizer_path(s.checkpoint, s.tokenizer, vocab_size=args.vocab_size)
+        with checkpoint_errors(s.checkpoint):
+            model = load(s.checkpoint, device, dtype, quant=s.quant)
+    try:
+        tok = Tokenizer(tok_path)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise InputError(f"--tokenizer {tok_path}: not a SentencePiece model ({e})") from e
+    if tok.n_words > model.args.vocab_size:
+        raise InputError(
+            f"--tokenizer {tok_path} has {tok.n_words} pieces, more than the model's "
+            f"vocab_size {model.args.vocab_size}"
+        )
+    return model, tok, device
+
+
+def build(s: ServeSettings):
+    """(app, bridge): the model loaded, the engine thread started, the app over it."""
+    import torch
+
+    from nakta_model.generation.engine import Generator, max_rows
+    from nakta_model.serve.app import ServerState, create_app
+    from nakta_model.serve.bridge import EngineBridge
+    from nakta_model.serve.metrics import Metrics
+
+    torch.manual_seed(s.seed)
+    model, tok, device = _load(s)
+    max_batch = s.max_batch or (256 if device.type == "cuda" else 8)
+    if max_batch > max_rows():
+        raise InputError(f"--max-batch {max_batch}: at most {max_rows()} rows decode at once")
+    gen = Generator(model, max_batch=max_batch, chunk=s.chunk)
+    if s.warmup if s.warmup is not None else device.type == "cuda":
+        _warm_up(gen, tok)
+    metrics = Metrics()
+    bridge = EngineBridge(gen, metrics, s.max_queue)
+    bridge.start()
+    state = ServerState(
+        bridge, tok, metrics, s.model_name, gen.max_seq_len, model.args.vocab_size,
+        s.api_key, s.max_body_bytes, s.log_prompts,
+    )  # fmt: skip
+    return create_app(state), bridge
+
+
+def _warm_up(gen, tok) -> None:
+    """One short batch per bucket: kernels compiled and decode graphs captured before the
+    first client waits for them."""
+    import torch
+
+    from nakta_model.generation.engine import GenerationRequest
+
+    prompt = [max(tok.bos_id, 0)] + [min(100, gen.model.args.vocab_size - 1)] * 8
+    with torch.inference_mode():
+        for b in gen.buckets:
+            gen.generate([GenerationRequest(prompt, gen.chunk + 1) for _ in range(b)])
+
+
+def serve(s: ServeSettings) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app, bridge = build(s)
+    family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((s.host, s.port))
+    except OSError as e:
+        bridge.stop(0)
+        raise InputError(f"--host {s.host} --port {s.port}: cannot bind ({e})") from None
+    sock.listen(4096)  # connections queue from now on, before uvicorn accepts them
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app,
+        log_level="info",
+        access_log=s.access_log,
+        timeout_graceful_shutdown=max(1, int(s.drain_s)),
+        backlog=4096,
+    )
+    server = _Server(config)
+    print(f"nakta-serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        bridge.stop(drain_s=min(s.drain_s, 5.0))
+    print("nakta-serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but SIGTERM / SIGINT only start the graceful shutdown: uvicorn
+        re-raises the signal once it is done, which would end the process with -15 instead of
+        the exit status 0 a supervisor expects from a clean stop."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            def handle(sig, frame):
+                self.should_exit = True  # a second one does not force: the rows drain
+
+            old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
+def _Server(config):
+    return _server_class()(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = parse_args(argv)
+    raise SystemExit(exit_on_input_error(serve, s))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""Serving benchmark: N prompts replayed against nakta-serve over HTTP at request rates, with the
+offline ``Generator`` on the same prompts as the reference.
+
+    python -m speed_bench.serve_bench --tokenizer ../shared/data/llama_tokenizer.model   # 7B, GPU
+    python -m speed_bench.serve_bench --lengths hellaswag --rates 10,inf
+    python -m speed_bench.serve_bench --url http://127.0.0.1:8000 --model NAME ...     # a running one
+
+Workload: ``--prompts`` requests of BOS + seeded random token ids; prompt lengths fixed
+(``--input-len``) or drawn from the committed HellaSwag length histogram (``--lengths hellaswag``,
+``speed_bench/hellaswag_lengths.json``); every request asks ``--output-len`` new tokens, greedy,
+EOS ignored (vLLM's ``ignore_eos``), so every request gets exactly that many.
+
+Steps: (1) the offline reference: the same model (random weights of ``--preset``, or
+``--checkpoint``) in this process, one warmed-up ``Generator(max_batch=--max-batch)`` call over
+all prompts, output tok/s; the model is freed before (2): nakta-serve started as a subprocess on
+the same weights (``--random PRESET --seed``), then for each rate of ``--rates`` the prompts
+sent as streaming ``/v1/completions`` requests with Poisson arrivals at that rate (``inf``: all
+at once), each rate on a fresh replay after the previous drained. Finite rates replay the first
+``--rate-prompts`` prompts (a 2 req/s run of 1,000 would take 8 minutes). ``--chunk`` sets the
+server's decode chunk: fewer tokens between host checks let an arrival start sooner (TTFT) at
+some host cost per token.
+
+Per run: ``output_tok_s`` (tokens received / wall from the first send to the last token),
+``requests_s``, TTFT (send -> first streamed event), TPOT ((last - first event) / (tokens - 1)
+per request) and ITL (the gap between consecutive streamed events; tokens come a decode chunk
+at a time) at p50 and p99. Writes ``serve_summary.json`` (``{"device_name", "offline_tok_s",
+"runs": [{"rate", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s", ...}]}``,
+rate null = unbounded), ``serve.md`` / ``serve.csv`` and ``serve.png`` (latency against rate) to
+``--out`` (default ``speed_bench/results/<device>/serve/``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run by path: import from the repo root, not from this script's folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import queue
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from nakta_model.cli import OneLineArgumentParser
+
+    p = OneLineArgumentParser(prog="serve_bench", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, help="random weights of this shape (default 7B)")
+    src.add_argument("--checkpoint", help="a checkpoint folder instead of random weights")
+    p.add_argument("--tokenizer", help="sentencepiece model (needed with random weights)")
+    p.add_argument("--url", help="an already running server (no offline reference then)")
+    p.add_argument("--model", help="the model name a --url server serves")
+    p.add_argument("--prompts", type=int, default=1000)
+    p.add_argument("--rate-prompts", type=int, default=100, help="prompts at finite rates")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--lengths", choices=["fixed", "hellaswag"], default="fixed")
+    p.add_argument("--rates", default="2,5,10,20,40,inf", help="req/s, comma-separated")
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--chunk", type=int, help="the server's --chunk (default: its own)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-offline", action="store_true", help="skip the offline reference")
+    p.add_argument("--out", help="results folder (default speed_bench/results/<device>/serve)")
+    a = p.parse_args(argv)
+    try:
+        a.rate_list = [None if r.strip() == "inf" else float(r) for r in a.rates.split(",")]
+    except ValueError:
+        p.error(f"--rates must be numbers or inf, got {a.rates!r}")
+    if any(r is not None and r <= 0 for r in a.rate_list):
+        p.error("--rates must be > 0")
+    for name in ("prompts", "rate_prompts", "input_len", "output_len", "max_batch"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.url is None and a.checkpoint is None and a.tokenizer is None:
+        p.error("--tokenizer is needed with random weights (the server decodes text)")
+    if a.url and not a.model:
+        p.error("--url needs --model (the name the server serves)")
+    a.preset = a.preset or ("7B" if a.checkpoint is None else None)
+    return a
+
+
+def make_prompts(a, vocab: int, bos: int, limit: int) -> list[list[int]]:
+    """BOS + seeded random ids; lengths fixed or drawn from the HellaSwag histogram, each
+    leaving room for ``--output-len`` in ``limit`` positions."""
+    rng = random.Random(a.seed)
+    if a.lengths == "hellaswag":
+        from speed_bench.workload import _sampler, load_histogram
+
+        draw = _sampler(load_histogram()["context_tokens_with_bos"], rng)
+        lengths = [draw(limit - a.output_len) for _ in range(a.prompts)]
+    else:
+        if a.input_len + a.output_len > limit:
+            raise SystemExit(f"error: --input-len + --output-len past the context of {limit}")
+        lengths = [a.input_len] * a.prompts
+    hi = min(vocab, 32000) - 1
+    return [[bos] + [rng.randint(3, hi) for _ in range(n - 1)] for n in lengths]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    v = sorted(x for x in values if not math.isnan(x))
+    if not v:
+        return float("nan")
+    i = min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))
+    return v[i]
+
+
+# ---------------------------------------------------------------------------- offline
+def offline_reference(a, prompts: list[list[int]], device) -> float:
+    """Output tok/s of one warmed-up Generator call over every prompt (the model freed after)."""
+    import torch
+
+    from nakta_model.generation.engine import GenerationRequest, Generator
+
+    model = _model(a, device)
+    gen = Generator(model, max_batch=a.max_batch)
+    reqs = [GenerationRequest(p, a.output_len) for p in prompts]
+    with torch.inference_mode():
+        gen.generate(reqs[: min(len(reqs), 2 * a.max_batch)])  # compile, capture
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = gen.generate(reqs)
+        wall = time.perf_counter() - t0
+    tokens = sum(len(r.tokens) for r in out)
+    del gen, model, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return tokens / wall
+
+
+def _model(a, device):
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        a.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    ]
+    if a.checkpoint:
+        from nakta_model.loading import load
+
+        return load(a.checkpoint, device, dtype)
+    from nakta_model.config import preset
+    from nakta_model.loading import random_model
+
+    return random_model(preset(a.preset), device, dtype, seed=a.seed)
+
+
+def _vocab_and_limit(a) -> tuple[int, int, int]:
+    """(vocab, BOS id, positions per row) without building the model."""
+    from nakta_model.tokenizer import Tokenizer
+
+    if a.checkpoint:
+        from nakta_model.loading import checkpoint_args
+
+        args = checkpoint_args(a.checkpoint)
+        tok = a.tokenizer or str(Path(a.checkpoint) / "tokenizer.model")
+    else:
+        from nakta_model.config import preset
+
+        args, tok = preset(a.preset), a.tokenizer
+    return args.vocab_size, Tokenizer(tok).bos_id, args.max_seq_len
+
+
+# ----------------------------------------------------------------------------- server
+class Server:
+    """nakta-serve as a subprocess on a free loopback port (stopped with SIGTERM)."""
+
+    def __init__(self, a):
+        cmd = [sys.executable, "-m", "nakta_model.serve", "--port", "0", "--no-access-log"]
+        if a.checkpoint:
+            cmd += ["--checkpoint", a.checkpoint]
+        else:
+            cmd += ["--random", a.preset, "--seed", str(a.seed)]
+        if a.tokenizer:
+            cmd += ["--tokenizer", a.tokenizer]
+        cmd += ["--max-batch", str(a.max_batch), "--max-queue", str(max(a.prompts, 1024))]
+        for flag, v in (("--dtype", a.dtype), ("--device", a.device), ("--chunk", a.chunk)):
+            if v:
+                cmd += [flag, str(v)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+        lines: queue.Queue = queue.Queue()
+
+        def drain():
+            for line in self.proc.stderr:
+                sys.stderr.write("  [server] " + line)
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, daemon=True).start()
+        self.url = None
+        while self.url is None:
+            line = lines.get(timeout=900)
+            if line is None:
+                raise SystemExit("error: nakta-serve exited before it listened")
+            if "listening on " in line:
+                self.url = line.split("listening on ")[1].strip()
+        self.model = _served_name(self.url)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=120)
+
+
+def _served_name(url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+
+
+# ----------------------------------------------------------------------------- client
+async def replay(url: str, model: str, prompts, output_len: int, rate: float | None, seed: int):
+    """Send every prompt (Poisson arrivals at ``rate``, or all at once) as a streaming request;
+    per request (send, event times, tokens)."""
+    import httpx
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=64)
+    timeout = httpx.Timeout(3600.0, connect=60.0)
+
+    async def one(http, p, delay):
+        await asyncio.sleep(delay)
+        body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0,
+                "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        sent = time.perf_counter()
+        events, tokens = [], 0
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"server answered {r.status_code}: {await r.aread()}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if msg.get("usage"):
+                    tokens = msg["usage"]["completion_tokens"]
+                elif msg["choices"]:
+                    events.append(time.perf_counter())
+        return sent, events, tokens
+
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        if rate is not None:
+            t += rng.expovariate(rate)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        return await asyncio.gather(*(one(http, p, d) for p, d in zip(prompts, delays)))
+
+
+def summarize(rate: float | None, results) -> dict:
+    start = min(s for s, _, _ in results)
+    end = max(ev[-1] for _, ev, _ in results if ev)
+    tokens = sum(n for _, _, n in results)
+    ttft = [ev[0] - s for s, ev, _ in results if ev]
+    tpot = [(ev[-1] - ev[0]) / (n - 1) for _, ev, n in results if ev and n > 1]
+    itl = [b - a for _, ev, _ in results for a, b in zip(ev, ev[1:])]
+    return {
+        "rate": rate, "prompts": len(results), "output_tok_s": tokens / (end - start),
+        "requests_s": len(results) / (end - start),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "wall_s": end - start,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> dict:
+    a = parse_args(argv)
+    import torch
+
+    from bench_common.ceilings import device_slug
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if a.url:
+        import httpx
+
+        info = httpx.get(f"{a.url}/v1/models", timeout=60).json()["data"][0]
+        vocab = 32000 if a.checkpoint is None else _vocab_and_limit(a)[0]
+        bos, limit = 1, info["max_model_len"]
+    else:
+        vocab, bos, limit = _vocab_and_limit(a)
+    prompts = make_prompts(a, vocab, bos, limit)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    offline = None
+    if not (a.url or a.no_offline):
+        offline = offline_reference(a, prompts, device)
+        print(f"offline Generator: {offline:,.0f} output tok/s", file=sys.stderr, flush=True)
+    server = None if a.url else Server(a)
+    url, model = (a.url, a.model) if a.url else (server.url, server.model)
+    runs = []
+    out = Path(a.out) if a.out else REPO / "speed_bench" / "results" / device_slug(device) / "serve"
+    try:
+        asyncio.run(replay(url, model, prompts[: min(8, len(prompts))], 8, None, a.seed))  # warm
+        for rate in a.rate_list:
+            work = prompts if rate is None else prompts[: a.rate_prompts]
+            res = asyncio.run(replay(url, model, work, a.output_len, rate, a.seed))
+            runs.append(summarize(rate, res))
+            r = runs[-1]
+            print(
+                f"rate {rate or 'inf'}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 "
+                f"{r['ttft_p50_s'] * 1e3:.1f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+            write_results(out, device_name, offline, runs, a)
+    finally:
+        if server is not None:
+            code = server.stop()
+            if code != 0:
+                print(f"warning: nakta-serve exited {code}", file=sys.stderr)
+    return write_results(out, device_name, offline, runs, a)
+
+
+def write_results(out: Path, device_name: str, offline, runs: list[dict], a) -> dict:
+    import pandas as pd
+
+    from bench_common.report import write_json, write_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"device_name": device_name, "offline_tok_s": offline, "runs": runs}
+    write_json(summary, out / "serve_summary.json")
+    df = pd.DataFrame(runs)
+    if offline:
+        df["of_offline_pct"] = 100 * df["output_tok_s"] / offline
+    df["rate"] = df["rate"].map(lambda r: "inf" if r is None or pd.isna(r) else r)
+    src = a.checkpoint or f"random {a.preset}"
+    notes = (
+        f"{src}, {a.prompts} prompts ({a.lengths} lengths, {a.input_len} in) x {a.output_len} "
+        f"out, greedy, EOS ignored; finite rates replay the first {a.rate_prompts}; "
+        f"max_batch {a.max_batch}, server chunk {a.chunk or 'default'}; offline Generator "
+        + (f"{offline:,.0f} output tok/s" if offline else "not run")
+    )
+    write_table(df, out, "serve", f"nakta-serve on {device_name}", notes)
+    _plot(runs, device_name, out)
+    return summary
+
+
+def _plot(runs: list[dict], device_name: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench_common.report import save_figure
+
+    finite = [r for r in runs if r["rate"] is not None]
+    if not finite:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["rate"] for r in finite]
+    for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"),
+                       ("tpot_p50_s", "TPOT p50"), ("itl_p99_s", "ITL p99")):  # fmt: skip
+        ax.plot(x, [r[key] * 1e3 for r in finite], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("ms")
+    ax.set_title(f"nakta-serve latency against rate ({device_name})")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    save_figure(fig, out / "serve.png")
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
