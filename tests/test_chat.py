@@ -162,3 +162,16 @@ def test_hf_template_features_equal_transformers(hf_llama3):
     set_chat_template(folder, FEATURES_TEMPLATE)
     dialogs = [*DIALOGS[:3], [{"role": "user", "content": '<b>&"quotes" ünï</b>'}]]
     _hf_check(folder, dialogs)
+
+
+def test_the_server_encodes_a_chat_in_the_checkpoints_format(meta_tok):
+    """nakta-serve's /v1/chat/completions prompt: the checkpoint's chat format when it has one
+    (Meta's ids here), the plain ``role: content`` fallback for a base model's tokenizer."""
+    from nakta_model.serve.chat import chat_prompt, plain_chat_text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert chat_prompt(meta_tok, messages) == encode_chat(meta_tok, messages)
+    if not LLAMA_SP.is_file():
+        pytest.skip(f"{LLAMA_SP} is missing")
+    sp = load_tokenizer(LLAMA_SP)
+    assert chat_prompt(sp, messages) == sp.encode(plain_chat_text(messages), bos=True, eos=False)

@@ -1,13 +1,15 @@
 """Chat messages -> prompt token ids: the ONE place the server turns a conversation into a
-prompt, so the checkpoint's own chat format can be plugged in here.
+prompt.
 
-When the tokenizer offers ``encode_chat(messages) -> list[int]`` (a checkpoint whose format is
-known: Llama-2 ``[INST]``, Llama-3 headers, ...), that is used. Otherwise a plain fallback for
-base models with no chat format: each message as ``role: content`` on its own line, then
-``assistant:`` for the reply, encoded with BOS.
+A checkpoint with a chat format (Meta's Llama-3 dialog format, or an HF folder's
+``chat_template``) is encoded by ``nakta_model.chat.encode_chat``, token for token as the
+reference does. A base model with none gets a plain fallback: each message as ``role: content``
+on its own line, then ``assistant:`` for the reply, encoded with BOS.
 """
 
 from __future__ import annotations
+
+from nakta_model.chat import chat_format, encode_chat
 
 __all__ = ["chat_prompt", "plain_chat_text"]
 
@@ -20,7 +22,6 @@ def plain_chat_text(messages: list[dict]) -> str:
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of the prompt that asks the model for the next assistant message."""
-    own = getattr(tokenizer, "encode_chat", None)
-    if callable(own):
-        return list(own(messages))
+    if chat_format(tokenizer) is not None:
+        return encode_chat(tokenizer, messages)
     return tokenizer.encode(plain_chat_text(messages), bos=True, eos=False)
