@@ -3,7 +3,7 @@
 # throughput_fp8/ with QUANT=fp8) and their kernel profile (model_profile/results/<device>/
 # throughput/): 1,000 random prompts of 128 tokens, 128 new each, greedy with EOS ignored,
 # random weights of SIZE. One GPU, < 10 min a job.
-#   OUT=/tmp/out bash scripts/reproduce_throughput.sh [throughput] [profile] [families]
+#   OUT=/tmp/out bash scripts/reproduce_throughput.sh [throughput] [profile] [families] [serve]
 # Settings (environment): SIZE (preset, default 7B); QUANT (bf16 | fp8: nakta and nakta_fp8 in
 # one process at the FP8 rows); MAX_BATCH (nakta's rows, default 64,128,256,384; fp8 384);
 # HF_BATCHES (the HF static-cache peer's batches, default 128,64; "" leaves HF out); PROMPTS.
@@ -49,7 +49,12 @@ for job in "${@:-throughput}"; do
           --out "$F/throughput_fp8"
       done
       ;;
-    *) echo "unknown job $job (throughput, profile, families)" | tee -a "$LOG"; status=2 ;;
+    serve)  # nakta-serve over HTTP (the same 128/128 prompts unbounded, then at request rates)
+      # beside the offline Generator on the same prompts (speed_bench/results/<device>/serve/)
+      step serve 580 python3 -m speed_bench.serve_bench --preset "$SIZE" --tokenizer "$TOK" \
+        --out "$S/serve"
+      ;;
+    *) echo "unknown job $job (throughput, profile, families, serve)" | tee -a "$LOG"; status=2 ;;
   esac
 done
 finish
