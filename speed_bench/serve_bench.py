@@ -193,7 +193,9 @@ class Server:
         for flag, v in (("--dtype", a.dtype), ("--device", a.device), ("--chunk", a.chunk)):
             if v:
                 cmd += [flag, str(v)]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # this checkout first, then whatever the caller's path holds (carried wheels, say)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
         lines: queue.Queue = queue.Queue()
 
