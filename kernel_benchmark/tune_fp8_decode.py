@@ -1,6 +1,6 @@
 """Tune ``decode_linear``'s FP8-weight launch configs at LLaMA-7B's decode GEMVs, in minutes.
 
-Why: the FP8 rows of ``_decode_linear_configs.py`` were derived from bf16 ones, and FP8 moves
+Why: the FP8 rows of ``decode_linear.py`` were derived from bf16 ones, and FP8 moves
 half the weight bytes per K step while the bf16 x tile stays as large: the best tiles differ
 (H100: batch 32 ran at 0.44-0.93x bf16 on the derived rows). Per (shape, batch) of wqkv
 (NORM+ROPE), wo (RESIDUAL), w13 (NORM+SWIGLU) and w2 (RESIDUAL) at ``--batches`` (the
@@ -14,7 +14,7 @@ so the grid is first compiled by ``--jobs`` worker processes into Triton's on-di
 
 Writes ``results/<device>/fp8_decode_tune.{csv,json}`` (every timing; per point the best, the
 default and bf16 with % of copy bandwidth) and puts the winners, under this device's family,
-into ``nakta_model/kernels/_decode_linear_fp8_tuned.json``, which ``_decode_linear_configs.py``
+into ``nakta_model/kernels/_decode_linear_fp8_tuned.json``, which ``decode_linear.py``
 loads (commit it; ``--no-write-configs`` leaves it alone). GPU only.
 """
 
@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from kernel_benchmark import tuning
-from nakta_model.kernels import _decode_linear_configs as cfgs
+from nakta_model.kernels import decode_linear as cfgs
 
 KNOBS = cfgs.FP8_KNOBS  # USE_DOT, BLOCK_N, BLOCK_K, num_warps, num_stages, DOT_F16, PREFETCH
 KINDS = ("wqkv", "wo", "w13", "w2")  # the LM head stays bf16 (not FP8): not tuned here
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="processes compiling the grid up front (0: compile while timing)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="results folder")
     p.add_argument("--configs", type=Path, default=cfgs.FP8_TUNED_JSON,
-                   help="tuned-config JSON to update (read by _decode_linear_configs.py)")  # fmt: skip
+                   help="tuned-config JSON to update (read by decode_linear.py)")  # fmt: skip
     p.add_argument("--no-write-configs", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -268,7 +268,7 @@ def update_configs(path: Path, family: str, device_name: str, best: list[dict]) 
             {k: round(b[k], 3) for k in figures},
         )
     about = ("decode_linear FP8-weight launch configs per device family, written by "
-             "kernel_benchmark/tune_fp8_decode.py; loaded by _decode_linear_configs.py")  # fmt: skip
+             "kernel_benchmark/tune_fp8_decode.py; loaded by decode_linear.py")  # fmt: skip
     return tuning.write_family(path, family, device_name, rows, about, cfgs.load_fp8_tuned)
 
 

@@ -9,9 +9,15 @@ Tensor parallel (``ParallelContext``): each rank holds its Q/K/V heads and FFN c
 and ``w2`` are row-split and end in one all-reduce each; the embedding is replicated; the LM
 head is split over the vocabulary and gathered only at the rows that are scored.
 
+Two paths through the same blocks: the packed one (``TransformerBlock.forward``: scoring,
+prefill, ``model(tokens)``) and the decode one (``TransformerBlock.decode`` on a
+``DecodePath``: a fixed batch of cache rows, one token each, five weight-streaming launches a
+layer with the norms, RoPE, SwiGLU and residual adds fused in, captured in a CUDA graph by
+``generation/step.py``). ``_Ops`` is the one kernel dispatch (Triton or the references).
+
 Entry points: ``model(tokens, start_pos)`` (logits for every position, KV cache when set up),
 ``model.forward_packed(...)`` (packed sequences with shared-context trees, logits only at the
-scored rows). Building one (from a checkpoint, a Meta/HF directory, random weights):
+scored rows), ``model.forward_decode(...)`` (a decode step's logits). Building one (from a checkpoint, a Meta/HF directory, random weights):
 ``loading.py``.
 """
 
@@ -26,6 +32,9 @@ from nakta_model import knobs
 from nakta_model.attention import causal_attention
 from nakta_model.config import ModelArgs
 from nakta_model.fp8 import Fp8Linear, Precision
+from nakta_model.generation import step_gemm as _gemm
+from nakta_model.kernels import decode_attention as _da
+from nakta_model.kernels import decode_linear as _dl
 from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import packed_attention as _packed
 from nakta_model.kernels import rmsnorm as _rmsnorm
@@ -111,6 +120,25 @@ class _Ops:
         fn = _packed.packed_attention if ok else _packed.packed_attention_reference
         return fn(qkv, *args, **kw)
 
+    # the decode step's launches (``DecodePath``)
+    def decode_linear(self, x, weight, **kw):
+        fn = _dl.decode_linear if self.triton(x) else _dl.decode_linear_reference
+        return fn(x, weight, **kw)
+
+    def decode_gemm(self, x, weight, **kw):
+        """``decode_linear``'s call as a GEMM (``generation/step_gemm.py``); ``x`` may be the
+        FP8 SwiGLU's ``QuantRows``."""
+        rows = x.q if isinstance(x, _fp8.QuantRows) else x
+        fn = _gemm.decode_gemm if self.triton(rows) else _gemm.decode_gemm_reference
+        return fn(x, weight, **kw)
+
+    def decode_attention(self, q, k_cache, v_cache, lens, *, n_splits, workspace, **kw):
+        if self.triton(q):
+            return _da.decode_attention(
+                q, k_cache, v_cache, lens, n_splits=n_splits, workspace=workspace, **kw
+            )
+        return _da.decode_attention_reference(q, k_cache, v_cache, lens, **kw)
+
 
 @dataclass(frozen=True)
 class PrefixPages:
@@ -136,6 +164,69 @@ class _Step:
     key_len: int = 0  # with a cache: attend over cache positions [0, key_len)
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (seq_start, span_end) [T]
     prefix: PrefixPages | None = None  # cached prefixes in the KV cache (packed scoring)
+
+
+class DecodePath:
+    """How one decode step (a fixed batch of cache rows, graph-captured by
+    ``generation/step.py``) runs each layer: five weight-streaming launches per layer, the
+    norms, RoPE, SwiGLU and residual adds fused into them (``decode_linear``; from
+    ``step_gemm.crossover`` rows on, ``gemm``: cuBLAS / cuBLASLt GEMMs with the fused kernels
+    around them). ``defer_residual``: a ``wo`` / ``w2`` product's residual add is made by the
+    next norm kernel (GEMM path, one rank). ``positions`` [B] and the attention's page tables
+    (``attention_kw``) are the step's buffers, at fixed addresses; ``page``: positions per page
+    of the KV cache; ``splits`` / ``workspace``: the split-K attention's."""
+
+    def __init__(
+        self, model: Transformer, batch: int, *, gemm: bool, defer_residual: bool, page: int,
+        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, splits: int,
+        workspace: torch.Tensor | None, attention_kw: dict,
+    ):  # fmt: skip
+        self.ops, self.ctx, self.dtype = model.ops, model.parallel, model.dtype
+        self.batch, self.gemm, self.defer_residual, self.page = batch, gemm, defer_residual, page
+        self.cos, self.sin, self.positions = cos, sin, positions
+        self.splits, self.workspace, self.attention_kw = splits, workspace, attention_kw
+
+    def linear(self, x, layer, **kw) -> torch.Tensor:
+        """``layer``'s product (an ``nn.Linear``, or an ``Fp8Linear``: e4m3 weights streamed
+        with their per-channel scales, half the bytes): ``decode_linear``, or above the
+        crossover the GEMM path (``step_gemm``: W8A8 with FP8 weights, whose SwiGLU hands
+        ``w2`` quantized rows)."""
+        scale = getattr(layer, "weight_scale", None)
+        if scale is not None:
+            kw["weight_scale"] = scale
+        if self.gemm:
+            return self.ops.decode_gemm(x, layer.weight, out_dtype=self.dtype, **kw)
+        return self.ops.decode_linear(x, layer.weight, **kw)
+
+    def attention(self, q, k_cache, v_cache, lens) -> torch.Tensor:
+        return self.ops.decode_attention(
+            q, k_cache, v_cache, lens, n_splits=self.splits, workspace=self.workspace,
+            **self.attention_kw,
+        )  # fmt: skip
+
+    def normed(self, h, layer, norm, **kw) -> tuple:
+        """``(layer(norm(h)), h)``; ``h`` a deferred ``(product, residual)`` pair (``add``)
+        is added by the norm kernel, which returns the sum as the new ``h``."""
+        kw.update(norm_weight=norm.weight, eps=norm.eps)
+        if isinstance(h, tuple):
+            y, residual = h
+            return self.linear(y, layer, norm_residual=residual, **kw)
+        return self.linear(h, layer, **kw), h
+
+    def add(self, x, layer, residual):
+        """``residual + x @ weight^T`` (``residual_add``), or with ``defer_residual`` the pair
+        ``(x @ weight^T, residual)`` that the next ``normed`` adds."""
+        if self.defer_residual:
+            return self.linear(x, layer), residual
+        return self.residual_add(x, layer, residual)
+
+    def residual_add(self, x, layer, residual) -> torch.Tensor:
+        """``residual + x @ weight^T``: fused when the product is whole on this rank; under
+        tensor parallelism the partial products are all-reduced first."""
+        if self.ctx.tp_size == 1:
+            return self.linear(x, layer, residual=residual)
+        part = all_reduce(self.linear(x, layer), self.ctx)
+        return residual + part
 
 
 class RMSNorm(nn.Module):
@@ -250,6 +341,30 @@ class TransformerBlock(nn.Module):
         a = self.attention(y, step)
         y, h = self.ops.block_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=h)
         return self.feed_forward(y), h
+
+    def decode(self, h, slots: torch.Tensor, lens: torch.Tensor, d: DecodePath):
+        """This block on the decode path (``DecodePath``): ``h`` the residual stream [B, dim]
+        (or, deferred, a ``(product, residual)`` pair); K/V of the new tokens go to cache slots
+        ``slots``, each row attends to its ``lens`` keys. Returns the new ``h``."""
+        a, f = self.attention, self.feed_forward
+        b, hq, hkv, hd = d.batch, a.n_heads, a.n_kv_heads, a.head_dim
+        positions = d.positions
+        kc = a.k_cache.view(-1, d.page, hkv, hd)
+        vc = a.v_cache.view(-1, d.page, hkv, hd)
+        if a.interleaved:
+            rope = _dl.RopeArgs(positions, d.cos, d.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots)
+            q, h = d.normed(h, a.wqkv, self.attention_norm, rope=rope)
+        else:  # HF's rotate-half pairs: the rope kernel rotates and writes the cache
+            qkv, h = d.normed(h, a.wqkv, self.attention_norm)
+            self.ops.rope_qkv_(
+                qkv, positions, d.cos, d.sin, hq, hkv, hd, interleaved=False,
+                k_cache=a.k_cache, v_cache=a.v_cache, cache_slots=slots,
+            )  # fmt: skip
+            q = qkv[:, : hq * hd]
+        o = d.attention(q.view(b, hq, hd), kc, vc, lens).view(b, hq * hd)
+        h = d.add(o, a.wo, h)
+        g, h = d.normed(h, f.w13, self.ffn_norm, swiglu=True)
+        return d.add(g, f.w2, h)
 
 
 class Transformer(nn.Module):
@@ -510,3 +625,23 @@ class Transformer(nn.Module):
             tokens, positions, seq_start, None, logits_index, upcast=False,
             prefix=prefix, _cache_slots=cache_slots,
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ decode step
+    def decode_path(self, batch: int, **kw) -> DecodePath:
+        """The decode path of a step of ``batch`` rows (``DecodePath``'s keyword arguments);
+        built by ``generation.step.DecodeStep``."""
+        return DecodePath(self, batch, **kw)
+
+    def forward_decode(
+        self, h: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, d: DecodePath
+    ) -> torch.Tensor:
+        """One decode step's logits ``[B, vocab]`` (model dtype, rounded like Meta's
+        ``output(h).float()``) for the embedded rows ``h`` [B, dim]: every layer's
+        ``TransformerBlock.decode``, then the final RMSNorm + LM head. Static shapes, no host
+        sync: ``generation/step.py`` captures it in a CUDA graph."""
+        for layer in self.layers:
+            h = layer.decode(h, slots, lens, d)
+        logits, _ = d.normed(h, self.output, self.norm)
+        if self.parallel.tp_size > 1:
+            logits = gather_last_dim(logits, self.parallel)
+        return logits

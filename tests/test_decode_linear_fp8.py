@@ -167,7 +167,7 @@ def test_fp8_dot_f16_overflow_caveat_and_escape_hatch(device, monkeypatch):
 def test_fp8_tuned_file_loads_and_rejects_bad_rows(tmp_path):
     """The tuner's JSON: absent -> no rows; its rows keyed as _config looks them up; a row
     with a missing knob or a bf16 key is an error naming the file."""
-    from nakta_model.kernels import _decode_linear_configs as cfgs
+    from nakta_model.kernels import decode_linear as cfgs
 
     assert cfgs.load_fp8_tuned(tmp_path / "absent.json") == {}
     row = dict(USE_DOT=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3, DOT_F16=1)

@@ -166,7 +166,7 @@ def test_prefetch_resolves_only_for_fp8_batch1_cuda_cores(monkeypatch):
 # ----------------------------------------------------------------------------------------- GPU
 
 # (variant, N, K) of LLaMA-7B's FP8 decode GEMVs and the tuned tiles (weight rows a program,
-# BLOCK_K, warps); every grid tile's layouts: `sass_loop_counts --grid` on the CPU
+# BLOCK_K, warps)
 GPU_KINDS = [("norm_rope", 12288, 4096), ("residual", 4096, 4096), ("norm_swiglu", 22016, 4096),
              ("residual", 4096, 11008)]  # fmt: skip
 GPU_TILES = [(8, 1024, 4), (8, 256, 2), (8, 512, 4)]  # the H200 rows of wo/w2, wqkv, w13

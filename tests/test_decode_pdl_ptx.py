@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 
 what, params = json.loads(sys.argv[1])
 if what == "linear":
-    from nakta_model.kernels._decode_linear_kernels import _decode_linear_kernel as kernel
+    from nakta_model.kernels.decode_linear import _decode_linear_kernel as kernel
     w_type, pdl, early, block_n, num_warps = params
     pointers = {
         "X": "*bf16", "W": w_type, "WS": "*fp32", "NW": "*bf16", "R": "*bf16", "OUT": "*bf16",

@@ -10,6 +10,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_LINES = 800
+# One idea, one file, even when long (issue 38, item 7): the decode GEMV's kernel, launch tables,
+# checks, launcher and reference read top to bottom in one file.
+ONE_IDEA = {"nakta_model/kernels/decode_linear.py": 1300}
 
 
 def _sources() -> list[Path]:
@@ -33,5 +36,9 @@ def test_the_tree_is_read():
 
 
 def test_no_source_file_is_over_800_lines():
-    long = {p.relative_to(REPO).as_posix(): n for p in _sources() if (n := _lines(p)) > MAX_LINES}
+    long = {
+        rel: n
+        for p in _sources()
+        if (n := _lines(p)) > ONE_IDEA.get(rel := p.relative_to(REPO).as_posix(), MAX_LINES)
+    }
     assert long == {}, f"files over {MAX_LINES} lines: {long}"

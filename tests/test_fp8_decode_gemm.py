@@ -11,7 +11,6 @@ built with torch's e4m3 cast (the interpreter's own fp32 -> e4m3 cast rounds wro
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -226,13 +225,13 @@ def test_kernel_rows_defaults_and_overrides(monkeypatch):
 def _counting(monkeypatch) -> list[int]:
     """Count ``step_gemm``'s calls of ``fp8_decode_gemm`` (rows of each)."""
     calls: list[int] = []
-    real = sg._KERNELS.fp8_decode_gemm
+    real = sg._fp8_small.fp8_decode_gemm
 
     def counted(xq, *a, **kw):
         calls.append(xq.shape[0])
         return real(xq, *a, **kw)
 
-    monkeypatch.setattr(sg, "_KERNELS", dataclasses.replace(sg._KERNELS, fp8_decode_gemm=counted))
+    monkeypatch.setattr(sg._fp8_small, "fp8_decode_gemm", counted)
     return calls
 
 

@@ -152,30 +152,6 @@ def test_rope_tune_picks_the_best_worst_case_over_shapes():
     assert best["per_shape"] == {"a": 85.0, "b": 84.0}
 
 
-def test_before_after_loads_two_trees_side_by_side(tmp_path):
-    """A copy of the kernels imported as 'the old tree' keeps its own module objects (and this
-    process keeps its own), and both trees' outputs are compared bit for bit."""
-    import shutil
-    from pathlib import Path
-
-    from kernel_benchmark import before_after
-    from nakta_model.kernels import rmsnorm
-
-    repo = Path(__file__).resolve().parents[1]
-    shutil.copytree(repo / "nakta_model", tmp_path / "nakta_model")
-    old = before_after.load_kernels(tmp_path)
-    assert Path(old["rmsnorm"].__file__).is_relative_to(tmp_path)
-    assert old["rmsnorm"] is not rmsnorm and old["rmsnorm"].rms_norm is not rmsnorm.rms_norm
-    import nakta_model.kernels.rmsnorm as again
-
-    assert again is rmsnorm  # this tree's modules are back in place
-    df = before_after.main(["--before", str(tmp_path), "--device", "cpu", "--only", "rmsnorm fwd"])
-    assert list(df["case"]) == ["rmsnorm fwd", "rmsnorm fwd +residual", "rmsnorm fwd+bwd"]
-    assert df["identical_outputs"].all()
-    with pytest.raises(SystemExit):
-        before_after.main(["--before", str(tmp_path / "nowhere")])
-
-
 def test_attention_scoring_layouts_are_the_scorers_own_batches(capsys):
     """--tune-scoring times the packed kernel on the engine's first full batch of 0- and
     few-shot tasks: valid packed layouts (contiguous trees, spans inside their rows), padded to

@@ -215,7 +215,7 @@ def test_prompt_templates_compile_once_and_render_the_same_requests(monkeypatch,
     import lm_eval.utils
 
     meta = {"hellaswag_jsonl": str(shared_data / "hellaswag_val_subset1000.jsonl")}
-    names = ["hellaswag_local", "mmlu_shaped_anatomy", "gsm8k_shaped_local", "bbh_shaped_local"]
+    names = ["hellaswag_local", "mmlu_shaped_local", "gsm8k_shaped_local", "bbh_shaped_local"]
     fresh = _requests(names, meta)
     compiles: list[str] = []
     from_string = lm_eval.utils.env.from_string

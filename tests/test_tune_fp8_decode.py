@@ -1,6 +1,6 @@
 """``kernel_benchmark/tune_fp8_decode.py`` off the GPU: its grid is made of configs
 ``decode_linear`` accepts (and runs, in the interpreter, at a small shape), its results pick
-the fastest per point, and the JSON it writes is the one ``_decode_linear_configs.py`` loads."""
+the fastest per point, and the JSON it writes is the one ``decode_linear.py`` loads."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_decode_linear_fp8 import fp8_case
 
 from kernel_benchmark import tune_fp8_decode as tf
 from kernel_benchmark import tuning
-from nakta_model.kernels import _decode_linear_configs as cfgs
+from nakta_model.kernels import decode_linear as cfgs
 from nakta_model.kernels import decode_linear as dl
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
 

@@ -1,6 +1,8 @@
-"""One decode step for a fixed batch of cache rows: five weight-streaming launches per layer.
+"""One decode step for a fixed batch of cache rows: its buffers, inputs, graph and sampling.
 
-A decode step reads every weight once for a handful of tokens, so its floor is the weight
+The layers themselves run in ``model.py`` (``Transformer.forward_decode``: every block's
+``TransformerBlock.decode`` on the step's ``DecodePath``); this module owns what is the step's:
+the static buffers, the inputs, the capture and the next-token choice. A decode step reads every weight once for a handful of tokens, so its floor is the weight
 bytes over the copy bandwidth, and every extra kernel costs launch and tail time. Per layer:
 
 1. RMSNorm + ``wqkv`` + RoPE, K/V written into the cache   (``decode_linear``: NORM + ROPE)
@@ -35,11 +37,9 @@ import torch
 from nakta_model.generation import step_gemm as _gemm
 from nakta_model.generation.sampling import SamplingParams, sample_next
 from nakta_model.kernels import decode_attention as _da
-from nakta_model.kernels import decode_linear as _dl
 from nakta_model.kernels import greedy_advance as _ga
 from nakta_model.kernels import step_inputs as _si
 from nakta_model.kernels._checks import mark_compile_constants
-from nakta_model.parallel import all_reduce
 
 __all__ = [
     "GRAPH_MODES",
@@ -206,6 +206,16 @@ class DecodeStep:
             if partials > 1
             else None
         )
+        buf = self.buffers
+        attention_kw = dict(block_table=buf.block_table)
+        if buf.slot_table.numel():
+            attention_kw.update(prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
+            attention_kw["prefix_slots"] = (buf.slot_table, buf.slot_lens)
+        self.path = model.decode_path(
+            batch, gemm=self.gemm, defer_residual=self.defer_residual, page=self.page,
+            cos=self.cos, sin=self.sin, positions=buf.positions, splits=self.splits,
+            workspace=self.workspace, attention_kw=attention_kw,
+        )  # fmt: skip
         self.graph: torch.cuda.CUDAGraph | None = None
         self._compiled = self._compile() if graph_mode == "compile" else None
 
@@ -245,32 +255,6 @@ class DecodeStep:
             buf.slot_lens.copy_(torch.tensor(slot_lens, dtype=torch.int32))
 
     # ------------------------------------------------------------------------------- math
-    def _linear(self, x, layer, **kw) -> torch.Tensor:
-        """``layer``'s product (an ``nn.Linear``, or an ``Fp8Linear``: e4m3 weights streamed
-        with their per-channel scales, half the bytes): ``decode_linear``, or above the
-        crossover the GEMM path (``step_gemm``: W8A8 with FP8 weights, whose SwiGLU hands
-        ``w2`` quantized rows)."""
-        scale = getattr(layer, "weight_scale", None)
-        if scale is not None:
-            kw["weight_scale"] = scale
-        if self.gemm:
-            fn = _gemm.decode_gemm if self.kernels else _gemm.decode_gemm_reference
-            return fn(x, layer.weight, out_dtype=self.model.dtype, **kw)
-        fn = _dl.decode_linear if self.kernels else _dl.decode_linear_reference
-        return fn(x, layer.weight, **kw)
-
-    def _attention(self, q, k_cache, v_cache, lens) -> torch.Tensor:
-        buf = self.buffers
-        kw = dict(block_table=buf.block_table)
-        if buf.slot_table.numel():
-            kw.update(prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
-            kw["prefix_slots"] = (buf.slot_table, buf.slot_lens)
-        if self.kernels:
-            return _da.decode_attention(
-                q, k_cache, v_cache, lens, n_splits=self.splits, workspace=self.workspace, **kw
-            )
-        return _da.decode_attention_reference(q, k_cache, v_cache, lens, **kw)
-
     def _inputs(self, advance_step: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's write slot through its block table, key count and embedding row, on the
         device (graph-safe); ``advance_step``: ``step += 1`` too (the fused step's first launch)."""
@@ -289,63 +273,11 @@ class DecodeStep:
         )
 
     def logits(self, advance_step: bool = False) -> torch.Tensor:
-        """Logits ``[B, vocab]`` (model dtype) for the buffers' tokens; writes their K/V.
+        """Logits ``[B, vocab]`` (model dtype) for the buffers' tokens; writes their K/V (the
+        layers: ``model.forward_decode`` on this step's ``DecodePath``).
         ``advance_step``: the step counter is advanced first (``__call__``'s kernel path)."""
-        m = self.model
-        ctx = m.parallel
-        b, hq, hkv, hd = self.batch, self.n_q, self.n_kv, self.head_dim
         slots, lens, h = self._inputs(advance_step)
-        positions = self.buffers.positions  # h: or, deferred, (product, residual): see _add
-        for layer in m.layers:
-            a, f = layer.attention, layer.feed_forward
-            kc = a.k_cache.view(-1, self.page, hkv, hd)
-            vc = a.v_cache.view(-1, self.page, hkv, hd)
-            if a.interleaved:
-                rope = _dl.RopeArgs(
-                    positions, self.cos, self.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots
-                )
-                q, h = self._normed(h, a.wqkv, layer.attention_norm, rope=rope)
-            else:  # HF's rotate-half pairs: the rope kernel rotates and writes the cache
-                qkv, h = self._normed(h, a.wqkv, layer.attention_norm)
-                m.ops.rope_qkv_(
-                    qkv, positions, self.cos, self.sin, hq, hkv, hd, interleaved=False,
-                    k_cache=a.k_cache, v_cache=a.v_cache, cache_slots=slots,
-                )  # fmt: skip
-                q = qkv[:, : hq * hd]
-            o = self._attention(q.view(b, hq, hd), kc, vc, lens).view(b, hq * hd)
-            h = self._add(o, a.wo, h, ctx)
-            g, h = self._normed(h, f.w13, layer.ffn_norm, swiglu=True)
-            h = self._add(g, f.w2, h, ctx)
-        logits, _ = self._normed(h, m.output, m.norm)
-        if ctx.tp_size > 1:
-            from nakta_model.parallel import gather_last_dim
-
-            logits = gather_last_dim(logits, ctx)
-        return logits
-
-    def _normed(self, h, layer, norm, **kw) -> tuple:
-        """``(layer(norm(h)), h)``; ``h`` a deferred ``(product, residual)`` pair (``_add``)
-        is added by the norm kernel, which returns the sum as the new ``h``."""
-        kw.update(norm_weight=norm.weight, eps=norm.eps)
-        if isinstance(h, tuple):
-            y, residual = h
-            return self._linear(y, layer, norm_residual=residual, **kw)
-        return self._linear(h, layer, **kw), h
-
-    def _add(self, x, layer, residual, ctx):
-        """``residual + x @ weight^T`` (``_residual``), or with ``defer_residual`` the pair
-        ``(x @ weight^T, residual)`` that the next ``_normed`` adds."""
-        if self.defer_residual:
-            return self._linear(x, layer), residual
-        return self._residual(x, layer, residual, ctx)
-
-    def _residual(self, x, layer, residual, ctx) -> torch.Tensor:
-        """``residual + x @ weight^T``: fused when the product is whole on this rank; under
-        tensor parallelism the partial products are all-reduced first."""
-        if ctx.tp_size == 1:
-            return self._linear(x, layer, residual=residual)
-        part = all_reduce(self._linear(x, layer), ctx)
-        return residual + part
+        return self.model.forward_decode(h, slots, lens, self.path)
 
     def __call__(self) -> None:
         """Decode one token per row into ``history[:, step]`` and advance the buffers."""

@@ -45,9 +45,6 @@ allocator (a captured graph's private pool), cuBLAS/cuBLASLt handles their own w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -144,34 +141,6 @@ def use_gemm(rows: int, dtype: torch.dtype, quant: str | None = None) -> bool:
     return rows >= crossover(dtype, quant)
 
 
-# ------------------------------------------------------------------------------- the kernels
-@dataclass(frozen=True)
-class _Ops:
-    """The functions one path calls around its GEMMs: the fused kernels or their references."""
-
-    rms_norm: Callable
-    rms_norm_fp8: Callable
-    swiglu: Callable
-    swiglu_fp8: Callable
-    quantize_rows: Callable
-    rope_qkv_: Callable
-    fp8_matmul: Callable
-    fp8_decode_gemm: Callable | None  # at fp8_kernel_rows (None: always fp8_matmul)
-    linear: Callable  # the float weights' product
-
-
-_KERNELS = _Ops(
-    _rmsnorm.rms_norm, _rmsnorm.rms_norm_fp8, _swiglu.swiglu, _swiglu.swiglu_fp8,
-    _fp8.quantize_rows, _rope.apply_rope_qkv_, _fp8_gemm.fp8_matmul,
-    _fp8_small.fp8_decode_gemm, F.linear,
-)  # fmt: skip
-_REFERENCE = _Ops(
-    _rmsnorm.rms_norm_reference, _rmsnorm.rms_norm_fp8_reference, _swiglu.swiglu_reference,
-    _swiglu.swiglu_fp8_reference, _fp8.quantize_rows_reference, _rope.apply_rope_qkv_reference,
-    _fp8_gemm.fp8_matmul_reference, None, F.linear,
-)  # fmt: skip
-
-
 # ------------------------------------------------------------------------------------- checks
 def _check_quant_rows(
     x: QuantRows, weight, weight_scale, norm_weight, residual, rope, out_dtype
@@ -243,51 +212,60 @@ def _check_norm_residual(x, norm_weight, norm_residual) -> None:
 
 # ------------------------------------------------------------------------------------ the path
 def _run(
-    ops: _Ops, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype,
+    kernels: bool, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype,
     norm_residual=None,
 ) -> torch.Tensor | QuantRows | tuple:  # fmt: skip
+    """The path with the fused kernels (``kernels``) or their PyTorch references around the
+    GEMM (cuBLAS / cuBLASLt, or ``fp8_decode_gemm`` at ``fp8_kernel_rows``; never in the
+    reference, whose FP8 GEMM is ``fp8_matmul_reference``)."""
     fp8, added = weight_scale is not None, None
     if fp8:
         if isinstance(x, QuantRows):
             xq = x
         elif norm_weight is not None:
-            xq = ops.rms_norm_fp8(x, norm_weight, eps, residual=norm_residual)
+            fn = _rmsnorm.rms_norm_fp8 if kernels else _rmsnorm.rms_norm_fp8_reference
+            xq = fn(x, norm_weight, eps, residual=norm_residual)
             if norm_residual is not None:
                 xq, added = xq
         else:
-            xq = ops.quantize_rows(x)
-        fused_add = ops.fp8_decode_gemm is not None and use_fp8_kernel(xq.q.shape[0], xq.q.device)
+            xq = (_fp8.quantize_rows if kernels else _fp8.quantize_rows_reference)(x)
+        fused_add = kernels and use_fp8_kernel(xq.q.shape[0], xq.q.device)
         if fused_add:
-            y = ops.fp8_decode_gemm(
+            y = _fp8_small.fp8_decode_gemm(
                 xq.q, xq.scale, weight, weight_scale, out_dtype, residual=residual
             )
         else:
-            y = ops.fp8_matmul(xq.q, xq.scale, weight, weight_scale, out_dtype)
+            fn = _fp8_gemm.fp8_matmul if kernels else _fp8_gemm.fp8_matmul_reference
+            y = fn(xq.q, xq.scale, weight, weight_scale, out_dtype)
     else:
         fused_add = False
         h = x
         if norm_weight is not None:
-            h = ops.rms_norm(x, norm_weight, eps, residual=norm_residual)
+            fn = _rmsnorm.rms_norm if kernels else _rmsnorm.rms_norm_reference
+            h = fn(x, norm_weight, eps, residual=norm_residual)
             if norm_residual is not None:
                 h, added = h
         if h.device.type == "cpu" and h.dtype == torch.bfloat16 and not h.is_contiguous():
             h = h.contiguous()  # torch's CPU bf16 matmul reads strided rows' padding (see
             # decode_linear_reference)
-        y = ops.linear(h, weight)
-    out = _epilogue(ops, y, fp8, residual, fused_add, swiglu, rope)
+        y = F.linear(h, weight)
+    out = _epilogue(kernels, y, fp8, residual, fused_add, swiglu, rope)
     return out if added is None else (out, added)
 
 
-def _epilogue(ops: _Ops, y, fp8: bool, residual, fused_add: bool, swiglu: bool, rope):
+def _epilogue(kernels: bool, y, fp8: bool, residual, fused_add: bool, swiglu: bool, rope):
     """The product's epilogue: the residual add (unless the FP8 kernel made it), SwiGLU, or
     RoPE + the K/V cache write (returning the Q columns)."""
     if residual is not None:
         return y if fused_add else y.add_(residual)
     if swiglu:
-        return ops.swiglu_fp8(y) if fp8 else ops.swiglu(y)
+        if fp8:
+            return (_swiglu.swiglu_fp8 if kernels else _swiglu.swiglu_fp8_reference)(y)
+        return (_swiglu.swiglu if kernels else _swiglu.swiglu_reference)(y)
     if rope is not None:
         r = rope
-        ops.rope_qkv_(
+        fn = _rope.apply_rope_qkv_ if kernels else _rope.apply_rope_qkv_reference
+        fn(
             y, r.positions, r.cos, r.sin, r.n_q_heads, r.n_kv_heads, r.head_dim,
             interleaved=True, k_cache=r.k_cache, v_cache=r.v_cache, cache_slots=r.cache_slots,
         )  # fmt: skip
@@ -318,7 +296,7 @@ def decode_gemm(
     norm normalized."""
     _check_norm_residual(x, norm_weight, norm_residual)
     dt = _check(x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype, True)
-    return _run(_KERNELS, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt,
+    return _run(True, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt,
                 norm_residual)  # fmt: skip
 
 
@@ -341,5 +319,5 @@ def decode_gemm_reference(
     ``decode_linear_reference``'s chain, for up to ``MAX_ROWS`` rows."""
     _check_norm_residual(x, norm_weight, norm_residual)
     dt = _check(x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, out_dtype, False)
-    return _run(_REFERENCE, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt,
+    return _run(False, x, weight, weight_scale, norm_weight, eps, residual, swiglu, rope, dt,
                 norm_residual)  # fmt: skip
