@@ -37,6 +37,7 @@ def test_smoke_blocks_both_quants_and_rows_above_64(tmp_path):
 
 
 @cpu_only
+@pytest.mark.slow  # the step section runs in the default tier through the bf16 smoke below
 def test_smoke_step_fp8_three_paths(tmp_path):
     """FP8 at 8 rows: the GEMVs, cuBLASLt's path and the fp8_decode_gemm path each decode."""
     bg.main(["--rows", "8", "--quants", "fp8", "--sections", "step", "--context", "4",

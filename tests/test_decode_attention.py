@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from tiers import slow_beyond
 
 from nakta_model.kernels import decode_attention as da
 from nakta_model.kernels.decode_attention import (
@@ -297,8 +298,12 @@ def test_gpu_cuda_graph_replay_follows_lengths():
         assert_matches_reference(out, ref, v_cache)
 
 
-@pytest.mark.parametrize("n_q, n_kv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("n_splits", [1, 3])
+@pytest.mark.parametrize(
+    "n_q, n_kv, n_splits",
+    slow_beyond(
+        {"mha": (4, 4), "gqa": (4, 2)}, {"1": 1, "3": 3}, fast={("mha", "3"), ("gqa", "1")}
+    ),
+)
 def test_rows_pick_any_cache_row(n_q, n_kv, n_splits):
     """Continuous batching: batch row b reads cache row ``rows[b]`` (repeats allowed)."""
     q, k_cache, v_cache, lens = make_inputs(3, n_q, n_kv, torch.float32, "cpu", b_max=5)
@@ -318,9 +323,15 @@ def test_rows_pick_any_cache_row(n_q, n_kv, n_splits):
         decode_attention(q, k_cache, v_cache, lens, rows=rows[:2])
 
 
-@pytest.mark.parametrize("n_q, n_kv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("n_splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "n_q, n_kv, n_splits, dtype",
+    slow_beyond(
+        {"mha": (4, 4), "gqa": (4, 2)},
+        {"1": 1, "3": 3},
+        {"fp32": torch.float32, "bf16": torch.bfloat16},
+        fast={("mha", "1", "fp32"), ("gqa", "3", "bf16")},
+    ),
+)
 def test_prefix_rows_read_a_shared_prefix_without_copies(n_q, n_kv, n_splits, dtype):
     """Keys below ``prefix_lens[b]`` come from cache row ``prefix_rows[b]``: the output is the
     one the rows would give with the prefix copied in (bit for bit), including a prefix longer
@@ -380,10 +391,15 @@ def _cascade_case(batch, n_q, n_kv, dtype, s_max=37):
     return q, k_cache, v_cache, lens, slots, kw
 
 
-@pytest.mark.parametrize("n_q, n_kv, batch", [(4, 4, 5), (8, 2, 7), (8, 2, 21)],
-                         ids=["mha", "gqa", "gqa-two-query-tiles"])  # fmt: skip
-@pytest.mark.parametrize("n_splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "n_q, n_kv, batch, n_splits, dtype",
+    slow_beyond(
+        {"mha": (4, 4, 5), "gqa": (8, 2, 7), "gqa-two-query-tiles": (8, 2, 21)},
+        {"1": 1, "3": 3},
+        {"fp32": torch.float32, "bf16": torch.bfloat16},
+        fast={("mha", "3", "bf16"), ("gqa", "1", "fp32"), ("gqa-two-query-tiles", "1", "bf16")},
+    ),
+)
 def test_cascade_computes_each_slots_prefix_once_for_all_its_rows(n_q, n_kv, batch, n_splits,
                                                                   dtype):  # fmt: skip
     """``prefix_slots``: the prefix part of every row that reads a slot is one tile against

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decode_attention import assert_matches_reference
+from tiers import slow_beyond
 
 from nakta_model.kernels.decode_attention import (
     attention_workspace,
@@ -73,10 +74,22 @@ def paged_case(batch, n_q, n_kv, dtype, width=3, n_pages=11, hd=24, seed=1):
     return q, k, v, table.to(torch.int32), lens
 
 
-CASES = [(dt, h, b, s) for dt in DTYPES for h in ((4, 4), (8, 2)) for b in (1, 5) for s in (1, 3)]
-
-
-@pytest.mark.parametrize("dtype, heads, batch, n_splits", CASES)
+@pytest.mark.parametrize(
+    "dtype, heads, batch, n_splits",
+    slow_beyond(
+        {str(dt).removeprefix("torch."): dt for dt in DTYPES},
+        {"mha": ((4, 4),), "gqa": ((8, 2),)},
+        {"b1": 1, "b5": 5},
+        {"s1": 1, "s3": 3},
+        # each dtype, head layout, batch and split count at least once
+        fast={
+            ("float32", "mha", "b5", "s3"),
+            ("float16", "gqa", "b1", "s3"),
+            ("bfloat16", "gqa", "b5", "s1"),
+            ("bfloat16", "mha", "b1", "s1"),
+        },
+    ),
+)
 def test_paged_matches_gathered_reference(dtype, heads, batch, n_splits):
     n_q, n_kv = heads
     q, k, v, table, lens = paged_case(batch, n_q, n_kv, dtype)
@@ -142,10 +155,15 @@ def _cascade_case(batch, n_q, n_kv, dtype):
     return q, k, v, lens, (slot_table, slot_lens), kw
 
 
-@pytest.mark.parametrize("n_q, n_kv, batch", [(4, 4, 5), (8, 2, 7), (8, 2, 21)],
-                         ids=["mha", "gqa", "gqa-two-query-tiles"])  # fmt: skip
-@pytest.mark.parametrize("n_splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "n_q, n_kv, batch, n_splits, dtype",
+    slow_beyond(
+        {"mha": (4, 4, 5), "gqa": (8, 2, 7), "gqa-two-query-tiles": (8, 2, 21)},
+        {"1": 1, "3": 3},
+        {"fp32": torch.float32, "bf16": torch.bfloat16},
+        fast={("mha", "3", "bf16"), ("gqa", "1", "fp32"), ("gqa-two-query-tiles", "1", "bf16")},
+    ),
+)
 def test_paged_cascade_reads_each_slots_pages_once(n_q, n_kv, batch, n_splits, dtype):
     """The cascade over slot page tables equals the plain paged read (the rows' tables hold
     the same keys) and the gathered reference; a row's own keys start mid-tile (150)."""

@@ -24,6 +24,7 @@ from test_decode_linear import (
     run_both,
 )
 from test_decode_linear_fp8 import NAN_E4M3, fp8_case
+from tiers import slow_beyond
 
 from nakta_model.kernels import decode_linear as dl
 from nakta_model.kernels.fp8_quant import FP8_DTYPE, quantize_weight
@@ -87,15 +88,25 @@ def assert_same_bits(outs):
             )
 
 
-@pytest.mark.parametrize("variant", KINDS)
 @pytest.mark.parametrize(
-    "k, tune",
-    [
-        (96, {"BLOCK_K": 32}),  # EVEN_K, three tiles: prologue, one loop trip, peeled tail
-        (100, {"BLOCK_K": 32}),  # K % (4 BLOCK_K) != 0: a masked last tile (words past K)
-        (36, {"BLOCK_K": 64, "BLOCK_N": 8}),  # one partial tile: the loop never runs
-        (128, {"BLOCK_K": 16, "num_warps": 2}),  # eight tiles of four words
-    ],
+    "k, tune, variant",
+    slow_beyond(
+        {
+            "k96": (96, {"BLOCK_K": 32}),  # EVEN_K, three tiles: prologue, one loop trip, tail
+            "k100": (100, {"BLOCK_K": 32}),  # K % (4 BLOCK_K) != 0: a masked last tile
+            "k36": (36, {"BLOCK_K": 64, "BLOCK_N": 8}),  # one partial tile: the loop never runs
+            "k128": (128, {"BLOCK_K": 16, "num_warps": 2}),  # eight tiles of four words
+        },
+        {v: v for v in KINDS},
+        # every tile shape once and every epilogue once
+        fast={
+            ("k36", "norm_rope"),
+            ("k96", "residual"),
+            ("k128", "norm_swiglu"),
+            ("k100", "plain"),
+            ("k96", "norm_logits"),
+        },
+    ),
 )
 def test_prefetch_bit_identical_and_matches_reference(variant, k, tune, spy, monkeypatch):
     device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
@@ -227,9 +238,17 @@ def test_gpu_prefetch_under_graph_replay(monkeypatch):
     assert_matches_reference(out, dl.decode_linear_reference(x, wq, **ref_kw), torch.bfloat16)
 
 
-@pytest.mark.parametrize("w_dtype", ["fp8", "bf16"])
-@pytest.mark.parametrize("prefetch", [0, 1])
-@pytest.mark.parametrize("variant, k", [("norm_rope", 96), ("residual", 100), ("norm_swiglu", 36)])
+@pytest.mark.parametrize(
+    "variant, k, prefetch, w_dtype",
+    slow_beyond(
+        {"norm_rope-96": ("norm_rope", 96), "residual-100": ("residual", 100),
+         "norm_swiglu-36": ("norm_swiglu", 36)},
+        {"0": 0, "1": 1},
+        {"fp8": "fp8", "bf16": "bf16"},
+        fast={("norm_rope-96", "1", "fp8"), ("residual-100", "0", "bf16"),
+              ("norm_swiglu-36", "1", "bf16")},
+    ),
+)  # fmt: skip
 def test_first_weight_tile_loaded_early_matches_the_reference(variant, k, prefetch, w_dtype,
                                                              monkeypatch):  # fmt: skip
     """``EARLY_W`` (the first K tile loaded before the dependent launch's wait: batch 1 on the

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from checkpoint_factory import TINY_PARAMS, meta_state_dict
+from tiers import slow_beyond
 
 from nakta_model.config import ModelArgs
 from nakta_model.generation import Generator, generate_tokens, greedy_requests
@@ -114,10 +115,17 @@ def test_fp8_gemm_step_is_the_w8a8_forward(monkeypatch):
     assert err < 1e-3
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
 @pytest.mark.parametrize(
-    "dtype, quant", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "fp8")]
-)
+    "dtype, quant, kernels",
+    slow_beyond(
+        {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+         "bf16-fp8": (torch.bfloat16, "fp8")},
+        {"reference": "reference", "triton": "triton"},
+        # the interpreter's steps take the time: the Triton path once, on FP8 weights
+        fast={("fp32", "reference"), ("bf16", "reference"), ("bf16-fp8", "reference"),
+              ("bf16-fp8", "triton")},
+    ),
+)  # fmt: skip
 def test_residual_adds_made_by_the_next_norm_change_no_bit(kernels, dtype, quant, monkeypatch):
     """On the GEMM path the wo / w2 residual adds are made by the next RMSNorm kernel
     (``defer_residual``, the default on one rank): the logits and greedy tokens equal, bit for

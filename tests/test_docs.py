@@ -54,7 +54,8 @@ def test_readme_holds_the_setup_commands(command):
 
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert "python3 -m pytest -q" in ci
+    assert "python3 -m pytest -q\n" in ci
+    assert "python3 -m pytest -q -m slow" in ci  # the tier the default leaves out
 
 
 @pytest.mark.parametrize("page", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -160,8 +160,13 @@ def test_generate_until_reproduces_stories260k_greedy_text(shared_data):
             assert stats["decode_steps"] > 0 and stats["prompt_tokens"] > 0
             assert "first_token_s" not in stats  # per-request latencies are not summed
             stats_before = stats["generated_tokens"]
-            long = [Instance("generate_until", {}, ("Once", {"max_gen_toks": 300}), 0)]
-            assert len(lm.generate_until(long, disable_tqdm=True)) == 1
+            # rows sized for 300 new tokens; the stop ends it after the first sentence
+            long = [
+                Instance("generate_until", {}, ("Once", {"until": ["."], "max_gen_toks": 300}), 0)
+            ]
+            assert lm.generate_until(long, disable_tqdm=True) == [
+                "upon a time, there was a little girl named Lily"
+            ]
             assert lm._gen.max_seq_len == 512
             assert lm.generation_stats["generated_tokens"] > stats_before  # summed over calls
 
