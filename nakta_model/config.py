@@ -51,6 +51,7 @@ class ModelArgs:
     max_seq_len: int = 2048
     hidden_dim: int | None = None
     rope_interleaved: bool = True
+    sliding_window: int | None = None  # Mistral: a query sees its last ``sliding_window`` keys
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -114,6 +115,8 @@ class ModelArgs:
             )
         _check_positive_number("norm_eps", self.norm_eps)
         _check_positive_number("rope_theta", self.rope_theta)
+        if self.sliding_window is not None:
+            _check_positive("sliding_window", self.sliding_window)
         if not isinstance(self.rope_interleaved, bool):
             raise ValueError(
                 f"rope_interleaved must be true or false, got {self.rope_interleaved!r}"
