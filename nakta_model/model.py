@@ -153,6 +153,7 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads // ctx.tp_size
         self.head_dim = args.head_dim
         self.interleaved = args.rope_interleaved  # Meta pairs (Nakta checkpoints) or HF halves
+        self.window = args.sliding_window  # None: full causal attention
         self.wqkv = ops.linear(args.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim)
         self.wo = ops.linear(self.n_heads * self.head_dim, args.dim)
         self.k_cache: torch.Tensor | None = None  # [max_batch * max_seq, n_kv_heads, head_dim]
@@ -183,7 +184,8 @@ class Attention(nn.Module):
                     self.k_cache, self.v_cache, pp.page_table, pp.lengths, pp.token_entry,
                     pp.page_size,
                 )  # fmt: skip
-            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, prefix=prefix)
+            win = {} if self.window is None else dict(window=self.window, positions=step.positions)
+            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, prefix=prefix, **win)
             return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:
@@ -208,7 +210,7 @@ class Attention(nn.Module):
         else:
             k = heads[:, :, hq : hq + hkv].transpose(1, 2)
             v = heads[:, :, hq + hkv :].transpose(1, 2)
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v, self.window)
         out = out.transpose(1, 2).reshape(b * s, hq * hd)
         return all_reduce(self.wo(out), self.ctx)
 
