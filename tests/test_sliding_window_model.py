@@ -172,3 +172,16 @@ def test_generation_greedy_tokens_equal_hf_past_the_window(pair):
     assert got == want
     plain = Generator(full, max_batch=4, chunk=4, graph_mode="eager", prefill_chunk=32)
     assert [r.tokens for r in plain.generate(greedy_requests(prompts, n, None))] != want
+
+
+def test_model_args_sliding_window_field():
+    """``sliding_window``: None (full attention) or a positive int, kept in params.json."""
+    from nakta_model.config import ModelArgs
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=32)
+    assert args.sliding_window is None
+    windowed = args.replace(sliding_window=4096)
+    assert ModelArgs.from_meta_params(windowed.to_params()).sliding_window == 4096
+    for bad in (0, -1, 2.5, True, "4096"):
+        with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+            args.replace(sliding_window=bad)

@@ -89,12 +89,12 @@ def _chunk(lens_ptr, b, s_max, n_splits, split, base, BLOCK_S: tl.constexpr):
 def _attn_split_kernel(
     Q, K, V, LENS, TABLE, PRE_ROWS, PRE_LENS, OUT, WS, s_max, page, n_splits, stride_tb,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale, window,
+    stride_ob, stride_oh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
     HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
-    HAS_WINDOW: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
@@ -111,7 +111,7 @@ def _attn_split_kernel(
     ``LAUNCH_DEPENDENTS`` (the last attention launch at batch 1): the next kernel, a
     programmatic dependent (the ``wo`` GEMV), may launch now and load its first weight tile
     while this one runs (``decode_linear``'s ``EARLY_W``); it waits for this kernel's output.
-    ``HAS_WINDOW`` (sliding window): only the last ``window`` keys of the row count; the
+    ``WINDOW`` (sliding window; 0: none): only the last ``WINDOW`` keys of the row count; the
     splits cover those alone (the keys below are never read).
     """
     if LAUNCH_DEPENDENTS:
@@ -128,8 +128,8 @@ def _attn_split_kernel(
         base = tl.load(PRE_LENS + b).to(tl.int32)
     else:
         base = 0
-    if HAS_WINDOW:
-        base = tl.maximum(base, tl.load(LENS + b).to(tl.int32) - window)
+    if WINDOW > 0:
+        base = tl.maximum(base, tl.load(LENS + b).to(tl.int32) - WINDOW)
     start, end, lo, bad = _chunk(LENS, b, s_max, n_splits, split, base, BLOCK_S)
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats to Triton as fp64
 
@@ -186,10 +186,10 @@ def _attn_split_kernel(
 def _attn_prefix_kernel(
     Q, K, V, LENS, PRE_ROWS, PRE_LENS, SLOT_TABLE, SLOT_LENS, WS, batch, s_max, page, n_splits,
     n_psplits, stride_st, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-    stride_vs, stride_vh, stride_wb, stride_wh, stride_ws, qk_scale, window,
+    stride_vs, stride_vh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: one chunk of slot p's prefix keys (KV head kvh) against the queries of
     every row that reads that prefix, ``BLOCK_Q`` (row, head) pairs at a time, as one
@@ -198,7 +198,7 @@ def _attn_prefix_kernel(
     ``SLOT_TABLE[p * stride_st + s // page]`` (the row form: its cache row, one page of
     ``S_max`` keys). Row b reads slot p when ``PRE_ROWS[b]`` is the slot's first page (its
     row) and ``PRE_LENS[b] > 0``; it sees the slot's keys ``< min(PRE_LENS[b], LENS[b])``
-    (``HAS_WINDOW``: and ``>= LENS[b] - window``; the splits then cover the slot's keys from
+    (``WINDOW`` > 0: and ``>= LENS[b] - WINDOW``; the splits then cover the slot's keys from
     the lowest any of the tile's rows sees)."""
     p = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -219,8 +219,8 @@ def _attn_prefix_kernel(
     plen = tl.load(PRE_LENS + b, mask=i_ok, other=0).to(tl.int32)
     member = i_ok & (tl.load(PRE_ROWS + b, mask=i_ok, other=-1).to(tl.int64) == slot_key)
     plen = tl.where(member & (length >= 0) & (length <= s_max), tl.minimum(plen, length), 0)
-    if HAS_WINDOW:
-        win_lo = length - window
+    if WINDOW > 0:
+        win_lo = length - WINDOW
         first = tl.min(tl.where(plen > 0, tl.maximum(win_lo, 0), slot_len), 0)
         first = (tl.minimum(first, slot_len) // BLOCK_S) * BLOCK_S
     else:
@@ -248,7 +248,7 @@ def _attn_prefix_kernel(
         v = tl.load(v_base + pg * stride_vb + within * stride_vs, mask=kv_mask, other=0.0)
         s = _scores(q, k, True, PREC, UPCAST) * qk_scale
         seen = keys[None, :] < plen[:, None]
-        if HAS_WINDOW:
+        if WINDOW > 0:
             seen = seen & (keys[None, :] >= win_lo[:, None])
         s = tl.where(seen, s, float("-inf"))
         # a pair may have no key here (another row's, or past its prefix): SAFE

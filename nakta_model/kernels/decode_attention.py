@@ -388,11 +388,11 @@ def _launch(
         q, k_cache, v_cache, cache_lens, table, *(prefix or (cache_lens, cache_lens)), out, ws,
         s_max, page, n_splits, stride_tb, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        *ws_strides, scale * LOG2E, window or 0,
+        *ws_strides, scale * LOG2E,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        LAUNCH_DEPENDENTS=trigger and single, HAS_WINDOW=window is not None,
+        LAUNCH_DEPENDENTS=trigger and single, WINDOW=window or 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
@@ -405,10 +405,10 @@ def _launch(
             q, k_cache, v_cache, cache_lens, *prefix, *slots, ws, batch, s_max, page, n_splits,
             n_psplits, slots[0].stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            *ws_strides, scale * LOG2E, window or 0,
+            *ws_strides, scale * LOG2E,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_Q=block_q, BLOCK_S=cc["BLOCK_S"], PREC=prec, UPCAST=upcast,
-            EMULATE_RNE=interp, HAS_WINDOW=window is not None,
+            EMULATE_RNE=interp, WINDOW=window or 0,
             num_warps=cc["num_warps"], num_stages=cc["num_stages"],
         )  # fmt: skip
     if single:

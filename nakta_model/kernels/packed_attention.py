@@ -97,15 +97,15 @@ def _pv(p, v, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 # Neither the token count nor the page table's row stride (the token count again when there
 # is no prefix) is specialised on: one compile per constexpr set, whatever the batch's size.
-@triton.jit(do_not_specialize=["n_tokens", "stride_table", "window"])
+@triton.jit(do_not_specialize=["n_tokens", "stride_table"])
 def _packed_attention_kernel(
     QKV, OUT, START, END, ENTRY, TABLE, PLEN, PK, PV, POS,
     n_tokens, stride_qt, stride_ot, stride_table, stride_pks, stride_pkh, stride_pvs, stride_pvh,
-    qk_scale, window,
+    qk_scale,
     N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr,
     TREE: tl.constexpr, SKIP: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
@@ -115,10 +115,11 @@ def _packed_attention_kernel(
     pool, visible to every query of the block with the same entry. ``IEEE``: fp32 operands and
     IEEE fp32 dots (fp32 inputs; also half inputs under the interpreter, whose half-precision
     dot is wrong -- half x half products are exact in fp32, so the result is what the tensor
-    cores compute up to summation order). ``HAS_WINDOW``: key j (prefix key p: position p) is
-    also masked unless ``POS[i] - POS[j] < window``, and the key loops start at the first tile
-    a query of the block may see (a token's depth ``POS - plen`` is at most its offset in its
-    sequence, so no visible key lies below ``seq_start + depth - window + 1``)."""
+    cores compute up to summation order). ``WINDOW`` (0: none; a constexpr, so no window
+    compiles to the kernel without one): key j (prefix key p: position p) is also masked
+    unless ``POS[i] - POS[j] < WINDOW``, and the key loops start at the first tile a query of
+    the block may see (a token's depth ``POS - plen`` is at most its offset in its sequence,
+    so no visible key lies below ``seq_start + depth - WINDOW + 1``)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (N_Q // N_KV)
@@ -146,7 +147,7 @@ def _packed_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     plen = 0
-    if HAS_WINDOW:
+    if WINDOW > 0:
         q_pos = tl.load(POS + offs_m, mask=mask_m, other=0)
     if HAS_PREFIX:
         entry = tl.load(ENTRY + pid_m * BLOCK_M)
@@ -154,8 +155,8 @@ def _packed_attention_kernel(
         plen = tl.load(PLEN + tl.maximum(entry, 0))
         plen = tl.where(entry >= 0, plen, 0)
         p_lo = 0
-        if HAS_WINDOW:  # prefix keys below every query's window: not visited
-            p_lo = tl.min(tl.where(mask_m, q_pos - window + 1, plen), 0)
+        if WINDOW > 0:  # prefix keys below every query's window: not visited
+            p_lo = tl.min(tl.where(mask_m, q_pos - WINDOW + 1, plen), 0)
             p_lo = (tl.maximum(p_lo, 0) // BLOCK_N) * BLOCK_N
         for p0 in range(p_lo, plen, BLOCK_N):
             offs_p = p0 + tl.arange(0, BLOCK_N)
@@ -168,16 +169,16 @@ def _packed_attention_kernel(
                         mask=pmask, other=0.0)  # fmt: skip
             s = _dot(q, tl.trans(k), IEEE)
             seen = (q_entry == entry)[:, None] & valid[None, :]
-            if HAS_WINDOW:
-                seen = seen & ((q_pos[:, None] - offs_p[None, :]) < window)
+            if WINDOW > 0:
+                seen = seen & ((q_pos[:, None] - offs_p[None, :]) < WINDOW)
             s = tl.where(seen, s * qk_scale, float("-inf"))
             m_i, l_i, p, alpha = _softmax_tile(m_i, l_i, s)
             v = tl.load(PV + slot * stride_pvs + kv_head * stride_pvh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
             acc = acc * alpha[:, None] + _pv(p, v, IEEE, EMULATE_RNE)
-    if HAS_WINDOW:  # the first key any query of the block may see (docstring)
+    if WINDOW > 0:  # the first key any query of the block may see (docstring)
         depth = tl.where(mask_m, q_pos - plen, 0)
-        lo = tl.min(tl.where(mask_m, q_start + tl.maximum(depth - window + 1, 0), hi), 0)
+        lo = tl.min(tl.where(mask_m, q_start + tl.maximum(depth - WINDOW + 1, 0), hi), 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     q_first = pid_m * BLOCK_M
     for start_n in range(lo, hi, BLOCK_N):
@@ -185,9 +186,9 @@ def _packed_attention_kernel(
         mask_n = offs_n < n_tokens
         k_start = tl.load(START + offs_n, mask=mask_n, other=-2)
         allowed = (offs_n[None, :] <= offs_m[:, None]) & (k_start[None, :] == q_start[:, None])
-        if HAS_WINDOW:
+        if WINDOW > 0:
             k_pos = tl.load(POS + offs_n, mask=mask_n, other=0)
-            allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
+            allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
         visit = True
         kv_mask = mask_n[:, None] & mask_d[None, :]
         if TREE:  # j is i or an ancestor: i inside j's subtree
@@ -430,11 +431,11 @@ def packed_attention(
         qkv, out, seq_start, seq_start if span_end is None else span_end, entry, table, lengths,
         pk, pv, seq_start if positions is None else positions,
         n_tokens, qkv.stride(0), out.stride(0), table.stride(0), *pk_strides, *pv_strides,
-        scale * math.log2(math.e), window,
+        scale * math.log2(math.e),
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
         TREE=span_end is not None, SKIP=cfg["SKIP"], IEEE=qkv.dtype == torch.float32 or interp,
-        EMULATE_RNE=interp, HAS_WINDOW=window > 0,
+        EMULATE_RNE=interp, WINDOW=window,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
