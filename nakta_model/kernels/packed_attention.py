@@ -99,9 +99,9 @@ def _pv(p, v, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr):
 # is no prefix) is specialised on: one compile per constexpr set, whatever the batch's size.
 @triton.jit(do_not_specialize=["n_tokens", "stride_table"])
 def _packed_attention_kernel(
-    QKV, OUT, START, END, ENTRY, TABLE, PLEN, PK, PV, POS,
+    QKV, OUT, START, END, ENTRY, TABLE, PLEN, PK, PV,
     n_tokens, stride_qt, stride_ot, stride_table, stride_pks, stride_pkh, stride_pvs, stride_pvh,
-    qk_scale,
+    qk_scale, POS,
     N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr,
     TREE: tl.constexpr, SKIP: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
@@ -429,9 +429,9 @@ def packed_attention(
         pk_strides, pv_strides = pk.stride()[:2], pv.stride()[:2]
     _packed_attention_kernel[grid](
         qkv, out, seq_start, seq_start if span_end is None else span_end, entry, table, lengths,
-        pk, pv, seq_start if positions is None else positions,
+        pk, pv,
         n_tokens, qkv.stride(0), out.stride(0), table.stride(0), *pk_strides, *pv_strides,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), seq_start if positions is None else positions,
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
         TREE=span_end is not None, SKIP=cfg["SKIP"], IEEE=qkv.dtype == torch.float32 or interp,
