@@ -36,7 +36,7 @@ ATOL = 1e-4  # fp32 logits: the two implementations round differently (measured 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def write_hf_llama_folder(hf_model, out) -> None:
+def write_hf_llama_folder(hf_model, out, shape: dict = SHAPE) -> None:
     """The Mistral model's tensors as an HF LLaMA folder (the same names and layout; Nakta's
     own reader for ``model_type: mistral`` comes with its config support)."""
     from safetensors.torch import save_file
@@ -44,7 +44,7 @@ def write_hf_llama_folder(hf_model, out) -> None:
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {k: v for k, v in SHAPE.items() if k != "head_dim"}
+    config = {k: v for k, v in shape.items() if k != "head_dim"}
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu")
     (out / "config.json").write_text(json.dumps(config))
 
@@ -185,3 +185,44 @@ def test_model_args_sliding_window_field():
     for bad in (0, -1, 2.5, True, "4096"):
         with pytest.raises(ValueError, match="sliding_window must be a positive int"):
             args.replace(sliding_window=bad)
+
+
+@pytest.mark.gpu
+def test_gpu_mistral_heads_past_a_4096_window(tmp_path):
+    """Two layers at Mistral-7B's attention shape (dim 4096, 32 q / 8 kv heads of 128, window
+    4096) in fp32 on the GPU: a 5,000-token sequence scored through the packed kernel gives
+    HF's log-likelihoods, and a 4,200-token prompt prefilled in 1,000-token pieces (each
+    reading the earlier ones through its pages) and decoded through the engine (CUDA graphs,
+    split-K decode attention over 64-key pages) gives HF's 24 greedy tokens."""
+    from nakta_model.generation.engine import Generator
+    from nakta_model.generation.requests import greedy_requests
+
+    shape = dict(SHAPE, hidden_size=4096, intermediate_size=1024, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=1000,
+                 max_position_embeddings=8192)  # fmt: skip
+    cfg = transformers.MistralConfig(
+        sliding_window=4096, initializer_range=0.05, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, **shape,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(cfg).float().eval()
+    write_hf_llama_folder(hf, tmp_path / "hf", shape)
+    hf = hf.cuda()
+    base = nakta_model.load(tmp_path / "hf", "cuda", torch.float32)
+    model = Transformer(base.args.replace(sliding_window=4096)).cuda()
+    model.load_state_dict(base.state_dict())
+    del base
+    rng = random.Random(0)
+    ctx, cont = tokens(rng, 4990), tokens(rng, 10)
+    with torch.no_grad():
+        logp = hf(torch.tensor([ctx + cont], device="cuda")).logits[0, 4989:-1].log_softmax(-1)
+    want = logp.gather(1, torch.tensor(cont, device="cuda")[:, None]).sum().item()
+    ((ll, _),) = scoring.score(model, [(ctx, cont)], prefix_cache=False)
+    assert abs(ll - want) < 1e-3 * max(1.0, abs(want)), (ll, want)
+
+    prompt = tokens(rng, 4200)
+    out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False)
+    gen = Generator(model, max_batch=1, max_seq_len=4300, chunk=8, prefill_chunk=1000)
+    got = gen.generate(greedy_requests([prompt], 24, None))[0].tokens
+    assert got == out[0, len(prompt) :].tolist()
