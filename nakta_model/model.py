@@ -432,7 +432,8 @@ class Transformer(nn.Module):
         the first token of t's sequence and ``span_end[t]`` one past the last token of t's
         subtree (a token sees itself and its ancestors; None: every sequence a chain, plain
         causal attention; see ``kernels/packed_attention.py``). ``positions`` are each token's
-        depth in its tree (plus the prefix length) as the caller lays them out. The final norm
+        depth in its tree (plus the prefix length) as the caller lays them out (with
+        ``args.sliding_window`` they also say which keys a token sees). The final norm
         and the LM head run on the N rows of ``logits_index`` only. The KV cache is not used.
         """
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):

@@ -140,6 +140,7 @@ def _packed_attention_kernel(
     # Keys: from the first query's sequence start (sequences are contiguous, so it is the
     # smallest start in the block) to the block's last query.
     lo = tl.load(START + pid_m * BLOCK_M)
+    lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum((pid_m + 1) * BLOCK_M, n_tokens)
 
     # A finite "minus infinity" keeps rows whose first key blocks are all masked NaN-free.
@@ -179,7 +180,7 @@ def _packed_attention_kernel(
     if WINDOW > 0:  # the first key any query of the block may see (docstring)
         depth = tl.where(mask_m, q_pos - plen, 0)
         lo = tl.min(tl.where(mask_m, q_start + tl.maximum(depth - WINDOW + 1, 0), hi), 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
+        lo = (lo // BLOCK_N) * BLOCK_N
     q_first = pid_m * BLOCK_M
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
