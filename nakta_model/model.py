@@ -244,6 +244,7 @@ class Attention(nn.Module):
         self.n_kv_heads = args.local_kv_heads(ctx.tp_size)  # replicated when tp > n_kv_heads
         self.head_dim = args.head_dim
         self.interleaved = args.rope_interleaved  # Meta pairs (Nakta checkpoints) or HF halves
+        self.window = args.sliding_window  # None: full causal attention
         self.wqkv = ops.linear(args.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim)
         self.wo = ops.linear(self.n_heads * self.head_dim, args.dim)
         self.k_cache: torch.Tensor | None = None  # [max_batch * max_seq, n_kv_heads, head_dim]
@@ -274,7 +275,8 @@ class Attention(nn.Module):
                     self.k_cache, self.v_cache, pp.page_table, pp.lengths, pp.token_entry,
                     pp.page_size,
                 )  # fmt: skip
-            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, prefix=prefix)
+            win = {} if self.window is None else dict(window=self.window, positions=step.positions)
+            out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, prefix=prefix, **win)
             return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:
@@ -299,7 +301,7 @@ class Attention(nn.Module):
         else:
             k = heads[:, :, hq : hq + hkv].transpose(1, 2)
             v = heads[:, :, hq + hkv :].transpose(1, 2)
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v, self.window)
         out = out.transpose(1, 2).reshape(b * s, hq * hd)
         return all_reduce(self.wo(out), self.ctx)
 
@@ -556,7 +558,8 @@ class Transformer(nn.Module):
         the first token of t's sequence and ``span_end[t]`` one past the last token of t's
         subtree (a token sees itself and its ancestors; None: every sequence a chain, plain
         causal attention; see ``kernels/packed_attention.py``). ``positions`` are each token's
-        depth in its tree (plus the prefix length) as the caller lays them out. The final norm
+        depth in its tree (plus the prefix length) as the caller lays them out (with
+        ``args.sliding_window`` they also say which keys a token sees). The final norm
         and the LM head run on the N rows of ``logits_index`` only. The KV cache is not used.
         """
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):

@@ -192,11 +192,11 @@ class DecodeStep:
         self.kernels = model.ops.triton(model.output.weight)
         # under torch.compile inductor fuses the step's small ops itself
         self.step_kernels = self.kernels and graph_mode != "compile"
-        self.splits = _da.decode_splits(batch, self.n_kv, self.cache_len, model.device)
+        self.window = args.sliding_window  # a row attends to its last `window` keys (None: all)
+        seen = self.cache_len if self.window is None else min(self.cache_len, self.window)
+        self.splits = _da.decode_splits(batch, self.n_kv, seen, model.device)
         self.slot_splits = (
-            _da.cascade_splits(
-                batch, self.n_q, self.n_kv, prefix_slots, self.cache_len, model.device
-            )  # fmt: skip
+            _da.cascade_splits(batch, self.n_q, self.n_kv, prefix_slots, seen, model.device)
             if prefix_slots
             else 0
         )
@@ -208,6 +208,8 @@ class DecodeStep:
         )
         buf = self.buffers
         attention_kw = dict(block_table=buf.block_table)
+        if self.window is not None:
+            attention_kw["window"] = self.window
         if buf.slot_table.numel():
             attention_kw.update(prefix_rows=buf.prefix_rows, prefix_lens=buf.prefix_lens)
             attention_kw["prefix_slots"] = (buf.slot_table, buf.slot_lens)

@@ -94,6 +94,7 @@ def _attn_split_kernel(
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
     HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
@@ -110,6 +111,8 @@ def _attn_split_kernel(
     ``LAUNCH_DEPENDENTS`` (the last attention launch at batch 1): the next kernel, a
     programmatic dependent (the ``wo`` GEMV), may launch now and load its first weight tile
     while this one runs (``decode_linear``'s ``EARLY_W``); it waits for this kernel's output.
+    ``WINDOW`` (sliding window; 0: none): only the last ``WINDOW`` keys of the row count; the
+    splits cover those alone (the keys below are never read).
     """
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -125,6 +128,8 @@ def _attn_split_kernel(
         base = tl.load(PRE_LENS + b).to(tl.int32)
     else:
         base = 0
+    if WINDOW > 0:
+        base = tl.maximum(base, tl.load(LENS + b).to(tl.int32) - WINDOW)
     start, end, lo, bad = _chunk(LENS, b, s_max, n_splits, split, base, BLOCK_S)
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats to Triton as fp64
 
@@ -184,6 +189,7 @@ def _attn_prefix_kernel(
     stride_vs, stride_vh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: one chunk of slot p's prefix keys (KV head kvh) against the queries of
     every row that reads that prefix, ``BLOCK_Q`` (row, head) pairs at a time, as one
@@ -191,7 +197,9 @@ def _attn_prefix_kernel(
     psplit`` (neutral for the pairs of other rows). Slot p's key s lies in page
     ``SLOT_TABLE[p * stride_st + s // page]`` (the row form: its cache row, one page of
     ``S_max`` keys). Row b reads slot p when ``PRE_ROWS[b]`` is the slot's first page (its
-    row) and ``PRE_LENS[b] > 0``; it sees the slot's keys ``< min(PRE_LENS[b], LENS[b])``."""
+    row) and ``PRE_LENS[b] > 0``; it sees the slot's keys ``< min(PRE_LENS[b], LENS[b])``
+    (``WINDOW`` > 0: and ``>= LENS[b] - WINDOW``; the splits then cover the slot's keys from
+    the lowest any of the tile's rows sees)."""
     p = tl.program_id(0)
     kvh = tl.program_id(1)
     psplit = tl.program_id(2) % n_psplits
@@ -211,8 +219,14 @@ def _attn_prefix_kernel(
     plen = tl.load(PRE_LENS + b, mask=i_ok, other=0).to(tl.int32)
     member = i_ok & (tl.load(PRE_ROWS + b, mask=i_ok, other=-1).to(tl.int64) == slot_key)
     plen = tl.where(member & (length >= 0) & (length <= s_max), tl.minimum(plen, length), 0)
-    chunk = tl.cdiv(tl.cdiv(slot_len, n_psplits), BLOCK_S) * BLOCK_S
-    start = psplit * chunk
+    if WINDOW > 0:
+        win_lo = length - WINDOW
+        first = tl.min(tl.where(plen > 0, tl.maximum(win_lo, 0), slot_len), 0)
+        first = (tl.minimum(first, slot_len) // BLOCK_S) * BLOCK_S
+    else:
+        first = 0
+    chunk = tl.cdiv(tl.cdiv(slot_len - first, n_psplits), BLOCK_S) * BLOCK_S
+    start = first + psplit * chunk
     end = tl.minimum(start + chunk, slot_len)
 
     q_mask = i_ok[:, None] & d_ok[None, :]
@@ -233,7 +247,10 @@ def _attn_prefix_kernel(
         k = tl.load(k_base + pg * stride_kb + within * stride_ks, mask=kv_mask, other=0.0)
         v = tl.load(v_base + pg * stride_vb + within * stride_vs, mask=kv_mask, other=0.0)
         s = _scores(q, k, True, PREC, UPCAST) * qk_scale
-        s = tl.where(keys[None, :] < plen[:, None], s, float("-inf"))
+        seen = keys[None, :] < plen[:, None]
+        if WINDOW > 0:
+            seen = seen & (keys[None, :] >= win_lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
         # a pair may have no key here (another row's, or past its prefix): SAFE
         m, l, acc = _online_step(m, l, acc, s, v, True, True, PREC, UPCAST, EMULATE_RNE, BLOCK_S)
     w_base = (

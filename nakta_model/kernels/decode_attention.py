@@ -29,6 +29,10 @@ The row form (``rows``: row b reads cache row ``rows[b]``) is the table with one
 Shared prefixes are then pages several tables hold (read once from HBM, served from L2 to the
 other rows), and the cascade's slots are page tables too.
 
+Sliding window (``window``, Mistral): a row attends to its last ``window`` keys only. The split
+kernel's chunks and the cascade's prefix splits are laid over the keys inside the window, so a
+long row's keys below it are never read (the pages stay in the pool; nothing is evicted).
+
 CUDA-graph capturable: the grid ``(B, n_kv_heads, n_splits)`` depends on shapes only
 (``n_splits`` from the batch, KV heads and cache length, never from ``cache_lens``' values);
 each program derives its chunk from ``cache_lens[b]`` on the device (the valid keys are spread
@@ -63,6 +67,7 @@ from nakta_model.kernels._checks import (
     check_index,
     check_ndim,
     check_no_overlap,
+    check_positive_int,
     check_same_device,
     check_tensor,
     check_triton_device,
@@ -104,6 +109,7 @@ def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
 def _check_args(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, *, for_kernel: bool,
     rows=None, prefix_rows=None, prefix_lens=None, prefix_slots=None, block_table=None,
+    window=None,
 ) -> tuple[float, int, int]:  # fmt: skip
     """Validate a ``decode_attention`` call; returns ``(scale, n_splits, n_psplits)`` (the
     cascade's splits per slot, 0 without ``prefix_slots``)."""
@@ -152,8 +158,11 @@ def _check_args(
         scale = 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
+    if window is not None:
+        check_positive_int("window", window)
+    seen = s_max if window is None else min(s_max, window)  # the most keys a row attends to
     if n_splits is None:
-        n_splits = decode_splits(batch, n_kv, s_max, q.device)
+        n_splits = decode_splits(batch, n_kv, seen, q.device)
     if isinstance(n_splits, bool) or not isinstance(n_splits, int) or not 1 <= n_splits <= 1024:
         raise ValueError(f"n_splits must be an int in [1, 1024], got {n_splits!r}")
     if out is not None:
@@ -166,7 +175,7 @@ def _check_args(
     n_psplits = 0
     if prefix_slots is not None:
         slot_rows, slot_lens = _check_slots(prefix_slots, prefix_rows, q, paged)
-        n_psplits = cascade_splits(batch, n_q, n_kv, slot_rows.shape[0], s_max, q.device)
+        n_psplits = cascade_splits(batch, n_q, n_kv, slot_rows.shape[0], seen, q.device)
     if paged and for_kernel and block_table.shape[1] > 1:
         page = k_cache.shape[1]
         kinds = ("dot" if _cfg._TUNE.get("USE_DOT", 1) else "fma",) + (
@@ -338,7 +347,7 @@ TRIGGER_MAX_BATCH = 1
 
 def _launch(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None,
-    slots=None, n_psplits=0, block_table=None,
+    slots=None, n_psplits=0, block_table=None, window=None,
 ) -> None:  # fmt: skip
     batch, n_q, head_dim = q.shape
     page, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -380,7 +389,8 @@ def _launch(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        LAUNCH_DEPENDENTS=trigger and single, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        LAUNCH_DEPENDENTS=trigger and single, WINDOW=window or 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
         cc = _config("cascade")
@@ -395,7 +405,8 @@ def _launch(
             *ws_strides, scale * LOG2E,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_Q=block_q, BLOCK_S=cc["BLOCK_S"], PREC=prec, UPCAST=upcast,
-            EMULATE_RNE=interp, num_warps=cc["num_warps"], num_stages=cc["num_stages"],
+            EMULATE_RNE=interp, WINDOW=window or 0,
+            num_warps=cc["num_warps"], num_stages=cc["num_stages"],
         )  # fmt: skip
     if single:
         return
@@ -427,6 +438,7 @@ def decode_attention(
     prefix_lens: torch.Tensor | None = None,
     prefix_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_table: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, n_q, hd]`` (one query per row) over ``k_cache``/``v_cache``
     ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1`` (or cache rows ``rows[b]``), keys
@@ -444,19 +456,24 @@ def decode_attention(
     pages several block tables hold; with ``prefix_slots = (slot_table [P, W'], slot_lens)``
     the cascade reads slot p's keys through its page table for the rows whose
     ``prefix_rows[b]`` is that table's first page (their first ``prefix_lens[b]`` keys).
-    ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)``. Returns
-    ``out`` (allocated when None), shape and dtype of q."""
+    ``window`` (sliding-window attention, Mistral): row b attends to its last ``window`` keys
+    only, ``cache_lens[b] - window .. cache_lens[b] - 1`` (the query is the row's last
+    position); the splits and the cascade cover just those, the keys below are never read
+    (``None``: every key; the kernels compile without it).
+    ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)`` (of the
+    keys a row attends to: at most ``window``). Returns ``out`` (allocated when None), shape
+    and dtype of q."""
     scale, n_splits, n_psplits = _check_args(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True,
         rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens, prefix_slots=prefix_slots,
-        block_table=block_table,
+        block_table=block_table, window=window,
     )  # fmt: skip
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     prefix = None if prefix_rows is None else (prefix_rows, prefix_lens)
     _launch(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows, prefix,
-        prefix_slots, n_psplits, block_table,
+        prefix_slots, n_psplits, block_table, window,
     )  # fmt: skip
     return out
 
@@ -481,16 +498,18 @@ def decode_attention_reference(
     prefix_lens: torch.Tensor | None = None,
     prefix_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_table: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch (any device): fp32 scores and softmax over each row's valid keys, output
     in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace`` are checked like
     the kernel's and otherwise unused; so is ``prefix_slots`` in the row form (a row's prefix
     is ``prefix_rows[b]``'s row either way). Paged: each row's keys gathered through its block
-    table, the first ``prefix_lens[b]`` through its slot's page table."""
+    table, the first ``prefix_lens[b]`` through its slot's page table. ``window``: only each
+    row's last ``window`` keys."""
     args = (q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace)
     scale, _, _ = _check_args(
         *args, for_kernel=False, rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
-        prefix_slots=prefix_slots, block_table=block_table,
+        prefix_slots=prefix_slots, block_table=block_table, window=window,
     )  # fmt: skip
     batch, n_q, _ = q.shape
     n_kv = k_cache.shape[2]
@@ -517,7 +536,11 @@ def decode_attention_reference(
             k = torch.where(shared, k_cache[prefix_rows.long()].float()[:, :, kv_head], k)
             v = torch.where(shared, v_cache[prefix_rows.long()].float()[:, :, kv_head], v)
     scores = torch.einsum("bhd,bshd->bhs", q.float(), k) * scale
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < cache_lens.to(q.device)[:, None]
+    key = torch.arange(k.shape[1], device=q.device)[None, :]
+    lens = cache_lens.to(q.device).long()[:, None]
+    valid = key < lens
+    if window is not None:
+        valid &= key >= lens - window
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no keys: all -inf -> 0
     y = torch.einsum("bhs,bshd->bhd", p, v).to(q.dtype)

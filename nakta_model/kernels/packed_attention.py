@@ -16,6 +16,12 @@ of tokens (``span_end`` = the sequence's end everywhere) is plain causal attenti
 ``span_end=None`` means exactly that (varlen attention, prefill); ``seq_start`` of a pad token
 is its own index, so it attends to itself.
 
+Sliding-window attention (Mistral, ``window``): key j is also masked unless it lies less than
+``window`` positions before query i (``positions[i] - positions[j] < window``, positions as the
+model rotates them: a tree token's depth, plus its cached prefix's length). Key tiles below
+every query's window are not visited at all: the key loop starts at the block's lowest first
+visible key, and the prefix loop at its lowest first visible prefix position.
+
 Why a kernel of our own: the alternative is a dense ``[B, L, L]`` additive bias through SDPA,
 which picks cuDNN with a per-shape execution plan (milliseconds of host time per call, and a
 new plan for every padded width) and needs the batch padded to rows. Here the mask is two int
@@ -95,10 +101,11 @@ def _pv(p, v, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr):
 def _packed_attention_kernel(
     QKV, OUT, START, END, ENTRY, TABLE, PLEN, PK, PV,
     n_tokens, stride_qt, stride_ot, stride_table, stride_pks, stride_pkh, stride_pvs, stride_pvh,
-    qk_scale,
+    qk_scale, POS,
     N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr,
     TREE: tl.constexpr, SKIP: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
@@ -108,7 +115,11 @@ def _packed_attention_kernel(
     pool, visible to every query of the block with the same entry. ``IEEE``: fp32 operands and
     IEEE fp32 dots (fp32 inputs; also half inputs under the interpreter, whose half-precision
     dot is wrong -- half x half products are exact in fp32, so the result is what the tensor
-    cores compute up to summation order)."""
+    cores compute up to summation order). ``WINDOW`` (0: none; a constexpr, so no window
+    compiles to the kernel without one): key j (prefix key p: position p) is also masked
+    unless ``POS[i] - POS[j] < WINDOW``, and the key loops start at the first tile a query of
+    the block may see (a token's depth ``POS - plen`` is at most its offset in its sequence,
+    so no visible key lies below ``seq_start + depth - WINDOW + 1``)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (N_Q // N_KV)
@@ -136,12 +147,19 @@ def _packed_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    plen = 0
+    if WINDOW > 0:
+        q_pos = tl.load(POS + offs_m, mask=mask_m, other=0)
     if HAS_PREFIX:
         entry = tl.load(ENTRY + pid_m * BLOCK_M)
         q_entry = tl.load(ENTRY + offs_m, mask=mask_m, other=-1)
         plen = tl.load(PLEN + tl.maximum(entry, 0))
         plen = tl.where(entry >= 0, plen, 0)
-        for p0 in range(0, plen, BLOCK_N):
+        p_lo = 0
+        if WINDOW > 0:  # prefix keys below every query's window: not visited
+            p_lo = tl.min(tl.where(mask_m, q_pos - WINDOW + 1, plen), 0)
+            p_lo = (tl.maximum(p_lo, 0) // BLOCK_N) * BLOCK_N
+        for p0 in range(p_lo, plen, BLOCK_N):
             offs_p = p0 + tl.arange(0, BLOCK_N)
             valid = offs_p < plen
             page = tl.load(TABLE + entry.to(tl.int64) * stride_table + offs_p // PAGE,
@@ -152,17 +170,26 @@ def _packed_attention_kernel(
                         mask=pmask, other=0.0)  # fmt: skip
             s = _dot(q, tl.trans(k), IEEE)
             seen = (q_entry == entry)[:, None] & valid[None, :]
+            if WINDOW > 0:
+                seen = seen & ((q_pos[:, None] - offs_p[None, :]) < WINDOW)
             s = tl.where(seen, s * qk_scale, float("-inf"))
             m_i, l_i, p, alpha = _softmax_tile(m_i, l_i, s)
             v = tl.load(PV + slot * stride_pvs + kv_head * stride_pvh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
             acc = acc * alpha[:, None] + _pv(p, v, IEEE, EMULATE_RNE)
+    if WINDOW > 0:  # the first key any query of the block may see (docstring)
+        depth = tl.where(mask_m, q_pos - plen, 0)
+        lo = tl.min(tl.where(mask_m, q_start + tl.maximum(depth - WINDOW + 1, 0), hi), 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
     q_first = pid_m * BLOCK_M
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_tokens
         k_start = tl.load(START + offs_n, mask=mask_n, other=-2)
         allowed = (offs_n[None, :] <= offs_m[:, None]) & (k_start[None, :] == q_start[:, None])
+        if WINDOW > 0:
+            k_pos = tl.load(POS + offs_n, mask=mask_n, other=0)
+            allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
         visit = True
         kv_mask = mask_n[:, None] & mask_d[None, :]
         if TREE:  # j is i or an ancestor: i inside j's subtree
@@ -348,6 +375,8 @@ def packed_attention(
     prefix: PrefixKV | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree/varlen attention over a packed token stream (module docstring): ``[T, n_q * hd]``.
 
@@ -358,8 +387,15 @@ def packed_attention(
     ``1 / sqrt(head_dim)``. Sequences must be contiguous with ``seq_start[t] <= t`` and
     ``t < span_end[t] <=`` the end of t's sequence (not checked on the GPU: it would need a host
     sync).
+
+    ``window`` (sliding-window attention, Mistral): query i also sees only the keys j with
+    ``positions[i] - positions[j] < window``, a cached prefix's key p having position p;
+    ``positions`` (int ``[T]``, needed with a window) are each token's depth in its tree plus
+    its prefix's length, as the model rotates them. ``None``: no window (the kernel compiles
+    without it).
     """
     qkv = _check_args(qkv, seq_start, span_end, n_q_heads, n_kv_heads, head_dim)
+    window = _check_window(window, positions, qkv)
     check_triton_device("qkv", qkv)
     n_tokens = qkv.shape[0]
     if out is None:
@@ -381,6 +417,8 @@ def packed_attention(
         _check_layout(seq_start, span_end)
         if prefix is not None:
             _check_prefix_layout(prefix, block_m)
+        if window:
+            _check_positions(positions, seq_start, prefix)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     grid = (triton.cdiv(n_tokens, block_m), n_q_heads)
     if prefix is None:  # unused pointers: any tensor of the right kind
@@ -394,13 +432,45 @@ def packed_attention(
         qkv, out, seq_start, seq_start if span_end is None else span_end, entry, table, lengths,
         pk, pv,
         n_tokens, qkv.stride(0), out.stride(0), table.stride(0), *pk_strides, *pv_strides,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), seq_start if positions is None else positions,
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
         TREE=span_end is not None, SKIP=cfg["SKIP"], IEEE=qkv.dtype == torch.float32 or interp,
-        EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EMULATE_RNE=interp, WINDOW=window,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
+
+
+def _check_window(window: object, positions: object, qkv: torch.Tensor) -> int:
+    """``window`` as an int (0: none); ``positions`` checked when a window needs them."""
+    if window is None:
+        return 0
+    check_positive_int("window", window)
+    if positions is None:
+        raise ValueError("window needs positions (each token's position, int [T])")
+    _check_index("positions", positions, qkv.shape[0])
+    check_same_device(qkv=qkv, positions=positions)
+    return int(window)
+
+
+def _check_positions(
+    positions: torch.Tensor, seq_start: torch.Tensor, prefix: PrefixKV | None
+) -> None:
+    """CPU/debug: a token's depth (position minus its prefix's length) is at most its offset
+    in its sequence, which the window's loop bound relies on."""
+    pos = positions.to("cpu", torch.int64)
+    depth = torch.arange(pos.shape[0]) - seq_start.to("cpu", torch.int64)
+    if prefix is not None:
+        entry = prefix.token_entry.to("cpu", torch.int64)
+        plen = prefix.lengths.to("cpu", torch.int64)[entry.clamp(min=0)]
+        pos = pos - torch.where(entry >= 0, plen, 0)
+    if bool((pos > depth).any()):
+        t = int((pos > depth).nonzero()[0, 0])
+        raise ValueError(
+            f"positions[{t}] = {int(positions[t])} is past its depth in its sequence ({int(depth[t])})"
+            " plus its prefix's length: positions must count from the sequence's start"
+        )
 
 
 def _check_layout(seq_start: torch.Tensor, span_end: torch.Tensor | None = None) -> None:
@@ -439,9 +509,13 @@ def packed_attention_mask(
     span_end: torch.Tensor | None,
     rows: slice | None = None,
     keys: slice | None = None,
+    *,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bool ``[T_rows, T_keys]`` mask (True = may attend) of the packed layout, for queries
-    ``rows`` and keys ``keys`` (default: all tokens)."""
+    ``rows`` and keys ``keys`` (default: all tokens); with ``window``, only keys whose
+    ``positions`` lie less than ``window`` before the query's."""
     n = seq_start.shape[0]
     rows = rows or slice(0, n)
     keys = keys or slice(0, n)
@@ -450,6 +524,9 @@ def packed_attention_mask(
     mask = (kj[None, :] <= qi[:, None]) & (seq_start[keys][None, :] == seq_start[rows][:, None])
     if span_end is not None:
         mask &= qi[:, None] < span_end[keys][None, :]
+    if window is not None:
+        pos = positions.long()
+        mask &= (pos[rows][:, None] - pos[keys][None, :]) < window
     return mask
 
 
@@ -464,6 +541,8 @@ def packed_attention_reference(
     prefix: PrefixKV | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch twin of :func:`packed_attention` (SDPA with a dense mask per query block;
     with ``prefix``, the block's prefix K/V gathered from the pool in front of its keys); also
@@ -472,10 +551,13 @@ def packed_attention_reference(
 
     dtypes = (*FLOAT_DTYPES, torch.float64)
     qkv = _check_args(qkv, seq_start, span_end, n_q_heads, n_kv_heads, head_dim, dtypes)
+    window = _check_window(window, positions, qkv) or None
     _check_layout(seq_start, span_end)
     if prefix is not None:
         _check_prefix(prefix, qkv, n_kv_heads, head_dim, 1)
         _check_prefix_layout(prefix, PREFIX_ALIGN)
+    if window is not None:
+        _check_positions(positions, seq_start, prefix)
     n, hq, hkv, hd = qkv.shape[0], n_q_heads, n_kv_heads, head_dim
     if out is None:
         out = torch.empty(n, hq * hd, dtype=qkv.dtype, device=qkv.device)
@@ -488,7 +570,9 @@ def packed_attention_reference(
     for q0 in range(0, n, block):
         q1 = min(q0 + block, n)
         lo = int(seq_start[q0])
-        mask = packed_attention_mask(seq_start, span_end, slice(q0, q1), slice(lo, q1))
+        mask = packed_attention_mask(
+            seq_start, span_end, slice(q0, q1), slice(lo, q1), window=window, positions=positions
+        )
         keys, values = k[:, lo:q1], v[:, lo:q1]
         if prefix is not None and int(prefix.token_entry[q0]) >= 0:
             pk, pv = _gather_prefix(prefix, int(prefix.token_entry[q0]))
@@ -496,6 +580,9 @@ def packed_attention_reference(
             pv = pv.to(qkv.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
             keys, values = torch.cat([pk, keys], 1), torch.cat([pv, values], 1)
             seen = torch.ones(q1 - q0, pk.shape[1], dtype=torch.bool, device=mask.device)
+            if window is not None:  # prefix key p sits at position p
+                p = torch.arange(pk.shape[1], device=mask.device)
+                seen = (positions[q0:q1].long()[:, None] - p[None, :]) < window
             mask = torch.cat([seen, mask], 1)
         o = F.scaled_dot_product_attention(q[:, q0:q1], keys, values, attn_mask=mask, scale=scale)
         out[q0:q1] = o.transpose(0, 1).reshape(q1 - q0, hq * hd)
