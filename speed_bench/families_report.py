@@ -85,13 +85,18 @@ def decode_rows(preset: str, summary: dict) -> list[dict]:
     ]
 
 
-def throughput_rows(preset: str, summary: dict, measure: str, engine: str) -> list[dict]:
-    """Best output tok/s of ``engine`` over its row counts, against HF's best batch."""
+def throughput_rows(
+    preset: str, summary: dict, measure: str, engine: str, peer_summary: dict | None = None
+) -> list[dict]:
+    """Best output tok/s of ``engine`` over its row counts, against HF's best batch (in this
+    summary, else in ``peer_summary``: the bf16 run of the same call holds HF's)."""
     runs = [r for r in summary.get("runs", []) if r.get("output_tok_s")]
     ours = [r for r in runs if r["engine"] == engine]
     if not ours:
         raise ValueError(f"{preset}: throughput summary has no {engine} run")
     hf = [r["output_tok_s"] for r in runs if r["engine"] == "hf"]
+    if not hf and peer_summary is not None:
+        hf = [r["output_tok_s"] for r in peer_summary.get("runs", []) if r.get("engine") == "hf"]
     best = max(r["output_tok_s"] for r in ours)
     return [row(preset, measure, best, "hf_static", max(hf) if hf else None)]
 
@@ -104,6 +109,11 @@ def row(preset: str, measure: str, nakta: float, peer: str, peer_value: float | 
         "peer": peer,
         "peer_value": None if peer_value is None else float(peer_value),
     }
+
+
+def _bf16_throughput(preset_dir: Path) -> dict | None:
+    path = preset_dir / THROUGHPUT / "throughput_summary.json"
+    return _read(path) if path.is_file() else None
 
 
 def collect(root: Path) -> tuple[dict, list[str]]:
@@ -122,7 +132,9 @@ def collect(root: Path) -> tuple[dict, list[str]]:
         (
             THROUGHPUT_FP8,
             "throughput_summary.json",
-            lambda p, s: throughput_rows(p, s, "throughput_128_128_fp8_tok_s", "nakta_fp8"),
+            lambda p, s: throughput_rows(
+                p, s, "throughput_128_128_fp8_tok_s", "nakta_fp8", _bf16_throughput(root / p)
+            ),
         ),
     )
     for preset_dir in sorted(p for p in root.iterdir() if p.is_dir()):
@@ -142,7 +154,7 @@ def collect(root: Path) -> tuple[dict, list[str]]:
 def ratio(r: dict) -> float | None:
     if not r["peer_value"] or r["measure"] == "lm_eval_acc":
         return None
-    if r["measure"] in LOWER_IS_BETTER or r["measure"].endswith("_s"):
+    if r["measure"] in LOWER_IS_BETTER or r["measure"].endswith("_0shot_s"):
         return r["peer_value"] / r["nakta"]
     return r["nakta"] / r["peer_value"]
 

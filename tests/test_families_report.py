@@ -44,6 +44,10 @@ def test_collect_reads_every_measure(tmp_path):
             {"engine": "hf", "max_batch": 128, "output_tok_s": 7000.0},
         ]},
     )  # fmt: skip
+    _write(
+        root / "llama3-8B" / "throughput_fp8" / "throughput_summary.json",
+        {"runs": [{"engine": "nakta_fp8", "max_batch": 512, "output_tok_s": 24000.0}]},
+    )
     summary, missing = families_report.collect(root)
     rows = {(r["preset"], r["measure"]): r for r in summary["runs"]}
     assert summary["device_name"] == "GPU X"
@@ -53,13 +57,16 @@ def test_collect_reads_every_measure(tmp_path):
     assert rows["llama3-8B", "decode_b1_pct_floor"]["nakta"] == 86.0  # the shortest prompt
     assert rows["llama3-8B", "decode_b1_pct_floor"]["peer_value"] == 30.0
     assert rows["llama3-8B", "throughput_128_128_tok_s"]["nakta"] == 17000.0
-    assert missing == ["llama3-8B/throughput_fp8"]
+    fp8 = rows["llama3-8B", "throughput_128_128_fp8_tok_s"]
+    assert (fp8["nakta"], fp8["peer_value"]) == (24000.0, 7000.0)  # HF from the bf16 run
+    assert families_report.ratio(rows["llama3-8B", "throughput_128_128_tok_s"]) == 17000 / 7000
+    assert missing == []
     assert families_report.ratio(rows["llama3-8B", "lm_eval_hellaswag_full_0shot_s"]) == 2.5
     families_report.write_outputs(summary, root, missing)
     written = json.loads((root / "families_summary.json").read_text())
     assert set(written) == {"device_name", "runs"}
     assert set(written["runs"][0]) == {"preset", "measure", "nakta", "peer", "peer_value"}
-    assert "throughput_fp8" in (root / "families.md").read_text()
+    assert "throughput_128_128_fp8_tok_s" in (root / "families.md").read_text()
     assert (root / "families.png").stat().st_size > 0
 
 
