@@ -78,9 +78,10 @@ def preset_args(name: str, vocab_size: int, max_seq_len: int):
 def make_random_hf(
     out: Path, args, dtype_name: str, device: str, seed: int, bos_eos: tuple[int, int] = (1, 2)
 ) -> None:
-    """``LlamaForCausalLM(LlamaConfig(...))`` with seeded random weights, saved as safetensors."""
+    """The preset's HF model (Llama, or Mistral with a sliding window: ``hf_config``) with seeded
+    random weights, saved as safetensors."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from speed_bench.hf_speed import default_dtype, hf_config
 
@@ -89,7 +90,7 @@ def make_random_hf(
     torch.manual_seed(seed)
     dtype = getattr(torch, DTYPES[dtype_name])
     with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)  # safetensors (transformers' default since 4.35)
     del model
     if torch.cuda.is_available():
