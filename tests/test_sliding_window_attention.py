@@ -442,8 +442,7 @@ MISTRAL = dict(hq=32, hkv=8, hd=128, window=4096)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_packed_window_at_mistral_heads(dtype):
     """Two 6,000-token chains and a HellaSwag-like tree of long contexts at Mistral-7B's heads,
-    window 4096: against the reference in fp32; and the windowed kernel on a 16K chain is
-    faster than the full one (tiles below the window are skipped, not masked)."""
+    window 4096: against the reference in fp32."""
     hq, hkv, hd, w = MISTRAL.values()
     rows = [(6000, []), (5000, [50, 70, 30]), (6000, [])]
     seq_start, span_end = layout(rows, pad=-sum(c + sum(b) for c, b in rows) % 128)
@@ -457,24 +456,13 @@ def test_gpu_packed_window_at_mistral_heads(dtype):
     full = packed_attention_reference(qkv.float(), seq_start, span_end, hq, hkv, hd)
     assert rel_err(full, want.double()) > 1e-2  # the window changes the answer
 
-    n = 16384
-    start = torch.zeros(n, dtype=torch.int32, device="cuda")
-    chain = torch.arange(n, dtype=torch.int32, device="cuda")
-    qkv = torch.randn(n, (hq + 2 * hkv) * hd, device="cuda", dtype=dtype)
-    times = {}
-    for name, kw in (("full", {}), ("window", dict(window=w, positions=chain))):
-        fn = lambda kw=kw: packed_attention(qkv, start, None, hq, hkv, hd, **kw)  # noqa: E731
-        times[name] = _gpu_time(fn)
-    # keys seen: n^2/2 full vs ~ n * w windowed (0.44 of it at 16K / 4K)
-    assert times["window"] < 0.75 * times["full"], times
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_decode_window_at_mistral_heads(dtype):
     """Batch 8, rows of 100 to 9,000 keys in 64-key pages, window 4096, one shared prefix of
-    5,000 keys read by the cascade: against the reference in fp32; rows of 10,240 keys are read
-    faster with the window (its splits cover the window only)."""
+    5,000 keys read by the cascade: against the reference in fp32. (That keys below the window
+    are never read is the CPU tests' NaN check; what it saves is a benchmark's job.)"""
     hq, hkv, hd, w = MISTRAL.values()
     g = torch.Generator(device="cuda").manual_seed(0)
     width, n_pages, batch = 160, 1400, 8
@@ -498,23 +486,3 @@ def test_gpu_decode_window_at_mistral_heads(dtype):
         assert err < 2.0**-6, (extra.keys(), err)
     full = decode_attention_reference(q.float(), k.float(), v.float(), lens, block_table=table)
     assert (full - ref).abs().max() > 1e-2
-
-    longest = torch.full((batch,), width * PAGE, device="cuda")  # 10,240 keys a row
-    t_full = _gpu_time(lambda: decode_attention(q, k, v, longest, block_table=table))
-    t_win = _gpu_time(lambda: decode_attention(q, k, v, longest, block_table=table, window=w))
-    assert t_win < 0.75 * t_full, (t_win, t_full)  # 40% of the keys
-
-
-def _gpu_time(fn, reps: int = 20) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` CUDA-event-timed calls (after a warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[reps // 2]
