@@ -23,6 +23,7 @@ BINARY=(  # name==version: the versions this repo's CPU environment runs
   # pydantic pinned to the core it was built against
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.5
+  httptools==0.9.0 uvloop==0.23.0  # uvicorn's C HTTP parser and event loop, used when present
 )
 SDIST_ONLY=(sqlitedict==2.1.0 word2number==1.1 rouge_score==0.1.2 fairscale==0.4.13)
 for spec in "${BINARY[@]}"; do

@@ -16,9 +16,9 @@ all prompts, output tok/s; the model is freed before (2): nakta-serve started as
 the same weights (``--random PRESET --seed``), then for each rate of ``--rates`` the prompts
 sent as streaming ``/v1/completions`` requests with Poisson arrivals at that rate (``inf``: all
 at once), each rate on a fresh replay after the previous drained. Finite rates replay the first
-``--rate-prompts`` prompts (a 2 req/s run of 1,000 would take 8 minutes). ``--chunk`` sets the
-server's decode chunk: fewer tokens between host checks let an arrival start sooner (TTFT) at
-some host cost per token.
+``--rate-prompts`` prompts (a 2 req/s run of 1,000 would take 8 minutes). ``--chunk`` and
+``--min-chunk`` set the server's decode chunk with a full and a light batch: fewer tokens between
+host checks let an arrival start sooner (TTFT) at some host cost per token.
 
 Per run: ``output_tok_s`` (tokens received / wall from the first send to the last token),
 ``requests_s``, TTFT (send -> first streamed event), TPOT ((last - first event) / (tokens - 1)
@@ -72,6 +72,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", default="2,5,10,20,40,inf", help="req/s, comma-separated")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--chunk", type=int, help="the server's --chunk (default: its own)")
+    p.add_argument("--min-chunk", type=int, help="the server's --min-chunk (default: its own)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--device", help="cpu | cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
@@ -190,7 +191,9 @@ class Server:
         if a.tokenizer:
             cmd += ["--tokenizer", a.tokenizer]
         cmd += ["--max-batch", str(a.max_batch), "--max-queue", str(max(a.prompts, 1024))]
-        for flag, v in (("--dtype", a.dtype), ("--device", a.device), ("--chunk", a.chunk)):
+        flags = (("--dtype", a.dtype), ("--device", a.device), ("--chunk", a.chunk),
+                 ("--min-chunk", a.min_chunk))  # fmt: skip
+        for flag, v in flags:
             if v:
                 cmd += [flag, str(v)]
         # this checkout first, then whatever the caller's path holds (carried wheels, say)
@@ -346,7 +349,7 @@ def write_results(out: Path, device_name: str, offline, runs: list[dict], a) -> 
     notes = (
         f"{src}, {a.prompts} prompts ({a.lengths} lengths, {a.input_len} in) x {a.output_len} "
         f"out, greedy, EOS ignored; finite rates replay the first {a.rate_prompts}; "
-        f"max_batch {a.max_batch}, server chunk {a.chunk or 'default'}; offline Generator "
+        f"max_batch {a.max_batch}, server chunk {a.chunk or 'default'} (min {a.min_chunk or 'default'}); offline Generator "
         + (f"{offline:,.0f} output tok/s" if offline else "not run")
     )
     write_table(df, out, "serve", f"nakta-serve on {device_name}", notes)

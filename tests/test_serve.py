@@ -428,6 +428,76 @@ def test_generator_feed_joins_running_batch_and_cancel_frees_pages(offline):
     assert gen.pool.used_pages == gen.held_pages == 0 and feed.flushes > 0
 
 
+class _ListFeed:
+    """A feed that hands over ``arrivals[k]`` at its k-th poll and stops once idle with nothing
+    left; ``busy(n)``: what ``pending()`` says at its n-th call (a cut-short pipelined run)."""
+
+    def __init__(self, arrivals: dict, busy=lambda n: False):
+        self.arrivals, self.busy, self.polls, self.asked = dict(arrivals), busy, 0, 0
+
+    def poll(self, idle):
+        self.polls += 1
+        new = self.arrivals.pop(self.polls, [])
+        if idle and not new and not self.arrivals:
+            return None
+        return new, []
+
+    def pending(self):
+        self.asked += 1
+        return self.busy(self.asked)
+
+    def flush(self):
+        pass
+
+
+def test_adaptive_chunk_rule(offline):
+    """Offline: always ``chunk``. Online: a power-of-two multiple of ``min_chunk`` covering
+    ``chunk`` scaled by the batch's fill, at most ``chunk``."""
+    from nakta_model.generation.engine import Generator
+
+    model = offline[0]
+    with pytest.raises(ValueError, match="min_chunk"):
+        Generator(model, max_batch=8, chunk=4, min_chunk=5)
+    with pytest.raises(ValueError, match="min_chunk"):
+        Generator(model, max_batch=8, chunk=4, min_chunk=0)
+    gen = Generator(model, max_batch=256, chunk=16, min_chunk=2, pages=64)
+    assert [gen._chunk_for(n) for n in (1, 256)] == [16, 16]  # no feed: offline
+    gen._feed = object()
+    got = [gen._chunk_for(n) for n in (1, 10, 32, 33, 64, 100, 128, 200, 256)]
+    assert got == [2, 2, 2, 4, 4, 8, 8, 16, 16]
+    gen.min_chunk = 16  # min_chunk == chunk: no adaptation
+    assert gen._chunk_for(1) == 16
+
+
+@pytest.mark.parametrize("busy", [lambda n: False, lambda n: n % 2 == 0], ids=["free", "cut"])
+def test_adaptive_and_cut_short_chunks_give_the_offline_tokens(offline, busy):
+    """Online, a light batch decodes short chunks (tokens reach ``on_tokens`` a few at a time,
+    not ``chunk`` at a time) and a feed with something pending ends a pipelined run at the next
+    read; either way every request gets exactly the offline Generator's tokens."""
+    from nakta_model.generation.engine import GenerationRequest, Generator
+
+    model, tok, _ = offline
+    ids = [tok.encode(p, bos=True, eos=False) for p in PROMPTS]
+    reqs = [GenerationRequest(p, 24) for p in ids]
+    want = [r.tokens for r in Generator(model, max_batch=8, chunk=8).generate(reqs)]
+    gen = Generator(model, max_batch=8, chunk=8, min_chunk=1)
+    got, steps = {}, {}
+
+    def on_tokens(i, tokens, finish):
+        steps.setdefault(i, []).append(len(tokens) - sum(steps.get(i, [])))
+        if finish:
+            got[i] = list(tokens)
+
+    # one request at first, the rest arrive while it decodes
+    feed = _ListFeed({1: [(0, reqs[0])], 3: [(i, r) for i, r in enumerate(reqs) if i]}, busy)
+    gen.generate([], on_tokens=on_tokens, feed=feed)
+    assert [got[i] for i in range(len(ids))] == want
+    assert max(steps[0][1:4]) == 1  # one row of eight: a chunk of min_chunk = 1 step
+    assert all(n <= 8 for s in steps.values() for n in s)
+    assert gen.pool.used_pages == gen.held_pages == 0
+    assert feed.asked > 0  # pipelined runs happened (and, with "cut", were cut short)
+
+
 def test_bad_command_line_is_one_error_line_exit_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv, words in (

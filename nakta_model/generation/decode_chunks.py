@@ -27,6 +27,9 @@ class DecodeChunks:
     model: object
     device: torch.device
     chunk: int
+    min_chunk: int
+    max_batch: int
+    _feed: object
     graph_mode: str
     cascade: bool
     n_prefixes: int
@@ -104,7 +107,7 @@ class DecodeChunks:
         t0 = time.perf_counter()
         self.stats.continued_chunks += 1
         step.restart()  # after the copy of pending's tokens, in stream order
-        steps = min(self.chunk, left)
+        steps = min(self._chunk_for(len(active)), left)
         step.run(steps)
         return step, steps, t0, step.read_out(steps)
 
@@ -134,8 +137,22 @@ class DecodeChunks:
         return min(r.request.max_new_tokens - len(r.tokens), self.max_seq_len - (r.position + 1))
 
     def _chunk_steps(self, active: list[int], slots) -> int:
-        """The next chunk's steps: ``chunk``, shortened so that no row runs past its budget."""
-        return max(1, min([self.chunk] + [self._left(slots[s]) for s in active]))
+        """The next chunk's steps: ``_chunk_for`` the active rows, shortened so that no row
+        runs past its budget."""
+        return max(1, min([self._chunk_for(len(active))] + [self._left(slots[s]) for s in active]))
+
+    def _chunk_for(self, rows: int) -> int:
+        """Steps between host checks for ``rows`` active rows. Offline: ``chunk``. Online (a
+        feed): the least power-of-two multiple of ``min_chunk`` that covers ``chunk`` scaled by
+        the batch's fill, so that a light batch reads its tokens (and lets an arrival prefill)
+        every few steps while a full one keeps the long chunk's low host cost per token. A
+        shorter chunk changes when tokens are read, never which (the step is the same)."""
+        if self._feed is None or self.min_chunk >= self.chunk:
+            return self.chunk
+        want, steps = self.chunk * rows / self.max_batch, self.min_chunk
+        while steps < want:
+            steps *= 2
+        return min(steps, self.chunk)
 
     def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
         _, steps, t0, out = pending

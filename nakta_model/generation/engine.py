@@ -152,7 +152,10 @@ class Generator(RowPages, DecodeChunks):
     admitted or prefilled, the next decode chunk of the same rows is enqueued before this
     chunk's tokens are read, so the host's reading and bookkeeping overlap the GPU's next chunk
     (``_decode_chunk``; off: each chunk read before the next is enqueued, the simpler order
-    tests compare against).
+    tests compare against). ``min_chunk`` (default ``chunk``): with a ``feed`` (online), a
+    chunk shrinks toward it while few rows run (``DecodeChunks._chunk_for``): an arrival waits
+    for the chunk in flight before its prefill, and a light batch's host check costs little;
+    a full batch decodes ``chunk`` steps between checks. Offline calls always run ``chunk``.
     """
 
     def __init__(
@@ -171,9 +174,13 @@ class Generator(RowPages, DecodeChunks):
         memory_fraction: float = 0.8,
         prefill_burst: int | None = None,
         pipeline: bool = True,
+        min_chunk: int | None = None,
     ):
         check_int("max_batch", max_batch, 1, max_rows(), " (the decode step's limit)")
         check_int("chunk", chunk, 1)
+        self.min_chunk = chunk if min_chunk is None else check_int("min_chunk", min_chunk, 1)
+        if self.min_chunk > chunk:
+            raise ValueError(f"min_chunk must be <= chunk ({chunk}), got {min_chunk}")
         max_seq_len = check_int("max_seq_len", max_seq_len or model.args.max_seq_len, 2)
         check_int("prefix_rows", prefix_rows, 0)
         check_int("prefill_chunk", prefill_chunk, 1)

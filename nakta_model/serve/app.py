@@ -355,15 +355,24 @@ def _submit(state: ServerState, prompts: list[list[int]], s: Sampling) -> list[_
     return jobs
 
 
+async def _wait_event(ev: asyncio.Event, timeout: float) -> None:
+    """Until ``ev`` is set (then cleared), else TimeoutError after ``timeout`` seconds. Not
+    ``asyncio.wait_for``: that wraps every wait in a task of its own, and a stream waits once
+    per chunk it receives."""
+    if not ev.is_set():
+        async with asyncio.timeout(timeout):
+            await ev.wait()
+    ev.clear()
+
+
 async def _wait_all(request: Request, state: ServerState, jobs: list[_Job]) -> None:
     """Until every job finished; a client that goes away cancels them (their pages return)."""
     checked = time.monotonic()
     try:
         while not all(j.handle.finish for j in jobs):
             ev = jobs[0].handle.event
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(ev.wait(), DISCONNECT_CHECK_S)
-                ev.clear()
+            with contextlib.suppress(TimeoutError):
+                await _wait_event(ev, DISCONNECT_CHECK_S)
             if time.monotonic() - checked >= DISCONNECT_CHECK_S:  # tokens or not
                 checked = time.monotonic()
                 if await request.is_disconnected():
@@ -542,9 +551,8 @@ def _sse(request, state, jobs: list[_Job], s: Sampling, head: dict, chat: bool):
                     yield event({"index": j.index, "delta": delta, "finish_reason": None})
             while len(done) < len(jobs):
                 try:
-                    await asyncio.wait_for(ev.wait(), DISCONNECT_CHECK_S)
-                    ev.clear()
-                except asyncio.TimeoutError:
+                    await _wait_event(ev, DISCONNECT_CHECK_S)
+                except TimeoutError:
                     if await request.is_disconnected():
                         return
                     continue

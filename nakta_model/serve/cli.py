@@ -54,6 +54,7 @@ class ServeSettings:
     max_batch: int
     max_queue: int
     chunk: int
+    min_chunk: int
     max_body_bytes: int
     drain_s: float
     warmup: bool | None
@@ -82,8 +83,13 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         "before new ones get 429 (default 1024)"
     )  # fmt: skip
     p.add_argument(
-        "--chunk", type=int, default=8, help="tokens decoded between host checks (default 8: "
-        "an arrival waits for at most the chunk in flight before its prefill)"
+        "--chunk", type=int, default=16, help="tokens decoded between host checks with a full "
+        "batch (default 16, the offline Generator's)"
+    )  # fmt: skip
+    p.add_argument(
+        "--min-chunk", type=int, default=2, help="the chunk while few rows run (default 2: an "
+        "arrival waits for at most the chunk in flight before its prefill); it grows with the "
+        "batch's fill up to --chunk"
     )  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap")
     p.add_argument("--drain-s", type=float, default=30.0, help="SIGTERM: wait for rows (s)")
@@ -97,9 +103,10 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
     if not 0 <= a.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {a.port}")
-    for name in ("max_queue", "chunk", "max_body_bytes"):
+    for name in ("max_queue", "chunk", "min_chunk", "max_body_bytes"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    a.min_chunk = min(a.min_chunk, a.chunk)  # --chunk 4 alone: chunks of 2..4
     if a.max_batch is not None and a.max_batch < 1:
         p.error(f"--max-batch must be >= 1, got {a.max_batch}")
     if a.drain_s < 0:
@@ -111,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
     name = a.model_name or (Path(a.checkpoint).resolve().name if a.checkpoint else a.random)
     return ServeSettings(
         a.checkpoint, a.random, a.tokenizer, name, a.host, a.port, a.api_key, a.dtype,
-        a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.max_body_bytes,
+        a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.min_chunk, a.max_body_bytes,
         a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
     )  # fmt: skip
 
@@ -179,7 +186,7 @@ def build(s: ServeSettings):
     max_batch = s.max_batch or (256 if device.type == "cuda" else 8)
     if max_batch > max_rows():
         raise InputError(f"--max-batch {max_batch}: at most {max_rows()} rows decode at once")
-    gen = Generator(model, max_batch=max_batch, chunk=s.chunk)
+    gen = Generator(model, max_batch=max_batch, chunk=s.chunk, min_chunk=s.min_chunk)
     if s.warmup if s.warmup is not None else device.type == "cuda":
         _warm_up(gen, tok)
     metrics = Metrics()
