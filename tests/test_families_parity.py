@@ -3,8 +3,7 @@
 fp32 on the CPU: logits equal to fp32 rounding (1e-4 absolute; observed a few 1e-6) and greedy
 tokens identical, for every case of the report: Llama-3 (Meta and HF), Llama-3.1 scaled RoPE
 (the HF cases' original context is 16 tokens: positions up to 40 pass it), Llama-3.2 tied,
-Mistral (its 4096 window longer than these sequences: sliding is the attention kernels' to
-test), Llama-2 70B-style GQA (Meta and HF), TinyLlama. Vocabularies are cut to 512 here except
+Mistral (a 12-token window, shorter than the sequences: the window exercised), Llama-2 70B-style GQA (Meta and HF), TinyLlama. Vocabularies are cut to 512 here except
 one case at Llama-3's real 128,256 (the report itself runs them all at their real size).
 """
 
