@@ -23,6 +23,7 @@ scored rows), ``model.forward_decode(...)`` (a decode step's logits). Building o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -383,7 +384,8 @@ class Transformer(nn.Module):
         ctx = parallel or ParallelContext()
         args.check_tp(ctx.tp_size)
         self.args, self.parallel = args, ctx
-        self.ops = _Ops(kernels or _default_kernels(), quant)
+        self.precision = Precision.of(quant)  # parsed by the caller: not again
+        self.ops = _Ops(kernels or _default_kernels(), self.precision)
         # _weight: no random init (on the meta device it would import torch._dynamo: seconds)
         self.tok_embeddings = nn.Embedding(
             args.vocab_size, args.dim, _weight=torch.zeros(args.vocab_size, args.dim)
@@ -411,6 +413,19 @@ class Transformer(nn.Module):
     def quant(self) -> str | None:
         """``None`` (the model's dtype throughout) or ``"fp8"`` (see ``nakta_model/fp8.py``)."""
         return self.ops.quant
+
+    @property
+    def kv_cache(self) -> str:
+        """The KV cache's dtype: ``"bf16"`` (the model's dtype) or ``"fp8"`` (e4m3 + scales)."""
+        return self.precision.kv_cache
+
+    def set_kv_cache(self, kv_cache: str) -> None:
+        """Change the KV cache's dtype (a parsed ``Precision.kv_cache`` value); a cache of the
+        other dtype is freed (the KV pool sees it replaced and rebuilds at its next use)."""
+        if kv_cache == self.precision.kv_cache:
+            return
+        self.precision = dataclasses.replace(self.precision, kv_cache=kv_cache)  # checks it
+        self.clear_cache()
 
     @property
     def kernels(self) -> str:
@@ -476,6 +491,13 @@ class Transformer(nn.Module):
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(
                 f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"
+            )
+        if self.kv_cache == "fp8":
+            # e4m3 pages need the quantizing writes and dequantizing reads in the RoPE and
+            # attention kernels; until every path has them, refuse rather than misread pages
+            raise ValueError(
+                "kv_cache='fp8' is not supported by the model's attention paths yet: "
+                "use kv_cache='bf16'"
             )
         if (max_batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len):
             return

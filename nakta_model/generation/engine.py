@@ -52,6 +52,7 @@ from typing import Protocol
 import torch
 
 from nakta_model import knobs
+from nakta_model.fp8 import Precision, check_kv_cache
 from nakta_model.generation.decode_chunks import DecodeChunks
 from nakta_model.generation.prefill_stream import PrefillStream
 from nakta_model.generation.requests import (
@@ -152,7 +153,8 @@ class Generator(RowPages, DecodeChunks):
     admitted or prefilled, the next decode chunk of the same rows is enqueued before this
     chunk's tokens are read, so the host's reading and bookkeeping overlap the GPU's next chunk
     (``_decode_chunk``; off: each chunk read before the next is enqueued, the simpler order
-    tests compare against).
+    tests compare against). ``kv_cache`` (``"bf16"``/``"fp8"`` or a parsed ``Precision``;
+    None: the model's as loaded) sets the model's KV cache dtype (``Precision.kv_cache``).
     """
 
     def __init__(
@@ -171,7 +173,11 @@ class Generator(RowPages, DecodeChunks):
         memory_fraction: float = 0.8,
         prefill_burst: int | None = None,
         pipeline: bool = True,
+        kv_cache: Precision | str | None = None,
     ):
+        if kv_cache is not None:  # the model's KV dtype for every user of its pool from now on
+            kv = kv_cache.kv_cache if isinstance(kv_cache, Precision) else check_kv_cache(kv_cache)
+            model.set_kv_cache(kv)
         check_int("max_batch", max_batch, 1, max_rows(), " (the decode step's limit)")
         check_int("chunk", chunk, 1)
         max_seq_len = check_int("max_seq_len", max_seq_len or model.args.max_seq_len, 2)
