@@ -50,11 +50,13 @@ def test_unparsed_kv_cache_is_refused():
 
 def test_device_check_names_kv_cache(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="kv_cache='fp8' needs a CUDA GPU"):
-        Precision.parse(None, "fp8").check_device("cpu")
     with pytest.raises(ValueError, match="quant='fp8' needs a CUDA GPU"):
-        check_fp8_device("cpu")
-    Precision.parse().check_device("cpu")  # the default needs nothing
+        Precision.parse("fp8", "fp8").check_device("cpu")
+    with pytest.raises(ValueError, match="kv_cache='fp8' needs a CUDA GPU"):
+        check_fp8_device("cpu", what="kv_cache='fp8'")
+    # the CPU's reference paths dequantize in PyTorch: an fp8 cache runs there
+    Precision.parse(None, "fp8").check_device("cpu")
+    Precision.parse().check_device("cpu")
 
 
 def test_model_carries_kv_cache_and_generator_sets_it():
