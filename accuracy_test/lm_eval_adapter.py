@@ -151,9 +151,10 @@ class NaktaLM(ScoringLM):
         dp: int | str = 1,
         background_load: bool | str = False,
         quant: str | None = None,
+        kv_cache: str | None = None,
         **unknown,
     ):
-        from nakta_model.fp8 import Precision
+        from nakta_model.fp8 import Precision, check_kv_cache
         from nakta_model.loading import CheckpointDir
         from nakta_model.model import KERNEL_MODES
         from nakta_model.parallel import ParallelConfigError, ParallelContext, init_parallel
@@ -173,8 +174,12 @@ class NaktaLM(ScoringLM):
             None if prefix_budget in (None, "") else _positive_int("prefix_budget", prefix_budget)
         )
         background = _as_bool(background_load, "background_load")
+        try:  # kv_cache=fp8: e4m3 KV pages (nakta_model/fp8.py); opt-in; checked first, so
+            check_kv_cache(kv_cache)  # that a bad value is named as that argument
+        except (TypeError, ValueError) as e:
+            raise ModelArgsError(f"nakta kv_cache: {e}") from None
         try:  # quant=fp8: e4m3 block matrices (nakta_model/fp8.py); opt-in; parsed once here
-            self.precision = Precision.parse(quant)
+            self.precision = Precision.parse(quant, kv_cache)
         except (TypeError, ValueError) as e:
             raise ModelArgsError(f"nakta quant: {e}") from None
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
@@ -194,7 +199,8 @@ class NaktaLM(ScoringLM):
         try:  # the device's verdict on the precision, before any weight is read
             self.precision.check_device(self.device)
         except ValueError as e:
-            raise ModelArgsError(f"nakta quant={self.precision.quant}: {e}") from None
+            arg = "kv_cache" if "kv_cache" in str(e) else "quant"
+            raise ModelArgsError(f"nakta {arg}={getattr(self.precision, arg)}: {e}") from None
         with _load_errors(checkpoint):  # settings only (read once): a bad tokenizer fails first
             opened = CheckpointDir.open(checkpoint)
         args = opened.args

@@ -7,7 +7,8 @@ e4m3 weights with one fp32 scale per output channel (quantized on this rank's sh
 tensor parallelism each rank's channels have their own scales) and per-token e4m3 activations
 that the kernels before them write already quantized (RMSNorm, SwiGLU; the attention output
 goes through ``quantize_rows``). The embedding, the norms' weights, RoPE, the attention math,
-the KV cache and the LM head stay in the model's dtype: the LM head decides the logprobs.
+the LM head stay in the model's dtype: the LM head decides the logprobs. The KV cache's dtype
+is a separate option (``kv_cache``, :class:`Precision`), independent of the weights'.
 
 The GEMMs are cuBLASLt's FP8 GEMMs (``kernels/fp8_gemm.py``), so the device needs compute
 capability 8.9 (Ada, Hopper) or newer; on the CPU, FP8 runs only under the Triton interpreter
@@ -29,11 +30,13 @@ from nakta_model.kernels.fp8_quant import FP8_DTYPE, QuantRows, quantize_weight
 from nakta_model.layout import nakta_shapes, nakta_tensor
 
 __all__ = [
+    "KV_CACHE_MODES",
     "QUANT_MODES",
     "QUANTIZED_KINDS",
     "Fp8Linear",
     "Precision",
     "check_fp8_device",
+    "check_kv_cache",
     "check_quant",
     "is_quantized_name",
     "quantize_state",
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 QUANT_MODES = (None, "fp8")
+KV_CACHE_MODES = ("bf16", "fp8")  # "bf16": the model's dtype (bf16, fp16 or fp32)
 QUANTIZED_KINDS = ("wqkv", "wo", "w13", "w2")
 SCALE_SUFFIX = "_scale"
 MIN_CAPABILITY = (8, 9)
@@ -63,6 +67,22 @@ def check_quant(quant: object) -> str | None:
     return q
 
 
+def check_kv_cache(kv_cache: object) -> str:
+    """``"bf16"`` (the default: the model's own dtype, whatever it is) or ``"fp8"`` (e4m3 K/V
+    with an fp32 scale per token and KV head); any case, None and ``""`` mean the default,
+    ``"fp16"``/``"fp32"``/``"model"`` too (the cache follows the model's dtype)."""
+    if kv_cache is None:
+        return "bf16"
+    if not isinstance(kv_cache, str):
+        raise TypeError(f"kv_cache must be 'bf16' or 'fp8', got {type(kv_cache).__name__}")
+    k = kv_cache.strip().lower()
+    if k in ("", "bf16", "fp16", "fp32", "model"):
+        return "bf16"
+    if k != "fp8":
+        raise ValueError(f"kv_cache must be 'bf16' or 'fp8', got {kv_cache!r}")
+    return k
+
+
 @dataclass(frozen=True)
 class Precision:
     """The precision options beyond the model's dtype, parsed once where a command reads its
@@ -70,21 +90,26 @@ class Precision:
     and the model take it as it is, nothing below re-checks or re-encodes it.
 
     ``quant``: None (the model's dtype throughout) or ``"fp8"`` (e4m3 block matrices and
-    activations, see the module docstring). The KV cache's dtype is the next option to join
-    (a ``kv_cache`` field, ``"bf16"`` / ``"fp8"``): one more field here, parsed in
-    :meth:`parse`, read where the cache is built.
+    activations, see the module docstring). ``kv_cache``: ``"bf16"`` (the model's dtype) or
+    ``"fp8"`` (e4m3 K/V, one fp32 scale per token and KV head: twice the positions in the same
+    bytes), read where the cache is built (``Transformer.setup_cache``); independent of
+    ``quant``.
     """
 
     quant: str | None = None
+    kv_cache: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:  # only parse() and the defaults build one
             raise ValueError(f"quant must be None or 'fp8', got {self.quant!r} (use parse)")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be 'bf16' or 'fp8', got {self.kv_cache!r} (use parse)")
 
     @classmethod
-    def parse(cls, quant: object = None) -> Precision:
-        """The options from a user's values (``quant``: see :func:`check_quant`)."""
-        return cls(quant=check_quant(quant))
+    def parse(cls, quant: object = None, kv_cache: object = None) -> Precision:
+        """The options from a user's values (``quant``: see :func:`check_quant`; ``kv_cache``:
+        :func:`check_kv_cache`)."""
+        return cls(quant=check_quant(quant), kv_cache=check_kv_cache(kv_cache))
 
     @classmethod
     def of(cls, value: Precision | str | None) -> Precision:
@@ -96,9 +121,13 @@ class Precision:
         """Whether ``device`` can run these options (:func:`check_fp8_device` for FP8)."""
         if self.quant == "fp8":
             check_fp8_device(device)
+        # e4m3 loads and stores in the attention kernels; the CPU's reference paths
+        # dequantize in PyTorch, so only a GPU is checked
+        if self.kv_cache == "fp8" and torch.device(device).type == "cuda":
+            check_fp8_device(device, what="kv_cache='fp8'")
 
 
-def check_fp8_device(device: torch.device | str) -> None:
+def check_fp8_device(device: torch.device | str, what: str = "quant='fp8'") -> None:
     """FP8 GEMMs need a CUDA device of compute capability >= 8.9; the CPU only under the Triton
     interpreter (tests). Raises ``ValueError`` naming the device and what it needs."""
     device = torch.device(device)
@@ -108,14 +137,14 @@ def check_fp8_device(device: torch.device | str) -> None:
         if cap < MIN_CAPABILITY:
             name = torch.cuda.get_device_name(index)
             raise ValueError(
-                f"quant='fp8' needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer); "
-                f"{device} is a {name} of capability {cap[0]}.{cap[1]}: drop quant"
+                f"{what} needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer); "
+                f"{device} is a {name} of capability {cap[0]}.{cap[1]}: drop {what.split('=')[0]}"
             )
         return
     if device.type == "cpu" and interpreter_enabled():
         return
     raise ValueError(
-        f"quant='fp8' needs a CUDA GPU of compute capability >= 8.9, got device {device} "
+        f"{what} needs a CUDA GPU of compute capability >= 8.9, got device {device} "
         "(on the CPU it runs only under TRITON_INTERPRET=1, for tests)"
     )
 

@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fp8: e4m3 block matrices (needed for an FP8 checkpoint; a GPU of compute "
         "capability >= 8.9)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-cache", choices=["bf16", "fp8"], default="bf16",
+        help="the KV cache's dtype: bf16 (the model's dtype) or fp8 (e4m3 K/V with a scale per "
+        "token and KV head: twice the positions in the same memory; a GPU of capability >= 8.9)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every rank the same)")
     p.add_argument(
         "--warmup", type=int, help="untimed runs first (default: 1 on a GPU: compile, capture)"
@@ -102,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--system goes with --chat")
     from nakta_model.fp8 import Precision
 
-    a.precision = Precision.parse(a.quant)  # the precision options, parsed once: passed down
+    a.precision = Precision.parse(a.quant, a.kv_cache)  # parsed once here: passed down
     return a
 
 
@@ -205,7 +210,8 @@ def _run(a, parallel) -> list[dict] | None:
     try:  # the device's verdict, before the weights are read
         a.precision.check_device(device)
     except ValueError as e:
-        raise InputError(f"--quant {a.quant}: {e}") from None
+        flag = "--kv-cache fp8" if "kv_cache" in str(e) else f"--quant {a.quant}"
+        raise InputError(f"{flag}: {e}") from None
     with checkpoint_errors(a.checkpoint):
         model = load(opened, device, dtype, parallel, quant=a.precision)
     session = GenerationSession(a, model, load_tokenizer(tok_path), parallel)

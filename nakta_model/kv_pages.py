@@ -228,8 +228,9 @@ class KVPool(PagePool):
         dst_t = torch.tensor(dst, dtype=torch.long, device=dev)
         for layer in self.model.layers:
             att = layer.attention
-            for cache in (att.k_cache, att.v_cache):
-                cache.index_copy_(0, dst_t, cache.index_select(0, src_t))
+            for cache in (att.k_cache, att.v_cache, att.k_scale, att.v_scale):
+                if cache is not None:  # the scales: kv_cache="fp8" only
+                    cache.index_copy_(0, dst_t, cache.index_select(0, src_t))
 
     def _rebuild(self, n_pages: int) -> None:
         m = self.model
@@ -272,11 +273,16 @@ def pages_for(positions: int) -> int:
 
 
 def page_bytes(model) -> int:
-    """Bytes of one page: K and V of ``PAGE_SIZE`` positions in every layer."""
-    per_position = sum(
-        2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in model.layers
-    )
-    return per_position * PAGE_SIZE * torch.empty((), dtype=model.dtype).element_size()
+    """Bytes of one page: K and V of ``PAGE_SIZE`` positions in every layer; with
+    ``kv_cache="fp8"`` one byte an element plus an fp32 scale per position and KV head (a
+    128-dim bf16 head: 256 bytes, e4m3: 132, so ~1.94x the positions in the same memory)."""
+    per_position = 0
+    fp8 = getattr(model, "kv_cache", "bf16") == "fp8"
+    elem = 1 if fp8 else torch.empty((), dtype=model.dtype).element_size()
+    for layer in model.layers:
+        a = layer.attention
+        per_position += 2 * a.n_kv_heads * (a.head_dim * elem + (4 if fp8 else 0))
+    return per_position * PAGE_SIZE
 
 
 def kv_bytes_available(model) -> int:
@@ -292,8 +298,12 @@ def kv_bytes_available(model) -> int:
 
 def _cache_bytes(model) -> int:
     """Bytes of the model's current KV cache (0: none)."""
-    k0 = model.layers[0].attention.k_cache
-    return 0 if k0 is None else 2 * len(model.layers) * k0.numel() * k0.element_size()
+    a0 = model.layers[0].attention
+    k0, s0 = a0.k_cache, a0.k_scale
+    if k0 is None:
+        return 0
+    per_layer = k0.numel() * k0.element_size() + (0 if s0 is None else s0.numel() * 4)
+    return 2 * len(model.layers) * per_layer
 
 
 def pool_pages(model, *, cap: int, fraction: float = 0.8) -> int:

@@ -23,6 +23,7 @@ scored rows), ``model.forward_decode(...)`` (a decode step's logits). Building o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
 from nakta_model.kernels import swiglu as _swiglu
 from nakta_model.kernels._checks import interpreter_enabled
+from nakta_model.kernels.fp8_quant import FP8_DTYPE
 from nakta_model.parallel import ParallelContext, all_reduce, gather_last_dim
 
 __all__ = ["Transformer"]
@@ -198,10 +200,10 @@ class DecodePath:
             return self.ops.decode_gemm(x, layer.weight, out_dtype=self.dtype, **kw)
         return self.ops.decode_linear(x, layer.weight, **kw)
 
-    def attention(self, q, k_cache, v_cache, lens) -> torch.Tensor:
+    def attention(self, q, k_cache, v_cache, lens, **scales) -> torch.Tensor:
         return self.ops.decode_attention(
             q, k_cache, v_cache, lens, n_splits=self.splits, workspace=self.workspace,
-            **self.attention_kw,
+            **self.attention_kw, **scales,
         )  # fmt: skip
 
     def normed(self, h, layer, norm, **kw) -> tuple:
@@ -249,7 +251,24 @@ class Attention(nn.Module):
         self.wo = ops.linear(self.n_heads * self.head_dim, args.dim)
         self.k_cache: torch.Tensor | None = None  # [max_batch * max_seq, n_kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        # kv_cache="fp8": the caches hold e4m3 codes, these one fp32 scale per slot and KV head
+        self.k_scale: torch.Tensor | None = None  # [max_batch * max_seq, n_kv_heads]
+        self.v_scale: torch.Tensor | None = None
         self.cache_seq_len = 0
+
+    def cache_kw(self) -> dict:
+        """The caches as the RoPE write and the attention reads take them (e4m3: with the
+        scales)."""
+        kw = dict(k_cache=self.k_cache, v_cache=self.v_cache)
+        if self.k_scale is not None:
+            kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        return kw
+
+    def _dense_cache(self, cache: torch.Tensor, scale: torch.Tensor | None, dtype) -> torch.Tensor:
+        """The cache in ``dtype`` (e4m3 dequantized: codes * scale) for the dense path."""
+        if scale is None:
+            return cache
+        return (cache.float() * scale[..., None]).to(dtype)
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         hq, hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
@@ -261,9 +280,7 @@ class Attention(nn.Module):
             # pass on long rows: every query block re-rotates the same keys.)
             cache = {}
             if step.cache_slots is not None:
-                cache = dict(
-                    k_cache=self.k_cache, v_cache=self.v_cache, cache_slots=step.cache_slots
-                )
+                cache = dict(self.cache_kw(), cache_slots=step.cache_slots)
             self.ops.rope_qkv_(
                 qkv, step.positions, step.cos, step.sin, hq, hkv, hd,
                 interleaved=self.interleaved, **cache,
@@ -273,14 +290,14 @@ class Attention(nn.Module):
                 pp = step.prefix
                 prefix = _packed.PrefixKV(
                     self.k_cache, self.v_cache, pp.page_table, pp.lengths, pp.token_entry,
-                    pp.page_size,
+                    pp.page_size, self.k_scale, self.v_scale,
                 )  # fmt: skip
             win = {} if self.window is None else dict(window=self.window, positions=step.positions)
             out = self.ops.packed_attention(qkv, *step.packed, hq, hkv, hd, prefix=prefix, **win)
             return all_reduce(self.wo(out), self.ctx)
         cache = {}
         if step.cache_slots is not None:
-            cache = dict(k_cache=self.k_cache, v_cache=self.v_cache, cache_slots=step.cache_slots)
+            cache = dict(self.cache_kw(), cache_slots=step.cache_slots)
         self.ops.rope_qkv_(
             qkv,
             step.positions,
@@ -296,8 +313,16 @@ class Attention(nn.Module):
         q = heads[:, :, :hq].transpose(1, 2)
         if step.cache_slots is not None:
             kv_shape = (-1, self.cache_seq_len, hkv, hd)
-            k = self.k_cache.view(kv_shape)[:b, : step.key_len].transpose(1, 2)
-            v = self.v_cache.view(kv_shape)[:b, : step.key_len].transpose(1, 2)
+            sc_shape = kv_shape[:3]
+            k, v, ks, vs = self.k_cache, self.v_cache, self.k_scale, self.v_scale
+            if ks is not None:
+                ks, vs = (
+                    ks.view(sc_shape)[:b, : step.key_len],
+                    vs.view(sc_shape)[:b, : step.key_len],
+                )
+            k = self._dense_cache(k.view(kv_shape)[:b, : step.key_len], ks, qkv.dtype)
+            v = self._dense_cache(v.view(kv_shape)[:b, : step.key_len], vs, qkv.dtype)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         else:
             k = heads[:, :, hq : hq + hkv].transpose(1, 2)
             v = heads[:, :, hq + hkv :].transpose(1, 2)
@@ -353,17 +378,22 @@ class TransformerBlock(nn.Module):
         positions = d.positions
         kc = a.k_cache.view(-1, d.page, hkv, hd)
         vc = a.v_cache.view(-1, d.page, hkv, hd)
-        if a.interleaved:
+        scales = {}
+        if a.k_scale is not None:  # e4m3 pages: their scales, paged alike
+            scales = dict(
+                k_scale=a.k_scale.view(-1, d.page, hkv), v_scale=a.v_scale.view(-1, d.page, hkv)
+            )
+        if a.interleaved and not scales:
             rope = _dl.RopeArgs(positions, d.cos, d.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots)
             q, h = d.normed(h, a.wqkv, self.attention_norm, rope=rope)
-        else:  # HF's rotate-half pairs: the rope kernel rotates and writes the cache
+        else:  # HF's rotate-half pairs, or e4m3 pages (quantizing write): the rope kernel
             qkv, h = d.normed(h, a.wqkv, self.attention_norm)
             self.ops.rope_qkv_(
-                qkv, positions, d.cos, d.sin, hq, hkv, hd, interleaved=False,
-                k_cache=a.k_cache, v_cache=a.v_cache, cache_slots=slots,
+                qkv, positions, d.cos, d.sin, hq, hkv, hd, interleaved=a.interleaved,
+                cache_slots=slots, **a.cache_kw(),
             )  # fmt: skip
             q = qkv[:, : hq * hd]
-        o = d.attention(q.view(b, hq, hd), kc, vc, lens).view(b, hq * hd)
+        o = d.attention(q.view(b, hq, hd), kc, vc, lens, **scales).view(b, hq * hd)
         h = d.add(o, a.wo, h)
         g, h = d.normed(h, f.w13, self.ffn_norm, swiglu=True)
         return d.add(g, f.w2, h)
@@ -383,7 +413,8 @@ class Transformer(nn.Module):
         ctx = parallel or ParallelContext()
         args.check_tp(ctx.tp_size)
         self.args, self.parallel = args, ctx
-        self.ops = _Ops(kernels or _default_kernels(), quant)
+        self.precision = Precision.of(quant)  # parsed by the caller: not again
+        self.ops = _Ops(kernels or _default_kernels(), self.precision)
         # _weight: no random init (on the meta device it would import torch._dynamo: seconds)
         self.tok_embeddings = nn.Embedding(
             args.vocab_size, args.dim, _weight=torch.zeros(args.vocab_size, args.dim)
@@ -411,6 +442,19 @@ class Transformer(nn.Module):
     def quant(self) -> str | None:
         """``None`` (the model's dtype throughout) or ``"fp8"`` (see ``nakta_model/fp8.py``)."""
         return self.ops.quant
+
+    @property
+    def kv_cache(self) -> str:
+        """The KV cache's dtype: ``"bf16"`` (the model's dtype) or ``"fp8"`` (e4m3 + scales)."""
+        return self.precision.kv_cache
+
+    def set_kv_cache(self, kv_cache: str) -> None:
+        """Change the KV cache's dtype (a parsed ``Precision.kv_cache`` value); a cache of the
+        other dtype is freed (the KV pool sees it replaced and rebuilds at its next use)."""
+        if kv_cache == self.precision.kv_cache:
+            return
+        self.precision = dataclasses.replace(self.precision, kv_cache=kv_cache)  # checks it
+        self.clear_cache()
 
     @property
     def kernels(self) -> str:
@@ -480,18 +524,24 @@ class Transformer(nn.Module):
         if (max_batch_size, max_seq_len) == (self.max_batch_size, self.max_seq_len):
             return
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        fp8 = self.kv_cache == "fp8"
+        dtype = FP8_DTYPE if fp8 else self.dtype
         for layer in self.layers:
             a = layer.attention
             shape = (max_batch_size * max_seq_len, a.n_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            a.k_scale = a.v_scale = None
+            if fp8:  # one fp32 scale per slot and KV head (zeros: unwritten slots read as 0)
+                a.k_scale = torch.zeros(shape[:2], dtype=torch.float32, device=self.device)
+                a.v_scale = torch.zeros(shape[:2], dtype=torch.float32, device=self.device)
             a.cache_seq_len = max_seq_len
 
     def clear_cache(self) -> None:
         """Free the K/V caches; ``model(...)`` goes back to cache-free causal attention."""
         for layer in self.layers:
             a = layer.attention
-            a.k_cache = a.v_cache = None
+            a.k_cache = a.v_cache = a.k_scale = a.v_scale = None
             a.cache_seq_len = 0
         self.max_batch_size = self.max_seq_len = 0
 

@@ -52,7 +52,7 @@ from nakta_model.cli import exit_on_input_error
 from speed_bench.decode_budget import layer_budget
 
 ENGINES = ("nakta", "llama_org", "hf")  # the default --engines
-OPT_IN = ("nakta_compile", "nakta_rowwise", "nakta_fp8")  # run only when named
+OPT_IN = ("nakta_compile", "nakta_rowwise", "nakta_fp8", "nakta_kv8", "nakta_fp8_kv8")  # named
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -70,8 +70,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--engines",
         default=",".join(ENGINES),
-        help="nakta,llama_org,hf (also: nakta_compile, nakta_rowwise, nakta_fp8)",
+        help="nakta,llama_org,hf (also: nakta_compile, nakta_rowwise, nakta_fp8, nakta_kv8, "
+        "nakta_fp8_kv8)",
     )
+    p.add_argument(
+        "--kv-cache", choices=["bf16", "fp8"], default="bf16",
+        help="fp8: each nakta / nakta_fp8 engine also runs with an e4m3 KV cache (named "
+        "nakta_kv8 / nakta_fp8_kv8) beside the bf16-KV one, in the same run",
+    )  # fmt: skip
     p.add_argument(
         "--quant", choices=["fp8"],
         help="fp8: the nakta engine on the FP8 model (e4m3 weights), named nakta_fp8; "
@@ -92,6 +98,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     if a.quant:
         a.engines = list(dict.fromkeys("nakta_fp8" if e == "nakta" else e for e in a.engines))
+    if a.kv_cache == "fp8":
+        kv8 = {"nakta": ["nakta", "nakta_kv8"], "nakta_fp8": ["nakta_fp8", "nakta_fp8_kv8"]}
+        a.engines = list(dict.fromkeys(x for e in a.engines for x in kv8.get(e, [e])))
     for e in a.engines:
         if e not in ENGINES + OPT_IN:
             p.error(f"--engines: unknown engine {e!r}; choose from {ENGINES + OPT_IN}")
@@ -123,21 +132,31 @@ def _lengths(text: str) -> list[tuple[int, int]]:
 
 # ----------------------------------------------------------------------------- bytes and floor
 def step_bytes(
-    args, batch: int, context: float, elem: int, shared: int = 0, quant: str | None = None
+    args,
+    batch: int,
+    context: float,
+    elem: int,
+    shared: int = 0,
+    quant: str | None = None,
+    kv_cache: str | None = None,
 ) -> float:
     """Bytes one decode step must read: every block weight and the LM head once, plus each
     row's K and V at ``context`` positions, the first ``shared`` of them (a prefix every row
     has) once for all rows (activations are noise next to these). ``quant="fp8"``: the block
-    weights are one byte each plus an fp32 scale per output channel."""
+    weights are one byte each plus an fp32 scale per output channel. ``kv_cache="fp8"``: K/V
+    one byte an element plus an fp32 scale per position and KV head."""
     from speed_bench.weights import matmul_params
 
     blocks, head = matmul_params(args)
     positions = (context - shared) * batch + shared
     kv = 2 * args.n_layers * args.n_kv_heads * args.head_dim * positions
+    kv_bytes = kv * elem
+    if kv_cache == "fp8":
+        kv_bytes = kv + 4 * kv / args.head_dim
     if quant == "fp8":
         channels = args.n_layers * (args.qkv_dim + args.dim + 2 * args.hidden_dim + args.dim)
-        return blocks + 4 * channels + (head + kv) * elem
-    return (blocks + head + kv) * elem
+        return blocks + 4 * channels + head * elem + kv_bytes
+    return (blocks + head) * elem + kv_bytes
 
 
 # ----------------------------------------------------------------------------- engines
@@ -156,6 +175,7 @@ class NaktaDecode(_Engine):
     graph_mode: str | None = None  # the Generator's default: CUDA graphs on a GPU
     cascade = True
     quant: str | None = None
+    kv_cache: str | None = None  # None: the model's dtype
 
     def __init__(self, weights, device, dtype, max_seq: int, max_batch: int):
         from nakta_model.generation import Generator
@@ -164,7 +184,7 @@ class NaktaDecode(_Engine):
         self.model = load(weights.source(device, dtype), device, dtype, quant=self.quant)
         self.gen = Generator(
             self.model, max_batch=max_batch, max_seq_len=max_seq, graph_mode=self.graph_mode,
-            cascade=self.cascade,
+            cascade=self.cascade, kv_cache=self.kv_cache,
         )  # fmt: skip
 
     def run(self, prompts, gen):
@@ -182,6 +202,21 @@ class NaktaFp8Decode(NaktaDecode):
 
     name = "nakta_fp8"
     quant = "fp8"
+
+
+class NaktaKv8Decode(NaktaDecode):
+    """The Nakta engine with an e4m3 KV cache (``kv_cache="fp8"``): half the cache bytes a step
+    reads."""
+
+    name = "nakta_kv8"
+    kv_cache = "fp8"
+
+
+class NaktaFp8Kv8Decode(NaktaFp8Decode):
+    """FP8 weights and an e4m3 KV cache."""
+
+    name = "nakta_fp8_kv8"
+    kv_cache = "fp8"
 
 
 class NaktaRowwiseDecode(NaktaDecode):
@@ -264,6 +299,8 @@ BUILDERS: dict[str, Callable] = {
     "nakta_compile": NaktaCompileDecode,
     "nakta_rowwise": NaktaRowwiseDecode,
     "nakta_fp8": NaktaFp8Decode,
+    "nakta_kv8": NaktaKv8Decode,
+    "nakta_fp8_kv8": NaktaFp8Kv8Decode,
     "llama_org": LlamaOrgDecode,
     "hf": HFDecode,
 }
@@ -370,7 +407,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     print(f"[{name}] batch {batch} prompt {prompt} gen {gen} failed: {e}")
                     continue
                 quant = getattr(engine, "quant", None)
-                nbytes = step_bytes(args, batch, prompt + gen / 2, elem, shared, quant)
+                kv = getattr(engine, "kv_cache", None)
+                nbytes = step_bytes(args, batch, prompt + gen / 2, elem, shared, quant, kv)
                 floor_s = nbytes / (bw * 1e9)
                 row = {
                     "engine": name,

@@ -62,7 +62,7 @@ from nakta_model.cli import InputError, OneLineArgumentParser, exit_on_input_err
 from speed_bench.decode_speed import _DTYPES, _skip, _weights, step_bytes
 from speed_bench.throughput_engines import BUILDERS, Outcome
 
-ENGINES = ("nakta", "nakta_fp8", "hf", "llama_org")
+ENGINES = ("nakta", "nakta_fp8", "nakta_kv8", "nakta_fp8_kv8", "hf", "llama_org")
 DEFAULT_ENGINES = ("nakta", "hf", "llama_org")
 SUMMARY_KEYS = (
     "engine", "prompts", "input_len", "output_len", "max_batch", "output_tok_s", "requests_s",
@@ -102,10 +102,18 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("--hf-batches", help="HF batch sizes tried, comma-separated (32,64; CPU 2)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", help="default cuda when present")
+    p.add_argument(
+        "--kv-cache", choices=["bf16", "fp8"], default="bf16",
+        help="fp8: each nakta / nakta_fp8 engine also runs with an e4m3 KV cache (nakta_kv8 / "
+        "nakta_fp8_kv8) beside the bf16-KV one",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default results/<device>/throughput)")
     a = p.parse_args(argv)
     a.engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    if a.kv_cache == "fp8":  # each Nakta engine also with e4m3 KV pages, beside it
+        kv8 = {"nakta": ["nakta", "nakta_kv8"], "nakta_fp8": ["nakta_fp8", "nakta_fp8_kv8"]}
+        a.engines = list(dict.fromkeys(x for e in a.engines for x in kv8.get(e, [e])))
     bad = [e for e in a.engines if e not in ENGINES]
     if bad or not a.engines:
         p.error(f"--engines: unknown engine {bad[0] if bad else ''!r}; choose from {ENGINES}")
@@ -168,7 +176,13 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def decode_floor(
-    args, work: Workload, stats: dict, elem: int, bw_gbps: float, quant: str | None = None
+    args,
+    work: Workload,
+    stats: dict,
+    elem: int,
+    bw_gbps: float,
+    quant: str | None = None,
+    kv_cache: str | None = None,
 ) -> dict:
     """The byte floor of Nakta's mean decode step against its measured mean step.
 
@@ -183,7 +197,9 @@ def decode_floor(
     if not steps or not tokens:
         return {"step_floor_pct": None}
     rows, context = tokens / steps, positions / tokens
-    floor_s = step_bytes(args, rows, context, elem, quant=quant) / (bw_gbps * 1e9)
+    floor_s = step_bytes(args, rows, context, elem, quant=quant, kv_cache=kv_cache) / (
+        bw_gbps * 1e9
+    )
     step_s = stats["decode_s"] / steps
     return {
         "mean_rows": rows,
@@ -291,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "output_len": work.output_label, "max_batch": b, **m}  # fmt: skip
             row["step_floor_pct"] = None
             if "nakta_stats" in m:  # the Nakta engines (bf16 or FP8): their step's floor
-                row.update(decode_floor(args, work, m["nakta_stats"], elem, bw, engine.quant))
+                kv = getattr(engine, "kv_cache", None)
+                row.update(decode_floor(args, work, m["nakta_stats"], elem, bw, engine.quant, kv))
             runs.append(row)
             bar.update(1)
             write_results(out, name, weights.name, dtype, bw, runs, skipped, quiet=True)

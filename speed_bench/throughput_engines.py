@@ -61,6 +61,8 @@ class NaktaThroughput(ThroughputEngine):
 
     name = "nakta"
 
+    kv_cache: str | None = None  # None: the model's dtype; "fp8": e4m3 KV pages
+
     def __init__(
         self, weights: WeightSource, device, dtype, max_seq: int, quant: str | None = None
     ):
@@ -78,7 +80,9 @@ class NaktaThroughput(ThroughputEngine):
             self.model.clear_cache()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.gen = Generator(self.model, max_batch=max_batch, max_seq_len=self.max_seq)
+            self.gen = Generator(
+                self.model, max_batch=max_batch, max_seq_len=self.max_seq, kv_cache=self.kv_cache
+            )
             self.max_batch = max_batch
         return self.gen
 
@@ -262,9 +266,25 @@ class NaktaFp8Throughput(NaktaThroughput):
         super().__init__(weights, device, dtype, max_seq, quant="fp8")
 
 
+class NaktaKv8Throughput(NaktaThroughput):
+    """The Nakta engine with an e4m3 KV cache (``kv_cache="fp8"``, ``docs/fp8.md``)."""
+
+    name = "nakta_kv8"
+    kv_cache = "fp8"
+
+
+class NaktaFp8Kv8Throughput(NaktaFp8Throughput):
+    """FP8 weights and an e4m3 KV cache."""
+
+    name = "nakta_fp8_kv8"
+    kv_cache = "fp8"
+
+
 BUILDERS: dict[str, type[ThroughputEngine]] = {
     "nakta": NaktaThroughput,
     "nakta_fp8": NaktaFp8Throughput,
+    "nakta_kv8": NaktaKv8Throughput,
+    "nakta_fp8_kv8": NaktaFp8Kv8Throughput,
     "hf": HFThroughput,
     "llama_org": LlamaOrgThroughput,
 }

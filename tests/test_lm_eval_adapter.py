@@ -179,6 +179,8 @@ def test_adapter_argument_errors(tiny):
         adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="int8")
     with pytest.raises(ValueError, match="no such directory"):
         adapter.NaktaLM(checkpoint=str(ckpt / "nope"), tokenizer=str(tok), device="cpu")
+    with pytest.raises(ValueError, match="nakta kv_cache: kv_cache must be 'bf16' or 'fp8'"):
+        adapter.NaktaLM(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", kv_cache="q4")
 
 
 @pytest.mark.parametrize(

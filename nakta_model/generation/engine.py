@@ -52,6 +52,7 @@ from typing import Protocol
 import torch
 
 from nakta_model import knobs
+from nakta_model.fp8 import Precision, check_kv_cache
 from nakta_model.generation.decode_chunks import DecodeChunks
 from nakta_model.generation.prefill_stream import PrefillStream
 from nakta_model.generation.requests import (
@@ -156,6 +157,8 @@ class Generator(RowPages, DecodeChunks):
     chunk shrinks toward it while few rows run (``DecodeChunks._chunk_for``): an arrival waits
     for the chunk in flight before its prefill, and a light batch's host check costs little;
     a full batch decodes ``chunk`` steps between checks. Offline calls always run ``chunk``.
+    ``kv_cache`` (``"bf16"``/``"fp8"`` or a parsed ``Precision``;
+    None: the model's as loaded) sets the model's KV cache dtype (``Precision.kv_cache``).
     """
 
     def __init__(
@@ -175,7 +178,11 @@ class Generator(RowPages, DecodeChunks):
         prefill_burst: int | None = None,
         pipeline: bool = True,
         min_chunk: int | None = None,
+        kv_cache: Precision | str | None = None,
     ):
+        if kv_cache is not None:  # the model's KV dtype for every user of its pool from now on
+            kv = kv_cache.kv_cache if isinstance(kv_cache, Precision) else check_kv_cache(kv_cache)
+            model.set_kv_cache(kv)
         check_int("max_batch", max_batch, 1, max_rows(), " (the decode step's limit)")
         check_int("chunk", chunk, 1)
         self.min_chunk = chunk if min_chunk is None else check_int("min_chunk", min_chunk, 1)

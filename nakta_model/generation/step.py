@@ -328,7 +328,8 @@ class DecodeStep:
         mark_compile_constants()
         tensors = [*vars(self.buffers).values(), self.cos, self.sin, self.workspace]
         for layer in self.model.layers:
-            tensors += [layer.attention.k_cache, layer.attention.v_cache]
+            a = layer.attention
+            tensors += [a.k_cache, a.v_cache, a.k_scale, a.v_scale]
         for t in tensors:
             if t is not None:
                 torch._dynamo.mark_static_address(t, guard=False)

@@ -49,11 +49,14 @@ def _weighted_values(
 @triton.jit
 def _online_step(
     m, l, acc, s, v, SAFE: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, BLOCK_S: tl.constexpr, vs=None,
+    KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One tile of online softmax: fold scores ``s`` (masked keys -inf) and values ``v`` into
     the running ``(max, sum, acc)``. ``SAFE``: a query may have no valid key in the tile yet
-    (its max stays -inf; -inf - -inf would be NaN), else every query sees one."""
+    (its max stays -inf; -inf - -inf would be NaN), else every query sees one. ``KV_FP8``:
+    ``v`` holds e4m3 codes (exact in q's dtype) and ``vs [BLOCK_S]`` their per-key scales,
+    folded into the probabilities of the P @ V product (not into the sum)."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     if SAFE:
         m_new_or_0 = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -62,7 +65,11 @@ def _online_step(
     alpha = tl.exp2(m - m_new_or_0)
     p = tl.exp2(s - m_new_or_0[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, PREC, UPCAST, EMULATE_RNE,
+    if KV_FP8:
+        pw = p * vs[None, :]
+    else:
+        pw = p
+    acc = acc * alpha[:, None] + _weighted_values(pw, v, USE_DOT, PREC, UPCAST, EMULATE_RNE,
                                                   BLOCK_S)  # fmt: skip
     return m_new, l, acc
 
@@ -94,7 +101,8 @@ def _attn_split_kernel(
     BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr, SINGLE: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, HAS_TABLE: tl.constexpr,
     HAS_PREFIX: tl.constexpr, CASCADE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, KS=None, VS=None, stride_ksb=0, stride_kss=0, stride_vsb=0,
+    stride_vss=0, KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One program: the query heads of one KV head of row b over one chunk of its cache.
 
@@ -113,6 +121,9 @@ def _attn_split_kernel(
     while this one runs (``decode_linear``'s ``EARLY_W``); it waits for this kernel's output.
     ``WINDOW`` (sliding window; 0: none): only the last ``WINDOW`` keys of the row count; the
     splits cover those alone (the keys below are never read).
+    ``KV_FP8``: K and V hold e4m3 codes, key s's fp32 scales at ``KS``/``VS`` (``[pages,
+    page, n_kv]`` strides, unit along the heads): codes are widened to q's dtype (exact) and
+    the scales applied in fp32, K's to the scores, V's to the probabilities.
     """
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -153,22 +164,35 @@ def _attn_split_kernel(
         k_ok = (keys < end) & (keys >= lo)
         kv_mask = k_ok[:, None] & d_ok[None, :]
         if HAS_PREFIX and not CASCADE:
-            from_row = tl.where(keys < pre_len, pre_row, row)[:, None]
-            within = keys.to(tl.int64)[:, None]
+            row1 = tl.where(keys < pre_len, pre_row, row)
+            within1 = keys.to(tl.int64)
         else:
             if HAS_TABLE:
-                from_row = tl.load(TABLE + b * stride_tb + s0 // page).to(tl.int64)
+                row1 = tl.load(TABLE + b * stride_tb + s0 // page).to(tl.int64)
             else:
-                from_row = b
-            within = (s0 % page + offs_s).to(tl.int64)[:, None]
+                row1 = b
+            within1 = (s0 % page + offs_s).to(tl.int64)
+        if HAS_PREFIX and not CASCADE:
+            from_row = row1[:, None]
+        else:
+            from_row = row1
+        within = within1[:, None]
         k = tl.load(k_base + from_row * stride_kb + within * stride_ks, mask=kv_mask, other=0.0)
         v = tl.load(v_base + from_row * stride_vb + within * stride_vs, mask=kv_mask, other=0.0)
-        s = _scores(q, k, USE_DOT, PREC, UPCAST) * qk_scale
+        if KV_FP8:
+            ks = tl.load(KS + kvh + row1 * stride_ksb + within1 * stride_kss, mask=k_ok, other=0.0)
+            vs = tl.load(VS + kvh + row1 * stride_vsb + within1 * stride_vss, mask=k_ok, other=0.0)
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
+            s = _scores(q, k, USE_DOT, PREC, UPCAST) * ks[None, :] * qk_scale
+        else:
+            vs = l  # unused
+            s = _scores(q, k, USE_DOT, PREC, UPCAST) * qk_scale
         s = tl.where(k_ok[None, :], s, float("-inf"))
         # the first tile of a non-empty chunk holds a valid key (``lo`` or ``start``), so the
         # max is finite
         m, l, acc = _online_step(m, l, acc, s, v, False, USE_DOT, PREC, UPCAST, EMULATE_RNE,
-                                 BLOCK_S)  # fmt: skip
+                                 BLOCK_S, vs, KV_FP8)  # fmt: skip
 
     if SINGLE:
         out = tl.where(l[:, None] > 0, acc / l[:, None], 0.0)
@@ -189,7 +213,8 @@ def _attn_prefix_kernel(
     stride_vs, stride_vh, stride_wb, stride_wh, stride_ws, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, KS=None, VS=None, stride_ksb=0, stride_kss=0, stride_vsb=0,
+    stride_vss=0, KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One program: one chunk of slot p's prefix keys (KV head kvh) against the queries of
     every row that reads that prefix, ``BLOCK_Q`` (row, head) pairs at a time, as one
@@ -199,7 +224,8 @@ def _attn_prefix_kernel(
     ``S_max`` keys). Row b reads slot p when ``PRE_ROWS[b]`` is the slot's first page (its
     row) and ``PRE_LENS[b] > 0``; it sees the slot's keys ``< min(PRE_LENS[b], LENS[b])``
     (``WINDOW`` > 0: and ``>= LENS[b] - WINDOW``; the splits then cover the slot's keys from
-    the lowest any of the tile's rows sees)."""
+    the lowest any of the tile's rows sees). ``KV_FP8``: e4m3 K/V with per-key scales, as in
+    ``_attn_split_kernel``."""
     p = tl.program_id(0)
     kvh = tl.program_id(1)
     psplit = tl.program_id(2) % n_psplits
@@ -246,13 +272,23 @@ def _attn_prefix_kernel(
         within = (s0 % page + offs_s).to(tl.int64)[:, None]
         k = tl.load(k_base + pg * stride_kb + within * stride_ks, mask=kv_mask, other=0.0)
         v = tl.load(v_base + pg * stride_vb + within * stride_vs, mask=kv_mask, other=0.0)
-        s = _scores(q, k, True, PREC, UPCAST) * qk_scale
+        if KV_FP8:
+            within1 = (s0 % page + offs_s).to(tl.int64)
+            ks = tl.load(KS + kvh + pg * stride_ksb + within1 * stride_kss, mask=k_ok, other=0.0)
+            vs = tl.load(VS + kvh + pg * stride_vsb + within1 * stride_vss, mask=k_ok, other=0.0)
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
+            s = _scores(q, k, True, PREC, UPCAST) * ks[None, :] * qk_scale
+        else:
+            vs = l  # unused
+            s = _scores(q, k, True, PREC, UPCAST) * qk_scale
         seen = keys[None, :] < plen[:, None]
         if WINDOW > 0:
             seen = seen & (keys[None, :] >= win_lo[:, None])
         s = tl.where(seen, s, float("-inf"))
         # a pair may have no key here (another row's, or past its prefix): SAFE
-        m, l, acc = _online_step(m, l, acc, s, v, True, True, PREC, UPCAST, EMULATE_RNE, BLOCK_S)
+        m, l, acc = _online_step(m, l, acc, s, v, True, True, PREC, UPCAST, EMULATE_RNE, BLOCK_S,
+                                 vs, KV_FP8)  # fmt: skip
     w_base = (
         WS + b * stride_wb + heads * stride_wh + (n_splits + p * n_psplits + psplit) * stride_ws
     )

@@ -87,6 +87,7 @@ from nakta_model.kernels._decode_attention_kernels import (
     _attn_prefix_kernel,
     _attn_split_kernel,
 )
+from nakta_model.kernels.fp8_quant import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 
@@ -99,17 +100,43 @@ LOG2E = 1.4426950408889634
 def _check_cache(name: str, c: object, q: torch.Tensor) -> torch.Tensor:
     c = check_tensor(name, c)
     check_ndim(name, c, 4)
-    if c.dtype != q.dtype:
-        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {c.dtype}")
+    if c.dtype not in (q.dtype, FP8_DTYPE):
+        raise TypeError(f"{name} must have q's dtype {q.dtype} or {FP8_DTYPE}, got {c.dtype}")
     if c.shape[3] > 1 and c.stride(3) != 1:
         raise ValueError(f"{name} must be unit-stride in its last dimension, got {c.stride()}")
     return c
 
 
+def _check_scales(k_cache, v_cache, k_scale, v_scale) -> None:
+    """e4m3 caches (both or neither) come with fp32 scales of the caches' first three dims,
+    unit-stride along the heads; caches in q's dtype take none."""
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(
+            f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}"
+        )
+    if k_cache.dtype != FP8_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale and v_scale go with e4m3 k_cache/v_cache")
+        return
+    for name, sc, c in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
+        if sc is None:
+            raise ValueError(f"e4m3 caches need {name} (fp32, the caches' first three dims)")
+        check_tensor(name, sc)
+        check_dtype(name, sc, (torch.float32,))
+        if sc.shape != c.shape[:3] or (sc.shape[2] > 1 and sc.stride(2) != 1):
+            raise ValueError(
+                f"{name} must be fp32 of shape {tuple(c.shape[:3])} (the cache's [pages, page, "
+                f"n_kv]), unit-stride along the heads, got shape {tuple(sc.shape)}, strides "
+                f"{sc.stride()}"
+            )
+        if sc.device != c.device:
+            raise ValueError(f"{name} is on {sc.device}, the caches on {c.device}")
+
+
 def _check_args(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, *, for_kernel: bool,
     rows=None, prefix_rows=None, prefix_lens=None, prefix_slots=None, block_table=None,
-    window=None,
+    window=None, k_scale=None, v_scale=None,
 ) -> tuple[float, int, int]:  # fmt: skip
     """Validate a ``decode_attention`` call; returns ``(scale, n_splits, n_psplits)`` (the
     cascade's splits per slot, 0 without ``prefix_slots``)."""
@@ -128,6 +155,7 @@ def _check_args(
             f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
             f"and {tuple(v_cache.shape)}"
         )
+    _check_scales(k_cache, v_cache, k_scale, v_scale)
     b_max, s_max, n_kv, hd = k_cache.shape
     paged = block_table is not None
     need_rows = 1 if rows is not None or paged else batch
@@ -347,9 +375,16 @@ TRIGGER_MAX_BATCH = 1
 
 def _launch(
     q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows=None, prefix=None,
-    slots=None, n_psplits=0, block_table=None, window=None,
+    slots=None, n_psplits=0, block_table=None, window=None, k_scale=None, v_scale=None,
 ) -> None:  # fmt: skip
     batch, n_q, head_dim = q.shape
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    fp8_args = {}
+    if kv_fp8:
+        fp8_args = dict(
+            KS=k_scale, VS=v_scale, stride_ksb=k_scale.stride(0), stride_kss=k_scale.stride(1),
+            stride_vsb=v_scale.stride(0), stride_vss=v_scale.stride(1), KV_FP8=True,
+        )  # fmt: skip
     page, n_kv = k_cache.shape[1], k_cache.shape[2]
     s_max = page  # the row form: one page of S_max keys a row
     table, stride_tb = cache_lens, 0  # unused without a table
@@ -389,7 +424,7 @@ def _launch(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=cfg["BLOCK_S"],
         USE_DOT=use_dot, SINGLE=single, PREC=prec, UPCAST=upcast, EMULATE_RNE=interp,
         HAS_TABLE=block_table is not None or rows is not None, HAS_PREFIX=prefix is not None, CASCADE=cascade,
-        LAUNCH_DEPENDENTS=trigger and single, WINDOW=window or 0,
+        LAUNCH_DEPENDENTS=trigger and single, WINDOW=window or 0, **fp8_args,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if cascade:
@@ -405,7 +440,7 @@ def _launch(
             *ws_strides, scale * LOG2E,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_Q=block_q, BLOCK_S=cc["BLOCK_S"], PREC=prec, UPCAST=upcast,
-            EMULATE_RNE=interp, WINDOW=window or 0,
+            EMULATE_RNE=interp, WINDOW=window or 0, **fp8_args,
             num_warps=cc["num_warps"], num_stages=cc["num_stages"],
         )  # fmt: skip
     if single:
@@ -439,6 +474,8 @@ def decode_attention(
     prefix_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_table: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, n_q, hd]`` (one query per row) over ``k_cache``/``v_cache``
     ``[B_max, S_max, n_kv, hd]`` rows ``0..B-1`` (or cache rows ``rows[b]``), keys
@@ -462,18 +499,20 @@ def decode_attention(
     (``None``: every key; the kernels compile without it).
     ``scale`` defaults to ``1 / sqrt(hd)``, ``n_splits`` to ``decode_splits(...)`` (of the
     keys a row attends to: at most ``window``). Returns ``out`` (allocated when None), shape
-    and dtype of q."""
+    and dtype of q. e4m3 caches (``kv_cache="fp8"``) come with ``k_scale``/``v_scale``, fp32
+    ``[B_max or n_pages, S_max or page, n_kv]``: key s stands for ``codes * scale``, read
+    dequantized in registers (the codes widened to q's dtype, the scales applied in fp32)."""
     scale, n_splits, n_psplits = _check_args(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, for_kernel=True,
         rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens, prefix_slots=prefix_slots,
-        block_table=block_table, window=window,
+        block_table=block_table, window=window, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     prefix = None if prefix_rows is None else (prefix_rows, prefix_lens)
     _launch(
         q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace, rows, prefix,
-        prefix_slots, n_psplits, block_table, window,
+        prefix_slots, n_psplits, block_table, window, k_scale, v_scale,
     )  # fmt: skip
     return out
 
@@ -499,18 +538,24 @@ def decode_attention_reference(
     prefix_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_table: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch (any device): fp32 scores and softmax over each row's valid keys, output
     in q's dtype (zeros for a row with no keys). ``n_splits``/``workspace`` are checked like
     the kernel's and otherwise unused; so is ``prefix_slots`` in the row form (a row's prefix
     is ``prefix_rows[b]``'s row either way). Paged: each row's keys gathered through its block
     table, the first ``prefix_lens[b]`` through its slot's page table. ``window``: only each
-    row's last ``window`` keys."""
+    row's last ``window`` keys. e4m3 caches: dequantized first (``codes * scale`` in fp32)."""
     args = (q, k_cache, v_cache, cache_lens, scale, n_splits, out, workspace)
     scale, _, _ = _check_args(
         *args, for_kernel=False, rows=rows, prefix_rows=prefix_rows, prefix_lens=prefix_lens,
-        prefix_slots=prefix_slots, block_table=block_table, window=window,
+        prefix_slots=prefix_slots, block_table=block_table, window=window, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
+    if k_cache.dtype == FP8_DTYPE:
+        k_cache = k_cache.float() * k_scale[..., None]
+        v_cache = v_cache.float() * v_scale[..., None]
     batch, n_q, _ = q.shape
     n_kv = k_cache.shape[2]
     kv_head = torch.arange(n_q, device=q.device) // (n_q // n_kv)

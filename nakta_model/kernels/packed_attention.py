@@ -57,6 +57,7 @@ from nakta_model.kernels._checks import (
     interpreter_enabled,
 )
 from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels.fp8_quant import FP8_DTYPE
 
 __all__ = [
     "PREFIX_ALIGN",
@@ -105,7 +106,8 @@ def _packed_attention_kernel(
     N_Q: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HAS_PREFIX: tl.constexpr,
     TREE: tl.constexpr, SKIP: tl.constexpr, IEEE: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, PKS=None, PVS=None, stride_pkss=0, stride_pvss=0,
+    KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_M queries of one query head, over the key blocks they may see.
 
@@ -119,7 +121,10 @@ def _packed_attention_kernel(
     compiles to the kernel without one): key j (prefix key p: position p) is also masked
     unless ``POS[i] - POS[j] < WINDOW``, and the key loops start at the first tile a query of
     the block may see (a token's depth ``POS - plen`` is at most its offset in its sequence,
-    so no visible key lies below ``seq_start + depth - WINDOW + 1``)."""
+    so no visible key lies below ``seq_start + depth - WINDOW + 1``). ``KV_FP8``: the prefix
+    pool holds e4m3 codes with fp32 scales per (slot, KV head) at ``PKS``/``PVS`` (unit stride
+    along the heads): codes widened to qkv's dtype (exact), K's scale applied to the scores,
+    V's to the probabilities of the P @ V product, in fp32."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (N_Q // N_KV)
@@ -164,11 +169,17 @@ def _packed_attention_kernel(
             valid = offs_p < plen
             page = tl.load(TABLE + entry.to(tl.int64) * stride_table + offs_p // PAGE,
                            mask=valid, other=0)  # fmt: skip
-            slot = (page.to(tl.int64) * PAGE + offs_p % PAGE)[:, None]
+            slot1 = page.to(tl.int64) * PAGE + offs_p % PAGE
+            slot = slot1[:, None]
             pmask = valid[:, None] & mask_d[None, :]
             k = tl.load(PK + slot * stride_pks + kv_head * stride_pkh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
-            s = _dot(q, tl.trans(k), IEEE)
+            if KV_FP8:
+                ks = tl.load(PKS + slot1 * stride_pkss + kv_head, mask=valid, other=0.0)
+                vs = tl.load(PVS + slot1 * stride_pvss + kv_head, mask=valid, other=0.0)
+                s = _dot(q, tl.trans(k.to(QKV.dtype.element_ty)), IEEE) * ks[None, :]
+            else:
+                s = _dot(q, tl.trans(k), IEEE)
             seen = (q_entry == entry)[:, None] & valid[None, :]
             if WINDOW > 0:
                 seen = seen & ((q_pos[:, None] - offs_p[None, :]) < WINDOW)
@@ -176,6 +187,9 @@ def _packed_attention_kernel(
             m_i, l_i, p, alpha = _softmax_tile(m_i, l_i, s)
             v = tl.load(PV + slot * stride_pvs + kv_head * stride_pvh + offs_d[None, :],
                         mask=pmask, other=0.0)  # fmt: skip
+            if KV_FP8:
+                v = v.to(QKV.dtype.element_ty)
+                p = p * vs[None, :]
             acc = acc * alpha[:, None] + _pv(p, v, IEEE, EMULATE_RNE)
     if WINDOW > 0:  # the first key any query of the block may see (docstring)
         depth = tl.where(mask_m, q_pos - plen, 0)
@@ -258,7 +272,9 @@ class PrefixKV:
     ``k_pool`` / ``v_pool`` ``[slots, n_kv, head_dim]`` hold K/V by slot; ``page_table``
     ``[n_entries, max_pages]`` (int) lists each prefix's pages (slot = page * ``page_size`` + i),
     ``lengths [n_entries]`` its token count, and ``token_entry [T]`` the prefix of each packed
-    token (-1: none). A token at position p of its sequence sits after its prefix: the caller
+    token (-1: none). e4m3 pools (``kv_cache="fp8"``) come with ``k_scale``/``v_scale``, fp32
+    ``[slots, n_kv]``: slot s of head h stands for ``codes * scale[s, h]``. A token at
+    position p of its sequence sits after its prefix: the caller
     gives it position ``length + p``. Layout rule (the scorer keeps it): tokens with different
     entries never share a ``PREFIX_ALIGN``-aligned block of the stream.
     """
@@ -269,6 +285,8 @@ class PrefixKV:
     lengths: torch.Tensor
     token_entry: torch.Tensor
     page_size: int
+    k_scale: torch.Tensor | None = None  # e4m3 pools (kv_cache="fp8"): fp32 [slots, n_kv]
+    v_scale: torch.Tensor | None = None
 
 
 def _check_prefix(prefix: object, qkv: torch.Tensor, n_kv: int, head_dim: int, block_n: int):
@@ -276,13 +294,16 @@ def _check_prefix(prefix: object, qkv: torch.Tensor, n_kv: int, head_dim: int, b
         raise TypeError(f"prefix must be a PrefixKV, got {type(prefix).__name__}")
     for name in ("k_pool", "v_pool"):
         t = check_tensor(f"prefix.{name}", getattr(prefix, name))
-        if t.dtype != qkv.dtype:
-            raise TypeError(f"prefix.{name} must have qkv's dtype {qkv.dtype}, got {t.dtype}")
+        if t.dtype not in (qkv.dtype, FP8_DTYPE):
+            raise TypeError(
+                f"prefix.{name} must have qkv's dtype {qkv.dtype} or {FP8_DTYPE}, got {t.dtype}"
+            )
         if t.dim() != 3 or t.shape[1:] != (n_kv, head_dim) or t.stride(2) != 1:
             raise ValueError(
                 f"prefix.{name} must be [slots, {n_kv}, {head_dim}] with unit last stride, "
                 f"got {tuple(t.shape)} strides {t.stride()}"
             )
+    _check_prefix_scales(prefix, n_kv)
     table = check_tensor("prefix.page_table", prefix.page_table)
     check_dtype("prefix.page_table", table, INDEX_DTYPES)
     check_ndim("prefix.page_table", table, 2)
@@ -297,6 +318,31 @@ def _check_prefix(prefix: object, qkv: torch.Tensor, n_kv: int, head_dim: int, b
         qkv=qkv, k_pool=prefix.k_pool, v_pool=prefix.v_pool, page_table=table,
         lengths=lengths, token_entry=prefix.token_entry,
     )  # fmt: skip
+
+
+def _check_prefix_scales(prefix: PrefixKV, n_kv: int) -> None:
+    """e4m3 pools (both or neither) with fp32 scales ``[slots, n_kv]``; others with none."""
+    if prefix.k_pool.dtype != prefix.v_pool.dtype:
+        raise TypeError(
+            f"prefix.k_pool and prefix.v_pool must have one dtype, got {prefix.k_pool.dtype} "
+            f"and {prefix.v_pool.dtype}"
+        )
+    if prefix.k_pool.dtype != FP8_DTYPE:
+        if prefix.k_scale is not None or prefix.v_scale is not None:
+            raise ValueError("prefix.k_scale and prefix.v_scale go with e4m3 pools")
+        return
+    for name, pool in (("k_scale", prefix.k_pool), ("v_scale", prefix.v_pool)):
+        sc = getattr(prefix, name)
+        if sc is None:
+            raise ValueError(f"e4m3 pools need prefix.{name} (fp32 [slots, {n_kv}])")
+        check_tensor(f"prefix.{name}", sc)
+        check_dtype(f"prefix.{name}", sc, (torch.float32,))
+        if sc.shape != (pool.shape[0], n_kv) or sc.stride(1) != 1 or sc.device != pool.device:
+            raise ValueError(
+                f"prefix.{name} must be fp32 [slots={pool.shape[0]}, {n_kv}] on the pool's "
+                f"device, unit-stride along the heads, got {tuple(sc.shape)} strides "
+                f"{sc.stride()} on {sc.device}"
+            )
 
 
 def _check_prefix_layout(prefix: PrefixKV, block_m: int) -> None:
@@ -428,6 +474,12 @@ def packed_attention(
         entry, table, lengths = prefix.token_entry, prefix.page_table, prefix.lengths
         pk, pv, page = prefix.k_pool, prefix.v_pool, prefix.page_size
         pk_strides, pv_strides = pk.stride()[:2], pv.stride()[:2]
+    fp8_args = {}
+    if prefix is not None and prefix.k_pool.dtype == FP8_DTYPE:
+        fp8_args = dict(
+            PKS=prefix.k_scale, PVS=prefix.v_scale, stride_pkss=prefix.k_scale.stride(0),
+            stride_pvss=prefix.v_scale.stride(0), KV_FP8=True,
+        )  # fmt: skip
     _packed_attention_kernel[grid](
         qkv, out, seq_start, seq_start if span_end is None else span_end, entry, table, lengths,
         pk, pv,
@@ -436,7 +488,7 @@ def packed_attention(
         N_Q=n_q_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, HAS_PREFIX=prefix is not None,
         TREE=span_end is not None, SKIP=cfg["SKIP"], IEEE=qkv.dtype == torch.float32 or interp,
-        EMULATE_RNE=interp, WINDOW=window,
+        EMULATE_RNE=interp, WINDOW=window, **fp8_args,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
@@ -595,4 +647,9 @@ def _gather_prefix(prefix: PrefixKV, entry: int) -> tuple[torch.Tensor, torch.Te
     pages = prefix.page_table[entry, : -(-length // prefix.page_size)].long()
     within = torch.arange(prefix.page_size, device=pages.device)
     slots = (pages[:, None] * prefix.page_size + within[None, :]).reshape(-1)[:length]
+    if prefix.k_pool.dtype == FP8_DTYPE:  # dequantized: codes * scale, fp32
+        return (
+            prefix.k_pool[slots].float() * prefix.k_scale[slots][..., None],
+            prefix.v_pool[slots].float() * prefix.v_scale[slots][..., None],
+        )
     return prefix.k_pool[slots], prefix.v_pool[slots]

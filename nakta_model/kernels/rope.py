@@ -30,8 +30,16 @@ from nakta_model.kernels._checks import (
     check_tensor,
     check_triton_device,
     debug_checks,
+    interpreter_enabled,
 )
-from nakta_model.kernels._triton_math import load_pairs, rotate, store_pairs
+from nakta_model.kernels._triton_math import (
+    fp8_codes,
+    fp8_row_scales,
+    load_pairs,
+    rotate,
+    store_pairs,
+)
+from nakta_model.kernels.fp8_quant import FP8_DTYPE, MIN_AMAX, quantize_rows_reference
 
 # ------------------------------------------------------------------------------------------------
 # 1. Triton kernel
@@ -41,15 +49,17 @@ from nakta_model.kernels._triton_math import load_pairs, rotate, store_pairs
 # The row (token) count is not specialised on: every batch size runs one compiled kernel.
 @triton.jit(do_not_specialize=["n_rows"])
 def _rope_qkv_kernel(
-    X, OUT, POS, COS, SIN, KC, VC, SLOT,
+    X, OUT, POS, COS, SIN, KC, VC, SLOT, KS, VS,
     n_rows, n_heads_launch, n_q, n_kv, n_pos, n_slots,
     stride_xt, stride_xc, stride_ot, stride_cp, stride_cc, stride_sp, stride_sc,
-    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kss, stride_vss,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     PASS: tl.constexpr, PASS_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr, JOINT: tl.constexpr, BACKWARD: tl.constexpr,
     WRITE_CACHE: tl.constexpr, COPY_ALL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    KV_FP8: tl.constexpr = False, EMULATE_RNE: tl.constexpr = False,
+    AMAX_FLOOR: tl.constexpr = 1e-12,
 ):  # fmt: skip
     """One program: BLOCK_M tokens (rows) x BLOCK_H heads of the fused QKV matrix.
 
@@ -60,8 +70,11 @@ def _rope_qkv_kernel(
 
     Switches: ``INTERLEAVED`` pairs (2i, 2i+1) (Meta) or (i, i + HALF) (HF), loaded with one
     ``[2, HALF_PAD]`` load per row when ``JOINT``; ``BACKWARD`` rotates by -theta;
-    ``WRITE_CACHE`` writes K/V to their cache slots; ``COPY_ALL`` (OUT is not X) copies every
-    head; ``HEADS_FASTEST`` orders a 1-D grid with the head blocks fastest.
+    ``WRITE_CACHE`` writes K/V to their cache slots; ``KV_FP8``: the caches are e4m3 and each
+    (token, KV head) row is quantized from the fp32 values (rotated K, V as read) with one
+    fp32 scale ``amax / 448`` written to ``KS``/``VS`` ``[slots, n_kv]`` (``fp8_quant.py``'s
+    rule); ``COPY_ALL`` (OUT is not X) copies every head; ``HEADS_FASTEST`` orders a 1-D grid
+    with the head blocks fastest.
     """
     if HEADS_FASTEST:  # 1-D grid, head blocks fastest: programs in flight stream whole rows
         n_h_blocks = tl.cdiv(n_heads_launch, BLOCK_H)
@@ -116,33 +129,53 @@ def _rope_qkv_kernel(
     else:
         store_pairs(o_base, ya, yb, mask_row & rot3, HALF, HALF_PAD, INTERLEAVED, JOINT)
 
-    if WRITE_CACHE:
-        slot3 = slot[:, None, None]
-        is_k = (offs_h >= n_q) & is_rot
-        is_v = offs_h >= n_q + n_kv
-        kh = tl.where(is_k, offs_h - n_q, 0).to(tl.int64)[None, :, None]
-        vh = tl.where(is_v, offs_h - n_q - n_kv, 0).to(tl.int64)[None, :, None]
-        ok3 = ok[:, None, None]
-        k_base = KC + slot3 * stride_kcs + kh * stride_kch
-        v_base = VC + slot3 * stride_vcs + vh * stride_vch
-        store_pairs(
-            k_base, ya, yb, mask_row & ok3 & is_k[None, :, None], HALF, HALF_PAD, INTERLEAVED, JOINT
-        )
-        store_pairs(
-            v_base, ya, yb, mask_row & ok3 & is_v[None, :, None], HALF, HALF_PAD, INTERLEAVED, JOINT
-        )
-
     if PASS > 0 and (COPY_ALL or WRITE_CACHE):
         offs_p = 2 * HALF + tl.arange(0, PASS_PAD)
         pmask = mask_row & (offs_p < HEAD_DIM)[None, None, :]
         xp = tl.load(x_base + offs_p[None, None, :] * stride_xc, mask=pmask, other=0.0)
         if COPY_ALL:
             tl.store(o_base + offs_p[None, None, :], xp, mask=pmask)
-        if WRITE_CACHE:
+
+    if WRITE_CACHE:
+        slot3 = slot[:, None, None]
+        is_k = (offs_h >= n_q) & is_rot
+        is_v = offs_h >= n_q + n_kv
+        kh1 = tl.where(is_k, offs_h - n_q, 0).to(tl.int64)
+        vh1 = tl.where(is_v, offs_h - n_q - n_kv, 0).to(tl.int64)
+        kh = kh1[None, :, None]
+        vh = vh1[None, :, None]
+        ok3 = ok[:, None, None]
+        k_base = KC + slot3 * stride_kcs + kh * stride_kch
+        v_base = VC + slot3 * stride_vcs + vh * stride_vch
+        if KV_FP8:  # one scale per (token, KV head): the amax of the whole head's row
+            amax = tl.maximum(tl.max(tl.abs(ya), axis=2), tl.max(tl.abs(yb), axis=2))
+            if PASS > 0:
+                amax = tl.maximum(amax, tl.max(tl.abs(xp.to(tl.float32)), axis=2))
+            inv, scale = fp8_row_scales(amax, AMAX_FLOOR)
+            inv3 = inv[:, :, None]
+            wa = fp8_codes(ya, inv3, EMULATE_RNE)
+            wb = fp8_codes(yb, inv3, EMULATE_RNE)
+            ok2 = mask_t[:, None] & mask_h[None, :] & ok[:, None]
+            slot2 = slot[:, None]
+            tl.store(KS + slot2 * stride_kss + kh1[None, :], scale, mask=ok2 & is_k[None, :])
+            tl.store(VS + slot2 * stride_vss + vh1[None, :], scale, mask=ok2 & is_v[None, :])
+        else:
+            wa, wb = ya, yb
+        store_pairs(
+            k_base, wa, wb, mask_row & ok3 & is_k[None, :, None], HALF, HALF_PAD, INTERLEAVED, JOINT
+        )
+        store_pairs(
+            v_base, wa, wb, mask_row & ok3 & is_v[None, :, None], HALF, HALF_PAD, INTERLEAVED, JOINT
+        )
+        if PASS > 0:
             km = pmask & ok3 & is_k[None, :, None]
             vm = pmask & ok3 & is_v[None, :, None]
-            tl.store(k_base + offs_p[None, None, :], xp.to(KC.dtype.element_ty), mask=km)
-            tl.store(v_base + offs_p[None, None, :], xp.to(VC.dtype.element_ty), mask=vm)
+            if KV_FP8:
+                wp = fp8_codes(xp.to(tl.float32), inv3, EMULATE_RNE)
+            else:
+                wp = xp
+            tl.store(k_base + offs_p[None, None, :], wp.to(KC.dtype.element_ty), mask=km)
+            tl.store(v_base + offs_p[None, None, :], wp.to(VC.dtype.element_ty), mask=vm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,6 +240,8 @@ def _launch(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     cache_slots: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     n_rows = x.shape[0]
     write_cache = k_cache is not None
@@ -224,17 +259,22 @@ def _launch(
     kc = k_cache if write_cache else x
     vc = v_cache if write_cache else x
     slots = cache_slots if write_cache else positions
+    kv_fp8 = write_cache and k_cache.dtype == FP8_DTYPE
+    ks = k_scale if kv_fp8 else x
+    vs = v_scale if kv_fp8 else x
     _rope_qkv_kernel[grid](
-        x, out, positions, cos, sin, kc, vc, slots,
+        x, out, positions, cos, sin, kc, vc, slots, ks, vs,
         n_rows, n_heads, n_q, n_kv, cos.shape[0], kc.shape[0] if write_cache else 0,
         x.stride(0), x.stride(1), out.stride(0),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         kc.stride(0) if write_cache else 0, kc.stride(1) if write_cache else 0,
         vc.stride(0) if write_cache else 0, vc.stride(1) if write_cache else 0,
+        ks.stride(0) if kv_fp8 else 0, vs.stride(0) if kv_fp8 else 0,
         HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, PASS=pass_, PASS_PAD=_pow2(pass_),
         INTERLEAVED=interleaved, JOINT=cfg["JOINT"], BACKWARD=backward,
         WRITE_CACHE=write_cache, COPY_ALL=copy_all,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_H=cfg["BLOCK_H"], HEADS_FASTEST=cfg["HEADS_FASTEST"],
+        KV_FP8=kv_fp8, EMULATE_RNE=kv_fp8 and interpreter_enabled(), AMAX_FLOOR=MIN_AMAX,
         num_warps=cfg["num_warps"],
     )  # fmt: skip
 
@@ -246,7 +286,7 @@ def _launch(
 
 def _check_args(
     qkv, positions, cos, sin, n_q_heads, n_kv_heads, head_dim, rotary_dim, k_cache, v_cache,
-    cache_slots, *, for_kernel: bool,
+    cache_slots, *, for_kernel: bool, k_scale=None, v_scale=None,
 ) -> int:  # fmt: skip
     """Validate ``apply_rope_qkv_`` arguments; returns the effective rotary_dim."""
     qkv = check_tensor("qkv", qkv)
@@ -294,6 +334,9 @@ def _check_args(
         check_index("cache_slots", cache_slots, qkv.shape[0])
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             _check_cache(name, c, qkv, n_kv_heads, head_dim)
+        _check_scales(k_cache, v_cache, k_scale, v_scale, n_kv_heads)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale and v_scale go with an e4m3 k_cache/v_cache")
     check_same_device(
         qkv=qkv, positions=positions, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
         cache_slots=cache_slots,
@@ -315,10 +358,35 @@ def _check_cache(name: str, c: object, qkv: torch.Tensor, n_kv_heads: int, head_
         raise ValueError(
             f"{name} must have shape [num_slots, n_kv_heads={n_kv_heads}, head_dim={head_dim}], got {tuple(c.shape)}"
         )
-    if c.dtype != qkv.dtype:
-        raise TypeError(f"{name} must have qkv's dtype {qkv.dtype}, got {c.dtype}")
+    if c.dtype not in (qkv.dtype, FP8_DTYPE):
+        raise TypeError(f"{name} must have qkv's dtype {qkv.dtype} or {FP8_DTYPE}, got {c.dtype}")
     if c.stride(2) != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got {c.stride()}")
+
+
+def _check_scales(k_cache, v_cache, k_scale, v_scale, n_kv_heads: int) -> None:
+    """An e4m3 cache (both or neither) comes with fp32 scales ``[num_slots, n_kv_heads]``."""
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(
+            f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}"
+        )
+    if k_cache.dtype != FP8_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale and v_scale go with an e4m3 k_cache/v_cache")
+        return
+    for name, sc, c in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
+        if sc is None:
+            raise ValueError(f"an e4m3 cache needs {name} (fp32 [num_slots, n_kv_heads])")
+        check_tensor(name, sc)
+        check_dtype(name, sc, (torch.float32,))
+        if sc.shape != (c.shape[0], n_kv_heads) or sc.stride(1) != 1:
+            raise ValueError(
+                f"{name} must be a fp32 [num_slots={c.shape[0]}, n_kv_heads={n_kv_heads}] tensor "
+                f"with unit stride in its last dimension, got shape {tuple(sc.shape)}, "
+                f"strides {sc.stride()}"
+            )
+        if sc.device != c.device:
+            raise ValueError(f"{name} is on {sc.device}, the cache on {c.device}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -445,6 +513,8 @@ def apply_rope_qkv_(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     cache_slots: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the Q and K heads of a fused ``[tokens, (nq + 2 nkv) * head_dim]`` matrix in place.
 
@@ -454,11 +524,14 @@ def apply_rope_qkv_(
     (HF). Positions (and cache slots) outside the table are rejected with ValueError on the CPU
     or with ``NAKTA_DEBUG=1``; on CUDA without the flag they are not synchronised on and instead
     turn that token's rotated Q/K into NaN (and skip its cache write), never reading or writing
-    out of bounds.
+    out of bounds. An e4m3 cache (``kv_cache="fp8"``) is written quantized: each token's K
+    (rotated) and V row of each KV head in e4m3 with one fp32 scale ``amax / 448`` of that row
+    in ``k_scale``/``v_scale`` ``[num_slots, n_kv_heads]`` (``fp8_quant.py``'s rule, from the
+    fp32 values before they are rounded to qkv's dtype).
     """
     rotary_dim = _check_args(
         qkv, positions, cos, sin, n_q_heads, n_kv_heads, head_dim, rotary_dim, k_cache, v_cache,
-        cache_slots, for_kernel=True,
+        cache_slots, for_kernel=True, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     args = (n_q_heads, n_kv_heads, head_dim, rotary_dim, bool(interleaved))
     if torch.is_grad_enabled() and qkv.requires_grad:
@@ -469,7 +542,7 @@ def apply_rope_qkv_(
         return _RopeQKVFunction.apply(qkv, positions, cos, sin, *args)
     _launch(
         qkv, qkv, positions, cos, sin, *args, backward=False, k_cache=k_cache, v_cache=v_cache,
-        cache_slots=cache_slots,
+        cache_slots=cache_slots, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     return qkv
 
@@ -505,11 +578,14 @@ def apply_rope_qkv_reference(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     cache_slots: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch ``apply_rope_qkv_`` (same in-place semantics and cache writes; CPU fallback)."""
+    """Plain PyTorch ``apply_rope_qkv_`` (same in-place semantics and cache writes, e4m3 ones
+    quantized from the fp32 values by ``quantize_rows_reference``; CPU fallback)."""
     rotary_dim = _check_args(
         qkv, positions, cos, sin, n_q_heads, n_kv_heads, head_dim, rotary_dim, k_cache, v_cache,
-        cache_slots, for_kernel=False,
+        cache_slots, for_kernel=False, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     heads = qkv.unflatten(1, (n_q_heads + 2 * n_kv_heads, head_dim))
     n_rot = n_q_heads + n_kv_heads
@@ -517,9 +593,17 @@ def apply_rope_qkv_reference(
     c = cos[pos][:, None, :]
     s = sin[pos][:, None, :]
     rot = heads[:, :n_rot, :rotary_dim]
-    rot.copy_(_rotate_reference(rot.float(), c, s, interleaved).to(qkv.dtype))
+    rot32 = _rotate_reference(rot.float(), c, s, interleaved)
+    k32 = torch.cat((rot32[:, n_q_heads:], heads[:, n_q_heads:n_rot, rotary_dim:].float()), -1)
+    rot.copy_(rot32.to(qkv.dtype))
     if k_cache is not None:
         slots = cache_slots.long()
-        k_cache[slots] = heads[:, n_q_heads:n_rot]
-        v_cache[slots] = heads[:, n_rot:]
+        if k_cache.dtype == FP8_DTYPE:
+            for cache, scale, x in ((k_cache, k_scale, k32), (v_cache, v_scale, heads[:, n_rot:])):
+                qr = quantize_rows_reference(x)
+                cache[slots] = qr.q.view(x.shape)
+                scale[slots] = qr.scale.view(x.shape[:2])
+        else:
+            k_cache[slots] = heads[:, n_q_heads:n_rot]
+            v_cache[slots] = heads[:, n_rot:]
     return qkv
