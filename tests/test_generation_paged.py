@@ -56,7 +56,10 @@ def test_chunked_prefill_splits_prompts_and_decodes_metas_tokens():
     assert len(ttft) == 5 and all(0 <= t <= 60 for t in ttft)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
+# [triton] is slow-tier only: the engine's logic is [reference]'s, and held prefixes decoded
+# through the Triton kernels stay in the default tier in test_generation_engine's
+# test_shared_prompt_prefixes_prefill_once_and_decode_the_same[triton]
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_shared_prefixes_with_chunks_and_a_short_pool(kernels):
     """Shared 70-token prefixes (one full page shared by reference, 6 positions copied), prompts
     split over 13-token chunks, a pool too small for every row at once: the tokens of an
@@ -322,7 +325,10 @@ def test_pieces_reading_one_held_prefix_share_a_segment():
     assert len(s.tokens) == PREFIX_ALIGN + 10 and s.entry[-10:] == [1] * 10
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
+# [triton] is slow-tier only: the engine's logic is [reference]'s, and held prefixes decoded
+# through the Triton kernels stay in the default tier in test_generation_engine's
+# test_shared_prompt_prefixes_prefill_once_and_decode_the_same[triton]
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_rows_of_a_held_prefix_prefill_in_one_segment(kernels, monkeypatch):
     """Prompts of two 70-token shared prefixes: the rows' first pieces after their held prefix
     share its entry (fewer stream tokens than one aligned segment per row); the tokens equal

@@ -132,7 +132,10 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     assert got["nakta_load"]["prefetched"] is False  # (no GPU here: nothing was prefetched)
     load = [ev[k] for k in ("model_start", "load_build_start", "load_read_end", "load_ready")]
     assert load == sorted(load) and ev["load_ready"] <= ev["model_end"]  # loaded when built
-    assert -60 < ev["process_start"] < 0  # Python started before this entry was imported
+    # Python started before this entry was imported; how long before depends on what ran first
+    # (a whole pytest session here), so check it names this process's start, not a wall bound
+    assert ev["process_start"] < 0
+    assert abs(got["entry_unix"] + ev["process_start"] - lm_eval_cli.process_start_unix()) < 1.0
 
 
 def test_lm_eval_check_help_describes_its_own_arguments(capsys):
@@ -272,7 +275,9 @@ def test_env_report_is_collected_while_evaluate_runs_and_is_the_same(monkeypatch
     monkeypatch.setattr(lm_eval.evaluator, "evaluate", original_evaluate)
 
 
-@pytest.mark.parametrize("fast", ["1", "0"])
+# "0" (Python's own teardown) is slow-tier only: the same cli() run, results, table, thread and
+# atexit are checked in the default tier by "1", which takes the harder early exit
+@pytest.mark.parametrize("fast", ["1", pytest.param("0", marks=pytest.mark.slow)])
 def test_the_command_exits_fast_after_writing_everything(tmp_path, shared_data, fast):
     """``cli()`` (the console script and ``python -m``) ends the process without Python's
     teardown, but only after the results file is written, the table printed, a still-running

@@ -47,7 +47,10 @@ def test_shared_prefixes_cut_groups_at_short_common_beginnings():
         shared_prefixes([a], 0)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
+# [triton] is slow-tier only: scoring's logic is [reference]'s, and the Triton prefill kernel that
+# reads a cached prefix is checked in the default tier by test_packed_attention's
+# test_cached_prefixes_are_attended_before_each_sequence (the interpreter made this one minutes)
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_scores_equal_the_uncached_engine_and_prefixes_are_computed_once(kernels):
     model = model_fp32(kernels)
     reqs = mmlu_like(per_subject=4 if kernels == "triton" else 6)
