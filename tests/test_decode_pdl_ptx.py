@@ -54,7 +54,8 @@ else:
                 "PRE_ROWS": "*i32", "PRE_LENS": "*i32", "OUT": "*bf16", "WS": "*fp32"}
     const = dict(GROUP=1, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, USE_DOT=True,
                  SINGLE=True, PREC=None, UPCAST=False, EMULATE_RNE=False, HAS_TABLE=True,
-                 HAS_PREFIX=False, CASCADE=False, LAUNCH_DEPENDENTS=pdl)
+                 HAS_PREFIX=False, CASCADE=False, LAUNCH_DEPENDENTS=pdl, WINDOW=0,
+                 KV_FP8=False, KS=None, VS=None)
     floats = ("qk_scale",)
 names = list(kernel.arg_names)
 sig = {
