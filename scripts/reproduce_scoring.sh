@@ -10,9 +10,11 @@
 # The x4_* jobs (a 4-GPU host) add their rows to speed_bench/results/<device>-x4/scaling_x4/
 # (speed_bench.scaling_x4 merges them into the summary already there: run `x4_seed x4_scaling`
 # in one call and `x4_big` in the next, each ~7.5 min, with the first call's archive unpacked
-# in the tree between them); X4_DEADLINE (seconds from the script's start, default 540) shortens or skips
-# the steps that would run past it, so one slow step cannot take the call; LM_EVAL_DP names an
-# lm_eval_dp_summary.json for the lm-eval rows (default: the one in <device>-x4/lm_eval_dp/).
+# in the tree between them). X4_DEADLINE (seconds from the script's start, default 510) cuts or
+# skips the runs that would go past it, so one slow step cannot take the call (the report that
+# folds in what did run still gets its 45 s); LIMIT65 (x4_big's 65B tasks, default 1000);
+# LM_EVAL_DP names an lm_eval_dp_summary.json for the lm-eval rows (default: the one in
+# <device>-x4/lm_eval_dp/).
 # Settings (environment): SIZE (preset, default 7B; SIZE=30B QUANT=fp8 LIMIT=300 is the 30B
 # on one 80 GB GPU); QUANT (bf16 | fp8: nakta_cache and nakta_cache_fp8 in one process on the
 # 1,000-task subset); LIMIT (tasks, default 1000); ENGINES (the speed job's engines, default
@@ -31,7 +33,7 @@ X4=speed_bench/results/${SLUG}-x4/scaling_x4
 LM_EVAL_DP=${LM_EVAL_DP:-speed_bench/results/${SLUG}-x4/lm_eval_dp/lm_eval_dp_summary.json}
 X4_LM=()
 [ -f "$LM_EVAL_DP" ] && X4_LM=(--lm-eval "$LM_EVAL_DP")
-X4_DEADLINE=${X4_DEADLINE:-540}
+X4_DEADLINE=${X4_DEADLINE:-510}
 TR4=(python3 -m torch.distributed.run --standalone --nproc_per_node 4)
 need_gpus() {  # need_gpus N: false (and status 1, logged) on a host with fewer GPUs
   local have
@@ -40,6 +42,17 @@ need_gpus() {  # need_gpus N: false (and status 1, logged) on a host with fewer 
   echo "=== $job: SKIPPED (needs $1 GPUs, this host has $have) ===" | tee -a "$LOG"
   status=1
   return 1
+}
+x4_report() {  # x4_report NAME DIR: fold DIR's finished runs into the 4-GPU summary (45 s,
+  # past X4_DEADLINE too: what did run is kept)
+  local runs
+  runs=$(ls "$2"/random-*/summary.json 2>/dev/null)
+  if [ -z "$runs" ]; then
+    echo "=== $1: no run finished, nothing to report ===" | tee -a "$LOG"
+    return 0
+  fi
+  # shellcheck disable=SC2086
+  step "$1" 45 python3 -m speed_bench.scaling_x4 $runs "${X4_LM[@]}" --out "$X4" --index
 }
 xstep() {  # xstep NAME SECONDS CMD...: step, its limit cut to what is left before X4_DEADLINE
   local name=$1 limit=$2 left=$((X4_DEADLINE - SECONDS))
@@ -131,7 +144,7 @@ for job in "${@:-speed}"; do
       rmdir "speed_bench/results/$SLUG/nakta" 2>/dev/null
       if [ -s "$work/rc_ms" ]; then
         read -r rc ms <"$work/rc_ms"
-        xstep x4_report_seed 60 python3 -m speed_bench.scaling_x4 \
+        step x4_report_seed 45 python3 -m speed_bench.scaling_x4 \
           --seed-command "$rc" "$(printf '%d.%03d' $((ms / 1000)) $((ms % 1000)))" \
           "${X4_LM[@]}" --out "$X4" --index
       fi
@@ -146,9 +159,7 @@ for job in "${@:-speed}"; do
         xstep "${m}_tp4_$dt" "$lim" "${TR4[@]}" -m speed_bench.run_all --preset "$m" \
           --dtype "$dt" --limit "$n" "${B[@]}" --out "$work/random-$m-$dt-tp4-dp1"
       done
-      # shellcheck disable=SC2046
-      xstep x4_report_big 60 python3 -m speed_bench.scaling_x4 \
-        $(ls "$work"/random-*/summary.json 2>/dev/null) "${X4_LM[@]}" --out "$X4" --index
+      x4_report x4_report_big "$work"
       ;;
     x4_scaling)  # 7B / 13B / 30B on 1, 2 and 4 GPUs; tp x dp = 4x1, 2x2, 1x4 (nakta_cache, bf16)
       need_gpus 4 || continue
@@ -173,9 +184,7 @@ for job in "${@:-speed}"; do
           fi
         done
       done
-      # shellcheck disable=SC2046
-      xstep x4_report_scaling 60 python3 -m speed_bench.scaling_x4 \
-        $(ls "$work"/random-*/summary.json 2>/dev/null) "${X4_LM[@]}" --out "$X4" --index
+      x4_report x4_report_scaling "$work"
       ;;
     *) echo "unknown job $job" | tee -a "$LOG"; status=2 ;;
   esac

@@ -310,3 +310,4 @@ def test_x4_jobs_skip_on_a_small_host_and_stop_at_the_deadline(tmp_path):
     proc, calls, _ = _job(tmp_path / "b", ["x4_big"], X4_DEADLINE="10")
     assert proc.returncode == 1 and calls == []
     assert "30B_tp4_fp16: SKIPPED" in proc.stdout and "65B_tp4_bf16: SKIPPED" in proc.stdout
+    assert "x4_report_big: no run finished, nothing to report" in proc.stdout
