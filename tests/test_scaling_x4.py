@@ -311,3 +311,20 @@ def test_x4_jobs_skip_on_a_small_host_and_stop_at_the_deadline(tmp_path):
     assert proc.returncode == 1 and calls == []
     assert "30B_tp4_fp16: SKIPPED" in proc.stdout and "65B_tp4_bf16: SKIPPED" in proc.stdout
     assert "x4_report_big: no run finished, nothing to report" in proc.stdout
+
+
+def test_a_real_run_all_summary_makes_rows(tmp_path):
+    """run_all's own summary (tiny model, 4 embedded tasks, in this process): the keys
+    scaling_x4 reads are the keys run_all writes."""
+    pytest.importorskip("fairscale")
+    from speed_bench import run_all
+
+    out = tmp_path / "run"
+    run_all.main(["--preset", "tiny", "--warmup", "0", "--no-progress", "--device", "cpu",
+                  "--limit", "4", "--engines", "nakta_cache,llama_org", "--out", str(out)])  # fmt: skip
+    got = scaling_x4.main([str(out), "--device-name", "cpu", "--out", str(tmp_path / "x4")])
+    rows = {r["engine"]: r for r in got["scoring"]}
+    assert set(rows) == {"nakta_cache", "llama_org"}
+    assert rows["llama_org"]["vs_llama_org"] == 1.0
+    assert rows["nakta_cache"]["dtype"] == "fp32" and rows["nakta_cache"]["preset"] == "tiny"
+    assert 0.0 <= rows["nakta_cache"]["pred_agree"] <= 1.0
