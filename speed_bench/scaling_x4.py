@@ -344,11 +344,11 @@ def markdown(summary: dict) -> str:
         "",
         _md(grid_table(summary)),
         "",
-        "## lm-eval, full HellaSwag (fresh processes, wall clock)",
+        "## lm-eval HellaSwag (fresh processes, wall clock)",
         "",
-        "wall_vs_1gpu: the wall over the one-GPU wall of the same preset, shots and limit "
-        "(same call); hf_over_nakta: `--model hf` (parallelize=True over the GPUs) wall over "
-        "nakta's.",
+        "limit `-`: all 10,042 tasks. wall_vs_1gpu: the wall over the one-GPU wall of the same "
+        "preset, shots and limit (same call); hf_over_nakta: `--model hf` (parallelize=True "
+        "over the GPUs) wall over nakta's.",
         "",
         _md(lm_eval_table(summary)),
         "",
@@ -485,8 +485,8 @@ def index_readme(summary: dict, folder: Path, commit: str) -> str:
             "",
             "The 4-GPU catalogue (HellaSwag scoring against `llama_org` at MP=4, the scaling "
             f"grids, lm-eval), made by {commit}. How it works: "
-            "[docs/multi-gpu.md](../../../docs/multi-gpu.md). The runs' own tables and the "
-            "calls' logs are in the device calls' archives, not in the tree.",
+            "[docs/multi-gpu.md](../../../docs/multi-gpu.md). Each run's own table is in its "
+            "device call's log (`scoring_log.txt`), not in the tree.",
             "",
             "| files | what they show | command |",
             "|---|---|---|",
