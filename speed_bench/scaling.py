@@ -57,7 +57,9 @@ def load_summary(path: str | Path) -> dict:
     return summary
 
 
-def _agree(a: dict | None, b: dict | None) -> float | None:
+def agreement(a: dict | None, b: dict | None) -> float | None:
+    """Share of tasks whose acc and acc_norm predictions (a summary's digit strings) are both
+    equal; None when either is missing or their lengths differ."""
     if not a or not b or len(a["acc"]) != len(b["acc"]) or not a["acc"]:
         return None
     same = sum(
@@ -102,7 +104,7 @@ def scaling_table(summaries: list[dict]) -> pd.DataFrame:
         if base:
             r["speedup_vs_1gpu"] = r["tasks_per_s"] / base[0]["tasks_per_s"]
             r["efficiency"] = r["speedup_vs_1gpu"] / r["gpus"]
-            r["pred_agree_vs_1gpu"] = _agree(r["_preds"], base[0]["_preds"])
+            r["pred_agree_vs_1gpu"] = agreement(r["_preds"], base[0]["_preds"])
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
     return df.sort_values(["model", "engine", "gpus", "tp"], kind="stable").reset_index(drop=True)
 
