@@ -146,6 +146,7 @@ def test_summary_has_the_issue_schema_and_its_ratios(tmp_path):
     assert "rc 0 in 33.2 s" in md
     assert "30B tp=4 fp16: nakta_cache 3.00x llama_org, predictions 99.9% equal" in md
     assert "NOT met" in md  # predictions not all equal
+    assert "65B tp=4 bf16: nakta_cache" in md and "judged in fp16 as the seed ran" in md
     assert "0-shot limit all: 0.33x the one-GPU wall (target <= 0.35x): met" in md
     assert "10-shot limit 2000: 0.34x the one-GPU wall (target <= 0.33x): NOT met" in md
     assert "lm-eval 30B tp=4: 3.00x --model hf parallelize=True (target >= 2.5x): met" in md
