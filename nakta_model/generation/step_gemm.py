@@ -109,7 +109,7 @@ def crossover(dtype: torch.dtype, quant: str | None = None) -> int:
 # rows cuBLASLt's row-wise scaled GEMMs stream the 7B weights at 25-49% of copy bandwidth (H200:
 # wqkv 29 us, w13 44, wo 17, w2 31 at 32 rows, where copy bandwidth allows ~12/21/4/11); the Triton kernel keeps the
 # weight on the MMA's wide side and splits K for the narrow ones. hi is at most the kernel's
-# MAX_ROWS (64). ``bench_decode_gemm``'s triton_fp8 path and ``tune_fp8_decode_gemm`` measure it.
+# MAX_ROWS (64). ``bench_decode_gemm``'s triton_fp8 path and ``tune_fp8_decode --kernel gemm`` measure it.
 FP8_KERNEL_ROWS = (8, _fp8_small.MAX_ROWS)
 
 
