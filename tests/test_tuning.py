@@ -63,7 +63,7 @@ def test_a_failing_pool_leaves_compiling_to_the_timing_loop(monkeypatch, capsys)
     def broken(*args):
         raise OSError("no processes here")
 
-    monkeypatch.setattr(tuning, "_precompile", broken)
+    monkeypatch.setattr(tuning, "_compile_in_workers", broken)
     tuning.compile_in_workers(lambda: 0, [()], 2, time.perf_counter() + 1)
     assert "precompile failed (OSError: no processes here)" in capsys.readouterr().out
 
