@@ -91,16 +91,16 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
 # Prompt tokens of one prefill forward. Rows enter the batch only as fast as their prompts
 # prefill: with ``chunk`` decode steps between two prefill forwards, at most
 # ``PREFILL_CHUNK / prompt length`` rows start per ``chunk`` steps, so rows that live ``n`` new
-# tokens stay at ``n / chunk * PREFILL_CHUNK / prompt`` in flight. At 2,048 that held an H200's
-# 1,000-prompt 128/128 run at ~114 rows whatever ``max_batch`` (11.2k tok/s at 128 rows and
-# 9.3k at 256); 8,192 admits 64 such prompts per chunk: one prefill forward of ~0.2 s, then the
-# chunk's decode steps, so a long prompt still never stalls the running rows for longer.
+# tokens stay at ``n / chunk * PREFILL_CHUNK / prompt`` in flight: a smaller chunk caps the
+# batch below ``max_batch`` (docs/experiments.md). 8,192 admits 64 prompts of 128 tokens per
+# chunk in one forward, then the chunk's decode steps, so a long prompt still never stalls the
+# running rows for longer.
 PREFILL_CHUNK = 8192
 # Prefill forwards that may run back to back before the running rows' next decode chunk. One
 # per chunk fills a 384-row batch only ~6 chunks after its rows start (64 prompts of 128 tokens
-# a forward), so a 1,000 x 128/128 run decoded 296 rows a step on average; 8 admit the whole
-# batch before it decodes (333 rows a step, ~4% more output tok/s: docs/experiments.md). The
-# running rows then wait at most 8 forwards (64k prompt tokens) between two chunks.
+# a forward), so short-lived rows decode in a batch that is never full; 8 admit the whole batch
+# before it decodes (docs/experiments.md). The running rows then wait at most 8 forwards (64k
+# prompt tokens) between two chunks.
 PREFILL_BURST = 8
 ENV_BURST = "NAKTA_PREFILL_BURST"
 TokenCallback = Callable[[int, list[int], "str | None"], None]

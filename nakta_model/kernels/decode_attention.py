@@ -43,10 +43,9 @@ Numerics: scores and softmax in fp32 with ``exp2`` (scale folded with log2 e); o
 dtype. Every head layout uses ``tl.dot`` with the query group (1 for MHA) padded to 16 rows,
 the probabilities rounded to the cache dtype for the P @ V product as flash attention does
 (fp32 inputs: ``input_precision="ieee"``). The padding wastes tensor-core work nobody waits
-for: an H200 run (``kernel_benchmark/bench_decode.py --attention-only``) read LLaMA-7B's MHA
-cache at 100-105% of copy bandwidth this way at batch 32-64 and contexts 1024-2048, against
-53% for the CUDA-core path (one query head, fp32 throughout; still there with ``_TUNE``
-``USE_DOT=0``), and 41-60% against 28-33% at batch 1.
+for: this way an MHA cache streams at about copy bandwidth at batch 32-64, about twice the
+CUDA-core path (one query head, fp32 throughout; still there with ``_TUNE`` ``USE_DOT=0``;
+``kernel_benchmark/bench_decode.py --attention-only`` compares them, docs/kernels.md).
 ``cache_lens[b] == 0`` gives a zero output row (an idle slot of a static batch); a length
 outside ``[0, S_max]`` gives NaN (no host sync on CUDA) or, on the CPU or with
 ``NAKTA_DEBUG=1``, a ValueError.
@@ -779,7 +778,7 @@ def _check_no_aliasing(q, k_cache, v_cache, out, workspace) -> None:
 # At batch 1 the last attention launch lets the next kernel launch at once (``wo``, a
 # programmatic dependent, whose blocks load their first weight tile while attention runs and
 # then wait for its output: ``decode_linear``'s ``EARLY_W``). Attention itself stays an ordinary
-# launch (as a dependent it measured slower: docs/experiments.md).
+# launch (as a dependent it ran slower: docs/experiments.md).
 TRIGGER_MAX_BATCH = 1
 
 
