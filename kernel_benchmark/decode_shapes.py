@@ -1,8 +1,8 @@
-"""The decode matmuls ``bench_decode`` measures and ``tune_decode`` tunes: the LLaMA shapes,
+"""The decode matmuls ``bench_decode`` measures and tunes: the LLaMA shapes,
 one input set per (shape, batch), the paths that run them and the bytes a perfect kernel moves.
 
-A lower layer of its own so that the bench and its tuner both import it and neither imports
-the other.
+A lower layer of its own: ``bench_decode`` (its sweep and its ``--tune``), ``bench_decode_gemm``,
+``bench_fp8`` and ``tune_fp8_decode`` all build their points from it.
 """
 
 from __future__ import annotations

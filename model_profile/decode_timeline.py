@@ -1,8 +1,8 @@
 """Where a decode step's time goes in the chain itself: the engine's CUDA-graph decode
 (dependent launches, early weight tiles and all) under ``torch.profiler``, kernel by kernel.
 
-``speed_bench.decode_budget`` times each launch alone; here the launches overlap as they do in
-a run, so a kernel's own duration says little (under PDL its blocks start early and wait).
+``speed_bench.decode_speed``'s budget times each launch alone; here the launches overlap as
+they do in a run, so a kernel's own duration says little (under PDL its blocks start early and wait).
 What each adds to the step is its *increment*: its end minus the previous kernel's end. Per
 launch kind (wqkv / attention / wo / w13 / w2 and, on the GEMM path from 8 rows, the other
 launches of a layer; found by their order in a layer; the step's tail: its inputs, the LM head,

@@ -2,12 +2,12 @@
 
 A command like lm-eval spends seconds of pure-Python start-up (imports, task loading) before it
 constructs the model. Under the GIL, Python work on a second thread only takes turns with that
-start-up (measured: building the whole model early finished no sooner than building it when
-asked), but the weight read is not Python work: file reads and host-to-device copies. Started
-early on a thread, it overlaps the start-up, provided the interpreter hands the GIL back
-quickly: at Python's default 5 ms switch interval a reader beside a busy Python thread moved
-1.6 GB/s, at 0.5 ms 10.8 GB/s, 89% of its 12.2 GB/s alone (``speed_bench/read_bench.py``,
-H200). So the switch interval is 0.5 ms while a prefetch runs.
+start-up (building the whole model early finished no sooner than building it when asked), but
+the weight read is not Python work: file reads and host-to-device copies. Started early on a
+thread, it overlaps the start-up, provided the interpreter hands the GIL back quickly: at
+Python's default 5 ms switch interval a reader beside a busy Python thread runs at a fraction
+of its rate alone, at 0.5 ms close to it (``speed_bench/read_bench.py``; the figures:
+docs/experiments.md). So the switch interval is 0.5 ms while a prefetch runs.
 
 ``prefetch(file, device)`` starts the read (registered at once, read on a non-daemon thread: an
 exit waits for it); ``take(file, device)`` (``load_rank_state_dict`` calls it) returns those

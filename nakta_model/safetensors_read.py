@@ -102,10 +102,9 @@ def _fill(fd: int, buf: torch.Tensor, start: int, path: Path, chunk: int, thread
 def _fill_mapped(fd: int, buf: torch.Tensor, start: int, threads: int, populate: bool) -> None:
     """``buf[:]`` <- file bytes ``[start, start + len(buf))`` through a read-only memory map:
     each of ``threads`` threads copies one contiguous part in one ``copy_`` call (the driver
-    stages the pageable memory). Kept as the benchmark's alternative, not the default: on the
-    H200 it read 6.3 GB/s alone against the pinned reader's 12.2, and beside a busy Python
-    thread it slowed to 1.6 GB/s at the default switch interval just as the pinned one did
-    (``speed_bench/read_bench.py``). ``populate`` maps every page at
+    stages the pageable memory). Kept as the benchmark's alternative, not the default: it reads
+    at about half the pinned reader's rate and slows beside a busy Python thread just as the
+    pinned one does (``speed_bench/read_bench.py``). ``populate`` maps every page at
     ``mmap`` time (``MAP_POPULATE``) instead of faulting them in during the copies."""
     import mmap
     import warnings

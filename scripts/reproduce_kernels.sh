@@ -48,8 +48,8 @@ for job in "${jobs[@]}"; do
       if [ "$QUANT" = fp8 ]; then
         step tune_fp8_decode 280 python3 -m kernel_benchmark.tune_fp8_decode --budget 240 \
           --jobs "$NJOBS"
-        step tune_fp8_decode_gemm 200 python3 -m kernel_benchmark.tune_fp8_decode_gemm \
-          --budget 160 --jobs "$NJOBS"
+        step tune_fp8_decode_gemm 200 python3 -m kernel_benchmark.tune_fp8_decode \
+          --kernel gemm --budget 160 --jobs "$NJOBS"
       else
         step tune_decode_linear 300 python3 -m kernel_benchmark.bench_decode --tune --models 7B \
           --batches 1 --tune-budget 240

@@ -4,8 +4,14 @@ and an embedded MMLU-shaped one (a long few-shot prefix shared by every question
 Real: ``--data FILE --tokenizer FILE`` builds exactly lm-eval's requests
 (``nakta_model.tasks.hellaswag``). Embedded: no text and no tokenizer needed; random token ids
 whose context and ending lengths are drawn (seeded) from HellaSwag's own length histogram under
-the LLaMA tokenizer (``hellaswag_lengths.json``, made by ``make_length_histogram.py``). Speed
-depends only on those lengths, so the embedded workload costs what the real one costs.
+the LLaMA tokenizer (``hellaswag_lengths.json``). Speed depends only on those lengths, so the
+embedded workload costs what the real one costs. The histogram is measured once (only counts are
+committed, never text) by tokenizing every validation task the way lm-eval does
+(``nakta_model.tasks.hellaswag``: context = query with BOS, continuation = ``" " + ending``,
+continuation tokens = ``encode(context + continuation)[len(encode(context)):]``)::
+
+    python -m speed_bench.workload --data ../shared/data/hellaswag_val_full.jsonl \
+        --tokenizer ../shared/data/llama_tokenizer.model
 
 MMLU-shaped (``mmlu_shaped_workload``): random token ids with lm-eval's MMLU structure: per
 subject a fixed 5-shot prefix (``sampler: first_n``), then each question with its options
@@ -15,14 +21,17 @@ subject a fixed 5-shot prefix (``sampler: first_n``), then each question with it
 
 from __future__ import annotations
 
+import argparse
+import collections
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nakta_model.io_utils import atomic_write_text
 from nakta_model.scoring import unique_tokens
 from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
-from speed_bench.make_length_histogram import HISTOGRAM_PATH
 
 Request = tuple[list[int], list[int]]  # (context tokens with BOS, continuation tokens)
 
@@ -86,6 +95,47 @@ class Workload:
             for r in self.requests[starts[t] : starts[t] + len(self.docs[t].choices)]
         ]
         return Workload(f"{self.name}/spread{n}", docs, requests)
+
+
+# ----------------------------------------------------------------------------- histogram
+HISTOGRAM_PATH = Path(__file__).resolve().parent / "hellaswag_lengths.json"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def measure(data: Path, tokenizer: Path) -> dict:
+    """Histograms of context tokens (with BOS) and continuation tokens over every task.
+
+    Requests are built by ``nakta_model.tasks.hellaswag`` exactly as lm-eval builds them. For
+    the full validation file (already preprocessed, ``ctx_b`` not capitalised) the lengths
+    differ from lm-eval's by at most a token here and there: noise for a length histogram.
+    """
+    docs = load_jsonl(data)
+    requests = build_requests(docs, sentencepiece_encoder(tokenizer))
+    ctx_hist: collections.Counter[int] = collections.Counter()
+    cont_hist: collections.Counter[int] = collections.Counter()
+    chars = tokens = i = 0
+    for doc in docs:
+        ctx_hist[len(requests[i][0])] += 1
+        for choice in doc.choices:
+            n = len(requests[i][1])
+            cont_hist[n] += 1
+            chars += len(choice)
+            tokens += n
+            i += 1
+    return {
+        "what": "HellaSwag validation token lengths under the LLaMA tokenizer, lm-eval style",
+        "source": data.name,
+        "source_sha256": _sha256(data),
+        "tokenizer_sha256": _sha256(tokenizer),
+        "n_tasks": len(docs),
+        "endings_per_task": 4,
+        "context_tokens_with_bos": {str(k): v for k, v in sorted(ctx_hist.items())},
+        "continuation_tokens": {str(k): v for k, v in sorted(cont_hist.items())},
+        "chars_per_continuation_token": round(chars / tokens, 4),
+    }
 
 
 def load_histogram(path: str | Path = HISTOGRAM_PATH) -> dict:
@@ -235,3 +285,23 @@ def mmlu_shaped_workload(
         requests += [(ctx, [letter]) for letter in letters]
         docs.append(Doc(query="", choices=("A", "B", "C", "D"), label=rng.randrange(4), ind=t))
     return Workload(f"synthetic-mmlu-{n_tasks}", docs, requests)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure the histogram (module docstring) into ``hellaswag_lengths.json``."""
+    here = Path(__file__).resolve().parents[1]
+    shared = here.parent / "shared" / "data"
+    p = argparse.ArgumentParser(
+        description="Measure HellaSwag's token lengths for the embedded workload"
+    )
+    p.add_argument("--data", type=Path, default=shared / "hellaswag_val_full.jsonl")
+    p.add_argument("--tokenizer", type=Path, default=shared / "llama_tokenizer.model")
+    p.add_argument("--out", type=Path, default=HISTOGRAM_PATH)
+    args = p.parse_args(argv)
+    hist = measure(args.data, args.tokenizer)
+    atomic_write_text(args.out, json.dumps(hist, indent=1) + "\n")
+    print(f"{hist['n_tasks']} tasks -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

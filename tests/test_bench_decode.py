@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kernel_benchmark import bench_decode as bd
-from kernel_benchmark import tune_decode as td
 from nakta_model.kernels import decode_linear as dl
 
 # On a GPU the benchmark is the full sweep (minutes): the lead runs it by hand.
@@ -52,7 +51,7 @@ def test_tune_writes_configs_the_launcher_takes_back(tmp_path, monkeypatch):
     assert len(tdf) and (tdf["status"] == "ok").any() and tdf["default"].any()
     best = json.loads((tmp_path / "decode_quick_linear_tune_best.json").read_text())
     assert best["points"] and best["shapes"]
-    assert td.load_shapes_config(str(tmp_path / "decode_quick_linear_tune_best.json")) == len(
+    assert bd.load_shapes_config(str(tmp_path / "decode_quick_linear_tune_best.json")) == len(
         best["shapes"]
     )
     (key, cfg), *_ = [(k, c) for k, c in dl._CONFIGS.items() if len(k) == 5]  # per shape
@@ -73,7 +72,7 @@ def test_best_configs_picks_the_fastest_per_point():
              "default": False, "status": "failed: x"},
         ]
     )  # fmt: skip
-    best = td.best_configs(tdf, [shape], torch.bfloat16)
+    best = bd.best_configs(tdf, [shape], torch.bfloat16)
     point = best["points"]["7B w13 22016x4096 batch 1"]
     assert point["config"]["BLOCK_N"] == 16 and point["default_pct_copy_bw"] == 80.0
     assert point["tried"] == 2
@@ -84,7 +83,7 @@ def test_load_shapes_config_rejects_other_json(tmp_path):
     path = tmp_path / "x.json"
     path.write_text(json.dumps({"points": {}}))
     with pytest.raises(ValueError, match="expected a --tune JSON with a 'shapes' object"):
-        td.load_shapes_config(str(path))
+        bd.load_shapes_config(str(path))
 
 
 @pytest.mark.parametrize(
@@ -99,11 +98,11 @@ def test_load_shapes_config_rejects_other_json(tmp_path):
     ],
 )
 def test_tune_candidates_stay_legal(knob, cfg, expected):
-    assert td.tune_candidates(knob, cfg, bucket=1, rows_per_col=1) == expected
+    assert bd.tune_candidates(knob, cfg, bucket=1, rows_per_col=1) == expected
 
 
 def test_tune_candidates_keep_batched_rows_on_tensor_cores():
-    assert td.tune_candidates("USE_DOT", dict(USE_DOT=1), bucket=8, rows_per_col=1) == []
+    assert bd.tune_candidates("USE_DOT", dict(USE_DOT=1), bucket=8, rows_per_col=1) == []
 
 
 def test_linear_bytes_count_what_a_perfect_kernel_moves():

@@ -56,7 +56,7 @@ def test_triton_gemm_matches_torch_on_odd_and_strided_inputs(dtype):
             pytest.skip("Triton kernels run on the CPU only under TRITON_INTERPRET=1")
         if dtype != torch.float32:
             pytest.skip("the interpreter's half-precision dot is wrong: bf16 on a GPU only")
-    from kernel_benchmark.triton_gemm import triton_linear
+    from kernel_benchmark.bench_gemm import triton_linear
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(3)

@@ -181,7 +181,7 @@ def test_length_out_of_range_gives_nan_on_the_device_path(n_splits, device):
 @pytest.mark.parametrize("n_splits", [1, 2])
 def test_mha_on_the_cuda_cores(dtype, n_splits, device, monkeypatch):
     """The CUDA-core path (MHA, ``USE_DOT=0``: fp32 throughout) when asked (bench/tuning)."""
-    monkeypatch.setattr(da._cfg, "_TUNE", {"USE_DOT": 0})
+    monkeypatch.setattr(da, "_TUNE", {"USE_DOT": 0})
     q, k_cache, v_cache, lens = make_inputs(3, 4, 4, dtype, device)
     got = decode_attention(q, k_cache, v_cache, lens, n_splits=n_splits)
     ref = decode_attention_reference(q, k_cache, v_cache, lens)
@@ -454,7 +454,7 @@ def test_cascade_workspace_and_arguments_are_checked():
 
 def test_env_override_of_the_launch_config_reaches_the_split_rule(monkeypatch):
     """A benchmark tries another split rule in a fresh process through the environment."""
-    from nakta_model.kernels import _decode_attention_configs as cfg
+    from nakta_model.kernels import decode_attention as cfg
 
     base = decode_splits(1, 32, 256, "cpu")
     monkeypatch.setenv(cfg.ENV_TUNE, "MIN_SPLIT_KEYS=64")

@@ -47,7 +47,7 @@ if what == "linear":
     )
     floats = ("eps", "inv_k")
 else:
-    from nakta_model.kernels._decode_attention_kernels import _attn_split_kernel as kernel
+    from nakta_model.kernels.decode_attention import _attn_split_kernel as kernel
     (pdl,) = params
     num_warps = 4
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "LENS": "*i32", "TABLE": "*i32",

@@ -87,5 +87,5 @@ def test_results_folders_hold_the_catalogue_only():
     files = subprocess.run(
         ["git", "ls-files", "--", "*/results/*"], cwd=ROOT, capture_output=True, text=True
     ).stdout.split()
-    assert 0 < len(files) <= 150, len(files)
+    assert 0 < len(files) <= 145, len(files)  # 135 at the last prune: room for a few new runs
     assert not [f for f in files if "_ab/" in f or "/ab/" in f], "A/B folders belong in git history"

@@ -10,9 +10,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_LINES = 800
-# One idea, one file, even when long (issue 38, item 7): the decode GEMV's kernel, launch tables,
-# checks, launcher and reference read top to bottom in one file.
-ONE_IDEA = {"nakta_model/kernels/decode_linear.py": 1300}
+# One idea, one file, even when long (issue 38, item 7): a decode kernel's Triton code, launch
+# tables, checks, launcher and reference read top to bottom in one file.
+ONE_IDEA = {
+    "nakta_model/kernels/decode_linear.py": 1300,
+    "nakta_model/kernels/decode_attention.py": 1100,
+}
 
 
 def _sources() -> list[Path]:

@@ -334,7 +334,7 @@ def test_shared_prompt_prefixes_prefill_once_and_decode_the_same(kernels, monkey
     shared = gen.generate(greedy_requests(ps, n_new, None))
     assert [r.tokens for r in shared] == [r.tokens for r in plain]
     assert max(seen) == 70  # decoding read the prefix from the held prefix's pages
-    held = sorted(h.pages[0] for h in gen._held.values())
+    held = sorted(h.pages[0] for h in gen.pages.held.values())
     assert len(held) == 2 and all(s is not None and s[0].dim() == 2 for s in slots)
     assert sorted(slots[-1][0][:, 0].tolist()) == held  # the slots: the held prefixes' pages
     assert max(max(s[1].tolist()) for s in slots) == 70  # ... computed once a step (cascade)

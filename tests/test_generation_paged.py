@@ -240,7 +240,7 @@ def test_partial_prefix_pages_are_copied_in_one_go_per_admission(monkeypatch):
     """Rows admitted together queue their copy-on-write page copies and one flush makes them
     all (two index ops per cache tensor, not one copy per row and layer); the tokens equal an
     engine that shares nothing, and nothing is left queued."""
-    from nakta_model.generation.engine import Generator as Engine
+    from nakta_model.generation.row_pages import RowPages
 
     model = tiny_model()
     ps = shared_prompts(per=3)
@@ -248,19 +248,19 @@ def test_partial_prefix_pages_are_copied_in_one_go_per_admission(monkeypatch):
         greedy_requests(ps, 4, None)
     )
     flushed: list[int] = []
-    real = Engine._flush_copies
+    real = RowPages.flush_copies
 
     def spy(self):
         if self._copies:
             flushed.append(len(self._copies))
         real(self)
 
-    monkeypatch.setattr(Engine, "_flush_copies", spy)
+    monkeypatch.setattr(RowPages, "flush_copies", spy)
     gen = Generator(model, max_batch=6, max_seq_len=96)
     got = gen.generate(greedy_requests(ps, 4, None))
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert max(flushed) >= 2 and sum(flushed) == len(ps)  # a partial page each, batched
-    assert gen._copies == []
+    assert gen.pages._copies == []
 
 
 def test_a_draining_batch_stays_on_its_captured_bucket():

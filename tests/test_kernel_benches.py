@@ -138,7 +138,7 @@ def test_bench_exits_1_when_nothing_was_measured(stem, monkeypatch, tmp_path, ca
 def test_rope_tune_picks_the_best_worst_case_over_shapes():
     """``--tune``'s summary: per kernel the configuration whose worst shape is best, counting
     only configurations measured at every shape (a failed one has NaN)."""
-    from kernel_benchmark.tune_rope import best_configs
+    from kernel_benchmark.bench_rope import best_configs
 
     nan = float("nan")
     rows = [  # config -> (% at shape a, % at shape b)

@@ -86,7 +86,7 @@ def test_scoring_and_generating_share_one_pool_without_rebuilds():
     res = gen.generate(greedy_requests(ps, 6, None))
     assert [r.tokens for r in res] == want_tokens
     assert gen.held_pages == 2 and pool.free_pages == free_scored - gen.held_pages  # no leak
-    steps, held = dict(gen._steps), dict(gen._held)
+    steps, held = dict(gen._steps), dict(gen.pages.held)
     assert steps and held
     assert model.kv_pool is pool and pool.epoch == epoch  # no rebuild
 
@@ -99,7 +99,7 @@ def test_scoring_and_generating_share_one_pool_without_rebuilds():
     assert [r.tokens for r in res] == want_tokens
     assert gen.stats.prefilled_tokens < prefilled  # the held prefix was not computed again
     assert all(gen._steps[k] is v for k, v in steps.items())  # steps kept
-    assert all(gen._held[k] is v for k, v in held.items())  # held prefixes kept
+    assert all(gen.pages.held[k] is v for k, v in held.items())  # held prefixes kept
     assert pool.epoch == epoch and pool.free_pages == free_scored - gen.held_pages
 
 
@@ -123,7 +123,7 @@ def test_a_pool_too_small_grows_and_the_other_user_rebuilds():
     # the engine sees the new epoch: steps and held prefixes of the old pool are dropped
     res = gen.generate(greedy_requests(ps, 6, None))
     assert [r.tokens for r in res] == want_tokens
-    assert pool.epoch == epoch + 1 and gen._epoch == pool.epoch
+    assert pool.epoch == epoch + 1 and gen.pages._epoch == pool.epoch
     assert pool.used_pages == cache.held_pages + gen.held_pages  # the scorer's pages kept
     assert scoring.score(model, reqs, prefix_cache=cache) == want_scores
     assert cache.computed_tokens == 80
@@ -188,7 +188,7 @@ def test_scoring_trims_a_pool_grown_for_generation_and_cycles_do_not_ratchet():
         # pages are gone), then made at the scorer's need (1 scratch + 3 pages <= cap 5)
         assert pool.n_pages == 4 and cache_positions(model) == 4 * 64
         assert pool.epoch == epoch + 2 and cache.limit == 3
-        assert not gen._steps and not gen._held and gen.held_pages == 0
+        assert not gen._steps and not gen.pages.held and gen.held_pages == 0
         assert pool.used_pages == cache.held_pages == 2
         assert scoring.score(model, reqs, prefix_cache=cache) == want_scores  # within the cap
         assert pool.epoch == epoch + 2 and pool.n_pages == 4
@@ -248,7 +248,7 @@ def test_scoring_without_a_prefix_cache_frees_a_pool_over_the_cap():
     pool.scoring_cap = 9
     assert scoring.score(model, reqs, prefix_cache=False) == plain
     assert pool.n_pages == 0 and cache_positions(model) == 0 and pool.epoch == epoch + 1
-    assert not gen._steps and not gen._held
+    assert not gen._steps and not gen.pages.held
     assert [x for x, _ in plain] == pytest.approx([x for x, _ in want_scores], abs=1e-5)
     res = gen.generate(greedy_requests(ps, 6, None))  # the engine makes it again
     assert [r.tokens for r in res] == want_tokens

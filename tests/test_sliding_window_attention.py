@@ -334,7 +334,7 @@ def test_decode_window_cascade_matches_fp64(n_q, n_kv, batch, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_window_on_the_cuda_cores(dtype, monkeypatch):
     """The MHA CUDA-core path (``USE_DOT=0``) takes the window too."""
-    monkeypatch.setattr(da._cfg, "_TUNE", {"USE_DOT": 0})
+    monkeypatch.setattr(da, "_TUNE", {"USE_DOT": 0})
     q, k, v, table, lens = paged_case(4, 4, 4, dtype)
     for n_splits in (1, 2):
         got = decode_attention(q, k, v, lens, block_table=table, n_splits=n_splits, window=6)

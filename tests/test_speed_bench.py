@@ -15,11 +15,12 @@ import torch
 
 from nakta_model.config import preset
 from nakta_model.tasks.hellaswag import Doc, build_requests, load_jsonl, sentencepiece_encoder
-from speed_bench.make_length_histogram import HISTOGRAM_PATH, measure
 from speed_bench.weights import RandomWeights, matmul_params
 from speed_bench.workload import (
+    HISTOGRAM_PATH,
     Workload,
     load_histogram,
+    measure,
     mmlu_shaped_workload,
     synthetic_workload,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nakta_model.generation.stops import StopStrings
+from nakta_model.generation import StopStrings
 
 WORDS = {1: "The", 2: " cat", 3: "\n", 4: "\n", 5: " sat", 6: ".", 7: " Q:"}
 

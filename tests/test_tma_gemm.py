@@ -1,4 +1,4 @@
-"""The benchmark's persistent TMA GEMM (``kernel_benchmark/triton_gemm.py``) against fp64
+"""The benchmark's persistent TMA GEMM (``kernel_benchmark/bench_gemm.py``) against fp64
 matmuls, and its SwiGLU epilogue against the unfused path. CPU: the interpreter on small odd
 shapes (fp32 too); GPU: bf16/fp16, 7B-like shapes."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_benchmark import triton_gemm as gemm
-from kernel_benchmark.triton_gemm import linear_reference
-from kernel_benchmark.triton_gemm import tma_linear as linear
-from kernel_benchmark.triton_gemm import tma_supported as gemm_supported
+from kernel_benchmark import bench_gemm as gemm
+from kernel_benchmark.bench_gemm import linear_reference
+from kernel_benchmark.bench_gemm import tma_linear as linear
+from kernel_benchmark.bench_gemm import tma_supported as gemm_supported
 from nakta_model.kernels import swiglu as swiglu_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

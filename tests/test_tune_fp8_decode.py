@@ -13,7 +13,6 @@ from test_decode_linear import assert_matches_reference, run_both
 from test_decode_linear_fp8 import fp8_case
 
 from kernel_benchmark import tune_fp8_decode as tf
-from kernel_benchmark import tuning
 from nakta_model.kernels import decode_linear as cfgs
 from nakta_model.kernels import decode_linear as dl
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
@@ -28,7 +27,7 @@ def test_grid_configs_resolve_unchanged(kind, batch, monkeypatch):
     dropped, DOT_F16 kept where asked), so the timing measures what the JSON will say."""
     shape = SHAPES[kind]
     cands = tf.candidates(shape.variant, batch)
-    assert len(cands) >= 8 and len({tuning.config_key(c, tf.KNOBS) for c in cands}) == len(cands)
+    assert len(cands) >= 8 and len({tf.config_key(c, tf.KNOBS) for c in cands}) == len(cands)
     for cand in cands:
         monkeypatch.setattr(dl, "_TUNE", cand)
         got = dl._config(torch.bfloat16, batch, shape.n_cols, shape.k, shape.variant,

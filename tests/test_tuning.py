@@ -1,4 +1,4 @@
-"""kernel_benchmark/tuning's sweep driver and result writer, shared by the three tuners: the
+"""The FP8 tuners' sweep driver and result writer (kernel_benchmark/tune_fp8_decode.py): the
 points timed in order until the deadline, each point's best printed, every timing and the best
 per point written, and only the kept winners handed to the kernel's table."""
 
@@ -10,7 +10,7 @@ import time
 import pandas as pd
 import pytest
 
-from kernel_benchmark import tuning
+from kernel_benchmark import tune_fp8_decode as tuning
 
 
 def _best(df: pd.DataFrame) -> list[dict]:
@@ -63,8 +63,8 @@ def test_a_failing_pool_leaves_compiling_to_the_timing_loop(monkeypatch, capsys)
     def broken(*args):
         raise OSError("no processes here")
 
-    monkeypatch.setattr(tuning, "_precompile", broken)
-    tuning.precompile(lambda: 0, [()], 2, time.perf_counter() + 1)
+    monkeypatch.setattr(tuning, "_compile_in_workers", broken)
+    tuning.compile_in_workers(lambda: 0, [()], 2, time.perf_counter() + 1)
     assert "precompile failed (OSError: no processes here)" in capsys.readouterr().out
 
 

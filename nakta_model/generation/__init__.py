@@ -1,9 +1,9 @@
 """Text generation.
 
 ``engine.Generator``: continuous batching with a graph-captured fused decode step (``step``),
-on-device sampling (``sampling``) and stop strings (``stops``); ``streaming``: text handed out
-as it is decoded, with the clock (time to first token, tokens/s); ``console``: the generate
-command's terminal side; ``meta_loop``: LLaMA-1's loop, token for token as Meta wrote it (the
+on-device sampling (``sampling``) and stop strings (``requests.StopStrings``); its pages are
+``row_pages.RowPages``; ``streaming``: text handed out as it is decoded, with the clock (time to
+first token, tokens/s); ``console``: the generate command's terminal side; ``meta_loop``: LLaMA-1's loop, token for token as Meta wrote it (the
 reference the engine is checked against).
 """
 
@@ -14,8 +14,8 @@ from nakta_model.generation.engine import (
     greedy_requests,
 )
 from nakta_model.generation.meta_loop import generate, generate_tokens, sample_top_p
+from nakta_model.generation.requests import StopStrings
 from nakta_model.generation.sampling import SamplingParams, sample_next
-from nakta_model.generation.stops import StopStrings
 from nakta_model.generation.streaming import StreamTiming, TextStream, generate_streaming
 
 __all__ = [

@@ -24,9 +24,10 @@ prompts wait (so a batch fills before it decodes), then the running rows decode 
 prompt delays them by a bounded number of prefill forwards, never by its whole length. While
 nothing waits to be admitted or prefilled, ``pipeline`` enqueues the next chunk of the same rows
 before the host reads this one's tokens. Per request, the time to its first token is in
-``stats.first_token_s`` (and ``on_tokens`` reports it as it happens). The chunks themselves
-(which step, how enqueued, how read back) are ``decode_chunks.DecodeChunks``; the pages,
-``row_pages.RowPages``; this file keeps the scheduling.
+``stats.first_token_s`` (and ``on_tokens`` reports it as it happens). Which pages a row
+holds and may still take is ``row_pages.RowPages`` (``Generator.pages``); this file keeps the
+scheduling: admission, the prefill forwards and the decode chunks (which captured step runs the
+active rows, how a chunk is enqueued, how its tokens come back to the rows).
 
 Prompts that share a long prefix (a few-shot prompt: ``prefix_cache.shared_prefixes``) prefill
 it once into pages of its own, held for later admissions (at most ``prefix_rows`` prefixes,
@@ -45,7 +46,7 @@ math on each row, just not padded to the batch's shortest prompt.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -53,13 +54,11 @@ import torch
 
 from nakta_model import knobs
 from nakta_model.fp8 import Precision, check_kv_cache
-from nakta_model.generation.decode_chunks import DecodeChunks
 from nakta_model.generation.prefill_stream import PrefillStream
 from nakta_model.generation.requests import (
     GenerationRequest,
     GenerationResult,
     GenerationStats,
-    _Held,
     _Row,
     check_int,
     check_requests,
@@ -69,10 +68,12 @@ from nakta_model.generation.row_pages import RowPages
 from nakta_model.generation.sampling import sample_next
 from nakta_model.generation.step import (
     DecodeStep,
+    EntryState,
     batch_limit,
     check_graph_mode,
+    step_tokens,
 )
-from nakta_model.kv_pages import PAGE_SIZE, pages_for, pool_pages
+from nakta_model.kv_pages import PAGE_SIZE, kv_pool, pages_for, pool_pages
 
 __all__ = [
     "Feed",
@@ -90,16 +91,16 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
 # Prompt tokens of one prefill forward. Rows enter the batch only as fast as their prompts
 # prefill: with ``chunk`` decode steps between two prefill forwards, at most
 # ``PREFILL_CHUNK / prompt length`` rows start per ``chunk`` steps, so rows that live ``n`` new
-# tokens stay at ``n / chunk * PREFILL_CHUNK / prompt`` in flight. At 2,048 that held an H200's
-# 1,000-prompt 128/128 run at ~114 rows whatever ``max_batch`` (11.2k tok/s at 128 rows and
-# 9.3k at 256); 8,192 admits 64 such prompts per chunk: one prefill forward of ~0.2 s, then the
-# chunk's decode steps, so a long prompt still never stalls the running rows for longer.
+# tokens stay at ``n / chunk * PREFILL_CHUNK / prompt`` in flight: a smaller chunk caps the
+# batch below ``max_batch`` (docs/experiments.md). 8,192 admits 64 prompts of 128 tokens per
+# chunk in one forward, then the chunk's decode steps, so a long prompt still never stalls the
+# running rows for longer.
 PREFILL_CHUNK = 8192
 # Prefill forwards that may run back to back before the running rows' next decode chunk. One
 # per chunk fills a 384-row batch only ~6 chunks after its rows start (64 prompts of 128 tokens
-# a forward), so a 1,000 x 128/128 run decoded 296 rows a step on average; 8 admit the whole
-# batch before it decodes (333 rows a step, ~4% more output tok/s: docs/experiments.md). The
-# running rows then wait at most 8 forwards (64k prompt tokens) between two chunks.
+# a forward), so short-lived rows decode in a batch that is never full; 8 admit the whole batch
+# before it decodes (docs/experiments.md). The running rows then wait at most 8 forwards (64k
+# prompt tokens) between two chunks.
 PREFILL_BURST = 8
 ENV_BURST = "NAKTA_PREFILL_BURST"
 TokenCallback = Callable[[int, list[int], "str | None"], None]
@@ -130,7 +131,7 @@ def max_rows() -> int:
     return max(b for b in BUCKETS if b <= batch_limit())
 
 
-class Generator(RowPages, DecodeChunks):
+class Generator:
     """Continuous-batching generation on one model over a paged KV cache (module docstring).
 
     ``max_batch`` rows decode at once (at most :func:`max_rows`, the decode step's limit);
@@ -154,7 +155,7 @@ class Generator(RowPages, DecodeChunks):
     chunk's tokens are read, so the host's reading and bookkeeping overlap the GPU's next chunk
     (``_decode_chunk``; off: each chunk read before the next is enqueued, the simpler order
     tests compare against). ``min_chunk`` (default ``chunk``): with a ``feed`` (online), a
-    chunk shrinks toward it while few rows run (``DecodeChunks._chunk_for``): an arrival waits
+    chunk shrinks toward it while few rows run (``_chunk_for``): an arrival waits
     for the chunk in flight before its prefill, and a light batch's host check costs little;
     a full batch decodes ``chunk`` steps between checks. Offline calls always run ``chunk``.
     ``kv_cache`` (``"bf16"``/``"fp8"`` or a parsed ``Precision``;
@@ -218,17 +219,39 @@ class Generator(RowPages, DecodeChunks):
         self.n_prefixes = prefix_rows
         self.row_pages = pages_for(max_seq_len)  # block-table width
         full = 1 + (max_batch + prefix_rows) * self.row_pages
-        self._pages_asked = pages
-        self._n_pages = pages or pool_pages(model, cap=full, fraction=memory_fraction)
+        self.pages = RowPages(
+            model, row_pages=self.row_pages, max_seq_len=max_seq_len, prefix_rows=prefix_rows,
+            n_pages=pages or pool_pages(model, cap=full, fraction=memory_fraction),
+        )  # fmt: skip
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        # the decode step per (bucket, sampling, cascade), captured on first use
         self._steps: dict[tuple[int, bool, bool], DecodeStep] = {}
-        self._held: OrderedDict[tuple[int, ...], _Held] = OrderedDict()  # LRU order
-        self._copies: list[tuple[int, int, int]] = []  # (src, dst, n) positions, not yet made
-        self._epoch: int | None = None
-        self._ensure_cache()
         self.stats = GenerationStats()
+        self._admitted = 0  # admissions so far (a row's ``seq``: prefill pieces oldest first)
+        self._call_bucket: int | None = None  # the bucket this call's last chunk ran
         self._on_tokens: TokenCallback | None = None
         self._feed: Feed | None = None
+        self._begin()
+
+    @property
+    def pool(self):
+        """The model's KV pool the rows take their pages from."""
+        return self.pages.pool
+
+    @property
+    def held_pages(self) -> int:
+        """Pages the held shared prefixes hold (the pool's only pages in use between calls)."""
+        return self.pages.held_pages
+
+    def _begin(self) -> None:
+        """The pool ready for a call (``RowPages.begin``); the captured steps go when the
+        pool's cache is replaced (they hold its addresses)."""
+        kv_pool(self.model).on_rebuild(self._drop_steps)
+        if self.pages.begin(self.stats):
+            self._drop_steps()
+
+    def _drop_steps(self) -> None:
+        self._steps.clear()
 
     # --------------------------------------------------------------------------- public
     def generate(
@@ -252,14 +275,14 @@ class Generator(RowPages, DecodeChunks):
         through ``on_tokens`` only, and ``first_token_s`` is keyed by their keys while they
         run)."""
         check_requests(requests, self.model.args.vocab_size, self.max_seq_len)
-        self._ensure_cache()
         self.stats = GenerationStats(first_token_s=[float("nan")] * len(requests))
         self._feed = feed
         if feed is not None:
             self.stats.first_token_s = {}  # type: ignore[assignment]  # keyed, not listed
+        self._begin()
         self._on_tokens = on_tokens
         self._t0 = time.perf_counter()
-        self._call_bucket = None  # the bucket this call's last chunk ran
+        self._call_bucket = None
         shared = [0] * len(requests)
         if self.n_prefixes:
             from nakta_model.prefix_cache import shared_prefixes
@@ -308,7 +331,7 @@ class Generator(RowPages, DecodeChunks):
         finally:
             for r in slots:
                 if r is not None:
-                    self._free_row(r)
+                    self.pages.free_row(r)
                     if feed is not None and not r.finished:
                         r.finished = "cancelled"
                         if on_tokens is not None:
@@ -363,7 +386,7 @@ class Generator(RowPages, DecodeChunks):
         among = shared_prefixes([list(r.request.prompt) for r in rows])
         for r, n in zip(rows, among):
             p = tuple(r.request.prompt)
-            held = [len(k) for k in self._held if len(k) < len(p) and p[: len(k)] == k]
+            held = [len(k) for k in self.pages.held if len(k) < len(p) and p[: len(k)] == k]
             r.shared = max(held + [n])
 
     def _cancel(self, key: int, queue: deque, slots: list, done: list, bar) -> None:
@@ -380,17 +403,6 @@ class Generator(RowPages, DecodeChunks):
         r.finished = "cancelled"
         if self._on_tokens is not None:
             self._on_tokens(key, r.tokens, r.finished)
-
-    def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
-        super()._finish_decode(pending, active, slots)
-        if self._feed is not None:
-            self._feed.flush()
-
-    def _continuation(self, pending: tuple, active: list[int], slots) -> tuple | None:
-        """A pipelined chunk run ends at the next read when the feed has something waiting."""
-        if self._feed is not None and self._feed.pending():
-            return None
-        return super()._continuation(pending, active, slots)
 
     # ------------------------------------------------------------------------ admission
     def _admit(self, queue: deque, slots: list, done: list, bar) -> None:
@@ -410,14 +422,14 @@ class Generator(RowPages, DecodeChunks):
         try:
             while queue and n > 0:
                 r = queue[0]
-                need = pages_for(self._positions(r))
-                if need > self._room:  # the pool's pages but the other users'
+                need = pages_for(self.pages.positions(r))
+                if need > self.pages.room:  # the pool's pages but the other users'
                     queue.popleft()
                     r.finished = "error"
                     r.error = (
                         f"requests[{r.index}] needs {need} KV pages ({len(r.request.prompt)} "
                         f"prompt tokens + max_new_tokens={r.request.max_new_tokens}, pages of "
-                        f"{PAGE_SIZE} positions) but the pool holds {self._room} for it"
+                        f"{PAGE_SIZE} positions) but the pool holds {self.pages.room} for it"
                     )
                     self.stats.first_token_s[r.index] = time.perf_counter() - self._t0
                     if self._on_tokens is not None:
@@ -425,15 +437,16 @@ class Generator(RowPages, DecodeChunks):
                     done.append(r)
                     bar.update(1)
                     continue
-                if not self._reserve(r, running):
+                if not self.pages.reserve(r, running):
                     return
                 queue.popleft()
-                r.seq = self._admitted = getattr(self, "_admitted", 0) + 1
+                self._admitted += 1
+                r.seq = self._admitted
                 place(r)
                 running.append(r)
                 n -= 1
         finally:
-            self._flush_copies()  # the admitted rows' partial prefix pages, in one go
+            self.pages.flush_copies()  # the admitted rows' partial prefix pages, in one go
 
     # ---------------------------------------------------------------------------- phases
     def _prefill_chunk(self, rows: list[_Row]) -> None:
@@ -447,10 +460,10 @@ class Generator(RowPages, DecodeChunks):
                 break
             prompt = list(r.request.prompt)
             n = min(len(prompt) - r.done, budget)
-            self._grow(r, r.done + n)
+            self.pages.grow(r, r.done + n)
             # a row's first piece after a held prefix reads the prefix's own pages (the keys
             # of its copy-on-write page too): the rows of one prefix share a segment
-            held = r.done == r.shared and self._reads_held(r)
+            held = r.done == r.shared and self.pages.reads_held(r)
             stream.add(prompt, r.done, n, r.pages, r.held.pages if held else None)
             pieces.append(r)
             r.done += n
@@ -479,8 +492,154 @@ class Generator(RowPages, DecodeChunks):
         if self._feed is not None:
             self._feed.flush()
 
+    # ----------------------------------------------------------------------- decode chunks
+    def _decode_chunk(
+        self, active: list[int], slots, draining: bool = False, may_continue: bool = False
+    ) -> None:
+        """Replay the decode step for the active rows, then read and apply the new tokens.
+        With ``pipeline`` and ``may_continue`` (nothing to admit or prefill first), the next
+        chunk of the same rows is enqueued before this one's tokens are read, and so on until
+        a row ends (its budget: known ahead, no continuation past it; a stop: seen when its
+        chunk is read, after which the chunk already enqueued is read and its tokens for that
+        row dropped, as for a row that stops inside a chunk). A continuation needs no host
+        write: the step advances its tokens and positions on the device, and the rows' pages
+        for every position they may write are handed out at the launch."""
+        may_continue = may_continue and self.pipeline
+        pending = self._launch_decode(active, slots, draining, whole_budget=may_continue)
+        while True:
+            nxt = self._continuation(pending, active, slots) if may_continue else None
+            self._finish_decode(pending, active, slots)
+            if nxt is None:
+                return
+            pending = nxt
+            may_continue = not any(slots[s].finished for s in active)
+
+    def _launch_decode(
+        self, active: list[int], slots, draining: bool, whole_budget: bool = False
+    ) -> tuple:
+        """Enqueue the chunk's step replays (no host sync); what ``_finish_decode`` reads.
+        ``whole_budget``: hand out the rows' pages for every position they may still write
+        (already reserved for them: the pool's room is the same), for continuations."""
+        t0 = time.perf_counter()
+        sampling = any(not slots[s].request.sampling.greedy for s in active)
+        shared = any(self.pages.reads_held(slots[s]) for s in active)
+        variant = (sampling, self.cascade and shared and self.n_prefixes > 0)
+        bucket = self._bucket(max(active) + 1, variant, draining)
+        self._call_bucket = bucket
+        step = self._step(bucket, *variant)
+        steps = self._chunk_steps(active, slots)
+        for s in active:  # pages for the positions this chunk (or its continuations) writes
+            r = slots[s]
+            self.pages.grow(r, r.position + (self._left(r) if whole_budget else steps))
+        self._load(step, active, slots)
+        step.run(steps)
+        return step, steps, t0, step.read_out(steps)
+
+    def _continuation(self, pending: tuple, active: list[int], slots) -> tuple | None:
+        """Enqueue the chunk after ``pending`` for the same rows (what ``_finish_decode``
+        reads), or None when a row's budget ends with ``pending`` or the feed has something
+        waiting (the run of chunks ends at the next read)."""
+        if self._feed is not None and self._feed.pending():
+            return None
+        step, steps = pending[0], pending[1]
+        left = min(self._left(slots[s]) for s in active) - steps
+        if left < 1:
+            return None
+        t0 = time.perf_counter()
+        self.stats.continued_chunks += 1
+        step.restart()  # after the copy of pending's tokens, in stream order
+        steps = min(self._chunk_for(len(active)), left)
+        step.run(steps)
+        return step, steps, t0, step.read_out(steps)
+
+    def _finish_decode(self, pending: tuple, active: list[int], slots) -> None:
+        """Read a chunk's tokens (the one host sync per chunk) into its rows; a feed may send
+        them out now."""
+        _, steps, t0, out = pending
+        history = step_tokens(out)
+        for s in active:
+            if not slots[s].finished:  # a row that stopped in the chunk before: dropped
+                self._accept(slots[s], history[s])
+        now = time.perf_counter()
+        self.stats.decode_s += now - max(t0, self._last_read)  # continuations overlap
+        self._last_read = now
+        self.stats.decode_steps += steps
+        if self._feed is not None:
+            self._feed.flush()
+
+    def _step(self, bucket: int, sampling: bool, cascade: bool = False) -> DecodeStep:
+        """The step of a bucket, captured on first use; ``cascade``: the variant whose
+        attention computes held prefixes once for all their rows (its own graph: a batch with
+        no shared prefix runs the step without the cascade's two extra launches per layer)."""
+        key = (bucket, sampling, cascade)
+        if key not in self._steps:
+            step = DecodeStep(
+                self.model, bucket, self.chunk, sampling=sampling, graph_mode=self.graph_mode,
+                prefix_slots=self.n_prefixes if cascade else 0, row_pages=self.row_pages,
+            )  # fmt: skip
+            if self.graph_mode == "cuda_graph":
+                step.capture()  # idle entries: every table entry is the scratch page
+            self._steps[key] = step
+        return self._steps[key]
+
+    def _bucket(self, need: int, variant: tuple, draining: bool) -> int:
+        """The smallest bucket holding ``need`` entries, but a call whose batch drains (nothing
+        left to admit) does not step down into a bucket not captured yet: it stays on the
+        smallest captured one that holds the rows. A new bucket compiles its kernels (the
+        GEMVs of buckets up to 64 are Triton kernels of their own; on a machine's first run the
+        Triton cache is empty) and captures its graph, for a tail of at most
+        ``max_new_tokens`` steps that a bigger step runs nearly as fast (a step reads the
+        weights whatever its rows)."""
+        fit = [b for b in self.buckets if b >= need]
+        last = self._call_bucket
+        if draining and last in fit and (fit[0], *variant) not in self._steps:
+            return next(b for b in fit if b == last or (b, *variant) in self._steps)
+        return fit[0]
+
+    def _chunk_steps(self, active: list[int], slots) -> int:
+        """The next chunk's steps: ``_chunk_for`` the active rows, shortened so that no row
+        runs past its budget."""
+        return max(1, min([self._chunk_for(len(active))] + [self._left(slots[s]) for s in active]))
+
+    def _chunk_for(self, rows: int) -> int:
+        """Steps between host checks for ``rows`` active rows. Offline: ``chunk``. Online (a
+        feed): the least power-of-two multiple of ``min_chunk`` that covers ``chunk`` scaled by
+        the batch's fill, so that a light batch reads its tokens (and lets an arrival prefill)
+        every few steps while a full one keeps the long chunk's low host cost per token. A
+        shorter chunk changes when tokens are read, never which (the step is the same)."""
+        if self._feed is None or self.min_chunk >= self.chunk:
+            return self.chunk
+        want, steps = self.chunk * rows / self.max_batch, self.min_chunk
+        while steps < want:
+            steps *= 2
+        return min(steps, self.chunk)
+
+    def _left(self, r: _Row) -> int:
+        """Tokens row r may still take (its budget, the cache's room)."""
+        return min(r.request.max_new_tokens - len(r.tokens), self.max_seq_len - (r.position + 1))
+
+    def _load(self, step: DecodeStep, active: list[int], slots) -> None:
+        """The active rows' state into the step's buffers (entry s = batch slot s)."""
+        cascade = step.buffers.slot_table.numel() > 0
+        entries = {}
+        for s in active:
+            r = slots[s]
+            held = cascade and self.pages.reads_held(r)  # the cascade reads the held prefix's pages
+            entries[s] = EntryState(
+                r.tokens[-1], r.position, r.pages, r.request.sampling,
+                r.held.pages[0] if held else 0, r.held.length if held else 0,
+            )  # fmt: skip
+        step.load(entries, [(h.slot, h.pages, h.length) for h in self.pages.held.values()])
+
+    def _accept(self, r: _Row, new: list[int]) -> None:
+        """Append decoded tokens to a row (``_Row.accept``) and report them."""
+        r.accept(new, self.max_seq_len)
+        if self._on_tokens is not None:
+            self._on_tokens(r.index, r.tokens, r.finished)
+
     def _release(self, r: _Row, slots, done: list[_Row], bar) -> None:
-        self._free_row(r)
+        """A finished row out of its batch entry; its pages back to the pool."""
+        self.pages.free_row(r)
         for s, x in enumerate(slots):
             if x is r:
                 slots[s] = None

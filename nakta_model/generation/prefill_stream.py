@@ -91,8 +91,8 @@ class PrefillStream:
 
         # A chunk with no continued piece still passes a prefix (one empty entry no token
         # reads): every chunk runs the one packed-attention kernel that reads pages, so a first
-        # run compiles one, not two (1.1 s of GSM8K-full's first run on an H200). Slots are
-        # int32 as the decode step's are: one RoPE kernel for both (0.2 s more).
+        # run compiles one kernel, not two. Slots are int32 as the decode step's are: one RoPE
+        # kernel compiled for both.
         tables, lengths = self.tables or [[SCRATCH_PAGE]], self.lengths or [0]
         width = max(map(len, tables))
         table = [t + [SCRATCH_PAGE] * (width - len(t)) for t in tables]

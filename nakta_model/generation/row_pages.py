@@ -4,10 +4,11 @@ A row reserves at admission the pages its prompt and ``max_new_tokens`` can ever
 admitted row never runs out: no preemption) and takes them as it grows. Shared few-shot
 prefixes are prefilled once into pages of their own and held (LRU, ``prefix_rows`` at most);
 a row holds their full pages by reference and a copy of the partial last page
-(copy-on-write, queued and made in one gather/scatter per admission round). This is a mixin of
-:class:`~nakta_model.generation.engine.Generator`: it reads the engine's ``model``, ``pool``,
-``stats``, ``row_pages``, ``n_prefixes``, ``max_seq_len`` (annotated below); the scheduling
-stays there.
+(copy-on-write, queued and made in one gather/scatter per admission round).
+
+:class:`RowPages` is one object the engine owns (``Generator.pages``): the engine decides
+when rows are admitted, grow and finish; this class says whether the pool covers them and
+which pages they get. It touches the model only to prefill a held prefix and to size the pool.
 """
 
 from __future__ import annotations
@@ -22,140 +23,109 @@ __all__ = ["RowPages"]
 
 
 class RowPages:
-    """Page keeping for the generation engine (module docstring)."""
+    """Page keeping for the generation engine (module docstring).
 
-    model: object
-    pool: KVPool
-    stats: GenerationStats
-    row_pages: int
-    n_prefixes: int
-    max_seq_len: int
-    _held: OrderedDict[tuple[int, ...], _Held]
-    _copies: list[tuple[int, int, int]]
-    _steps: dict  # the engine's captured steps (they hold the cache's addresses)
-    _epoch: int | None  # the pool epoch those steps and held prefixes belong to
-    _n_pages: int  # pages asked of the pool
-    _room: int  # pages a row may ever take: the pool's but the other users'
+    ``row_pages``: a row's block-table width (pages of its longest row); ``n_pages``: pages
+    asked of the model's pool; ``prefix_rows``: shared prefixes held at most; ``max_seq_len``:
+    the positions a row may hold. ``held``: the held prefixes by their tokens, least recently
+    used first (the decode step's cascade reads them)."""
 
-    def _ensure_cache(self) -> None:
-        """The model's KV pool, of at least ``_n_pages`` pages (a larger one is used as it is),
-        with room for a full row (at most ``_n_pages - 1``) besides the others' pages
-        (``KVPool.make_room``); rows wait for pages the others hold. When the pool was rebuilt
-        since (a new epoch), the captured steps (they hold the old cache's addresses) and the
-        held prefixes are dropped."""
+    def __init__(
+        self, model, *, row_pages: int, n_pages: int, prefix_rows: int, max_seq_len: int
+    ) -> None:
+        self.model, self.row_pages, self.n_pages = model, row_pages, n_pages
+        self.prefix_rows, self.max_seq_len = prefix_rows, max_seq_len
+        self.held: OrderedDict[tuple[int, ...], _Held] = OrderedDict()
+        self.pool: KVPool = kv_pool(model)
+        self.room = 0  # pages one row may ever take: the pool's but the other users'
+        self.stats = GenerationStats()  # where peak pages and prefix tokens are counted
+        self._copies: list[tuple[int, int, int]] = []  # (src, dst, n) positions, not yet made
+        self._epoch: int | None = None  # the pool epoch the held prefixes belong to
+
+    def begin(self, stats: GenerationStats) -> bool:
+        """Ready the model's pool for a ``generate`` call that counts into ``stats``: at least
+        ``n_pages`` pages (a larger pool is used as it is), with room for a full row (at most
+        ``n_pages - 1``) besides the other users' pages (``KVPool.make_room``); rows wait for
+        pages the others hold. True when the pool was rebuilt since the last call (a new
+        epoch): the held prefixes are gone and so must be whatever the caller captured on the
+        old cache's addresses."""
+        self.stats = stats
         self.pool = kv_pool(self.model)
-        self.pool.on_rebuild(self._forget_cache)
+        self.pool.on_rebuild(self.forget)
         held = self.held_pages if self._epoch == self.pool.epoch else 0
-        self.pool.make_room(min(self.row_pages, self._n_pages - 1), held, size=self._n_pages)
-        if self._epoch != self.pool.epoch:
-            self._forget_cache()
+        self.pool.make_room(min(self.row_pages, self.n_pages - 1), held, size=self.n_pages)
+        rebuilt = self._epoch != self.pool.epoch
+        if rebuilt:
+            self.forget()
             self._epoch = self.pool.epoch
         self.model._rope_tables(self.row_pages * PAGE_SIZE)  # rows may pass 2 x max_seq_len
-        self._room = self.pool.capacity - (self.pool.used_pages - self.held_pages)
+        self.room = self.pool.capacity - (self.pool.used_pages - self.held_pages)
+        return rebuilt
 
-    def _forget_cache(self) -> None:
-        """The pool's cache is being replaced or freed (the pool calls this first): drop what
-        holds its addresses or pages (the captured steps, the held prefixes), so its memory
-        can go before the next cache is allocated."""
-        self._steps.clear()
-        self._held.clear()
+    def forget(self) -> None:
+        """The pool's cache is being replaced or freed (the pool calls this first): drop the
+        held prefixes, so their memory can go before the next cache is allocated."""
+        self.held.clear()
 
     @property
     def held_pages(self) -> int:
         """Pages the held shared prefixes hold (the pool's only pages in use between calls)."""
-        return sum(len(h.pages) for h in self._held.values())
+        return sum(len(h.pages) for h in self.held.values())
 
-    def _positions(self, r: _Row) -> int:
+    def positions(self, r: _Row) -> int:
         """Positions row r may write: its prompt and every decoded token but the last."""
         return min(r.total, self.max_seq_len) - 1
 
-    def _available(self, running: list[_Row]) -> int:
-        return self.pool.free_pages - sum(x.reserved for x in running)
-
-    def _reserve(self, r: _Row, running: list[_Row]) -> bool:
+    def reserve(self, r: _Row, running: list[_Row]) -> bool:
         """Give row r its shared prefix's pages (computing the prefix when it is not held) and
         reserve the pages it will write; False (nothing changed) when the pool cannot cover it
-        until running rows finish."""
+        until running rows finish. Copy-on-write copies wait for :meth:`flush_copies`."""
         key = tuple(r.request.prompt[: r.shared])
-        total = pages_for(self._positions(r))
+        total = pages_for(self.positions(r))
 
         def fits() -> bool:
             if not r.shared:
                 return total <= self._available(running)
-            held = self._held.get(key)
+            held = self.held.get(key)
             compute = 0 if held is not None else pages_for(r.shared)
             return compute + total - r.shared // PAGE_SIZE <= self._available(running)
 
         # held prefixes nobody else holds give their pages back when evicted (LRU first)
         while not fits():
-            idle = [k for k, h in self._held.items() if k != key and self._unshared(h)]
+            idle = [k for k, h in self.held.items() if k != key and self._unshared(h)]
             if not idle:
                 break
             self._evict(idle[0])
         if not fits():
             if running:
                 return False
-            for k in list(self._held):  # nothing runs: the pool is all this row's
+            for k in list(self.held):  # nothing runs: the pool is all this row's
                 self._evict(k)
             r.shared = 0
             key = ()
         if r.shared:
-            held = self._held.get(key) or self._compute_prefix(key)
-            self._held.move_to_end(key)  # most recently used
+            held = self.held.get(key) or self._compute_prefix(key)
+            self.held.move_to_end(key)  # most recently used
             n_full = r.shared // PAGE_SIZE
             self.pool.incref(held.pages[:n_full])
             r.pages, r.held, r.done = list(held.pages[:n_full]), held, r.shared
             if r.shared % PAGE_SIZE:  # copy-on-write: the partial page's keys into its own
                 (own,) = self.pool.alloc(1)
-                self._copy_page(held.pages[n_full], own, r.shared % PAGE_SIZE)
+                self._copies.append((held.pages[n_full] * PAGE_SIZE, own * PAGE_SIZE,
+                                     r.shared % PAGE_SIZE))  # fmt: skip
                 r.pages.append(own)
         r.reserved = total - len(r.pages)
         self._note_peak()
         return True
 
-    def _unshared(self, held: _Held) -> bool:
-        return all(self.pool.refs(p) == 1 for p in held.pages)
-
-    def _evict(self, key: tuple[int, ...]) -> None:
-        """Drop a held prefix: its pages go back once no row holds them any more (copies
-        pending from them are made first: a freed page may be handed out and rewritten)."""
-        self._flush_copies()
-        self.pool.free(self._held.pop(key).pages)
-
-    def _compute_prefix(self, key: tuple[int, ...]) -> _Held:
-        """Prefill ``key`` into pages of its own (one forward), evicting the least recently
-        used held prefix first when ``prefix_rows`` are held."""
-        if len(self._held) >= self.n_prefixes:
-            self._evict(next(iter(self._held)))
-        used = {h.slot for h in self._held.values()}
-        slot = next(i for i in range(self.n_prefixes) if i not in used)
-        pages = self.pool.alloc(pages_for(len(key)))
-        try:
-            stream = PrefillStream()
-            stream.add(list(key), 0, len(key), pages)
-            stream.run(self.model)
-        except BaseException:
-            self.pool.free(pages)
-            raise
-        held = self._held[key] = _Held(pages, len(key), slot)
-        self.stats.prefilled_tokens += len(key)
-        self._note_peak()
-        return held
-
-    def _copy_page(self, src: int, dst: int, n: int) -> None:
-        """K/V of the first ``n`` positions of page ``src`` into page ``dst``, every layer: queued
-        until ``_flush_copies`` (end of an admission round, or before an eviction)."""
-        self._copies.append((src * PAGE_SIZE, dst * PAGE_SIZE, n))
-
-    def _flush_copies(self) -> None:
-        """Make the queued page copies: one gather and one scatter per cache tensor for all of
-        them (a copy per row and layer was 64 launches a row for a 7B: GSM8K-full admits
-        1,319 rows, ~84k launches the GPU waited for)."""
+    def flush_copies(self) -> None:
+        """Make the queued copy-on-write page copies: one gather and one scatter per cache
+        tensor for all of them (not a copy per row and layer: thousands of small launches)."""
         if self._copies:
             self.pool.copy_positions(self._copies)
             self._copies.clear()
 
-    def _grow(self, r: _Row, positions: int) -> None:
+    def grow(self, r: _Row, positions: int) -> None:
         """Pages for row r's first ``positions`` positions, from its reservation."""
         need = pages_for(positions) - len(r.pages)
         if need > 0:
@@ -165,13 +135,47 @@ class RowPages:
             r.reserved -= need
             self._note_peak()
 
-    def _note_peak(self) -> None:
-        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
-
-    def _free_row(self, r: _Row) -> None:
+    def free_row(self, r: _Row) -> None:
+        """Row r's pages back to the pool (held prefix pages: its reference only)."""
         self.pool.free(r.pages)
         r.pages, r.reserved = [], 0
 
-    def _reads_held(self, r: _Row) -> bool:
+    def reads_held(self, r: _Row) -> bool:
         """Row r's shared prefix is still held (not evicted since it was admitted)."""
-        return r.held is not None and self._held.get(tuple(r.request.prompt[: r.shared])) is r.held
+        return r.held is not None and self.held.get(tuple(r.request.prompt[: r.shared])) is r.held
+
+    # ---------------------------------------------------------------------------- inside
+    def _available(self, running: list[_Row]) -> int:
+        return self.pool.free_pages - sum(x.reserved for x in running)
+
+    def _unshared(self, held: _Held) -> bool:
+        return all(self.pool.refs(p) == 1 for p in held.pages)
+
+    def _evict(self, key: tuple[int, ...]) -> None:
+        """Drop a held prefix: its pages go back once no row holds them any more (copies
+        pending from them are made first: a freed page may be handed out and rewritten)."""
+        self.flush_copies()
+        self.pool.free(self.held.pop(key).pages)
+
+    def _compute_prefix(self, key: tuple[int, ...]) -> _Held:
+        """Prefill ``key`` into pages of its own (one forward), evicting the least recently
+        used held prefix first when ``prefix_rows`` are held."""
+        if len(self.held) >= self.prefix_rows:
+            self._evict(next(iter(self.held)))
+        used = {h.slot for h in self.held.values()}
+        slot = next(i for i in range(self.prefix_rows) if i not in used)
+        pages = self.pool.alloc(pages_for(len(key)))
+        try:
+            stream = PrefillStream()
+            stream.add(list(key), 0, len(key), pages)
+            stream.run(self.model)
+        except BaseException:
+            self.pool.free(pages)
+            raise
+        held = self.held[key] = _Held(pages, len(key), slot)
+        self.stats.prefilled_tokens += len(key)
+        self._note_peak()
+        return held
+
+    def _note_peak(self) -> None:
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)

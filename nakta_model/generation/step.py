@@ -57,8 +57,8 @@ GRAPH_MODES = ("cuda_graph", "compile", "eager")
 
 # With kernels, a step's inputs (write slots, key counts, embedding rows, the step counter) are
 # one launch (``kernels/step_inputs.py``) and a greedy step's end (argmax, history, token,
-# position) another (``kernels/greedy_advance.py``), instead of ~14 small PyTorch launches
-# (~40 us a token on an H100: ``model_profile/decode_timeline.py``); the same bits as those ops.
+# position) another (``kernels/greedy_advance.py``), instead of ~14 small PyTorch launches that
+# each cost launch time on a batch-1 token; the same bits as those ops.
 # Not under ``graph_mode="compile"``, whose inductor fuses those ops itself.
 
 

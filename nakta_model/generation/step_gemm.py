@@ -39,8 +39,8 @@ The crossover (:func:`crossover`): rows at which a step's linears take this path
 The defaults (``CROSSOVER``) come from ``kernel_benchmark/bench_decode_gemm.py``; ``_TUNE``
 (benchmarks, tests) overrides them. ``FP8_KERNEL_ROWS`` (rows range of ``fp8_decode_gemm``) is
 overridden the same way: ``_TUNE`` keys ``fp8_kernel_min`` / ``fp8_kernel_max``. These are
-measured constants, not user settings. Everything here is CUDA-graph capturable: no host syncs on CUDA, outputs from the caching
-allocator (a captured graph's private pool), cuBLAS/cuBLASLt handles their own workspace.
+measured constants, not user settings. Everything here is CUDA-graph capturable: no host syncs
+on CUDA, outputs from the caching allocator (a captured graph's private pool), cuBLAS/cuBLASLt handles their own workspace.
 """
 
 from __future__ import annotations
@@ -75,11 +75,9 @@ __all__ = [
 MAX_ROWS = 512  # rows a decode step may hold (the engine's largest bucket)
 
 # Rows from which a step's linears run as GEMMs, per activation dtype / "fp8" (W8A8 models),
-# from kernel_benchmark/bench_decode_gemm on an H200 (7B, the step's linears under CUDA
-# graphs): decode_linear wins at 1 row (bf16 3.65 vs
-# 3.96 ms, fp8 2.80 vs 4.11), the GEMMs from 8 rows on (bf16 1.19x at 8, 1.24x at 32, 2.33x at
-# 64; fp8 1.79x, 1.80x, 2.72x). Rows 2 and 4 were not measured and stay on decode_linear;
-# fp32 (tests, CPU) keeps 64.
+# from kernel_benchmark/bench_decode_gemm (7B, the step's linears under CUDA graphs; the
+# catalogue's decode_gemm table): decode_linear wins at 1 row, the GEMMs from 8 rows on. Rows 2
+# and 4 were not measured and stay on decode_linear; fp32 (tests, CPU) keeps 64.
 CROSSOVER: dict[str, int] = {"bfloat16": 8, "float16": 8, "float32": 64, "fp8": 8}
 _TUNE: dict[str, int] = {}  # overrides CROSSOVER and FP8_KERNEL_ROWS (benchmarks, tests)
 
@@ -105,11 +103,11 @@ def crossover(dtype: torch.dtype, quant: str | None = None) -> int:
     return rows
 
 
-# Rows [lo, hi] at which an FP8 step's GEMMs run ``fp8_decode_gemm`` instead of cuBLASLt: at 8-64
-# rows cuBLASLt's row-wise scaled GEMMs stream the 7B weights at 25-49% of copy bandwidth (H200:
-# wqkv 29 us, w13 44, wo 17, w2 31 at 32 rows, where copy bandwidth allows ~12/21/4/11); the Triton kernel keeps the
-# weight on the MMA's wide side and splits K for the narrow ones. hi is at most the kernel's
-# MAX_ROWS (64). ``bench_decode_gemm``'s triton_fp8 path and ``tune_fp8_decode_gemm`` measure it.
+# Rows [lo, hi] at which an FP8 step's GEMMs run ``fp8_decode_gemm`` instead of cuBLASLt: at
+# 8-64 rows cuBLASLt's row-wise scaled GEMMs stream the 7B weights at well under copy bandwidth
+# (docs/experiments.md); the Triton kernel keeps the weight on the MMA's wide side and splits K
+# for the narrow ones. hi is at most the kernel's MAX_ROWS (64). ``bench_decode_gemm``'s
+# triton_fp8 path and ``tune_fp8_decode --kernel gemm`` measure it.
 FP8_KERNEL_ROWS = (8, _fp8_small.MAX_ROWS)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nakta_model.generation.engine import GenerationRequest, GenerationResult, Generator
-from nakta_model.generation.stops import StopStrings
+from nakta_model.generation.requests import StopStrings
 
 __all__ = ["StreamTiming", "TextStream", "generate_streaming"]
 

@@ -1,6 +1,6 @@
 """The one reader of the kernels' tuned launch-config files (``_*_tuned.json``).
 
-Every file has the shape the tuners write (``kernel_benchmark/tuning.write_family``):
+Every file has the shape the tuners write (``kernel_benchmark/tune_fp8_decode.write_family``):
 ``{"devices": {family: {"entries": {key: {knob: int}}, ...}}}``. The kernels differ only in
 how a key reads (``parse_key``) and which knobs a row holds; a malformed file is refused with
 a ValueError naming it, never half-read.

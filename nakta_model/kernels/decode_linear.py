@@ -562,8 +562,8 @@ _CONFIGS: dict[tuple, dict[str, int]] = {
         ("float32", b): {**c, "BLOCK_K": c["BLOCK_K"] // 2} if "BLOCK_K" in c else dict(c)
         for b, c in _HALF.items()
     },
-    # H100 --tune winners (% of copy bandwidth, default -> tuned: e.g. b32 head 66.5 -> 84.4,
-    # b32 w13 51.4 -> 79.2, b1 w2 83.5 -> 86.1); batch 1 head and w13 keep the defaults.
+    # H100 --tune winners (their gains over the defaults: docs/experiments.md); batch 1 head
+    # and w13 keep the defaults.
     ("bfloat16", 1, "plain", 32000, 4096): dict(
         USE_DOT=0, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4
     ),
@@ -611,8 +611,7 @@ _CONFIGS: dict[tuple, dict[str, int]] = {
     ),
 }
 # Per-device overrides of the entries above, by a word of the device name: the H200's batch-1
-# --tune winners (% of copy bandwidth, H100 entry -> tuned, this run: wqkv 79.2 -> 89.7, w2
-# 89.0 -> 89.7; head, w13 and wo keep theirs).
+# --tune winners where they beat the H100 entry (wqkv, w2; head, w13 and wo keep theirs).
 _DEVICE_CONFIGS: dict[str, dict[tuple, dict[str, int]]] = {
     "h200": {
         ("bfloat16", 1, "rope", 12288, 4096): dict(
@@ -633,8 +632,7 @@ def _fp8_entry(cfg: dict[str, int], rows_per_col: int, bucket: int) -> dict[str,
     each weight row per K step (``BLOCK_K`` doubled) unless the CUDA-core accumulator
     (``TILE_N x BLOCK_M x BLOCK_K``) would pass ``_FMA_ACC_MAX``; ``tl.dot`` rows of batch
     >= 16 keep bf16's ``BLOCK_K``: their bf16 x tile (``BLOCK_M x BLOCK_K``) is as large as
-    before and outweighs the weight tile, and doubling it cost shared memory and occupancy
-    (H100, batch 32: 0.44-0.93x bf16 with it doubled)."""
+    before and outweighs the weight tile, and doubling it cost shared memory and occupancy."""
     out = dict(cfg)
     if "BLOCK_K" in cfg:
         acc = rows_per_col * cfg.get("BLOCK_N", 16) * bucket * 2 * cfg["BLOCK_K"]
@@ -784,8 +782,8 @@ def _config(
 # Shared memory a tensor-core program's pipeline may take (Hopper allows 227 KiB a block; the
 # rest is left for the epilogue's layout conversions). Derived entries (no tuned row for the
 # shape) at small batch buckets asked for 4 stages of a 128 x 256 weight tile: 288 KiB, which
-# Triton refuses at launch (an H200 run of the 7B LM head at 2, 4 and 16 rows); the tuned rows
-# that ran take at most 200 KiB.
+# Triton refuses at launch (the 7B LM head at 2, 4 and 16 rows); the tuned rows take at most
+# 200 KiB.
 SMEM_BUDGET = 216 * 1024
 
 
@@ -1035,8 +1033,8 @@ def _variant(residual, swiglu: bool, rope) -> str:
     return "residual" if residual is not None else "plain"
 
 
-# Programmatic dependent launch pays at batch 1 and costs at 32 (H200, 7B: 3.74 vs 3.81 ms a
-# token at batch 1, 6.07 vs 5.65 at 32: early blocks land unevenly; docs/experiments.md).
+# Programmatic dependent launch pays at batch 1 and costs at 32 (early blocks land unevenly;
+# the A/B: docs/experiments.md).
 PDL_MAX_BATCH = 1
 
 

@@ -3,7 +3,7 @@ the next token, its position advanced.
 
 A greedy decode step ended in five small PyTorch launches after the LM head (an fp32 copy of
 the logits, ``argmax``, ``index_copy_`` into the history, the token copy, the position add):
-~18 us a token on an H100, 0.6% of an FP8 batch-1 token. This kernel reads each row's logits
+launch time a batch-1 token waits for. This kernel reads each row's logits
 once in their own dtype (fp32 compares: the same order as ``logits.float().argmax``), keeps per
 lane the first index of its running max and of its first NaN (``torch.argmax`` takes a NaN as
 the largest value: the first NaN wins), and writes ``history[row, step]``, ``tokens[row]`` and

@@ -213,8 +213,8 @@ def _packed_attention_kernel(
             # block; merged trees put whole subtrees between a query and its ancestors) is
             # skipped by a branch (1) or by the loads' mask (2). Off by default (0): a load
             # under a branch is not software-pipelined, and on the scorer's own batches that
-            # cost more than the skipped blocks (H200: 0-shot 0.331 ms with 0, 0.447 with 1,
-            # 0.393 with 2; 10-shot 0.766 / 1.158 / 0.906; bench_attention --tune-scoring)
+            # cost more than the skipped blocks (``bench_attention --tune-scoring``; the A/B:
+            # docs/experiments.md)
             if SKIP == 1:
                 visit = tl.max(k_end, 0) > q_first
             elif SKIP == 2:
@@ -245,8 +245,8 @@ _CONFIGS: dict[int, dict[str, int]] = {
     16: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, SKIP=0),
     32: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, SKIP=0),
     64: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3, SKIP=0),
-    # H100 sweep (bench_attention --tune): 0.268 ms vs 0.426 at 128x64x8; H200 on the scorer's
-    # batches (--tune-scoring, 18 configs x 3 SKIP modes): also the best, with SKIP 0
+    # the best of ``bench_attention --tune`` on an H100 and of ``--tune-scoring`` (18 configs x
+    # 3 SKIP modes) on an H200
     128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3, SKIP=0),
     256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, SKIP=0),
 }

@@ -3,8 +3,8 @@ its key count, and its token's embedding row; the step counter advanced.
 
 A decode step began with eight small PyTorch launches before the first layer (the page of the
 position, its cast, the table gather, the slot's multiply, remainder and add, the length, the
-embedding's index select; ~19 us a token on an H100, 0.7% of an FP8 batch-1 token, profiled in
-``model_profile/decode_timeline.py``), and ended with the step counter's add. One program per
+embedding's index select: launch time a batch-1 token waits for), and ended with the step
+counter's add. One program per
 row here: ``slots[b] = table[b, pos // page] * page + pos % page``, ``lens[b] = pos + 1``,
 ``h[b] = embedding[tokens[b]]`` (a copy: the same bits), and with ``advance_step`` program 0
 adds one to ``step`` (the step's history entry is then ``step - 1``: ``greedy_advance_``'s
