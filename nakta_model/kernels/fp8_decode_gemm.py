@@ -24,7 +24,7 @@ accumulation does, so results differ from the exact fp32 reference by summation 
 
 Launch configs: ``_CONFIGS`` per (N, K, rows bucket) (empty: no measured rows yet),
 ``_DEVICE_CONFIGS`` per device family from ``_fp8_decode_gemm_tuned.json`` (written by
-``kernel_benchmark/tune_fp8_decode_gemm.py``), a default derived from the shape (``_config``),
+``kernel_benchmark/tune_fp8_decode.py --kernel gemm``), a default derived from the shape (``_config``),
 and ``_TUNE`` over all (benchmarks and tests).
 """
 
