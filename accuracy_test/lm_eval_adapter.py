@@ -189,10 +189,13 @@ class NaktaLM(ScoringLM):
         self.parallel = ParallelContext()
         tp, dp = _positive_int("tp", tp), _positive_int("dp", dp)
         if tp * dp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            t0 = time.perf_counter()
             try:  # a grid this launch cannot run (ParallelConfigError) is the user's input
                 self.parallel = init_parallel(tp, dp, device=_parallel_device(device))
             except ParallelConfigError as e:
                 raise ModelArgsError(f"nakta tp={tp}, dp={dp}: {e}") from None
+            # the process group's rendezvous: waits for the slowest rank to get here
+            self.load_timings["init_parallel_s"] = time.perf_counter() - t0
             device = str(self.parallel.device)
             _share_host_threads()
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
@@ -236,8 +239,12 @@ class NaktaLM(ScoringLM):
     def _scorer_ready(self) -> None:
         """Compile the scorer's kernels once, before the first scoring batch (``warm_up``):
         here rather than at load, so that a run which only generates never compiles them."""
-        if "warm_up_s" not in self.load_timings:
-            self.load_timings["warm_up_s"] = scoring.warm_up(self.model, use_cache=self.use_cache)
+        t = self.load_timings
+        if "warm_up_s" not in t:
+            model = self.model  # a background load finishes first: its wait is not the warm-up
+            t["warm_up_start_unix"] = time.time()
+            t["warm_up_s"] = scoring.warm_up(model, use_cache=self.use_cache)
+            t["warm_up_end_unix"] = time.time()
 
     @property
     def model(self):
