@@ -66,10 +66,14 @@ joined, ``atexit`` handlers run and output flushed first (``exit_without_teardow
 ``NAKTA_LM_EVAL_FAST_EXIT=0`` turns that off.
 
 These fixes serve every model alike, ``hf`` included, so a comparison through this entry
-credits Nakta with none of them. One is Nakta's own: a single-GPU ``nakta`` checkpoint's weights
-start streaming onto the GPU when the run's configuration is parsed, during lm-eval's task
-set-up, and the model's load takes them (``lm_eval_preload``; ``NAKTA_LM_EVAL_PRELOAD=0`` turns
-it off).
+credits Nakta with none of them. One is Nakta's own: a ``nakta`` checkpoint's weights (each
+rank's shard under ``tp``/``dp``) start streaming onto the GPU as this entry starts, read from the
+command line before lm-eval's own imports (with a ``--config`` file: when lm-eval has built the
+run's configuration), and the model's load takes them (``lm_eval_preload``;
+``NAKTA_LM_EVAL_PRELOAD=0`` turns it off). Another: when lm-eval's ``evaluate`` starts on a
+task that scores, the model's scorer warms up (``start_warm_up``: Triton's kernels, cuBLAS) on a
+thread while lm-eval builds the requests on the main one, and the first request waits for what
+is left (``NAKTA_LM_EVAL_PRELOAD=0`` turns both off).
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ LOCAL_TASKS_ENV = "NAKTA_LM_EVAL_LOCAL_TASKS"
 TEMPLATE_CACHE_ENV = "NAKTA_LM_EVAL_TEMPLATE_CACHE"
 ENV_PREFETCH_ENV = "NAKTA_LM_EVAL_ENV_PREFETCH"
 FAST_EXIT_ENV = "NAKTA_LM_EVAL_FAST_EXIT"
+SCORING_OUTPUT_TYPES = frozenset({"loglikelihood", "multiple_choice", "loglikelihood_rolling"})
 TEMPLATE_CACHE_SIZE = 4096  # distinct template strings kept compiled (a task has a handful)
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -228,6 +233,44 @@ def env_report_prefetched() -> Iterator[None]:
     finally:
         evaluator.evaluate = evaluate
         _restore(installed)
+
+
+@contextlib.contextmanager
+def scorer_warmed_during_request_build() -> Iterator[None]:
+    """Inside the block, an ``lm_eval.evaluator.evaluate`` of a task that scores (loglikelihood,
+    multiple choice, rolling) first calls the model's ``start_warm_up`` when it has one
+    (``nakta``): lm-eval then builds every request on this thread, and the scorer's warm-up
+    runs beside that instead of after it (the first request waits for what is left)."""
+    import lm_eval.evaluator as evaluator
+
+    evaluate = evaluator.evaluate
+
+    def evaluate_with_warm_up(*a, **kw):
+        lm = kw.get("lm", a[0] if a else None)
+        task_dict = kw.get("task_dict", a[1] if len(a) > 1 else None)
+        start = getattr(lm, "start_warm_up", None)
+        if callable(start) and SCORING_OUTPUT_TYPES & _output_types(task_dict):
+            start()
+        return evaluate(*a, **kw)
+
+    evaluator.evaluate = evaluate_with_warm_up
+    try:
+        yield
+    finally:
+        evaluator.evaluate = evaluate
+
+
+def _output_types(tree: object) -> set[str]:
+    """The ``OUTPUT_TYPE`` of every task in lm-eval's (nested) task dict."""
+    found: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(getattr(node, "OUTPUT_TYPE", None), str):
+            found.add(node.OUTPUT_TYPE)
+    return found
 
 
 def _restore(installed: list) -> None:
@@ -585,6 +628,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             fixes.enter_context(cached_prompt_templates())
         if _env_flag(ENV_PREFETCH_ENV) and writes_results():
             fixes.enter_context(env_report_prefetched())
+        if _env_flag(PRELOAD_ENV):  # Nakta's head start: its weights early, its scorer warm
+            fixes.enter_context(scorer_warmed_during_request_build())
         timed: dict = {}
         if _env_flag(PRELOAD_ENV):  # its start is recorded in the timing hook's events
             fixes.enter_context(

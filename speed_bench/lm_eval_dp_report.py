@@ -95,13 +95,16 @@ BREAKDOWN_SPANS = (
     ("model_build_s", "model_start", "model_end"),  # constructor: process group, tokenizer, load
     ("tasks_load_s", "tasks_load_start", "tasks_load_end"),  # lm-eval loads the task's docs
     ("requests_build_s", "evaluate_start", "first_request"),  # lm-eval builds the requests
-    ("warm_up_s", "load_warm_up_start", "load_warm_up_end"),  # the scorer's kernels ready
+    # the scorer's kernels ready (on a thread from evaluate's start: warm_up_wait_s is what the
+    # first request still waited for it)
+    ("warm_up_s", "load_warm_up_start", "load_warm_up_end"),
     ("after_last_answer_s", "last_request_end", "exit"),  # metrics, results, env report
 )
 BREAKDOWN_KEYS = (
     *(name for name, _, _ in BREAKDOWN_SPANS),
     "init_parallel_s",
     "read_s",
+    "warm_up_wait_s",
     "tokenize_s",
     "score_s",
     "gather_s",
@@ -122,6 +125,7 @@ def rank_breakdown(timing: dict) -> dict:
     ll = timing.get("loglikelihood") or {}
     out["init_parallel_s"] = load.get("init_parallel_s")
     out["read_s"] = load.get("read_s")
+    out["warm_up_wait_s"] = load.get("warm_up_wait_s")  # what the first request still waited
     for key in ("tokenize_s", "score_s", "gather_s"):
         out[key] = ll.get(key)
     return out
@@ -291,8 +295,9 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
             "lm-eval setup = from the index to the model (its seeds import torch), model import "
             "= the adapter's modules (Triton, Nakta), model build = the constructor (of it init parallel = the process "
             "group's rendezvous, read = the weights), tasks load = lm-eval loading the docs, "
-            "requests build = evaluate's start to the first request, after last answer = to "
-            "the entry's exit):",
+            "requests build = evaluate's start to the first request, warm up = the scorer's "
+            "warm-up (on a thread from evaluate's start; warm up wait = what the first request "
+            "still waited), after last answer = to the entry's exit):",
             "",
             "| run | rank | " + " | ".join(c[:-2].replace("_", " ") for c in cols) + " |",
             "|---|---:|" + "---:|" * len(cols),

@@ -44,8 +44,6 @@ ORDER = (
     "tasks_load_end",
     "evaluate_start",
     "first_request",
-    "load_warm_up_start",
-    "load_warm_up_end",
     "last_request_end",
     "evaluate_end",
     "exit",
@@ -55,9 +53,10 @@ ORDER = (
 def test_breakdown_spans_between_the_events():
     events = {name: float(i) for i, name in enumerate(ORDER, start=1)}
     events["process_start"] = -0.25
+    events["load_warm_up_start"], events["load_warm_up_end"] = 11.5, 12.5
     timing = {
         "events": events,
-        "nakta_load": {"init_parallel_s": 0.5, "read_s": 0.75},
+        "nakta_load": {"init_parallel_s": 0.5, "read_s": 0.75, "warm_up_wait_s": 0.25},
         "loglikelihood": {"tokenize_s": 0.1, "score_s": 9.0, "gather_s": 0.2},
     }
     got = rank_breakdown(timing)
@@ -69,6 +68,7 @@ def test_breakdown_spans_between_the_events():
     assert got["requests_build_s"] == 1.0 and got["warm_up_s"] == 1.0
     assert got["after_last_answer_s"] == 2.0  # last answer -> evaluate end -> exit
     assert (got["init_parallel_s"], got["read_s"]) == (0.5, 0.75)
+    assert got["warm_up_wait_s"] == 0.25
     assert (got["tokenize_s"], got["score_s"], got["gather_s"]) == (0.1, 9.0, 0.2)
     # an older entry's file (no new events): those spans are None, the rest still there
     old = rank_breakdown({"events": {"model_start": 1.0, "model_end": 3.5}})
@@ -201,6 +201,9 @@ def test_a_run_records_every_phase_in_order(local_run, shared_data, tmp_path, mo
     ev = t["events"]
     assert [ev[name] for name in ORDER] == sorted(ev[name] for name in ORDER), ev
     assert ev["process_start"] < 0
+    # the scorer warms up on a thread from evaluate's start, done before the last answer
+    assert ev["evaluate_start"] <= ev["load_warm_up_start"] <= ev["load_warm_up_end"]
+    assert ev["load_warm_up_end"] <= ev["last_request_end"]
     b = rank_breakdown(t)
     assert all(b[k] is not None and b[k] >= 0 for k in BREAKDOWN_KEYS if k not in (
         "init_parallel_s", "gather_s")), b  # fmt: skip
