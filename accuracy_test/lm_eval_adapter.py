@@ -27,8 +27,10 @@ default 8192 or a quarter of free GPU memory), ``max_gen_toks`` (default 256),
 
 Loading (``nakta``). The constructor reads the checkpoint's params and checks the tokenizer and
 ``max_length`` against them at once, then loads the weights. The scorer's kernels are compiled
-(``scoring.warm_up``) by the first scoring call, before its first batch, not at load: a run
-that only generates (GSM8K) never compiles them (on an empty Triton cache they took 5.8 s on an
+(``scoring.warm_up``) by the first scoring call, before its first batch, not at load (through
+``lm_eval_cli``: on a thread from the moment lm-eval starts building a scoring task's requests,
+``start_warm_up``; the first request waits for what is left): a run that only generates (GSM8K)
+never compiles them (on an empty Triton cache they took 5.8 s on an
 H200, ``model_profile/results/nvidia-h200/compile``, and 11.9 s of one first GSM8K run's load).
 Through ``lm_eval_cli`` the
 weights of a single-GPU Nakta checkpoint are already on their way: their read started when
@@ -40,9 +42,10 @@ the H200 host it made no run faster (``speed_bench/results/nvidia-h200/lm_eval_l
 Any ``torchrun`` grid loads in the constructor (its loads go through collectives).
 ``load_timings`` holds ``read_s``, ``prefetched`` (whether the load took a prefetched shard),
 ``warm_up_s`` (once a scoring call has compiled the scorer), ``wait_s`` (background only: what
-the first request still waited) and the
-wall-clock moments ``build_start_unix``, ``read_end_unix``, ``ready_unix`` (the timing hook of
-``lm_eval_cli`` turns them into events).
+the first request still waited), ``init_parallel_s`` (under a grid: the process group's
+rendezvous, which waits for the slowest rank) and the wall-clock moments ``build_start_unix``,
+``read_end_unix``, ``ready_unix``, ``warm_up_start_unix``, ``warm_up_end_unix`` (the timing hook
+of ``lm_eval_cli`` turns them into events).
 
 Batch size. Nakta packs rows (a row = one context with its continuations) until
 ``token_budget`` padded tokens, so memory is bounded by the token budget, never by a row count:
@@ -183,16 +186,20 @@ class NaktaLM(ScoringLM):
         except (TypeError, ValueError) as e:
             raise ModelArgsError(f"nakta quant: {e}") from None
         self._prefixes = self._gen = self._model = self._pending = self._failed = None
+        self._warming = None  # the scorer's warm-up on a worker thread (start_warm_up)
         self.load_timings: dict[str, float] = {}
         self.score_stats = scoring.ScoreStats()
         self.generation_stats: dict[str, float] = {}  # the engine's counters, summed over calls
         self.parallel = ParallelContext()
         tp, dp = _positive_int("tp", tp), _positive_int("dp", dp)
         if tp * dp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            t0 = time.perf_counter()
             try:  # a grid this launch cannot run (ParallelConfigError) is the user's input
                 self.parallel = init_parallel(tp, dp, device=_parallel_device(device))
             except ParallelConfigError as e:
                 raise ModelArgsError(f"nakta tp={tp}, dp={dp}: {e}") from None
+            # the process group's rendezvous: waits for the slowest rank to get here
+            self.load_timings["init_parallel_s"] = time.perf_counter() - t0
             device = str(self.parallel.device)
             _share_host_threads()
         super().__init__(tokenizer, device, dtype, token_budget, max_gen_toks)
@@ -235,9 +242,43 @@ class NaktaLM(ScoringLM):
 
     def _scorer_ready(self) -> None:
         """Compile the scorer's kernels once, before the first scoring batch (``warm_up``):
-        here rather than at load, so that a run which only generates never compiles them."""
+        here rather than at load, so that a run which only generates never compiles them. A
+        warm-up :meth:`start_warm_up` started is waited for (its error raised) instead."""
+        self._await_warm_up()
         if "warm_up_s" not in self.load_timings:
-            self.load_timings["warm_up_s"] = scoring.warm_up(self.model, use_cache=self.use_cache)
+            self._warm_up(self.model)  # a background load finishes first: not the warm-up
+
+    def _warm_up(self, model) -> None:
+        t = self.load_timings
+        t["warm_up_start_unix"] = time.time()
+        t["warm_up_s"] = scoring.warm_up(model, use_cache=self.use_cache)
+        t["warm_up_end_unix"] = time.time()
+
+    def start_warm_up(self) -> None:
+        """Start the scorer's warm-up on a worker thread; the first use of the model for a
+        request (scoring or generation) waits for it.
+
+        ``lm_eval_cli`` calls this when lm-eval's ``evaluate`` starts on a task that scores:
+        lm-eval then builds every request on the main thread (Python, the same on every rank of
+        a grid) before the first one reaches the model, and the warm-up's GPU work, Triton's
+        cache loads and cuBLAS's start-up go on beside it instead of after it."""
+        if "warm_up_s" in self.load_timings or self._warming is not None:
+            return
+        self._warming = _start_in_background(
+            functools.partial(self._warm_up, self.model), self.device
+        )
+
+    def _await_warm_up(self) -> None:
+        """The warm-up :meth:`start_warm_up` started, finished (its error raised here); the
+        seconds the caller still waited are ``warm_up_wait_s``."""
+        if self._warming is None:
+            return
+        warming, self._warming = self._warming, None
+        t0 = time.perf_counter()
+        try:
+            warming.result()
+        finally:
+            self.load_timings["warm_up_wait_s"] = time.perf_counter() - t0
 
     @property
     def model(self):
@@ -258,7 +299,9 @@ class NaktaLM(ScoringLM):
         """Drop the model (its memory goes once nobody else holds it)."""
         if self._pending is not None:
             self._pending.exception()  # a load still running finishes first: threads can't stop
-        self._model = self._prefixes = self._gen = self._pending = None
+        if self._warming is not None:
+            self._warming.exception()  # and a warm-up
+        self._model = self._prefixes = self._gen = self._pending = self._warming = None
 
     def _prefix_cache(self):
         """One prefix cache for the whole run (a few-shot prefix computed once across tasks'
@@ -350,6 +393,8 @@ class NaktaLM(ScoringLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Requests sharded over the ``dp`` replicas (longer prompts weigh more), in order."""
         from nakta_model.data_parallel import data_parallel_map
+
+        self._await_warm_up()  # its pages come from the model's KV pool too
 
         return data_parallel_map(
             lambda part: self._generate_until_local(

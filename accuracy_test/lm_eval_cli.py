@@ -27,9 +27,13 @@ every file with its ``rank`` and ``world_size``): the seconds spent constructing
 (``load_s``), in ``lm_eval.evaluator.evaluate`` (``scoring_s``: requests, model calls, metrics)
 and inside the model's request methods (``requests_s``: the model's share of it; ``methods``:
 per method) are written there at exit, for any model, with ``events`` (seconds since this
-module was imported, ``entry_unix``: the process start (negative), model start/end, evaluate
-start/end, first request, the end of the last request (``last_request_end``), exit; for nakta
-also ``preload_start``, ``load_build_start``, ``load_read_end``, ``load_ready``) and Nakta's own
+module was imported, ``entry_unix``: the process start (negative), lm-eval imported
+(``lm_eval_imported``), its arguments parsed (``args_parsed``), its task index
+(``task_index_start``/``_end``), the model's module imported (``get_model_start``/``_end``:
+torch, Triton, Nakta for nakta), model start/end, lm-eval loading the tasks' documents
+(``tasks_load_start``/``_end``), evaluate start/end, first request, the end of the last request
+(``last_request_end``), exit; for nakta also ``preload_start``, ``load_build_start``,
+``load_read_end``, ``load_ready``, the scorer's ``load_warm_up_start``/``_end``) and Nakta's own
 ``nakta_load`` timings (``speed_bench/lm_eval_speed.py`` reads them), the project's adapters'
 ``loglikelihood`` split into tokenizing and scoring (``loglikelihood``; under ``dp`` also
 choosing the shard, ``shard_s``, and gathering the answers, ``gather_s``, with ``items``: this
@@ -53,7 +57,8 @@ in its results (it runs ``pip list``, ``nvidia-smi`` and more: 0.5-2 s on the cr
 This entry starts that collection when ``evaluate`` starts, on a thread that mostly waits on
 those subprocesses while the model scores, and lm-eval receives the same report from it; the
 modules lm-eval imports after the evaluation (transformers for its version, pytablewriter for
-the table) are imported there too. ``NAKTA_LM_EVAL_ENV_PREFETCH=0`` turns that off.
+the table) are imported there too. Only in the process that writes the results (``LOCAL_RANK``
+0): the other ranks of a grid never ask for it. ``NAKTA_LM_EVAL_ENV_PREFETCH=0`` turns that off.
 
 Exit: once lm-eval has returned (results written), the process ends without the interpreter's
 teardown (module collection, torch's destructors freeing GPU blocks one by one): threads are
@@ -61,10 +66,14 @@ joined, ``atexit`` handlers run and output flushed first (``exit_without_teardow
 ``NAKTA_LM_EVAL_FAST_EXIT=0`` turns that off.
 
 These fixes serve every model alike, ``hf`` included, so a comparison through this entry
-credits Nakta with none of them. One is Nakta's own: a single-GPU ``nakta`` checkpoint's weights
-start streaming onto the GPU when the run's configuration is parsed, during lm-eval's task
-set-up, and the model's load takes them (``lm_eval_preload``; ``NAKTA_LM_EVAL_PRELOAD=0`` turns
-it off).
+credits Nakta with none of them. One is Nakta's own: a ``nakta`` checkpoint's weights (each
+rank's shard under ``tp``/``dp``) start streaming onto the GPU as this entry starts, read from the
+command line before lm-eval's own imports (with a ``--config`` file: when lm-eval has built the
+run's configuration), and the model's load takes them (``lm_eval_preload``;
+``NAKTA_LM_EVAL_PRELOAD=0`` turns it off). Another: when lm-eval's ``evaluate`` starts on a
+task that scores, the model's scorer warms up (``start_warm_up``: Triton's kernels, cuBLAS) on a
+thread while lm-eval builds the requests on the main one, and the first request waits for what
+is left (``NAKTA_LM_EVAL_PRELOAD=0`` turns both off).
 """
 
 from __future__ import annotations
@@ -78,7 +87,12 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from accuracy_test.lm_eval_preload import PRELOAD_ENV, model_preloaded
+from accuracy_test.lm_eval_preload import (
+    PRELOAD_ENV,
+    command_line_model,
+    model_preloaded,
+    start_early,
+)
 from nakta_model import knobs
 from nakta_model.process_exit import exit_without_teardown
 
@@ -93,6 +107,7 @@ LOCAL_TASKS_ENV = "NAKTA_LM_EVAL_LOCAL_TASKS"
 TEMPLATE_CACHE_ENV = "NAKTA_LM_EVAL_TEMPLATE_CACHE"
 ENV_PREFETCH_ENV = "NAKTA_LM_EVAL_ENV_PREFETCH"
 FAST_EXIT_ENV = "NAKTA_LM_EVAL_FAST_EXIT"
+SCORING_OUTPUT_TYPES = frozenset({"loglikelihood", "multiple_choice", "loglikelihood_rolling"})
 TEMPLATE_CACHE_SIZE = 4096  # distinct template strings kept compiled (a task has a handful)
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -220,6 +235,44 @@ def env_report_prefetched() -> Iterator[None]:
         _restore(installed)
 
 
+@contextlib.contextmanager
+def scorer_warmed_during_request_build() -> Iterator[None]:
+    """Inside the block, an ``lm_eval.evaluator.evaluate`` of a task that scores (loglikelihood,
+    multiple choice, rolling) first calls the model's ``start_warm_up`` when it has one
+    (``nakta``): lm-eval then builds every request on this thread, and the scorer's warm-up
+    runs beside that instead of after it (the first request waits for what is left)."""
+    import lm_eval.evaluator as evaluator
+
+    evaluate = evaluator.evaluate
+
+    def evaluate_with_warm_up(*a, **kw):
+        lm = kw.get("lm", a[0] if a else None)
+        task_dict = kw.get("task_dict", a[1] if len(a) > 1 else None)
+        start = getattr(lm, "start_warm_up", None)
+        if callable(start) and SCORING_OUTPUT_TYPES & _output_types(task_dict):
+            start()
+        return evaluate(*a, **kw)
+
+    evaluator.evaluate = evaluate_with_warm_up
+    try:
+        yield
+    finally:
+        evaluator.evaluate = evaluate
+
+
+def _output_types(tree: object) -> set[str]:
+    """The ``OUTPUT_TYPE`` of every task in lm-eval's (nested) task dict."""
+    found: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(getattr(node, "OUTPUT_TYPE", None), str):
+            found.add(node.OUTPUT_TYPE)
+    return found
+
+
 def _restore(installed: list) -> None:
     """Put back every original report function still replaced by a prefetched one."""
     while installed:
@@ -241,6 +294,16 @@ def _import_quietly(names: Sequence[str]) -> None:
     for name in names:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+
+
+def writes_results() -> bool:
+    """Whether lm-eval finishes the run in this process: it asks for the environment report,
+    prints the table and writes results only where ``LOCAL_RANK`` is 0 (its rule for every
+    rank of a torchrun grid, which all report rank 0). The other ranks of a ``tp``/``dp`` run
+    end when ``evaluate`` returns: collecting a report there (``pip list``, ``nvidia-smi``) and
+    importing what the table needs is work nobody reads, beside the scoring and before its
+    exit."""
+    return os.environ.get("LOCAL_RANK", "0") in ("", "0")
 
 
 def _env_flag(name: str) -> bool:
@@ -343,6 +406,35 @@ def _event(timings: dict, name: str) -> None:
     timings["events"].setdefault(name, time.time() - ENTRY_UNIX)
 
 
+# moments before the timing hook exists (lm-eval imported, its command line parsed): seconds
+# since the entry started, copied into the events when the hook starts
+EARLY_EVENTS: dict[str, float] = {}
+
+
+def _early_event(name: str) -> None:
+    EARLY_EVENTS.setdefault(name, time.time() - ENTRY_UNIX)
+
+
+@contextlib.contextmanager
+def _timed_between(timings: dict, owner: object, attr: str, name: str) -> Iterator[None]:
+    """Inside the block, every call of ``owner.attr`` records events ``<name>_start`` (its
+    first call) and ``<name>_end`` (its last return)."""
+    original = owner.__dict__[attr]
+
+    def timed(*a, **kw):
+        _event(timings, f"{name}_start")
+        try:
+            return original(*a, **kw)
+        finally:
+            timings["events"][f"{name}_end"] = time.time() - ENTRY_UNIX
+
+    setattr(owner, attr, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
 def _time_requests(lm: object, timings: dict) -> None:
     """Add the seconds inside the model's request methods to ``requests_s`` and per method to
     ``methods`` (this instance's methods only: lm-eval calls them by name on it); keep
@@ -436,16 +528,21 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
     """Time model construction and ``evaluate`` without changing lm-eval; JSON at exit."""
     import lm_eval.api.registry as registry
     import lm_eval.evaluator as evaluator
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.tasks.manager import TaskManager  # the class itself (the CLI may subclass it)
 
     timings: dict = {"load_s": None, "scoring_s": None, "requests_s": 0.0, "argv": sys.argv[1:]}
-    timings.update(entry_unix=ENTRY_UNIX, events={})
+    timings.update(entry_unix=ENTRY_UNIX, events=dict(EARLY_EVENTS))
     started = process_start_unix()
     if started is not None:  # Python's own start-up, before this module: negative
         timings["events"]["process_start"] = started - ENTRY_UNIX
     get_model, evaluate = registry.get_model, evaluator.evaluate
 
-    def timed_get_model(name: str):
-        return _TimedModelFactory(get_model(name), timings)
+    def timed_get_model(name: str):  # the model's module imported here (torch, Nakta, Triton)
+        _event(timings, "get_model_start")
+        factory = _TimedModelFactory(get_model(name), timings)
+        _event(timings, "get_model_end")
+        return factory
 
     def timed_evaluate(*a, **kw):
         t0 = time.perf_counter()
@@ -459,7 +556,12 @@ def timing(path: str | os.PathLike) -> Iterator[dict]:
     registry.get_model, evaluator.evaluate = timed_get_model, timed_evaluate
     t_start = time.perf_counter()
     try:
-        yield timings
+        with contextlib.ExitStack() as phases:  # lm-eval's task index, then its task loading
+            phases.enter_context(
+                _timed_between(timings, EvaluatorConfig, "process_tasks", "task_index")
+            )
+            phases.enter_context(_timed_between(timings, TaskManager, "load", "tasks_load"))
+            yield timings
     finally:
         registry.get_model, evaluator.evaluate = get_model, evaluate
         timings["total_s"] = time.perf_counter() - t_start
@@ -498,15 +600,22 @@ def rank_timing_path(path: str | os.PathLike, rank: int) -> Path:
 # ------------------------------------------------------------------ entry
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's ``cli_evaluate`` with the task-data check between parsing and running."""
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    early: dict = {}
+    if _env_flag(PRELOAD_ENV):  # the weight read, before lm-eval's imports when it can
+        early = start_early(sys.argv[1:])
+        if "checkpoint" in early:
+            _early_event("preload_start")
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
     register_models()
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    _early_event("lm_eval_imported")
     setup_logging()
     parser = HarnessCLI()
     args = parser.parse_args()
+    _early_event("args_parsed")
     if getattr(args, "command", None) == "run" and (error := task_data_error(args)):
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
@@ -517,13 +626,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         fixes.enter_context(device_left_to_our_models())  # first: the preload reads the device
         if _env_flag(TEMPLATE_CACHE_ENV):
             fixes.enter_context(cached_prompt_templates())
-        if _env_flag(ENV_PREFETCH_ENV):
+        if _env_flag(ENV_PREFETCH_ENV) and writes_results():
             fixes.enter_context(env_report_prefetched())
+        if _env_flag(PRELOAD_ENV):  # Nakta's head start: its weights early, its scorer warm
+            fixes.enter_context(scorer_warmed_during_request_build())
         timed: dict = {}
         if _env_flag(PRELOAD_ENV):  # its start is recorded in the timing hook's events
             fixes.enter_context(
                 model_preloaded(
-                    on_start=lambda: "events" in timed and _event(timed, "preload_start")
+                    on_start=lambda: "events" in timed and _event(timed, "preload_start"),
+                    state=early,
                 )
             )
         if timing_path:
@@ -552,40 +664,13 @@ def requested_world(argv: Sequence[str]) -> int:
     Read as lm-eval 0.4.13 reads them: ``-M``/``-a`` as well, ``--model_args`` taking every
     word up to the next option (``checkpoint=DIR dp=2``) or one JSON object, and given again
     merging into the earlier ones (a later key wins)."""
-    args = list(argv)
-    model: str | None = None
-    kv: dict[str, object] = {}
-    for i, arg in enumerate(args):
-        flag, eq, inline = arg.partition("=")
-        if flag in ("--model", "-M"):
-            model = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
-        elif flag in ("--model_args", "-a"):
-            words = [inline] if eq else _words_after(args, i + 1)
-            kv.update(_model_args_words(words))
+    model, kv, _ = command_line_model(argv)
     if model != "nakta":
         return 1
     try:
         return max(1, int(str(kv.get("tp", 1)))) * max(1, int(str(kv.get("dp", 1))))
     except ValueError:
         return 1  # the adapter refuses it with its own message
-
-
-def _words_after(args: list[str], start: int) -> list[str]:
-    """The values of an ``nargs="+"`` option: the words up to the next option."""
-    end = start
-    while end < len(args) and not args[end].startswith("-"):
-        end += 1
-    return args[start:end]
-
-
-def _model_args_words(words: list[str]) -> dict[str, object]:
-    """``key=value`` pairs of ``--model_args``' words (comma lists, or a JSON object first)."""
-    if words and words[0].lstrip().startswith("{"):
-        with contextlib.suppress(ValueError):
-            obj = json.loads(words[0])
-            if isinstance(obj, dict):
-                return obj
-    return dict(p.split("=", 1) for w in words for p in w.split(",") if "=" in p)
 
 
 def cli() -> None:

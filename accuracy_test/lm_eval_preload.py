@@ -12,6 +12,11 @@ which overlap the start-up at 89% of their solo speed once the GIL changes hands
 model is constructed where lm-eval constructs it, and ``load_rank_state_dict`` takes the
 prefetched tensors if they are of the very file it was about to read, onto the same device.
 
+When the command line alone says what will be loaded (``start_early``: ``--model nakta`` with
+its ``--model_args``, no ``--config`` file, a CUDA driver present), the read starts as the entry
+starts, before lm-eval's own imports (its CLI and task machinery, ``datasets`` among them),
+which it then overlaps too; otherwise when lm-eval's configuration is built.
+
 Prefetched: a Nakta checkpoint directory (``params.json`` + ``manifest.json``) on a CUDA
 device (lm-eval's default ``cuda:0`` included): in one process its one shard; under ``torchrun``
 (a ``tp x dp`` grid) each rank's own shard onto its own GPU (``prefetch_plan``). Anything
@@ -26,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 PRELOAD_ENV = "NAKTA_LM_EVAL_PRELOAD"
@@ -107,16 +112,97 @@ def _start_prefetch(file: Path, device: str) -> bool:
     return True
 
 
+def command_line_model(argv: Sequence[str]) -> tuple[str | None, dict[str, object], str | None]:
+    """``(--model, its --model_args as key -> value, --device)`` read from the raw command line,
+    before lm-eval is imported (the values as strings; the model None when not given).
+
+    Read as lm-eval 0.4.13 reads them: ``-M``/``-a`` as well, ``--model_args`` taking every word
+    up to the next option (``checkpoint=DIR dp=2``) or one JSON object, and given again merging
+    into the earlier ones (a later key wins)."""
+    args = list(argv)
+    model: str | None = None
+    device: str | None = None
+    kv: dict[str, object] = {}
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+        if flag in ("--model", "-M"):
+            model = value
+        elif flag == "--device":
+            device = value
+        elif flag in ("--model_args", "-a"):
+            words = [inline] if eq else _words_after(args, i + 1)
+            kv.update(_model_args_words(words))
+    return model, kv, device
+
+
+def _words_after(args: list[str], start: int) -> list[str]:
+    """The values of an ``nargs="+"`` option: the words up to the next option."""
+    end = start
+    while end < len(args) and not args[end].startswith("-"):
+        end += 1
+    return args[start:end]
+
+
+def _model_args_words(words: list[str]) -> dict[str, object]:
+    """``key=value`` pairs of ``--model_args``' words (comma lists, or a JSON object first)."""
+    if words and words[0].lstrip().startswith("{"):
+        with contextlib.suppress(ValueError):
+            obj = json.loads(words[0])
+            if isinstance(obj, dict):
+                return obj
+    return dict(p.split("=", 1) for w in words for p in w.split(",") if "=" in p)
+
+
+def _cuda_plausible() -> bool:
+    """Whether this machine may have a CUDA GPU for this process, without importing torch (the
+    NVIDIA driver's ``/proc`` entry, no ``CUDA_VISIBLE_DEVICES`` hiding every GPU)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return Path("/proc/driver/nvidia/gpus").is_dir()
+
+
+def start_early(argv: Sequence[str], models: frozenset[str] = PRELOADABLE) -> dict:
+    """Start the weight read from the raw command line, before lm-eval is even imported.
+
+    lm-eval's own imports (its CLI, the task machinery with ``datasets``: 1-2 s of one process)
+    come before its configuration is built, so a read started here overlaps them as well. Only
+    where the command line alone decides the plan: ``lm-eval run`` (or no subcommand) of one of
+    ``models``, no ``--config`` file (it may set the model or its arguments), no ``--help``, a
+    CUDA driver present; the rest is left to :func:`model_preloaded`'s start when the
+    configuration is built. Returns the state to hand :func:`model_preloaded` (key
+    ``checkpoint`` once a prefetch started)."""
+    args = list(argv)
+    state: dict = {}
+    if args and not args[0].startswith("-") and args[0] != "run":
+        return state  # ls, validate, ...: no model is built
+    if any(a in ("-h", "--help") or a.partition("=")[0] in ("--config", "-C") for a in args):
+        return state
+    model, kv, device = command_line_model(args)
+    if model not in models or not _cuda_plausible():
+        return state
+    from accuracy_test.lm_eval_args import merged_model_args
+
+    kwargs = merged_model_args(kv, {"device": device}, warn=False)
+    plan = prefetch_plan(kwargs, os.environ)
+    if plan is not None and _start_prefetch(*plan):
+        state["checkpoint"] = plan[0].parent
+    return state
+
+
 @contextlib.contextmanager
 def model_preloaded(
-    on_start: Callable[[], None] | None = None, models: frozenset[str] = PRELOADABLE
+    on_start: Callable[[], None] | None = None,
+    models: frozenset[str] = PRELOADABLE,
+    state: dict | None = None,
 ) -> Iterator[dict]:
     """Inside the block, a run of one of ``models`` starts reading its weights when lm-eval's
-    configuration is built. Yields a dict with key ``checkpoint`` once a prefetch started;
-    ``on_start`` is called then (the timing hook records that moment)."""
+    configuration is built, unless :func:`start_early` already started it (its ``state``).
+    Yields a dict with key ``checkpoint`` once a prefetch started; ``on_start`` is called when
+    this block starts one (the timing hook records that moment)."""
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
-    state: dict = {}
+    state = {} if state is None else state
     original_from_cli = EvaluatorConfig.__dict__["from_cli"]
 
     def from_cli(cls, namespace):

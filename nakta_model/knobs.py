@@ -62,7 +62,8 @@ KNOBS: dict[str, Knob] = {
         Knob("NAKTA_LM_EVAL_FAST_EXIT", bool, True,
              "nakta-lm-eval exits without Python's teardown once results are written"),
         Knob("NAKTA_LM_EVAL_PRELOAD", bool, True,
-             "nakta-lm-eval starts reading the checkpoint while lm-eval builds its tasks"),
+             "nakta-lm-eval starts reading the checkpoint while lm-eval builds its tasks, and "
+             "warming the scorer up while it builds the requests"),
     )
 }  # fmt: skip
 

@@ -2,9 +2,11 @@
 # Reproduces the lm-eval catalogue rows: lm-eval itself, the project's entry in fresh processes,
 # `--model nakta` against `--model hf` on the same random weights (speed_bench/results/<device>/
 # lm_eval_*/); with QUANT=fp8 the bf16 / quant=fp8 pair on all 10,042 HellaSwag tasks
-# (fp8/lm_eval/); with 2 GPUs the data-parallel rows (lm_eval_dp/). < 10 min a job.
+# (fp8/lm_eval/); the data-parallel rows (lm_eval_dp/): dp on one GPU (its 1-GPU rows, the fixed
+# part of a run per phase), dp2 on a 2-GPU host, x4 and x4_30b on a 4-GPU host (into the
+# <device>-x4 folder). < 10 min a job.
 #   OUT=/tmp/out bash scripts/reproduce_lm_eval.sh [hellaswag0] [hellaswag10] [mmlu] [gen]
-#       [gsm8k] [one_pool] [quant] [dp] [families]
+#       [gsm8k] [one_pool] [quant] [dp] [dp2] [x4] [x4_30b] [families]
 # Needs `.whl/` (lm-eval 0.4.13 and its deps: scripts/fetch_device_wheels.sh) and the real data
 # (.data/ or ../shared/data). Settings (environment): SIZE (preset, default 7B); QUANT (the
 # quant job's precision, default fp8). Writes into the catalogue folders of this GPU, then
@@ -67,12 +69,43 @@ for job in "${@:-hellaswag0}"; do
         --data "$HS_FULL" --shots 0 --warmup-limit 0 --run-timeout-s 120 --deadline-s 280 \
         --out "$S/fp8/lm_eval"
       ;;
-    dp)  # 2 GPUs: one GPU vs dp=2 started by the entry and under torchrun, and a 4-task suite
+    dp)  # one GPU: the 1-GPU rows alone (0-shot all 10,042 tasks, 10-shot 2,000), each rank's
+      # fixed time per phase (estimate: weights ~60 s, warm-up ~12 s, runs ~55 + ~57 s: ~3.5 min)
+      step lm_eval_dp 400 python3 speed_bench/lm_eval_dp.py --preset "$SIZE" --tokenizer "$TOK" \
+        --data "$HS_FULL" --runs 0:all,10:2000 --grids 1x1 --suite "" --warmup-limit 32 \
+        --run-timeout-s 120 --deadline-s 380 --out "$S/lm_eval_dp_1gpu" --work /tmp/lm_eval_dp_work
+      rm -rf /tmp/lm_eval_dp_work && mv "$S/lm_eval_dp_1gpu/logs" "$OUT/lm_eval_dp_1gpu_logs"
+      ;;
+    dp2)  # 2 GPUs: one GPU vs dp=2 started by the entry and under torchrun, and a 4-task suite
       step lm_eval_dp 575 python3 speed_bench/lm_eval_dp.py --preset "$SIZE" --tokenizer "$TOK" \
         --data "$HS_FULL" --runs 10:2000,0:all --gpus 2 --launchers nakta,torchrun \
         --suite-limit 20 --warmup-limit 32 --suite-hf --suite-hf-modes one_call \
         --hf-batch-size auto --run-timeout-s 150 --deadline-s 555 --out "$S/lm_eval_dp" \
         --work /tmp/lm_eval_dp_work
+      rm -rf /tmp/lm_eval_dp_work
+      ;;
+    x4)  # 4 GPUs, random 7B: one GPU vs dp=4 (the entry's launcher), 0-shot all 10,042 tasks and
+      # 10-shot 2,000, in one call (issue 43: dp=4 <= 0.35x / 0.33x the 1-GPU wall). Estimate from
+      # the 2 x H100 rows: weights ~60 s, warm-up ~12 s, 1 GPU 55 + 57 s, dp=4 ~21 + ~22 s: ~4 min
+      step lm_eval_dp_x4 540 python3 speed_bench/lm_eval_dp.py --preset "$SIZE" --tokenizer "$TOK" \
+        --data "$HS_FULL" --runs 0:all,10:2000 --grids 1x1,1x4 --launchers nakta --suite "" \
+        --warmup-limit 32 --run-timeout-s 120 --deadline-s 520 \
+        --out "speed_bench/results/$SLUG-x4/lm_eval_dp" --work /tmp/lm_eval_dp_work
+      rm -rf /tmp/lm_eval_dp_work  # the children's logs: beside the archive, not in the catalogue
+      mv "speed_bench/results/$SLUG-x4/lm_eval_dp/logs" "$OUT/lm_eval_dp_x4_logs"
+      ;;
+    x4_30b)  # 4 GPUs, random 30B bf16, 0-shot 2,000 tasks: tp=4 with `--model hf` beside it
+      # (parallelize=True: accelerate's split over the 4 GPUs, batch 64), then tp=2 dp=2. Estimate:
+      # the HF model made and saved (65 GB) ~100 s, converted for tp=4 and tp=2 ~2 x 60 s, warm-up
+      # ~25 s, nakta tp=4 ~30 s (150 tasks/s scoring, issue 43), hf ~200 s (hf's 7B rate / 4.6,
+      # and its load), tp=2 dp=2 ~30 s: ~8.5 min; --deadline-s skips what cannot end in time
+      step lm_eval_dp_x4_30b 545 python3 speed_bench/lm_eval_dp.py --preset 30B \
+        --tokenizer "$TOK" --data "$HS_FULL" --runs 0:2000 --grids 4x1,2x2 --hf-grids 4x1 \
+        --launchers nakta --suite "" --warmup-limit 16 --hf-batch-size 64 --run-timeout-s 90 \
+        --hf-timeout-s 280 --deadline-s 530 --out "speed_bench/results/$SLUG-x4/lm_eval_dp_30b" \
+        --work /tmp/lm_eval_dp_30b_work
+      rm -rf /tmp/lm_eval_dp_30b_work
+      mv "speed_bench/results/$SLUG-x4/lm_eval_dp_30b/logs" "$OUT/lm_eval_dp_30b_logs"
       ;;
     families)  # FAMILIES "preset:tokenizer:limit ...": HellaSwag 0-shot, nakta vs hf, fresh
       # processes on random weights of each family's shape; the report over every families job

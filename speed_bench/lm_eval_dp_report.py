@@ -6,10 +6,16 @@ the LAST rank sent its first request (the run cannot score faster than its slowe
 start), ``scoring_s`` from then to the last rank's last answer, ``after_scoring_s`` from then to
 the process's exit. The three add up to ``wall_s``.
 
+Each rank's fixed time is broken down by :func:`rank_breakdown` (:data:`BREAKDOWN_SPANS`: the
+interpreter, lm-eval's imports and set-up, the model's module, its constructor, lm-eval loading
+the docs and building the requests, the scorer's warm-up, the tail after the last answer).
+
 Files: ``lm_eval_dp_summary.json`` (``device_name``, ``gpus_available``, ``runs``: exactly the
-keys of :data:`RUN_KEYS`), ``lm_eval_dp_ranks.json`` (each run's per-rank phases, token
-shares, errors and logs), ``lm_eval_dp_summary.md`` (the table, the dp/1-GPU ratios against the
-issue's targets, the suite runs) and ``lm_eval_dp_summary.png``.
+keys of :data:`RUN_KEYS`, ``hf_wall_s`` None where no hf run stood beside; ``ranks``: one row
+per rank of every run, :func:`rank_rows`), ``lm_eval_dp_ranks.json`` (each run's per-rank
+phases, token shares, errors and logs), ``lm_eval_dp_summary.md`` (the table, the dp/1-GPU
+ratios against the issues' targets, the per-rank breakdown, the suite runs) and
+``lm_eval_dp_summary.png``.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from pathlib import Path
 __all__ = [
     "RUN_KEYS",
     "markdown",
+    "rank_breakdown",
     "rank_phases",
+    "rank_rows",
     "run_phases",
     "summary_record",
     "write_outputs",
 ]
 
 RUN_KEYS = (
+    "preset",
     "gpus",
     "tp",
     "dp",
@@ -39,9 +48,11 @@ RUN_KEYS = (
     "scoring_s",
     "after_scoring_s",
     "acc",
+    "hf_wall_s",
 )
-# the issue's targets: dp wall / 1-GPU wall, per (shots, limit)
-WALL_TARGETS = {10: 0.6, 0: 0.7}
+# a row of the summary's per-rank table: the run's identity, the rank, its breakdown
+# the issues' targets: dp wall / 1-GPU wall, per (dp, shots) (issue 43: 0.35x / 0.33x at dp=4)
+WALL_TARGETS = {(2, 10): 0.6, (2, 0): 0.7, (4, 10): 0.33, (4, 0): 0.35}
 FIXED_SLACK_S = 2.0  # dp's fixed part (wall - scoring) may exceed one GPU's by this much
 
 
@@ -65,6 +76,58 @@ def rank_phases(timing: dict) -> dict:
         out[key] = ll.get(key)
     out["requests_s"] = timing.get("requests_s")
     out["load_s"] = timing.get("load_s")
+    out["breakdown"] = rank_breakdown(timing)
+    return out
+
+
+# Where a rank's fixed time goes: (column, from event, to event) in the entry's timing events
+# (seconds since the entry module was imported; ``process_start`` is negative). A missing event
+# (an older entry, a run that stopped early) leaves its column empty.
+BREAKDOWN_SPANS = (
+    ("python_s", "process_start", None),  # interpreter start-up, site, to the entry's import
+    ("lm_eval_import_s", None, "args_parsed"),  # lm-eval's CLI modules, its argument parsing
+    # lm-eval's task machinery imported (datasets), its evaluator, its configuration built
+    ("config_s", "args_parsed", "task_index_start"),
+    ("task_index_s", "task_index_start", "task_index_end"),  # lm-eval's TaskManager index
+    # simple_evaluate up to the model: its seeds, which import torch
+    ("lm_eval_setup_s", "task_index_end", "get_model_start"),
+    ("model_import_s", "get_model_start", "get_model_end"),  # the adapter: Triton, Nakta
+    ("model_build_s", "model_start", "model_end"),  # constructor: process group, tokenizer, load
+    ("tasks_load_s", "tasks_load_start", "tasks_load_end"),  # lm-eval loads the task's docs
+    ("requests_build_s", "evaluate_start", "first_request"),  # lm-eval builds the requests
+    # the scorer's kernels ready (on a thread from evaluate's start: warm_up_wait_s is what the
+    # first request still waited for it)
+    ("warm_up_s", "load_warm_up_start", "load_warm_up_end"),
+    ("after_last_answer_s", "last_request_end", "exit"),  # metrics, results, env report
+)
+BREAKDOWN_KEYS = (
+    *(name for name, _, _ in BREAKDOWN_SPANS),
+    "init_parallel_s",
+    "read_s",
+    "warm_up_wait_s",
+    "tokenize_s",
+    "score_s",
+    "gather_s",
+)
+
+
+def rank_breakdown(timing: dict) -> dict:
+    """:data:`BREAKDOWN_KEYS` of one rank's timing file (seconds; None where not recorded):
+    the spans between its events, the constructor's process-group rendezvous
+    (``init_parallel_s``) and weight read (``read_s``), and the loglikelihood split."""
+    ev = dict(timing.get("events") or {})
+    ev[None] = 0.0  # the entry's own import
+    out: dict = {}
+    for name, start, end in BREAKDOWN_SPANS:
+        a, b = ev.get(start), ev.get(end)
+        out[name] = None if a is None or b is None else b - a
+    load = timing.get("nakta_load") or {}
+    ll = timing.get("loglikelihood") or {}
+    out["init_parallel_s"] = load.get("init_parallel_s")
+    out["read_s"] = load.get("read_s")
+    out["warm_up_wait_s"] = load.get("warm_up_wait_s")  # what the first request still waited
+    for key in ("tokenize_s", "score_s", "gather_s"):
+        out[key] = ll.get(key)
     return out
 
 
@@ -84,6 +147,21 @@ def run_phases(ranks: Sequence[dict], spawn_unix: float, end_unix: float) -> dic
     }
 
 
+def rank_rows(ranks: dict) -> list[dict]:
+    """The summary's per-rank table: one row per rank of every run in ``ranks`` (the driver's
+    ``{run name: {"preset", "tp", "dp", "num_fewshot", "limit", "launcher", "ranks": [...]}}``),
+    with the run's identity and the rank's :data:`BREAKDOWN_KEYS`."""
+    rows = []
+    for name, info in ranks.items():
+        for r in info.get("ranks") or []:
+            row = {"run": name, "launcher": info.get("launcher")}
+            row.update({k: info.get(k) for k in ("preset", "tp", "dp", "num_fewshot", "limit")})
+            row["rank"] = r["rank"]
+            row.update({k: (r.get("breakdown") or {}).get(k) for k in BREAKDOWN_KEYS})
+            rows.append(row)
+    return rows
+
+
 def summary_record(run: dict) -> dict:
     """The run as the summary's schema has it: exactly :data:`RUN_KEYS`."""
     return {key: run.get(key) for key in RUN_KEYS}
@@ -97,8 +175,8 @@ def _pairs(runs: Sequence[dict]) -> list[tuple[dict, dict]]:
     """(1-GPU run, dp run) of the same task, shots and limit."""
     out = []
     for one in (r for r in runs if r["dp"] == 1 and r["tp"] == 1):
-        for dp in (r for r in runs if r["dp"] > 1):
-            same = ("task", "num_fewshot", "limit")
+        for dp in (r for r in runs if r["dp"] > 1 and r["tp"] == 1):
+            same = ("preset", "task", "num_fewshot", "limit")
             if all(one[k] == dp[k] for k in same):
                 out.append((one, dp))
     return out
@@ -111,7 +189,7 @@ def ratio_rows(runs: Sequence[dict]) -> list[dict]:
         if one["wall_s"] is None or dp["wall_s"] is None:
             continue
         ratio = dp["wall_s"] / one["wall_s"]
-        target = WALL_TARGETS.get(one["num_fewshot"])
+        target = WALL_TARGETS.get((dp["dp"], one["num_fewshot"]))
         fixed = {}
         for name, r in (("one", one), ("dp", dp)):
             fixed[name] = None if r["scoring_s"] is None else r["wall_s"] - r["scoring_s"]
@@ -147,15 +225,19 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
         "table holds the first launcher measured, the per-rank table every run. first request "
         "/ scoring / after scoring add up to the wall (the slowest rank's moments).",
         "",
-        "| task | shots | limit | GPUs | tp | dp | wall s | first request s | scoring s "
-        "| after scoring s | acc |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | task | shots | limit | GPUs | tp | dp | wall s | first request s | scoring s "
+        "| after scoring s | acc | hf wall s | hf / nakta |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in summary["runs"]:
+        hf = r.get("hf_wall_s")
+        ratio = f"{hf / r['wall_s']:.2f}x" if hf and r["wall_s"] else "-"
         lines.append(
-            f"| {r['task']} | {r['num_fewshot']} | {_fmt(r['limit'])} | {r['gpus']} | {r['tp']} "
+            f"| {r.get('preset') or '-'} | {r['task']} | {r['num_fewshot']} | {_fmt(r['limit'])} "
+            f"| {r['gpus']} | {r['tp']} "
             f"| {r['dp']} | {_fmt(r['wall_s'])} | {_fmt(r['first_request_s'])} "
-            f"| {_fmt(r['scoring_s'])} | {_fmt(r['after_scoring_s'])} | {_fmt(r['acc'], '.4f')} |"
+            f"| {_fmt(r['scoring_s'])} | {_fmt(r['after_scoring_s'])} | {_fmt(r['acc'], '.4f')} "
+            f"| {_fmt(hf)} | {ratio} |"
         )
     rows = ratio_rows(summary["runs"])
     if rows:
@@ -203,6 +285,29 @@ def markdown(summary: dict, ranks: dict | None = None, suite: list[dict] | None 
                     f"| {_fmt(r['score_s'], '.2f')} | {_fmt(r['gather_s'], '.2f')} "
                     f"| {_fmt(r['items'])} | {_fmt(at['python_start_unix'])} |"
                 )
+    if summary.get("ranks"):
+        cols = BREAKDOWN_KEYS
+        lines += [
+            "",
+            "Where each rank's time goes (seconds; spans between the entry's timing events: "
+            "python = interpreter start to the entry, lm-eval import = to its arguments parsed, "
+            "config = to lm-eval's task index (its task machinery and datasets imported), "
+            "lm-eval setup = from the index to the model (its seeds import torch), model import "
+            "= the adapter's modules (Triton, Nakta), model build = the constructor (of it init parallel = the process "
+            "group's rendezvous, read = the weights), tasks load = lm-eval loading the docs, "
+            "requests build = evaluate's start to the first request, warm up = the scorer's "
+            "warm-up (on a thread from evaluate's start; warm up wait = what the first request "
+            "still waited), after last answer = to the entry's exit):",
+            "",
+            "| run | rank | " + " | ".join(c[:-2].replace("_", " ") for c in cols) + " |",
+            "|---|---:|" + "---:|" * len(cols),
+        ]
+        for r in summary["ranks"]:
+            lines.append(
+                f"| {r['run']} | {r['rank']} | "
+                + " | ".join(_fmt(r[c], ".2f") for c in cols)
+                + " |"
+            )
     if suite:
         lines += [
             "",
@@ -264,7 +369,7 @@ def write_outputs(
     from nakta_model.io_utils import atomic_output_file, atomic_write_text
 
     bad = [sorted(set(r) ^ set(RUN_KEYS)) for r in summary["runs"] if set(r) != set(RUN_KEYS)]
-    if bad or set(summary) != {"device_name", "gpus_available", "runs"}:
+    if bad or set(summary) != {"device_name", "gpus_available", "runs", "ranks"}:
         raise ValueError(f"summary does not follow the schema: {sorted(summary)} {bad}")
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "lm_eval_dp_summary.json", out / "lm_eval_dp_summary.md"]

@@ -171,10 +171,10 @@ def hf_vocab_size(hf_dir: str | Path) -> int:
     return int(json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"])
 
 
-def convert(hf_dir: Path, out: Path, dtype_name: str, log: Path) -> float:
-    """``python convert.py HF OUT --dtype DTYPE`` as a child process; its seconds."""
+def convert(hf_dir: Path, out: Path, dtype_name: str, log: Path, tp: int = 1) -> float:
+    """``python convert.py HF OUT --dtype DTYPE [--tp TP]`` as a child process; its seconds."""
     cmd = [sys.executable, str(REPO / "convert.py"), str(hf_dir), str(out)]
-    cmd += ["--dtype", dtype_name, "--quiet"]
+    cmd += ["--dtype", dtype_name, "--quiet"] + (["--tp", str(tp)] if tp > 1 else [])
     t0 = time.perf_counter()
     rc = run_logged(cmd, child_env({}), log, timeout=None)
     if rc != 0:

@@ -128,7 +128,7 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     ll = got["loglikelihood"]  # of which: lm-eval's strings -> tokens, tokens -> results
     assert ll.keys() == {"tokenize_s", "score_s"} and min(ll.values()) > 0
     assert ll["tokenize_s"] + ll["score_s"] <= got["requests_s"]
-    assert got["nakta_load"].keys() == {"read_s", "warm_up_s", "prefetched"}
+    assert got["nakta_load"].keys() == {"read_s", "warm_up_s", "warm_up_wait_s", "prefetched"}
     assert got["nakta_load"]["prefetched"] is False  # (no GPU here: nothing was prefetched)
     load = [ev[k] for k in ("model_start", "load_build_start", "load_read_end", "load_ready")]
     assert load == sorted(load) and ev["load_ready"] <= ev["model_end"]  # loaded when built

@@ -12,6 +12,7 @@ from speed_bench.lm_eval_dp_report import (
     RUN_KEYS,
     markdown,
     rank_phases,
+    rank_rows,
     ratio_rows,
     run_phases,
     summary_record,
@@ -65,7 +66,7 @@ def _runs() -> list[dict]:
     def run(gpus, shots, limit, wall, first, scoring, acc=0.25):
         row = dict(gpus=gpus, tp=1, dp=gpus, task="hellaswag_local", num_fewshot=shots)
         row.update(limit=limit, wall_s=wall, first_request_s=first, scoring_s=scoring)
-        row.update(after_scoring_s=wall - first - scoring, acc=acc)
+        row.update(after_scoring_s=wall - first - scoring, acc=acc, preset="7B", hf_wall_s=None)
         return summary_record(row)
 
     return [
@@ -89,13 +90,14 @@ def test_ratios_judge_the_issues_targets():
 
 
 def test_outputs_follow_the_schema_exactly(tmp_path):
-    summary = {"device_name": "NVIDIA H100 80GB HBM3", "gpus_available": 2, "runs": _runs()}
     ranks = {
         "hellaswag_local_10shot_2000_2gpu": {
             "spawn_unix": SPAWN,
             "ranks": [rank_phases(_timing(r, SPAWN + 2.0, 9.0, 33.0, 34.0, 4000)) for r in (0, 1)],
         }
     }
+    summary = {"device_name": "NVIDIA H100 80GB HBM3", "gpus_available": 2, "runs": _runs()}
+    summary["ranks"] = rank_rows(ranks)
     suite = [
         {"model": "nakta", "mode": "one_call", "tasks": ["a", "b"], "limit": 100,
          "wall_s": 40.0, "acc": {"a": 0.3, "b": 0.1}, "error": None},
@@ -110,11 +112,14 @@ def test_outputs_follow_the_schema_exactly(tmp_path):
         "lm_eval_dp_summary.png",
     ]
     got = json.loads(files[0].read_text())
-    assert set(got) == {"device_name", "gpus_available", "runs"}
+    assert set(got) == {"device_name", "gpus_available", "runs", "ranks"}
     assert all(list(r) == list(RUN_KEYS) for r in got["runs"]) and got["runs"] == summary["runs"]
     assert files[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = files[1].read_text()
-    assert "| hellaswag_local | 10 | 2000 | 2 | 1 | 2 | 35.0 | 11.0 | 23.0 | 1.0 | 0.2500 |" in text
+    assert (
+        "| 7B | hellaswag_local | 10 | 2000 | 2 | 1 | 2 | 35.0 | 11.0 | 23.0 | 1.0 | 0.2500 | - | - |"
+        in text
+    )
     assert "| 0.58 (yes) | <= 0.6 |" in text and "| 0.76 (NO) | <= 0.7 |" in text
     assert "| hellaswag_local_10shot_2000_2gpu | - | - | 1 | 6.0 | 11.0 | 35.0 | 36.0 |" in text
     assert "FAILED: suite_b: exit code 1" in text
