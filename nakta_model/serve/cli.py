@@ -35,6 +35,11 @@ from nakta_model.cli import (
 __all__ = ["ServeSettings", "main", "parse_args"]
 
 _DTYPES = ("bf16", "fp16", "fp32")
+# The engine thread and the event loop share the GIL. A thread that wants it waits until the
+# holder blocks or this interval passes; the engine thread gives the GIL up at every torch op
+# it launches (an eager prefill: hundreds), so at Python's 5 ms a busy event loop could hold
+# each launch back by up to 5 ms. Shorter costs a forced switch now and then while both run.
+SWITCH_INTERVAL_MS = 0.5
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class ServeSettings:
     log_prompts: bool
     access_log: bool
     seed: int
+    switch_interval_s: float
 
 
 def parse_args(argv: list[str] | None = None) -> ServeSettings:
@@ -98,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
     p.add_argument("--log-prompts", action="store_true", help="log prompts (off by default)")
     p.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; random weights' seed")
+    p.add_argument(
+        "--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, help="CPython's GIL "
+        f"switch interval (default {SWITCH_INTERVAL_MS}; Python's own is 5): how long the engine "
+        "thread may wait for the GIL while the HTTP side holds it"
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.tp != 1:
         p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
@@ -109,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
     a.min_chunk = min(a.min_chunk, a.chunk)  # --chunk 4 alone: chunks of 2..4
     if a.max_batch is not None and a.max_batch < 1:
         p.error(f"--max-batch must be >= 1, got {a.max_batch}")
+    if not 0 < a.switch_interval_ms <= 1000:
+        p.error(f"--switch-interval-ms must be in (0, 1000], got {a.switch_interval_ms}")
     if a.drain_s < 0:
         p.error(f"--drain-s must be >= 0, got {a.drain_s}")
     if a.api_key is not None and not a.api_key.strip():
@@ -120,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         a.checkpoint, a.random, a.tokenizer, name, a.host, a.port, a.api_key, a.dtype,
         a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.min_chunk, a.max_body_bytes,
         a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
+        a.switch_interval_ms / 1e3,
     )  # fmt: skip
 
 
@@ -216,6 +230,7 @@ def serve(s: ServeSettings) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(s.switch_interval_s)
     app, bridge = build(s)
     family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
