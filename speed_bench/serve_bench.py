@@ -143,8 +143,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 # ---------------------------------------------------------------------------- offline
-def offline_reference(a, prompts: list[list[int]], device) -> float:
-    """Output tok/s of one warmed-up Generator call over every prompt (the model freed after)."""
+nan = float("nan")
+
+
+def offline_reference(a, prompts: list[list[int]], device) -> tuple[float, dict]:
+    """Output tok/s of one warmed-up Generator call over every prompt (the model freed after),
+    and the call's own counters in ``diagnose``'s terms."""
     import torch
 
     from nakta_model.generation.engine import GenerationRequest, Generator
@@ -160,11 +164,20 @@ def offline_reference(a, prompts: list[list[int]], device) -> float:
         out = gen.generate(reqs)
         wall = time.perf_counter() - t0
     tokens = sum(len(r.tokens) for r in out)
+    st = gen.stats
+    diag = {
+        "rows_per_step": (tokens - len(out)) / st.decode_steps if st.decode_steps else nan,
+        "decode_steps": st.decode_steps,
+        "prefill_forwards": st.prefill_chunks,
+        "prefill_tokens_per_forward": st.prefilled_tokens / max(1, st.prefill_chunks),
+        "engine_busy_s": wall,
+        "engine_step_pct": 100 * (st.prefill_s + st.decode_s) / wall,
+    }
     del gen, model, out
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return tokens / wall
+    return tokens / wall, {"output_tok_s": tokens / wall, **diag}
 
 
 def _model(a, device):
@@ -279,7 +292,6 @@ def diagnose(before: dict[str, float], after: dict[str, float], prompts: int) ->
     )
     tokens = d("nakta_generation_tokens_total")
     events = d("nakta_stream_events_total")
-    nan = float("nan")
     gpu = d("nakta_engine_prefill_seconds_total") + d("nakta_engine_decode_seconds_total")
     return {
         "rows_per_step": (tokens - prompts) / steps if steps else nan,
@@ -297,6 +309,7 @@ def diagnose(before: dict[str, float], after: dict[str, float], prompts: int) ->
         "ttft_write_ms": 1e3 * mean("nakta_ttft_write_seconds"),
         "deliver_lag_ms": 1e3 * mean("nakta_deliver_lag_seconds"),
         "stream_us_per_event": 1e6 * d("nakta_stream_seconds_total") / events if events else nan,
+        "loop_us_per_event": 1e6 * d("nakta_loop_cpu_seconds_total") / events if events else nan,
         "events_per_request": events / prompts if prompts else nan,
     }  # fmt: skip
 
@@ -310,40 +323,87 @@ def _served_name(url: str) -> str:
 # ----------------------------------------------------------------------------- client
 async def replay(url: str, model: str, prompts, output_len: int, rate: float | None, seed: int):
     """Send every prompt (Poisson arrivals at ``rate``, or all at once) as a streaming request;
-    per request (send, event times, tokens)."""
-    import httpx
+    per request (send, event times, tokens).
+
+    A plain HTTP/1.1 client on asyncio streams, a connection per request: the client's own
+    cost per streamed event stays far below the server's (httpx's was not: with 1,000 streams
+    its loop fell behind, read events late in bursts and measured its own lag)."""
+    from urllib.parse import urlsplit
 
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=64)
-    timeout = httpx.Timeout(3600.0, connect=60.0)
+    u = urlsplit(url)
+    host, port = u.hostname, u.port or 80
 
-    async def one(http, p, delay):
+    async def one(p, delay):
         await asyncio.sleep(delay)
         body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0,
                 "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
+        data = json.dumps(body).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
         sent = time.perf_counter()
-        events, tokens = [], 0
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"server answered {r.status_code}: {await r.aread()}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                msg = json.loads(line[6:])
-                if msg.get("usage"):
-                    tokens = msg["usage"]["completion_tokens"]
-                elif msg["choices"]:
-                    events.append(time.perf_counter())
-        return sent, events, tokens
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
+        try:
+            writer.write(head + data)
+            return sent, *await _read_stream(reader)
+        finally:
+            writer.close()
 
     delays, t = [], 0.0
     for _ in prompts:
         delays.append(t)
         if rate is not None:
             t += rng.expovariate(rate)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
-        return await asyncio.gather(*(one(http, p, d) for p, d in zip(prompts, delays)))
+    return await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays)))
+
+
+async def _read_stream(reader) -> tuple[list[float], int]:
+    """A streamed completion's response: (arrival time of each event with text, the usage's
+    completion tokens). Chunked transfer or a body to the connection's end."""
+    status = await reader.readline()
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+    if status.split(b" ")[1:2] != [b"200"]:
+        raise RuntimeError(f"server answered {status.strip()!r}: {(await reader.read())[:500]!r}")
+    events, tokens, buf = [], 0, b""
+    while True:
+        if chunked:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                break
+            data = (await reader.readexactly(size + 2))[:-2]
+        elif not (data := await reader.read(1 << 16)):
+            break
+        now = time.perf_counter()
+        *lines, buf = (buf + data).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            msg = json.loads(line[6:])
+            if msg.get("usage"):
+                tokens = msg["usage"]["completion_tokens"]
+            elif msg.get("choices"):
+                events.append(now)
+            elif "error" in msg:
+                raise RuntimeError(f"error event: {msg['error']}")
+    return events, tokens
+
+
+def _run(coro):
+    """``asyncio.run`` on uvloop when it is installed (the client's own cost per event)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def summarize(rate: float | None, results) -> dict:
@@ -381,9 +441,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         vocab, bos, limit = _vocab_and_limit(a)
     prompts = make_prompts(a, vocab, bos, limit)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    offline = None
+    offline, offline_diag = None, None
     if not (a.url or a.no_offline):
-        offline = offline_reference(a, prompts, device)
+        offline, offline_diag = offline_reference(a, prompts, device)
         print(f"offline Generator: {offline:,.0f} output tok/s", file=sys.stderr, flush=True)
     runs, variants = [], []
     out = Path(a.out) if a.out else REPO / "speed_bench" / "results" / device_slug(device) / "serve"
@@ -398,11 +458,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             # the offline reference was warmed up on 2 x max_batch full prompts: the server gets
             # the same prompt shapes (prefill forwards of every size, every batch bucket)
             warm = prompts[: min(len(prompts), 2 * a.max_batch)]
-            asyncio.run(replay(url, model, warm, min(16, a.output_len), None, a.seed))
+            _run(replay(url, model, warm, min(16, a.output_len), None, a.seed))
             for rate in rates:
                 work = prompts if rate is None else prompts[: a.rate_prompts]
                 before = scrape(url)
-                res = asyncio.run(replay(url, model, work, a.output_len, rate, a.seed))
+                res = _run(replay(url, model, work, a.output_len, rate, a.seed))
                 got.append({**summarize(rate, res), **diagnose(before, scrape(url), len(work))})
                 r = got[-1]
                 print(
@@ -411,13 +471,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-                write_results(out, device_name, offline, runs, variants, a)
+                write_results(out, device_name, offline, runs, variants, a, offline_diag)
         finally:
             if server is not None:
                 code = server.stop()
                 if code != 0:
                     print(f"warning: nakta-serve ({name}) exited {code}", file=sys.stderr)
-    return write_results(out, device_name, offline, runs, variants, a)
+    return write_results(out, device_name, offline, runs, variants, a, offline_diag)
 
 
 _BASE = ["rate", "prompts", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
@@ -425,10 +485,13 @@ _BASE = ["rate", "prompts", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p9
 _DIAG = ["output_tok_s", "of_offline_pct", "ttft_p50_s", "tpot_p50_s", "rows_per_step",
          "prefill_forwards", "prefill_tokens_per_forward", "engine_step_pct",
          "engine_gil_wait_pct", "ttft_queue_ms", "ttft_engine_ms", "ttft_write_ms",
-         "deliver_lag_ms", "stream_us_per_event", "events_per_request"]  # fmt: skip
+         "deliver_lag_ms", "stream_us_per_event", "loop_us_per_event",
+         "events_per_request"]  # fmt: skip
 
 
-def write_results(out: Path, device_name: str, offline, runs: list[dict], variants, a) -> dict:
+def write_results(
+    out: Path, device_name: str, offline, runs: list[dict], variants, a, offline_diag=None
+) -> dict:
     """``serve_summary.json`` (the main server's runs; ``variants`` beside them), its table
     and plot, and ``serve_diagnostics.md``: every server and rate with the server's own
     counters (``diagnose``)."""
@@ -452,9 +515,10 @@ def write_results(out: Path, device_name: str, offline, runs: list[dict], varian
         write_table(_frame(runs, offline)[_BASE + (["of_offline_pct"] if offline else [])],
                     out, "serve", f"nakta-serve on {device_name}", notes)  # fmt: skip
         _plot(runs, device_name, out)
-    rows = [{"server": "main", **r} for r in runs]
+    rows = [{"server": "offline", "rate": None, **offline_diag}] if offline_diag else []
+    rows += [{"server": "main", **r} for r in runs]
     rows += [{"server": v["name"], **r} for v in variants for r in v["runs"]]
-    if rows:
+    if runs or variants:
         df = _frame(rows, offline)
         cols = ["server", "rate"] + [c for c in _DIAG if c in df.columns]
         args = "; ".join(f"{v['name']}: `{v['server_args']}`" for v in variants)

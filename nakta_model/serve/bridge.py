@@ -322,6 +322,11 @@ class _EngineCollector:
              st.continued_chunks),
         ):  # fmt: skip
             yield CounterMetricFamily(f"nakta_{name}", doc, value=float(value))
+        # /metrics is served on the event loop's thread: its CPU time so far (the HTTP side's
+        # whole cost: parsing, routes, streaming)
+        yield CounterMetricFamily(
+            "nakta_loop_cpu_seconds", "event-loop thread CPU time", value=time.thread_time()
+        )
 
 
 def _deliver(updates: list, sent: float, metrics: Metrics) -> None:
