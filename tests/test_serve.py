@@ -271,9 +271,16 @@ def test_models_health_tokenize_metrics(server, offline):
         "nakta_prompt_tokens_total", "nakta_generation_tokens_total", "nakta_queue_depth",
         "nakta_running_rows", "nakta_kv_pages_used", "nakta_kv_pages_total",
         "nakta_time_to_first_token_seconds_count", "nakta_inter_token_seconds_count",
+        "nakta_ttft_queue_seconds_count", "nakta_ttft_engine_seconds_count",
+        "nakta_stream_events_total", "nakta_loop_cpu_seconds_total",
     ):  # fmt: skip
         assert name in metrics, name
     assert metrics["nakta_generation_tokens_total"] > 0
+    # the engine's own counters: it decoded, and its thread was busy meanwhile
+    assert metrics["nakta_engine_decode_steps_total"] > 0
+    assert metrics["nakta_engine_prefilled_tokens_total"] > 0
+    assert metrics["nakta_engine_busy_seconds_total"] > 0
+    assert metrics["nakta_ttft_engine_seconds_count"] >= 1
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -67,14 +67,28 @@ class Handle:
         return self.tokens[: self.n]
 
 
+MAX_DEFER_S = 0.1  # the longest a step's tokens are held back by ``defer_rows``
+
+
 class EngineBridge:
     """The generator's thread and the thread-safe hand-over around it (module docstring).
-    ``max_queue``: requests that may wait for their first token before ``submit`` refuses."""
+    ``max_queue``: requests that may wait for their first token before ``submit`` refuses.
 
-    def __init__(self, generator: Generator, metrics: Metrics, max_queue: int):
+    ``defer_rows`` (0: off): a step's tokens for at least that many rows are held back while
+    the GPU has no work queued (a step the engine could not pipeline: rows ended, prompts are
+    admitted and prefilled next), and handed over at the next host check that finds the GPU
+    busy (at most :data:`MAX_DEFER_S` later, or before the engine waits idle). The event
+    loop's turn over many streams then runs beside the GPU's next chunk, not while the engine
+    thread needs the GIL to launch the prefill with the GPU idle. Costs those rows a chunk of
+    latency; never defers on the CPU."""
+
+    def __init__(self, generator: Generator, metrics: Metrics, max_queue: int, defer_rows: int = 0):
         self.generator = generator
         self.metrics = metrics
         self.max_queue = max_queue
+        self.defer_rows = defer_rows
+        self._stream = None  # the engine thread's CUDA stream (set on that thread)
+        self._dirty_since = 0.0  # when the oldest update not yet handed over came
         self._cv = threading.Condition()
         self._new: list[Handle] = []
         self._cancel: list[int] = []
@@ -162,6 +176,7 @@ class EngineBridge:
         dev = self.generator.device
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+            self._stream = torch.cuda.current_stream(dev)
         try:
             with torch.inference_mode():
                 self.generator.generate([], on_tokens=self._on_tokens, feed=self)
@@ -180,7 +195,10 @@ class EngineBridge:
 
     def poll(self, idle: bool):  # Feed
         self.clock.stop()
-        self._flush()
+        if idle:
+            self._flush()
+        else:
+            self.flush()
         self._note_pool()  # before a wait: the gauges show the pool as it is while idle
         with self._cv:
             while idle and not (self._new or self._cancel or self._calls or self._stop):
@@ -232,6 +250,8 @@ class EngineBridge:
             self._new_tokens += new
             h._last, h._seen = now, n
         if h._update is None:
+            if not self._dirty:
+                self._dirty_since = now
             self._dirty.append(h)
         h._update = (tokens, n, finish, now)
         if (finish is not None or new > 0) and not h._started:
@@ -242,6 +262,15 @@ class EngineBridge:
             self.metrics.e2e.observe(now - h.arrived)
 
     def flush(self) -> None:  # Feed
+        if (
+            self.defer_rows
+            and self._stream is not None
+            and len(self._dirty) >= self.defer_rows
+            and time.perf_counter() - self._dirty_since < MAX_DEFER_S
+            and self._stream.query()  # nothing queued on the GPU: hold them back
+        ):
+            self.clock.deferred += 1
+            return
         self._flush()
 
     def _flush(self) -> None:
@@ -284,6 +313,7 @@ class EngineClock:
         self.cpu_s = 0.0
         self.flushes = 0
         self.flush_s = 0.0
+        self.deferred = 0
         self._wall0: float | None = None
         self._cpu0 = 0.0
 
@@ -313,6 +343,8 @@ class _EngineCollector:
             ("engine_cpu_seconds", "engine thread CPU time over the same spans", c.cpu_s),
             ("engine_flushes", "host checks that handed tokens to the event loop", c.flushes),
             ("engine_flush_seconds", "engine thread time handing tokens over", c.flush_s),
+            ("engine_deferred_flushes", "hand-overs held back while the GPU idled",
+             c.deferred),
             ("engine_prefill_seconds", "wall time in prefill forwards", st.prefill_s),
             ("engine_prefill_forwards", "packed prefill forwards", st.prefill_chunks),
             ("engine_prefilled_tokens", "prompt tokens run through the model", st.prefilled_tokens),

@@ -67,6 +67,8 @@ class ServeSettings:
     access_log: bool
     seed: int
     switch_interval_s: float
+    prefill_burst: int | None
+    defer_rows: int
 
 
 def parse_args(argv: list[str] | None = None) -> ServeSettings:
@@ -109,6 +111,14 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         f"switch interval (default {SWITCH_INTERVAL_MS}; Python's own is 5): how long the engine "
         "thread may wait for the GIL while the HTTP side holds it"
     )  # fmt: skip
+    p.add_argument(
+        "--prefill-burst", type=int, help="prefill forwards that may run back to back before "
+        "the running rows' next chunk (default: the Generator's)"
+    )  # fmt: skip
+    p.add_argument(
+        "--defer-flush-rows", type=int, default=0, help="hold a step's tokens for at least "
+        "this many rows while the GPU idles, hand them over beside its next chunk (0: off)"
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.tp != 1:
         p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
@@ -120,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
     a.min_chunk = min(a.min_chunk, a.chunk)  # --chunk 4 alone: chunks of 2..4
     if a.max_batch is not None and a.max_batch < 1:
         p.error(f"--max-batch must be >= 1, got {a.max_batch}")
+    if a.prefill_burst is not None and a.prefill_burst < 1:
+        p.error(f"--prefill-burst must be >= 1, got {a.prefill_burst}")
+    if a.defer_flush_rows < 0:
+        p.error(f"--defer-flush-rows must be >= 0, got {a.defer_flush_rows}")
     if not 0 < a.switch_interval_ms <= 1000:
         p.error(f"--switch-interval-ms must be in (0, 1000], got {a.switch_interval_ms}")
     if a.drain_s < 0:
@@ -133,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         a.checkpoint, a.random, a.tokenizer, name, a.host, a.port, a.api_key, a.dtype,
         a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.min_chunk, a.max_body_bytes,
         a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
-        a.switch_interval_ms / 1e3,
+        a.switch_interval_ms / 1e3, a.prefill_burst, a.defer_flush_rows,
     )  # fmt: skip
 
 
@@ -200,11 +214,14 @@ def build(s: ServeSettings):
     max_batch = s.max_batch or (256 if device.type == "cuda" else 8)
     if max_batch > max_rows():
         raise InputError(f"--max-batch {max_batch}: at most {max_rows()} rows decode at once")
-    gen = Generator(model, max_batch=max_batch, chunk=s.chunk, min_chunk=s.min_chunk)
+    gen = Generator(
+        model, max_batch=max_batch, chunk=s.chunk, min_chunk=s.min_chunk,
+        prefill_burst=s.prefill_burst,
+    )  # fmt: skip
     if s.warmup if s.warmup is not None else device.type == "cuda":
         _warm_up(gen, tok)
     metrics = Metrics()
-    bridge = EngineBridge(gen, metrics, s.max_queue)
+    bridge = EngineBridge(gen, metrics, s.max_queue, s.defer_rows)
     bridge.start()
     state = ServerState(
         bridge, tok, metrics, s.model_name, gen.max_seq_len, model.args.vocab_size,
