@@ -45,10 +45,10 @@ class _Stream:
         return self.idle
 
 
-def _bridge(defer_rows: int) -> tuple[EngineBridge, Metrics]:
+def _bridge(defer_rows: int = 0, pipeline_rows: int = 0) -> tuple[EngineBridge, Metrics]:
     gen = SimpleNamespace(pool=SimpleNamespace(capacity=8, used_pages=0), stats=GenerationStats())
     m = Metrics()
-    return EngineBridge(gen, m, max_queue=4, defer_rows=defer_rows), m
+    return EngineBridge(gen, m, 4, defer_rows, pipeline_rows), m
 
 
 def _handles(b: EngineBridge, loop, n: int) -> list[Handle]:
@@ -122,6 +122,30 @@ def test_no_deferral_without_a_gpu_stream():
         loop.close()
 
 
+def test_light_batch_is_not_pipelined():
+    """``pending()`` (the engine queues no chunk behind the running one while it is True):
+    arrivals, or fewer running rows than ``pipeline_rows``."""
+    loop = asyncio.new_event_loop()
+    try:
+        b, _ = _bridge(pipeline_rows=2)
+        assert b.pending()  # nothing runs
+        hs = _handles(b, loop, 2)
+        assert b.pending()  # two submitted, neither has a token yet: none runs
+        for h in hs:
+            b._on_tokens(h.key, [3], None)
+        b.flush()
+        assert not b.pending()  # two run: pipelined
+        b._on_tokens(0, [3, 4], "length")
+        b.flush()
+        assert b.pending()  # one left
+        always, _ = _bridge(pipeline_rows=0)
+        assert not always.pending()
+        always._cancel.append(1)
+        assert always.pending()  # a cancellation waits
+    finally:
+        loop.close()
+
+
 def test_engine_clock_counts_busy_spans_only():
     c = bridge_mod.EngineClock()
     c.stop()  # not started: nothing
@@ -135,13 +159,14 @@ def test_engine_clock_counts_busy_spans_only():
 def test_new_knobs_parse_and_bad_values_are_one_error(capsys):
     s = parse_args(["--random", "7B", "--tokenizer", "t"])
     assert s.switch_interval_s == pytest.approx(0.0005)
-    assert s.defer_rows == 0 and s.prefill_burst is None
+    assert s.defer_rows == 0 and s.prefill_burst is None and s.pipeline_rows is None
     s = parse_args(["--random", "7B", "--tokenizer", "t", "--switch-interval-ms", "5",
-                    "--defer-flush-rows", "64", "--prefill-burst", "2"])  # fmt: skip
+                    "--defer-flush-rows", "64", "--prefill-burst", "2",
+                    "--pipeline-rows", "0"])  # fmt: skip
     assert s.switch_interval_s == pytest.approx(0.005)
-    assert s.defer_rows == 64 and s.prefill_burst == 2
+    assert s.defer_rows == 64 and s.prefill_burst == 2 and s.pipeline_rows == 0
     for flag, value in (("--switch-interval-ms", "0"), ("--defer-flush-rows", "-1"),
-                        ("--prefill-burst", "0")):  # fmt: skip
+                        ("--prefill-burst", "0"), ("--pipeline-rows", "-1")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             parse_args(["--random", "7B", "--tokenizer", "t", flag, value])
         assert e.value.code == 2

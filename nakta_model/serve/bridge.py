@@ -80,13 +80,27 @@ class EngineBridge:
     busy (at most :data:`MAX_DEFER_S` later, or before the engine waits idle). The event
     loop's turn over many streams then runs beside the GPU's next chunk, not while the engine
     thread needs the GIL to launch the prefill with the GPU idle. Costs those rows a chunk of
-    latency; never defers on the CPU."""
+    latency; never defers on the CPU.
 
-    def __init__(self, generator: Generator, metrics: Metrics, max_queue: int, defer_rows: int = 0):
+    ``pipeline_rows`` (0: always): decode chunks are pipelined (the next enqueued before this
+    one is read) only while at least that many rows run. A light batch reads each chunk before
+    it launches the next, so an arrival waits for the rest of the chunk on the GPU, not for
+    that chunk and the one queued behind it too; the GPU idles for the host's short check
+    between chunks instead, which a light batch's few rows make cheap."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        metrics: Metrics,
+        max_queue: int,
+        defer_rows: int = 0,
+        pipeline_rows: int = 0,
+    ):
         self.generator = generator
         self.metrics = metrics
         self.max_queue = max_queue
         self.defer_rows = defer_rows
+        self.pipeline_rows = pipeline_rows
         self._stream = None  # the engine thread's CUDA stream (set on that thread)
         self._dirty_since = 0.0  # when the oldest update not yet handed over came
         self._cv = threading.Condition()
@@ -191,7 +205,11 @@ class EngineBridge:
             self._flush()
 
     def pending(self) -> bool:  # Feed
-        return bool(self._new or self._cancel or self._calls or self._stop)
+        if self._new or self._cancel or self._calls or self._stop:
+            return True
+        # a light batch: no chunk queued behind the running one (read without the lock: a
+        # count a step old only moves the switch by a step)
+        return len(self._live) - self._waiting < self.pipeline_rows
 
     def poll(self, idle: bool):  # Feed
         self.clock.stop()

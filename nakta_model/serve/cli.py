@@ -69,6 +69,7 @@ class ServeSettings:
     switch_interval_s: float
     prefill_burst: int | None
     defer_rows: int
+    pipeline_rows: int | None
 
 
 def parse_args(argv: list[str] | None = None) -> ServeSettings:
@@ -119,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         "--defer-flush-rows", type=int, default=0, help="hold a step's tokens for at least "
         "this many rows while the GPU idles, hand them over beside its next chunk (0: off)"
     )  # fmt: skip
+    p.add_argument(
+        "--pipeline-rows", type=int, help="pipeline decode chunks (the next enqueued before "
+        "this one is read) only while at least this many rows run (default: a quarter of "
+        "--max-batch; 0: always): an arrival beside a light batch waits for one chunk, not two"
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.tp != 1:
         p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
@@ -132,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         p.error(f"--max-batch must be >= 1, got {a.max_batch}")
     if a.prefill_burst is not None and a.prefill_burst < 1:
         p.error(f"--prefill-burst must be >= 1, got {a.prefill_burst}")
+    if a.pipeline_rows is not None and a.pipeline_rows < 0:
+        p.error(f"--pipeline-rows must be >= 0, got {a.pipeline_rows}")
     if a.defer_flush_rows < 0:
         p.error(f"--defer-flush-rows must be >= 0, got {a.defer_flush_rows}")
     if not 0 < a.switch_interval_ms <= 1000:
@@ -147,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         a.checkpoint, a.random, a.tokenizer, name, a.host, a.port, a.api_key, a.dtype,
         a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.min_chunk, a.max_body_bytes,
         a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
-        a.switch_interval_ms / 1e3, a.prefill_burst, a.defer_flush_rows,
+        a.switch_interval_ms / 1e3, a.prefill_burst, a.defer_flush_rows, a.pipeline_rows,
     )  # fmt: skip
 
 
@@ -221,7 +229,8 @@ def build(s: ServeSettings):
     if s.warmup if s.warmup is not None else device.type == "cuda":
         _warm_up(gen, tok)
     metrics = Metrics()
-    bridge = EngineBridge(gen, metrics, s.max_queue, s.defer_rows)
+    pipeline_rows = max_batch // 4 if s.pipeline_rows is None else s.pipeline_rows
+    bridge = EngineBridge(gen, metrics, s.max_queue, s.defer_rows, pipeline_rows)
     bridge.start()
     state = ServerState(
         bridge, tok, metrics, s.model_name, gen.max_seq_len, model.args.vocab_size,
