@@ -5,6 +5,8 @@ request with and without stop strings, the hand-over held back while the GPU idl
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -45,10 +47,12 @@ class _Stream:
         return self.idle
 
 
-def _bridge(defer_rows: int = 0, pipeline_rows: int = 0) -> tuple[EngineBridge, Metrics]:
+def _bridge(
+    defer_rows: int = 0, pipeline_rows: int = 0, admit_gap_s: float = 0.0
+) -> tuple[EngineBridge, Metrics]:
     gen = SimpleNamespace(pool=SimpleNamespace(capacity=8, used_pages=0), stats=GenerationStats())
     m = Metrics()
-    return EngineBridge(gen, m, 4, defer_rows, pipeline_rows), m
+    return EngineBridge(gen, m, 4, defer_rows, pipeline_rows, admit_gap_s), m
 
 
 def _handles(b: EngineBridge, loop, n: int) -> list[Handle]:
@@ -146,6 +150,46 @@ def test_light_batch_is_not_pipelined():
         loop.close()
 
 
+def _arrive(b: EngineBridge, loop, key: int) -> None:
+    """What ``submit`` does, from any thread (``submit`` itself needs a running loop)."""
+    with b._cv:
+        h = Handle(key, GenerationRequest([1], 4), loop, time.perf_counter())
+        b._live[key] = h
+        b._waiting += 1
+        b._new.append(h)
+        b._cv.notify()
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.3])
+def test_a_burst_of_arrivals_is_gathered_while_the_batch_is_light(monkeypatch, gap):
+    monkeypatch.setattr(bridge_mod, "MAX_GATHER_S", 5.0)
+    loop = asyncio.new_event_loop()
+    try:
+        b, _ = _bridge(pipeline_rows=4, admit_gap_s=gap)
+        _arrive(b, loop, 0)
+
+        def more():
+            for key in range(1, 6):
+                time.sleep(0.01)
+                _arrive(b, loop, key)
+
+        t = threading.Thread(target=more)
+        t.start()
+        new, _ = b.poll(idle=False)
+        t.join()
+        if gap:
+            assert [k for k, _ in new] == [0, 1, 2, 3, 4, 5]  # 10 ms apart: one group
+        else:
+            assert [k for k, _ in new][0] == 0 and len(new) < 6  # at once: what was there
+        # a batch that is not light is never held
+        b2, _ = _bridge(pipeline_rows=0, admit_gap_s=0.3)
+        _arrive(b2, loop, 0)
+        t0 = time.perf_counter()
+        assert len(b2.poll(idle=False)[0]) == 1 and time.perf_counter() - t0 < 0.25
+    finally:
+        loop.close()
+
+
 def test_engine_clock_counts_busy_spans_only():
     c = bridge_mod.EngineClock()
     c.stop()  # not started: nothing
@@ -160,13 +204,15 @@ def test_new_knobs_parse_and_bad_values_are_one_error(capsys):
     s = parse_args(["--random", "7B", "--tokenizer", "t"])
     assert s.switch_interval_s == pytest.approx(0.0005)
     assert s.defer_rows == 0 and s.prefill_burst is None and s.pipeline_rows is None
+    assert s.admit_gap_s == 0
     s = parse_args(["--random", "7B", "--tokenizer", "t", "--switch-interval-ms", "5",
                     "--defer-flush-rows", "64", "--prefill-burst", "2",
                     "--pipeline-rows", "0"])  # fmt: skip
     assert s.switch_interval_s == pytest.approx(0.005)
     assert s.defer_rows == 64 and s.prefill_burst == 2 and s.pipeline_rows == 0
     for flag, value in (("--switch-interval-ms", "0"), ("--defer-flush-rows", "-1"),
-                        ("--prefill-burst", "0"), ("--pipeline-rows", "-1")):  # fmt: skip
+                        ("--prefill-burst", "0"), ("--pipeline-rows", "-1"),
+                        ("--admit-gap-ms", "50")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             parse_args(["--random", "7B", "--tokenizer", "t", flag, value])
         assert e.value.code == 2

@@ -68,6 +68,7 @@ class Handle:
 
 
 MAX_DEFER_S = 0.1  # the longest a step's tokens are held back by ``defer_rows``
+MAX_GATHER_S = 0.02  # the longest ``admit_gap_s`` holds arrivals back
 
 
 class EngineBridge:
@@ -86,7 +87,13 @@ class EngineBridge:
     one is read) only while at least that many rows run. A light batch reads each chunk before
     it launches the next, so an arrival waits for the rest of the chunk on the GPU, not for
     that chunk and the one queued behind it too; the GPU idles for the host's short check
-    between chunks instead, which a light batch's few rows make cheap."""
+    between chunks instead, which a light batch's few rows make cheap.
+
+    ``admit_gap_s`` (0: off): while the batch is light (as for ``pipeline_rows``), arrivals
+    that keep coming less than this apart are gathered (at most :data:`MAX_GATHER_S`) and
+    handed to the engine together: a burst of prompts (an unbounded client's first second)
+    is admitted and prefilled in a few large groups, as the offline call's bulk start is,
+    not in many small ones whose rows then end, and get refilled, at different steps."""
 
     def __init__(
         self,
@@ -95,12 +102,14 @@ class EngineBridge:
         max_queue: int,
         defer_rows: int = 0,
         pipeline_rows: int = 0,
+        admit_gap_s: float = 0.0,
     ):
         self.generator = generator
         self.metrics = metrics
         self.max_queue = max_queue
         self.defer_rows = defer_rows
         self.pipeline_rows = pipeline_rows
+        self.admit_gap_s = admit_gap_s
         self._stream = None  # the engine thread's CUDA stream (set on that thread)
         self._dirty_since = 0.0  # when the oldest update not yet handed over came
         self._cv = threading.Condition()
@@ -221,6 +230,8 @@ class EngineBridge:
         with self._cv:
             while idle and not (self._new or self._cancel or self._calls or self._stop):
                 self._cv.wait(timeout=1.0)
+            if self._new and self.admit_gap_s:
+                self._gather()
             if self._stop:
                 return None
             handles, self._new = self._new, []
@@ -238,6 +249,18 @@ class EngineBridge:
         if new or not idle:
             self.clock.start()
         return new, cancel
+
+    def _gather(self) -> None:
+        """Under the lock, with arrivals waiting: while the batch is light, wait for the next
+        arrival as long as they keep coming ``admit_gap_s`` apart (``admit_gap_s`` above)."""
+        if len(self._live) - self._waiting >= self.pipeline_rows:
+            return
+        deadline = time.perf_counter() + MAX_GATHER_S
+        while not self._stop:
+            wait = min(self._new[-1].arrived + self.admit_gap_s, deadline) - time.perf_counter()
+            if wait <= 0:
+                return
+            self._cv.wait(wait)
 
     def _note_pool(self) -> None:
         pool = self.generator.pool

@@ -70,6 +70,7 @@ class ServeSettings:
     prefill_burst: int | None
     defer_rows: int
     pipeline_rows: int | None
+    admit_gap_s: float
 
 
 def parse_args(argv: list[str] | None = None) -> ServeSettings:
@@ -125,6 +126,11 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         "this one is read) only while at least this many rows run (default: a quarter of "
         "--max-batch; 0: always): an arrival beside a light batch waits for one chunk, not two"
     )  # fmt: skip
+    p.add_argument(
+        "--admit-gap-ms", type=float, default=0.0, help="while the batch is light, gather "
+        "arrivals that come less than this apart (at most 20 ms) and admit them together "
+        "(0: off, the default)"
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.tp != 1:
         p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
@@ -140,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         p.error(f"--prefill-burst must be >= 1, got {a.prefill_burst}")
     if a.pipeline_rows is not None and a.pipeline_rows < 0:
         p.error(f"--pipeline-rows must be >= 0, got {a.pipeline_rows}")
+    if not 0 <= a.admit_gap_ms <= 20:
+        p.error(f"--admit-gap-ms must be in [0, 20], got {a.admit_gap_ms}")
     if a.defer_flush_rows < 0:
         p.error(f"--defer-flush-rows must be >= 0, got {a.defer_flush_rows}")
     if not 0 < a.switch_interval_ms <= 1000:
@@ -156,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.min_chunk, a.max_body_bytes,
         a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
         a.switch_interval_ms / 1e3, a.prefill_burst, a.defer_flush_rows, a.pipeline_rows,
+        a.admit_gap_ms / 1e3,
     )  # fmt: skip
 
 
@@ -230,7 +239,9 @@ def build(s: ServeSettings):
         _warm_up(gen, tok)
     metrics = Metrics()
     pipeline_rows = max_batch // 4 if s.pipeline_rows is None else s.pipeline_rows
-    bridge = EngineBridge(gen, metrics, s.max_queue, s.defer_rows, pipeline_rows)
+    bridge = EngineBridge(
+        gen, metrics, s.max_queue, s.defer_rows, pipeline_rows, s.admit_gap_s
+    )  # fmt: skip
     bridge.start()
     state = ServerState(
         bridge, tok, metrics, s.model_name, gen.max_seq_len, model.args.vocab_size,
