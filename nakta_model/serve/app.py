@@ -43,6 +43,11 @@ __all__ = ["ServerState", "create_app"]
 log = logging.getLogger("nakta.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_CHECK_S = 0.5  # how often a request with no news checks that its client is there
+# A stream's own check is a backstop: Starlette's StreamingResponse listens for the client's
+# disconnect beside the body (ASGI spec < 2.4, as uvicorn's) and cancels the body, whose
+# ``finally`` cancels the rows. Checking every 0.5 s cost the event loop a poll per queued
+# stream twice a second (hundreds of streams wait for a first token at an unbounded rate).
+STREAM_CHECK_S = 5.0
 
 
 @dataclass
@@ -569,7 +574,7 @@ def _sse(request, state, jobs: list[_Job], s: Sampling, head: dict, chat: bool):
                 yield "".join(out)
             while len(done) < len(jobs):
                 try:
-                    await _wait_event(ev, DISCONNECT_CHECK_S)
+                    await _wait_event(ev, STREAM_CHECK_S)
                 except TimeoutError:
                     if await request.is_disconnected():
                         return
