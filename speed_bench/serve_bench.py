@@ -477,7 +477,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 code = server.stop()
                 if code != 0:
                     print(f"warning: nakta-serve ({name}) exited {code}", file=sys.stderr)
-    return write_results(out, device_name, offline, runs, variants, a, offline_diag)
+    summary = write_results(out, device_name, offline, runs, variants, a, offline_diag)
+    table = out / "serve_diagnostics.csv"
+    if table.is_file():  # the small table in the log too
+        import pandas as pd
+
+        df = pd.read_csv(table)
+        keep = ["server", "rate", "output_tok_s", "of_offline_pct", "ttft_p50_s", "tpot_p50_s",
+                "rows_per_step", "prefill_forwards", "engine_step_pct", "engine_gil_wait_pct",
+                "ttft_queue_ms", "ttft_engine_ms", "ttft_write_ms", "loop_us_per_event"]  # fmt: skip
+        with pd.option_context("display.width", 250, "display.max_columns", 30):
+            print(df[[c for c in keep if c in df.columns]].round(3).to_string(index=False),
+                  file=sys.stderr)  # fmt: skip
+    return summary
 
 
 _BASE = ["rate", "prompts", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
