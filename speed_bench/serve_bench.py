@@ -146,16 +146,20 @@ def percentile(values: Sequence[float], q: float) -> float:
 nan = float("nan")
 
 
-def offline_reference(a, prompts: list[list[int]], device) -> tuple[float, dict]:
+def offline_reference(a, prompts: list[list[int]], device) -> tuple[float, list[dict]]:
     """Output tok/s of one warmed-up Generator call over every prompt (the model freed after),
-    and the call's own counters in ``diagnose``'s terms."""
+    and rows in ``diagnose``'s terms: that call's own counters, and the same Generator run
+    online without HTTP (its feed hands every prompt over at once, decode chunks sized as the
+    server's): what the engine's online path gives before any HTTP or GIL cost."""
     import torch
 
     from nakta_model.generation.engine import GenerationRequest, Generator
 
     model = _model(a, device)
-    gen = Generator(model, max_batch=a.max_batch)
+    # min_chunk: the server's (offline calls always run ``chunk``; the online run below uses it)
+    gen = Generator(model, max_batch=a.max_batch, chunk=a.chunk or 16, min_chunk=a.min_chunk or 2)
     reqs = [GenerationRequest(p, a.output_len) for p in prompts]
+    rows = []
     with torch.inference_mode():
         gen.generate(reqs[: min(len(reqs), 2 * a.max_batch)])  # compile, capture
         if device.type == "cuda":
@@ -163,21 +167,60 @@ def offline_reference(a, prompts: list[list[int]], device) -> tuple[float, dict]
         t0 = time.perf_counter()
         out = gen.generate(reqs)
         wall = time.perf_counter() - t0
-    tokens = sum(len(r.tokens) for r in out)
-    st = gen.stats
-    diag = {
-        "rows_per_step": (tokens - len(out)) / st.decode_steps if st.decode_steps else nan,
+        tokens = sum(len(r.tokens) for r in out)
+        rows.append({"server": "offline", **_engine_row(gen.stats, tokens, len(out), wall)})
+        feed = _AllAtOnce(reqs)
+        t0 = time.perf_counter()
+        gen.generate([], on_tokens=feed.on_tokens, feed=feed)
+        online = time.perf_counter() - t0
+        rows.append(
+            {"server": "engine_online", **_engine_row(gen.stats, feed.tokens, len(reqs), online)}
+        )
+    del gen, model, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return tokens / wall, rows
+
+
+def _engine_row(st, tokens: int, requests: int, wall: float) -> dict:
+    return {
+        "rate": None,
+        "output_tok_s": tokens / wall,
+        "rows_per_step": (tokens - requests) / st.decode_steps if st.decode_steps else nan,
         "decode_steps": st.decode_steps,
         "prefill_forwards": st.prefill_chunks,
         "prefill_tokens_per_forward": st.prefilled_tokens / max(1, st.prefill_chunks),
         "engine_busy_s": wall,
         "engine_step_pct": 100 * (st.prefill_s + st.decode_s) / wall,
     }
-    del gen, model, out
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return tokens / wall, {"output_tok_s": tokens / wall, **diag}
+
+
+class _AllAtOnce:
+    """A ``Feed`` handing every request to the engine at its first poll, then stopping it
+    once all have finished (the online engine path without HTTP)."""
+
+    def __init__(self, requests):
+        self.requests, self.given, self.finished, self.tokens = list(requests), False, 0, 0
+
+    def poll(self, idle: bool):
+        if self.finished == len(self.requests):
+            return None
+        if self.given:
+            return [], []
+        self.given = True
+        return list(enumerate(self.requests)), []
+
+    def pending(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def on_tokens(self, key: int, tokens: list[int], finish: str | None) -> None:
+        if finish is not None:
+            self.finished += 1
+            self.tokens += len(tokens)
 
 
 def _model(a, device):
@@ -441,9 +484,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         vocab, bos, limit = _vocab_and_limit(a)
     prompts = make_prompts(a, vocab, bos, limit)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    offline, offline_diag = None, None
+    offline, offline_rows = None, []
     if not (a.url or a.no_offline):
-        offline, offline_diag = offline_reference(a, prompts, device)
+        offline, offline_rows = offline_reference(a, prompts, device)
         print(f"offline Generator: {offline:,.0f} output tok/s", file=sys.stderr, flush=True)
     runs, variants = [], []
     out = Path(a.out) if a.out else REPO / "speed_bench" / "results" / device_slug(device) / "serve"
@@ -471,13 +514,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-                write_results(out, device_name, offline, runs, variants, a, offline_diag)
+                write_results(out, device_name, offline, runs, variants, a, offline_rows)
         finally:
             if server is not None:
                 code = server.stop()
                 if code != 0:
                     print(f"warning: nakta-serve ({name}) exited {code}", file=sys.stderr)
-    summary = write_results(out, device_name, offline, runs, variants, a, offline_diag)
+    summary = write_results(out, device_name, offline, runs, variants, a, offline_rows)
     table = out / "serve_diagnostics.csv"
     if table.is_file():  # the small table in the log too
         import pandas as pd
@@ -502,7 +545,7 @@ _DIAG = ["output_tok_s", "of_offline_pct", "ttft_p50_s", "tpot_p50_s", "rows_per
 
 
 def write_results(
-    out: Path, device_name: str, offline, runs: list[dict], variants, a, offline_diag=None
+    out: Path, device_name: str, offline, runs: list[dict], variants, a, offline_rows=()
 ) -> dict:
     """``serve_summary.json`` (the main server's runs; ``variants`` beside them), its table
     and plot, and ``serve_diagnostics.md``: every server and rate with the server's own
@@ -512,6 +555,9 @@ def write_results(
 
     out.mkdir(parents=True, exist_ok=True)
     summary = {"device_name": device_name, "offline_tok_s": offline, "runs": runs}
+    for r in offline_rows:
+        if r["server"] == "engine_online":  # the same Generator online, no HTTP
+            summary["engine_online_tok_s"] = r["output_tok_s"]
     if variants:
         summary["variants"] = variants
     write_json(summary, out / "serve_summary.json")
@@ -527,7 +573,7 @@ def write_results(
         write_table(_frame(runs, offline)[_BASE + (["of_offline_pct"] if offline else [])],
                     out, "serve", f"nakta-serve on {device_name}", notes)  # fmt: skip
         _plot(runs, device_name, out)
-    rows = [{"server": "offline", "rate": None, **offline_diag}] if offline_diag else []
+    rows = list(offline_rows)
     rows += [{"server": "main", **r} for r in runs]
     rows += [{"server": v["name"], **r} for v in variants for r in v["runs"]]
     if runs or variants:

@@ -43,6 +43,7 @@ def test_tiny_run_writes_the_summary(shared_data, tmp_path, monkeypatch):
     summary = serve_bench.main(argv)
     saved = json.loads((out / "serve_summary.json").read_text())
     assert saved["device_name"] == "cpu" and saved["offline_tok_s"] > 0
+    assert saved["engine_online_tok_s"] > 0  # the same Generator fed online, no HTTP
     assert [r["rate"] for r in saved["runs"]] == [20.0, None]
     for r in saved["runs"]:
         for key in ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s"):
@@ -50,6 +51,9 @@ def test_tiny_run_writes_the_summary(shared_data, tmp_path, monkeypatch):
     assert saved["runs"][1]["prompts"] == 6 and summary["runs"][0]["prompts"] == 4
     assert (out / "serve.md").is_file() and (out / "serve.png").stat().st_size > 0
     assert os.path.isfile(out / "serve.csv")
+    diag = (out / "serve_diagnostics.md").read_text()
+    for row in ("| offline ", "| engine_online ", "| main "):
+        assert row in diag, row
 
 
 def test_variants_parse_into_names_and_server_arguments(capsys):
