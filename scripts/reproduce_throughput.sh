@@ -49,10 +49,19 @@ for job in "${@:-throughput}"; do
           --out "$F/throughput_fp8"
       done
       ;;
-    serve)  # nakta-serve over HTTP (the same 128/128 prompts unbounded, then at request rates)
-      # beside the offline Generator on the same prompts (speed_bench/results/<device>/serve/)
+    serve)  # nakta-serve over HTTP (the same 128/128 prompts at request rates, then unbounded)
+      # beside the offline Generator on the same prompts (speed_bench/results/<device>/serve/).
+      # SERVE_VARIANTS='NAME=SERVER ARGS;...' adds a fresh server per variant at 10 req/s and
+      # unbounded, and the run goes to serve_variants/ instead (SERVE_RATES: the main server's
+      # rates, default all); every table has serve_diagnostics.md (where the time goes)
+      dest=$S/serve va=()
+      if [ -n "${SERVE_VARIANTS:-}" ]; then
+        dest=$S/serve_variants
+        IFS=';' read -ra vs <<<"$SERVE_VARIANTS"
+        for v in "${vs[@]}"; do va+=(--variant "$v"); done
+      fi
       step serve 580 python3 -m speed_bench.serve_bench --preset "$SIZE" --tokenizer "$TOK" \
-        --out "$S/serve"
+        --rates "${SERVE_RATES:-2,5,10,20,40,inf}" "${va[@]}" --out "$dest"
       ;;
     *) echo "unknown job $job (throughput, profile, families, serve)" | tee -a "$LOG"; status=2 ;;
   esac

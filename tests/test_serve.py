@@ -271,9 +271,16 @@ def test_models_health_tokenize_metrics(server, offline):
         "nakta_prompt_tokens_total", "nakta_generation_tokens_total", "nakta_queue_depth",
         "nakta_running_rows", "nakta_kv_pages_used", "nakta_kv_pages_total",
         "nakta_time_to_first_token_seconds_count", "nakta_inter_token_seconds_count",
+        "nakta_ttft_queue_seconds_count", "nakta_ttft_engine_seconds_count",
+        "nakta_stream_events_total", "nakta_loop_cpu_seconds_total",
     ):  # fmt: skip
         assert name in metrics, name
     assert metrics["nakta_generation_tokens_total"] > 0
+    # the engine's own counters: it decoded, and its thread was busy meanwhile
+    assert metrics["nakta_engine_decode_steps_total"] > 0
+    assert metrics["nakta_engine_prefilled_tokens_total"] > 0
+    assert metrics["nakta_engine_busy_seconds_total"] > 0
+    assert metrics["nakta_ttft_engine_seconds_count"] >= 1
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -529,4 +536,31 @@ def test_a_client_gone_before_its_answer_cancels_its_row(server):
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
+    assert m["nakta_generation_tokens_total"] - before < 500
+
+
+def test_a_streaming_client_gone_mid_stream_cancels_its_row_at_once(server):
+    """A streaming client that closes its connection after the first event: Starlette's
+    disconnect listener cancels the stream, whose rows stop long before their budget and
+    give their pages back well within the stream's own backstop check (5 s)."""
+    from nakta_model.serve.app import STREAM_CHECK_S
+
+    before = server.metrics()["nakta_generation_tokens_total"]
+    body = {"model": NAME, "prompt": [1] + [300] * 8, "max_tokens": 500, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then the connection closes
+    gone = time.monotonic()
+    while True:
+        m = server.metrics()
+        if m["nakta_running_rows"] == 0 and m["nakta_kv_pages_used"] == 0:
+            break
+        assert time.monotonic() - gone < STREAM_CHECK_S - 1, m
+        time.sleep(0.05)
     assert m["nakta_generation_tokens_total"] - before < 500

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nakta_model.generation.engine import GenerationRequest
 from nakta_model.generation.sampling import SamplingParams
 from nakta_model.generation.streaming import TextStream
 from nakta_model.kv_pages import pages_for
@@ -42,6 +43,11 @@ __all__ = ["ServerState", "create_app"]
 log = logging.getLogger("nakta.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_CHECK_S = 0.5  # how often a request with no news checks that its client is there
+# A stream's own check is a backstop: Starlette's StreamingResponse listens for the client's
+# disconnect beside the body (ASGI spec < 2.4, as uvicorn's) and cancels the body, whose
+# ``finally`` cancels the rows. Checking every 0.5 s cost the event loop a poll per queued
+# stream twice a second (hundreds of streams wait for a first token at an unbounded rate).
+STREAM_CHECK_S = 5.0
 
 
 @dataclass
@@ -266,6 +272,7 @@ class _Job:
     prompt: list[int]
     stream: TextStream
     handle: Handle | None = None
+    sent: bool = False  # its first piece went out
 
 
 def _encode_with_specials(tok, text: str, bos: bool) -> list[int]:
@@ -330,7 +337,7 @@ def _submit(state: ServerState, prompts: list[list[int]], s: Sampling) -> list[_
             for _ in range(s.n):
                 stream = TextStream(tok, p, s.stop)
                 j = _Job(len(jobs), p, stream)
-                j.handle = state.bridge.submit(stream.request(s.max_tokens, sampling, eos))
+                j.handle = state.bridge.submit(_engine_request(stream, s.max_tokens, sampling, eos))
                 jobs.append(j)
     except QueueFull:
         for j in jobs:
@@ -353,6 +360,16 @@ def _submit(state: ServerState, prompts: list[list[int]], s: Sampling) -> list[_
             if j.handle.n or j.handle.finish:
                 shared.set()
     return jobs
+
+
+def _engine_request(stream: TextStream, max_tokens: int, sampling, eos) -> GenerationRequest:
+    """The engine request of a stream. Stop strings go to the engine only when there are
+    some: with a ``StopStrings`` the engine decodes the row's whole text at every chunk it
+    reads (on its own thread, the GPU's critical path between chunks), which a request
+    without stop strings never needs; the stream still cuts and holds back its own text."""
+    if stream.stop.stops:
+        return stream.request(max_tokens, sampling, eos)
+    return GenerationRequest(stream.prompt, max_tokens, sampling, eos)
 
 
 async def _wait_event(ev: asyncio.Event, timeout: float) -> None:
@@ -536,26 +553,34 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 def _sse(request, state, jobs: list[_Job], s: Sampling, head: dict, chat: bool):
-    """The jobs' text as server-sent events, piece by piece as tokens arrive."""
+    """The jobs' text as server-sent events, piece by piece as tokens arrive: at each wake-up
+    one write with an event per choice that moved (the head's JSON made once per stream)."""
+    prefix = "data: " + json.dumps(head)[:-1] + ', "choices": ['
+    metrics = state.metrics
 
     def event(choice: dict) -> str:
-        return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+        return prefix + json.dumps(choice) + "]}\n\n"
 
     async def body() -> AsyncIterator[str]:
         ev = jobs[0].handle.event
         done: set[int] = set()
+        clock = time.perf_counter
         try:
             if chat:
+                out = []
                 for j in jobs:
                     delta = {"role": "assistant", "content": ""}
-                    yield event({"index": j.index, "delta": delta, "finish_reason": None})
+                    out.append(event({"index": j.index, "delta": delta, "finish_reason": None}))
+                yield "".join(out)
             while len(done) < len(jobs):
                 try:
-                    await _wait_event(ev, DISCONNECT_CHECK_S)
+                    await _wait_event(ev, STREAM_CHECK_S)
                 except TimeoutError:
                     if await request.is_disconnected():
                         return
                     continue
+                t0 = clock()
+                out, first = [], None
                 for j in jobs:
                     h = j.handle
                     if j.index in done or (not h.n and h.finish is None):
@@ -569,7 +594,8 @@ def _sse(request, state, jobs: list[_Job], s: Sampling, head: dict, chat: bool):
                         err = APIError(
                             500 if h.finish == "error" else 503, why, type="server_error"
                         )
-                        yield f"data: {json.dumps(error_body(err))}\n\n"
+                        out.append(f"data: {json.dumps(error_body(err))}\n\n")
+                        yield "".join(out)
                         return
                     piece = j.stream.update(h.text_tokens(), h.finish is not None)
                     finish = None
@@ -583,13 +609,25 @@ def _sse(request, state, jobs: list[_Job], s: Sampling, head: dict, chat: bool):
                         else:
                             c = {"index": j.index, "text": piece, "logprobs": None}
                             c["finish_reason"] = finish
-                        yield event(c)
+                        out.append(event(c))
+                        if not j.sent and h.first_token_at is not None:
+                            j.sent = True
+                            first = h.first_token_at
+                if out:
+                    now = clock()
+                    metrics.stream_events.inc()
+                    metrics.stream_seconds.inc(now - t0)
+                    if first is not None:
+                        metrics.ttft_write.observe(now - first)
+                    yield "".join(out)
+            tail = []
             if s.include_usage:
                 completion = sum(j.handle.n for j in jobs)
                 prompt = sum(len(j.prompt) for j in jobs)
                 usage = {**head, "choices": [], "usage": _usage(prompt, completion)}
-                yield f"data: {json.dumps(usage)}\n\n"
-            yield "data: [DONE]\n\n"
+                tail.append(f"data: {json.dumps(usage)}\n\n")
+            tail.append("data: [DONE]\n\n")
+            yield "".join(tail)
         finally:
             for j in jobs:
                 if j.handle.finish is None:

@@ -35,6 +35,11 @@ from nakta_model.cli import (
 __all__ = ["ServeSettings", "main", "parse_args"]
 
 _DTYPES = ("bf16", "fp16", "fp32")
+# The engine thread and the event loop share the GIL. A thread that wants it waits until the
+# holder blocks or this interval passes; the engine thread gives the GIL up at every torch op
+# it launches (an eager prefill: hundreds), so at Python's 5 ms a busy event loop could hold
+# each launch back by up to 5 ms. Shorter costs a forced switch now and then while both run.
+SWITCH_INTERVAL_MS = 0.5
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,11 @@ class ServeSettings:
     log_prompts: bool
     access_log: bool
     seed: int
+    switch_interval_s: float
+    prefill_burst: int | None
+    defer_rows: int
+    pipeline_rows: int | None
+    admit_gap_s: float
 
 
 def parse_args(argv: list[str] | None = None) -> ServeSettings:
@@ -98,6 +108,29 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
     p.add_argument("--log-prompts", action="store_true", help="log prompts (off by default)")
     p.add_argument("--no-access-log", action="store_true", help="no line per HTTP request")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; random weights' seed")
+    p.add_argument(
+        "--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, help="CPython's GIL "
+        f"switch interval (default {SWITCH_INTERVAL_MS}; Python's own is 5): how long the engine "
+        "thread may wait for the GIL while the HTTP side holds it"
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-burst", type=int, help="prefill forwards that may run back to back before "
+        "the running rows' next chunk (default: the Generator's)"
+    )  # fmt: skip
+    p.add_argument(
+        "--defer-flush-rows", type=int, default=0, help="hold a step's tokens for at least "
+        "this many rows while the GPU idles, hand them over beside its next chunk (0: off)"
+    )  # fmt: skip
+    p.add_argument(
+        "--pipeline-rows", type=int, help="pipeline decode chunks (the next enqueued before "
+        "this one is read) only while at least this many rows run (default: a quarter of "
+        "--max-batch; 0: always): an arrival beside a light batch waits for one chunk, not two"
+    )  # fmt: skip
+    p.add_argument(
+        "--admit-gap-ms", type=float, default=0.0, help="while the batch is light, gather "
+        "arrivals that come less than this apart (at most 20 ms) and admit them together "
+        "(0: off, the default)"
+    )  # fmt: skip
     a = p.parse_args(argv)
     if a.tp != 1:
         p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
@@ -109,6 +142,16 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
     a.min_chunk = min(a.min_chunk, a.chunk)  # --chunk 4 alone: chunks of 2..4
     if a.max_batch is not None and a.max_batch < 1:
         p.error(f"--max-batch must be >= 1, got {a.max_batch}")
+    if a.prefill_burst is not None and a.prefill_burst < 1:
+        p.error(f"--prefill-burst must be >= 1, got {a.prefill_burst}")
+    if a.pipeline_rows is not None and a.pipeline_rows < 0:
+        p.error(f"--pipeline-rows must be >= 0, got {a.pipeline_rows}")
+    if not 0 <= a.admit_gap_ms <= 20:
+        p.error(f"--admit-gap-ms must be in [0, 20], got {a.admit_gap_ms}")
+    if a.defer_flush_rows < 0:
+        p.error(f"--defer-flush-rows must be >= 0, got {a.defer_flush_rows}")
+    if not 0 < a.switch_interval_ms <= 1000:
+        p.error(f"--switch-interval-ms must be in (0, 1000], got {a.switch_interval_ms}")
     if a.drain_s < 0:
         p.error(f"--drain-s must be >= 0, got {a.drain_s}")
     if a.api_key is not None and not a.api_key.strip():
@@ -120,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         a.checkpoint, a.random, a.tokenizer, name, a.host, a.port, a.api_key, a.dtype,
         a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.min_chunk, a.max_body_bytes,
         a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
+        a.switch_interval_ms / 1e3, a.prefill_burst, a.defer_flush_rows, a.pipeline_rows,
+        a.admit_gap_ms / 1e3,
     )  # fmt: skip
 
 
@@ -186,11 +231,17 @@ def build(s: ServeSettings):
     max_batch = s.max_batch or (256 if device.type == "cuda" else 8)
     if max_batch > max_rows():
         raise InputError(f"--max-batch {max_batch}: at most {max_rows()} rows decode at once")
-    gen = Generator(model, max_batch=max_batch, chunk=s.chunk, min_chunk=s.min_chunk)
+    gen = Generator(
+        model, max_batch=max_batch, chunk=s.chunk, min_chunk=s.min_chunk,
+        prefill_burst=s.prefill_burst,
+    )  # fmt: skip
     if s.warmup if s.warmup is not None else device.type == "cuda":
         _warm_up(gen, tok)
     metrics = Metrics()
-    bridge = EngineBridge(gen, metrics, s.max_queue)
+    pipeline_rows = max_batch // 4 if s.pipeline_rows is None else s.pipeline_rows
+    bridge = EngineBridge(
+        gen, metrics, s.max_queue, s.defer_rows, pipeline_rows, s.admit_gap_s
+    )  # fmt: skip
     bridge.start()
     state = ServerState(
         bridge, tok, metrics, s.model_name, gen.max_seq_len, model.args.vocab_size,
@@ -216,6 +267,7 @@ def serve(s: ServeSettings) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(s.switch_interval_s)
     app, bridge = build(s)
     family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -46,6 +46,40 @@ class Metrics:
         self.e2e = Histogram(
             "nakta_request_seconds", "request arrival -> finish", buckets=_LATENCY, registry=r
         )
+        # where a first token's time goes, and the HTTP side's cost per streamed event
+        # (serve_bench reads their sums and counts around each run)
+        self.ttft_queue = Histogram(
+            "nakta_ttft_queue_seconds",
+            "arrival -> the engine takes the request (the step in flight ends)",
+            buckets=_GAP,
+            registry=r,
+        )
+        self.ttft_engine = Histogram(
+            "nakta_ttft_engine_seconds",
+            "the engine takes the request -> its first token on the host (prefill)",
+            buckets=_GAP,
+            registry=r,
+        )
+        self.ttft_write = Histogram(
+            "nakta_ttft_write_seconds",
+            "first token on the host -> its event written to the client's stream",
+            buckets=_GAP,
+            registry=r,
+        )
+        self.deliver_lag = Histogram(
+            "nakta_deliver_lag_seconds",
+            "the engine hands a step's tokens over -> the event loop takes them",
+            buckets=_GAP,
+            registry=r,
+        )
+        self.stream_events = Counter(
+            "nakta_stream_events", "server-sent events written (one per wake-up)", registry=r
+        )
+        self.stream_seconds = Counter(
+            "nakta_stream_seconds",
+            "event-loop time turning tokens into server-sent events",
+            registry=r,
+        )
         self.rejected = Counter(
             "nakta_rejected", "requests refused because the queue was full", registry=r
         )
