@@ -36,12 +36,14 @@ from nakta_model.fp8 import Fp8Linear, Precision
 from nakta_model.generation import step_gemm as _gemm
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
+from nakta_model.kernels import fp8_decode_gemm as _fp8_small
+from nakta_model.kernels import fp8_gemm as _fp8_gemm
 from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import packed_attention as _packed
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
 from nakta_model.kernels import swiglu as _swiglu
-from nakta_model.kernels._checks import interpreter_enabled
+from nakta_model.kernels._checks import fp8_mma, interpreter_enabled
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
 from nakta_model.parallel import ParallelContext, all_reduce, gather_last_dim
 
@@ -106,6 +108,21 @@ class _Ops:
     def quantize_rows(self, x):
         fn = _fp8.quantize_rows if self.triton(x) else _fp8.quantize_rows_reference
         return fn(x)
+
+    def fp8_matmul(self, xq, x_scale, wq, w_scale, out_dtype):
+        """An ``Fp8Linear``'s W8A8 product (scoring, prefill): cuBLASLt's row-wise scaled GEMM,
+        except at up to ``fp8_decode_gemm.MAX_ROWS`` rows (a prefill of a few dozen tokens, a
+        batch-1 call's prompt) where cuBLASLt streams the weights at 25-49% of copy bandwidth:
+        there the Triton ``fp8_decode_gemm`` the decode step uses from 8 rows. Same function
+        (fp32 sums of exact e4m3 products, the same scales and rounding); summation order only."""
+        if (
+            self.triton(xq)
+            and xq.shape[0] <= _fp8_small.MAX_ROWS
+            and fp8_mma(xq.device)
+            and out_dtype in _fp8_small.OUT_DTYPES
+        ):
+            return _fp8_small.fp8_decode_gemm(xq, x_scale, wq, w_scale, out_dtype)
+        return _fp8_gemm.fp8_matmul(xq, x_scale, wq, w_scale, out_dtype)
 
     def linear(self, in_features: int, out_features: int) -> nn.Module:
         """A block matrix: ``nn.Linear``, or with FP8 an ``Fp8Linear`` (e4m3 + scales)."""
