@@ -4,8 +4,14 @@
 # shared prefix (decode_shared_prefix/shared/) and the decode step's launch timeline
 # (model_profile/results/<device>/decode_b<N>[_fp8]/). Random weights of SIZE, < 10 min a job.
 #   OUT=/tmp/out bash scripts/reproduce_decode.sh [decode] [shared_prefix] [timeline] [families]
+#     [fp8_kv]
 # Settings (environment): SIZE (preset, default 7B); QUANT (bf16 | fp8: nakta and nakta_fp8 in
 # one process, batch 1 / 8 / 32, prompt 64); BATCHES (the timeline's batches, default "1 8 32").
+# fp8_kv (issue 42's summary, ~6 min on an H100): the step's % of its byte floor, bf16 and FP8
+# weights, at 1 / 8 / 32 rows, and the batch-1 generate() call from outside (64-token prompt,
+# 128 new, bf16 and FP8 in one process), then speed_bench/results/<device>/fp8_kv/ from them and
+# the committed throughput_fp8 / fp8_kv_long / KV-accuracy results (FP8_KV_THROUGHPUT=1 reruns
+# the 1,000 x 128/128 rows first: ~9 more minutes).
 # Writes into the catalogue folders of this GPU, then $OUT/decode.tar.gz and $OUT/decode_log.txt.
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
@@ -46,7 +52,26 @@ for job in "${@:-decode}"; do
           --out "$S/families/$preset/decode"
       done
       ;;
-    *) echo "unknown job $job (decode, shared_prefix, timeline, families)" | tee -a "$LOG"; status=2 ;;
+    fp8_kv)
+      K=$S/fp8_kv
+      step fp8_kv_decode 300 python3 -m speed_bench.decode_speed --preset "$SIZE" \
+        --engines nakta,nakta_fp8 --batches 1,8,32 --lengths 64:128 --no-budget \
+        --out "$K/decode_lean"
+      step fp8_kv_b1 180 python3 -m speed_bench.throughput --preset "$SIZE" \
+        --engines nakta,nakta_fp8 --prompts 1 --input-len 64 --output-len 128 --max-batch 1 \
+        --out "$K/b1_outside"
+      if [ "${FP8_KV_THROUGHPUT:-0}" = 1 ]; then
+        step fp8_kv_throughput 540 python3 -m speed_bench.throughput --preset "$SIZE" \
+          --engines nakta,nakta_fp8 --kv-cache fp8 --prompts 1000 --input-len 128 \
+          --output-len 128 --max-batch 384 --out "$S/throughput_fp8"
+      fi
+      step fp8_kv_report 60 python3 -m speed_bench.fp8_kv_report \
+        --throughput "$S/throughput_fp8/throughput_summary.json" \
+        --long "$S/fp8_kv_long/decode_summary.json" --decode "$K/decode_lean/decode_summary.json" \
+        --b1 "$K/b1_outside/throughput_summary.json" \
+        --accuracy accuracy_test/results/kv_cache_accuracy.json --out "$K"
+      ;;
+    *) echo "unknown job $job (decode, shared_prefix, timeline, families, fp8_kv)" | tee -a "$LOG"; status=2 ;;
   esac
 done
 finish
