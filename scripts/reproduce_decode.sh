@@ -9,9 +9,9 @@
 # one process, batch 1 / 8 / 32, prompt 64); BATCHES (the timeline's batches, default "1 8 32").
 # fp8_kv (issue 42's summary, ~6 min on an H100): the step's % of its byte floor, bf16 and FP8
 # weights, at 1 / 8 / 32 rows, and the batch-1 generate() call from outside (64-token prompt,
-# 128 new, bf16 and FP8 in one process), then speed_bench/results/<device>/fp8_kv/ (fp8_report kv) from them and
-# the committed throughput_fp8 / fp8_kv_long / KV-accuracy results (FP8_KV_THROUGHPUT=1 reruns
-# the 1,000 x 128/128 rows first: ~9 more minutes).
+# 128 new, bf16 and FP8 in one process), then `fp8_report kv` writes speed_bench/results/
+# <device>/fp8_kv/ from them and the committed throughput_fp8 / fp8_kv_long / KV-accuracy
+# results (FP8_KV_THROUGHPUT=1 reruns the 1,000 x 128/128 rows first: ~9 more minutes).
 # Writes into the catalogue folders of this GPU, then $OUT/decode.tar.gz and $OUT/decode_log.txt.
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
