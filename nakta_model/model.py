@@ -50,6 +50,10 @@ from nakta_model.parallel import ParallelContext, all_reduce, gather_last_dim
 __all__ = ["Transformer"]
 
 KERNEL_MODES = ("auto", "triton", "reference")
+# Rows up to which an FP8 model's W8A8 products (prefill, scoring) run the decode step's Triton
+# ``fp8_decode_gemm`` instead of cuBLASLt, whose small-M FP8 GEMMs stream the weights at a
+# fraction of copy bandwidth (``_Ops.fp8_matmul``); 0: never. At most its ``MAX_ROWS``.
+FP8_SMALL_GEMM_ROWS = _fp8_small.MAX_ROWS
 
 
 def _default_kernels() -> str:
@@ -111,13 +115,13 @@ class _Ops:
 
     def fp8_matmul(self, xq, x_scale, wq, w_scale, out_dtype):
         """An ``Fp8Linear``'s W8A8 product (scoring, prefill): cuBLASLt's row-wise scaled GEMM,
-        except at up to ``fp8_decode_gemm.MAX_ROWS`` rows (a prefill of a few dozen tokens, a
-        batch-1 call's prompt) where cuBLASLt streams the weights at 25-49% of copy bandwidth:
-        there the Triton ``fp8_decode_gemm`` the decode step uses from 8 rows. Same function
-        (fp32 sums of exact e4m3 products, the same scales and rounding); summation order only."""
+        except at up to ``FP8_SMALL_GEMM_ROWS`` rows (a prefill of a few dozen tokens, a
+        batch-1 call's prompt) where cuBLASLt streams the weights poorly: there the Triton
+        ``fp8_decode_gemm`` the decode step uses from 8 rows. Same function (fp32 sums of exact
+        e4m3 products, the same scales and rounding); summation order only."""
         if (
             self.triton(xq)
-            and xq.shape[0] <= _fp8_small.MAX_ROWS
+            and xq.shape[0] <= min(FP8_SMALL_GEMM_ROWS, _fp8_small.MAX_ROWS)
             and fp8_mma(xq.device)
             and out_dtype in _fp8_small.OUT_DTYPES
         ):

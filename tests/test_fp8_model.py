@@ -362,6 +362,19 @@ def test_more_rows_and_the_reference_mode_keep_the_gemm(spy):
     assert spy == {"triton": 0, "cublaslt": 2}
 
 
+def test_fp8_small_gemm_rows_bounds_the_kernel_path(spy, monkeypatch):
+    """``FP8_SMALL_GEMM_ROWS`` (benchmarks' A/B): 0 keeps every product on the GEMM."""
+    import nakta_model.model as model_module
+
+    monkeypatch.setattr(model_module, "FP8_SMALL_GEMM_ROWS", 3)
+    ops = _Ops("triton", "fp8")
+    ops.fp8_matmul(*_gemm_inputs(3, 40, 64), torch.bfloat16)
+    ops.fp8_matmul(*_gemm_inputs(4, 40, 64), torch.bfloat16)
+    monkeypatch.setattr(model_module, "FP8_SMALL_GEMM_ROWS", 0)
+    ops.fp8_matmul(*_gemm_inputs(1, 40, 64), torch.bfloat16)
+    assert spy == {"triton": 1, "cublaslt": 2}
+
+
 def test_model_prefill_at_a_few_tokens_runs_the_decode_gemm(spy):
     """The packed forward of a 7-token prompt: every block matrix through ``fp8_decode_gemm``
     (4 a layer), logits as the reference path's up to summation order."""
