@@ -131,6 +131,96 @@ def test_strided_operands(device, tiles):
         assert_close_to(got, want, bound.double())
 
 
+def _rope_case(rows: int, device, *, n_q=3, n_kv=1, hd=16, n_pos=40, slots=50, k=96, seed=0):
+    """A ``wqkv`` product's inputs (N = (n_q + 2 n_kv) * hd) and a RopeArgs over fresh caches
+    (distinct random slots, positions inside the table)."""
+    from nakta_model.kernels.decode_linear import RopeArgs
+    from nakta_model.kernels.rope import build_rope_cache
+
+    torch.manual_seed(seed)
+    n = (n_q + 2 * n_kv) * hd
+    xq, xs, wq, ws = make_inputs(rows, n, k, device)
+    cos, sin = build_rope_cache(n_pos, hd, 10000.0, device=device)
+    pos = torch.randint(0, n_pos, (rows,), device=device)
+    slot = torch.randperm(slots, device=device)[:rows].to(torch.int32)
+
+    def caches(dtype):
+        return tuple(torch.zeros(slots, n_kv, hd, device=device, dtype=dtype) for _ in range(2))
+
+    def args(kc, vc, positions=pos, cache_slots=slot):
+        return RopeArgs(positions, cos, sin, n_q, n_kv, hd, kc, vc, cache_slots)
+
+    return (xq, xs, wq, ws), caches, args
+
+
+@pytest.mark.parametrize("rows", [3, 17])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_epilogue_is_the_gemm_then_the_rope_kernel(rows, dtype, device, tiles):
+    """The fused ROPE epilogue leaves what ``fp8_decode_gemm`` then ``apply_rope_qkv_`` leave,
+    bit for bit (the same roundings, the same rotation): the matrix (Q, K rotated; V as is) and
+    the K/V caches; and the reference chain within the sums' order. Tiles of 32 weight rows
+    (two heads of 16) over N = 80: the last tile is partial. xq's rows are strided."""
+    from nakta_model.kernels.rope import apply_rope_qkv_
+
+    tiles(SPLIT_K=4)  # refused for rope: one split
+    (xq, xs, wq, ws), caches, args = _rope_case(rows, device)
+    wide = torch.stack([xq.view(torch.uint8)] * 2, 1).reshape(2 * rows, -1)
+    xq = wide.view(FP8_DTYPE)[::2]  # every other row of a wider buffer
+    rope_kw = args(*caches(dtype))
+    got = fp8_decode_gemm(xq, xs, wq, ws, dtype, rope=rope_kw)
+    kc, vc = caches(dtype)
+    want = fp8_decode_gemm(xq, xs, wq, ws, dtype)
+    r = rope_kw
+    apply_rope_qkv_(want, r.positions, r.cos, r.sin, 3, 1, 16, interleaved=True, k_cache=kc,
+                    v_cache=vc, cache_slots=r.cache_slots)  # fmt: skip
+    assert torch.equal(got, want)
+    assert torch.equal(r.k_cache, kc) and torch.equal(r.v_cache, vc)
+    assert r.k_cache.abs().sum() > 0 and r.v_cache.abs().sum() > 0
+    kr, vr = caches(dtype)
+    ref = fp8_decode_gemm_reference(xq, xs, wq, ws, dtype, rope=args(kr, vr, r.positions,
+                                                                       r.cache_slots))  # fmt: skip
+    tol = dict(rtol=2**-7, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(r.k_cache, kr, **tol)
+    torch.testing.assert_close(r.v_cache, vr, **tol)
+
+
+def test_rope_epilogue_out_of_range_row_is_nan_and_unwritten(device, tiles):
+    """A position past the table: that row's Q/K are NaN and its cache slot stays untouched
+    (the rope kernel's loud failure); the other rows are written. (On the CPU the check before
+    the launch refuses it; the kernel's own guard is reached with the checks bypassed.)"""
+    tiles()
+    (xq, xs, wq, ws), caches, args = _rope_case(4, device, n_pos=8)
+    kc, vc = caches(torch.bfloat16)
+    pos = torch.tensor([1, 99, 3, 2], device=device)
+    rope = args(kc, vc, positions=pos)
+    with pytest.raises(ValueError, match="positions"):
+        fp8_decode_gemm(xq, xs, wq, ws, rope=rope)
+    out = torch.empty(4, wq.shape[0], dtype=torch.bfloat16, device=device)
+    cfg = fdg._config(wq.shape[0], xq.shape[1], 4, xq.device)
+    cfg["SPLIT_K"] = 1
+    fdg._launch(xq, xs, wq, ws, None, out, cfg, rope)
+    qk = out[:, : 5 * 16 - 16]
+    assert torch.isnan(qk[1]).all() and not torch.isnan(qk[[0, 2, 3]]).any()
+    assert not torch.isnan(out[:, 64:]).any()  # V: not rotated
+    slots = rope.cache_slots.long()
+    assert (kc[slots[1]] == 0).all() and (vc[slots[1]] == 0).all()
+    assert (kc[slots[[0, 2, 3]]] != 0).any()
+
+
+def test_rope_epilogue_refuses_what_it_does_not_do(device):
+    (xq, xs, wq, ws), caches, args = _rope_case(4, device)
+    kc, vc = caches(torch.bfloat16)
+    res = torch.zeros(4, wq.shape[0], dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="residual and rope are exclusive"):
+        fp8_decode_gemm(xq, xs, wq, ws, residual=res, rope=args(kc, vc))
+    k8, v8 = caches(FP8_DTYPE)
+    with pytest.raises(ValueError, match="e4m3 KV cache"):
+        fp8_decode_gemm(xq, xs, wq, ws, rope=args(k8, v8))
+    with pytest.raises(ValueError, match="columns"):
+        fp8_decode_gemm(xq, xs, wq[:-16], ws[:-16], rope=args(kc, vc))
+
+
 def _bad_cases():
     x, xs, w, ws = make_inputs(4, 16, 32, "cpu")
     res = torch.zeros(4, 16, dtype=torch.bfloat16)
@@ -383,3 +473,27 @@ def test_gpu_captured_fp8_step_at_32_rows(monkeypatch):
     assert torch.equal(out["eager"][1], out["graph"][1])
     ref = out["cublaslt"][0]
     assert (out["eager"][0] - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 32, 64])
+def test_gpu_rope_epilogue_llama7b(rows):
+    """wqkv of the 7B (32 heads of 128, the table's tiles) with the ROPE epilogue: what the
+    GEMM then the rope kernel leave, the matrix and the caches, up to the rotation's rounding
+    (the two kernels may contract its products differently)."""
+    from nakta_model.kernels.rope import apply_rope_qkv_
+
+    _gpu_fp8()
+    (xq, xs, wq, ws), caches, args = _rope_case(rows, "cuda", n_q=32, n_kv=32, hd=128,
+                                                n_pos=4096, slots=4096, k=4096)  # fmt: skip
+    rope = args(*caches(torch.bfloat16))
+    got = fp8_decode_gemm(xq, xs, wq, ws, rope=rope)
+    kc, vc = caches(torch.bfloat16)
+    want = fp8_decode_gemm(xq, xs, wq, ws)
+    apply_rope_qkv_(want, rope.positions, rope.cos, rope.sin, 32, 32, 128, interleaved=True,
+                    k_cache=kc, v_cache=vc, cache_slots=rope.cache_slots)  # fmt: skip
+    assert torch.isfinite(got).all()
+    tol = dict(rtol=2**-7, atol=1e-3 * want.abs().max().item())
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(rope.k_cache, kc, **tol)
+    assert torch.equal(rope.v_cache, vc)  # V is not rotated: the same rounded product
