@@ -144,8 +144,12 @@ def _rope_case(rows: int, device, *, n_q=3, n_kv=1, hd=16, n_pos=40, slots=50, k
     pos = torch.randint(0, n_pos, (rows,), device=device)
     slot = torch.randperm(slots, device=device)[:rows].to(torch.int32)
 
-    def caches(dtype):
-        return tuple(torch.zeros(slots, n_kv, hd, device=device, dtype=dtype) for _ in range(2))
+    def caches(dtype, gap=0):
+        """Zeroed K/V caches; ``gap``: each head row padded (strided heads and slots)."""
+        return tuple(
+            torch.zeros(slots, n_kv, hd + gap, device=device, dtype=dtype)[..., :hd]
+            for _ in range(2)
+        )
 
     def args(kc, vc, positions=pos, cache_slots=slot):
         return RopeArgs(positions, cos, sin, n_q, n_kv, hd, kc, vc, cache_slots)
@@ -154,19 +158,20 @@ def _rope_case(rows: int, device, *, n_q=3, n_kv=1, hd=16, n_pos=40, slots=50, k
 
 
 @pytest.mark.parametrize("rows", [3, 17])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_rope_epilogue_is_the_gemm_then_the_rope_kernel(rows, dtype, device, tiles):
     """The fused ROPE epilogue leaves what ``fp8_decode_gemm`` then ``apply_rope_qkv_`` leave,
     bit for bit (the same roundings, the same rotation): the matrix (Q, K rotated; V as is) and
     the K/V caches; and the reference chain within the sums' order. Tiles of 32 weight rows
-    (two heads of 16) over N = 80: the last tile is partial. xq's rows are strided."""
+    (two heads of 16) over N = 80: the last tile is partial. xq's rows are strided; at 3 rows
+    so are the caches' heads and slots."""
     from nakta_model.kernels.rope import apply_rope_qkv_
 
     tiles(SPLIT_K=4)  # refused for rope: one split
     (xq, xs, wq, ws), caches, args = _rope_case(rows, device)
     wide = torch.stack([xq.view(torch.uint8)] * 2, 1).reshape(2 * rows, -1)
     xq = wide.view(FP8_DTYPE)[::2]  # every other row of a wider buffer
-    rope_kw = args(*caches(dtype))
+    rope_kw = args(*caches(dtype, gap=8 if rows == 3 else 0))
     got = fp8_decode_gemm(xq, xs, wq, ws, dtype, rope=rope_kw)
     kc, vc = caches(dtype)
     want = fp8_decode_gemm(xq, xs, wq, ws, dtype)
