@@ -404,10 +404,13 @@ class TransformerBlock(nn.Module):
             scales = dict(
                 k_scale=a.k_scale.view(-1, d.page, hkv), v_scale=a.v_scale.view(-1, d.page, hkv)
             )
-        if a.interleaved and not scales:
-            rope = _dl.RopeArgs(positions, d.cos, d.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots)
+        if a.interleaved and (not scales or d.gemm):  # an e4m3 cache: the GEMM path's epilogue
+            rope = _dl.RopeArgs(
+                positions, d.cos, d.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots, a.k_scale,
+                a.v_scale,
+            )  # fmt: skip
             q, h = d.normed(h, a.wqkv, self.attention_norm, rope=rope)
-        else:  # HF's rotate-half pairs, or e4m3 pages (quantizing write): the rope kernel
+        else:  # HF's rotate-half pairs, or e4m3 pages on the GEMVs: the rope kernel
             qkv, h = d.normed(h, a.wqkv, self.attention_norm)
             self.ops.rope_qkv_(
                 qkv, positions, d.cos, d.sin, hq, hkv, hd, interleaved=a.interleaved,

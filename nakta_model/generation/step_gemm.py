@@ -190,9 +190,11 @@ def _check(
         return dt
     if out_dtype not in (None, getattr(x, "dtype", None)):
         raise TypeError(f"out_dtype must be None or x's dtype, got {out_dtype}")
+    # an e4m3 cache's rope is checked by the kernel that writes it (fp8_decode_gemm, rope)
+    e4m3_cache = rope is not None and getattr(rope, "k_scale", None) is not None
     return _dl._check_args(
-        x, weight, norm_weight, eps, residual, swiglu, rope, None, None, for_kernel=for_kernel,
-        weight_scale=weight_scale, max_rows=MAX_ROWS,
+        x, weight, norm_weight, eps, residual, swiglu, None if e4m3_cache else rope, None, None,
+        for_kernel=for_kernel, weight_scale=weight_scale, max_rows=MAX_ROWS,
     )  # fmt: skip
 
 
@@ -272,6 +274,7 @@ def _epilogue(kernels: bool, y, fp8: bool, residual, fused_add: bool, swiglu: bo
         fn(
             y, r.positions, r.cos, r.sin, r.n_q_heads, r.n_kv_heads, r.head_dim,
             interleaved=True, k_cache=r.k_cache, v_cache=r.v_cache, cache_slots=r.cache_slots,
+            k_scale=r.k_scale, v_scale=r.v_scale,
         )  # fmt: skip
         return y[:, : r.n_q_heads * r.head_dim]
     return y
