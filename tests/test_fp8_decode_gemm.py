@@ -600,23 +600,32 @@ def test_gpu_captured_fp8_step_at_32_rows(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [8, 32, 64])
-def test_gpu_rope_epilogue_llama7b(rows):
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_rope_epilogue_llama7b(rows, kv):
     """wqkv of the 7B (32 heads of 128, the table's tiles) with the ROPE epilogue: what the
-    GEMM then the rope kernel leave, the matrix and the caches, up to the rotation's rounding
-    (the two kernels may contract its products differently)."""
+    GEMM then the rope kernel leave, the matrix and the caches (e4m3: codes and scales), up to
+    the rotation's rounding (the two kernels may contract its products differently)."""
     from nakta_model.kernels.rope import apply_rope_qkv_
 
     _gpu_fp8()
     (xq, xs, wq, ws), caches, args = _rope_case(rows, "cuda", n_q=32, n_kv=32, hd=128,
                                                 n_pos=4096, slots=4096, k=4096)  # fmt: skip
-    rope = args(*caches(torch.bfloat16))
+    dtype = FP8_DTYPE if kv == "fp8" else torch.bfloat16
+    rope, ref = args(*caches(dtype)), args(*caches(dtype))
     got = fp8_decode_gemm(xq, xs, wq, ws, rope=rope)
-    kc, vc = caches(torch.bfloat16)
     want = fp8_decode_gemm(xq, xs, wq, ws)
-    apply_rope_qkv_(want, rope.positions, rope.cos, rope.sin, 32, 32, 128, interleaved=True,
-                    k_cache=kc, v_cache=vc, cache_slots=rope.cache_slots)  # fmt: skip
+    apply_rope_qkv_(want, ref.positions, ref.cos, ref.sin, 32, 32, 128, interleaved=True,
+                    k_cache=ref.k_cache, v_cache=ref.v_cache, cache_slots=ref.cache_slots,
+                    k_scale=ref.k_scale, v_scale=ref.v_scale)  # fmt: skip
     assert torch.isfinite(got).all()
     tol = dict(rtol=2**-7, atol=1e-3 * want.abs().max().item())
     torch.testing.assert_close(got, want, **tol)
-    torch.testing.assert_close(rope.k_cache, kc, **tol)
-    assert torch.equal(rope.v_cache, vc)  # V is not rotated: the same rounded product
+    for name in ("k_cache", "v_cache"):
+        a, b = getattr(rope, name).float(), getattr(ref, name).float()
+        if kv == "fp8":  # an ulp of a rotated value may move a code by one step (2^-3)
+            torch.testing.assert_close(a, b, rtol=2**-3, atol=2**-9)
+        else:
+            torch.testing.assert_close(a, b, **tol)
+    if kv == "fp8":
+        torch.testing.assert_close(rope.k_scale, ref.k_scale, rtol=2**-7, atol=0)
+        assert torch.equal(rope.v_scale, ref.v_scale)  # V: the same rounded product
