@@ -10,8 +10,9 @@ goes through ``quantize_rows``). The embedding, the norms' weights, RoPE, the at
 the LM head stay in the model's dtype: the LM head decides the logprobs. The KV cache's dtype
 is a separate option (``kv_cache``, :class:`Precision`), independent of the weights'.
 
-The GEMMs are cuBLASLt's FP8 GEMMs (``kernels/fp8_gemm.py``), so the device needs compute
-capability 8.9 (Ada, Hopper) or newer; on the CPU, FP8 runs only under the Triton interpreter
+The GEMMs are cuBLASLt's FP8 GEMMs (``kernels/fp8_gemm.py``; at up to 64 rows, a short
+prompt's prefill, the decode step's Triton ``fp8_decode_gemm``: ``model._Ops.fp8_matmul``), so
+the device needs compute capability 8.9 (Ada, Hopper) or newer; on the CPU, FP8 runs only under the Triton interpreter
 (``TRITON_INTERPRET=1``: the tests), with the exact fp32 reference GEMM.
 """
 
@@ -25,7 +26,6 @@ import torch.nn as nn
 
 from nakta_model.config import ModelArgs
 from nakta_model.kernels._checks import interpreter_enabled
-from nakta_model.kernels.fp8_gemm import fp8_matmul
 from nakta_model.kernels.fp8_quant import FP8_DTYPE, QuantRows, quantize_weight
 from nakta_model.layout import nakta_shapes, nakta_tensor
 
@@ -229,7 +229,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
         if not isinstance(x, QuantRows):
             x = self.ops.quantize_rows(x)
-        return fp8_matmul(x.q, x.scale, self.weight, self.weight_scale, self.ops.act_dtype)
+        return self.ops.fp8_matmul(
+            x.q, x.scale, self.weight, self.weight_scale, self.ops.act_dtype
+        )  # cuBLASLt, or at a few rows the decode step's FP8 GEMM (``_Ops.fp8_matmul``)
 
     def _apply(self, fn, recurse: bool = True):
         """Device moves apply; dtype casts do not (an fp32 scale cast to bf16 would lose bits,

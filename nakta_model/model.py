@@ -36,18 +36,24 @@ from nakta_model.fp8 import Fp8Linear, Precision
 from nakta_model.generation import step_gemm as _gemm
 from nakta_model.kernels import decode_attention as _da
 from nakta_model.kernels import decode_linear as _dl
+from nakta_model.kernels import fp8_decode_gemm as _fp8_small
+from nakta_model.kernels import fp8_gemm as _fp8_gemm
 from nakta_model.kernels import fp8_quant as _fp8
 from nakta_model.kernels import packed_attention as _packed
 from nakta_model.kernels import rmsnorm as _rmsnorm
 from nakta_model.kernels import rope as _rope
 from nakta_model.kernels import swiglu as _swiglu
-from nakta_model.kernels._checks import interpreter_enabled
+from nakta_model.kernels._checks import fp8_mma, interpreter_enabled
 from nakta_model.kernels.fp8_quant import FP8_DTYPE
 from nakta_model.parallel import ParallelContext, all_reduce, gather_last_dim
 
 __all__ = ["Transformer"]
 
 KERNEL_MODES = ("auto", "triton", "reference")
+# Rows up to which an FP8 model's W8A8 products (prefill, scoring) run the decode step's Triton
+# ``fp8_decode_gemm`` instead of cuBLASLt, whose small-M FP8 GEMMs stream the weights at a
+# fraction of copy bandwidth (``_Ops.fp8_matmul``); 0: never. At most its ``MAX_ROWS``.
+FP8_SMALL_GEMM_ROWS = _fp8_small.MAX_ROWS
 
 
 def _default_kernels() -> str:
@@ -106,6 +112,21 @@ class _Ops:
     def quantize_rows(self, x):
         fn = _fp8.quantize_rows if self.triton(x) else _fp8.quantize_rows_reference
         return fn(x)
+
+    def fp8_matmul(self, xq, x_scale, wq, w_scale, out_dtype):
+        """An ``Fp8Linear``'s W8A8 product (scoring, prefill): cuBLASLt's row-wise scaled GEMM,
+        except at up to ``FP8_SMALL_GEMM_ROWS`` rows (a prefill of a few dozen tokens, a
+        batch-1 call's prompt) where cuBLASLt streams the weights poorly: there the Triton
+        ``fp8_decode_gemm`` the decode step uses from 8 rows. Same function (fp32 sums of exact
+        e4m3 products, the same scales and rounding); summation order only."""
+        if (
+            self.triton(xq)
+            and xq.shape[0] <= min(FP8_SMALL_GEMM_ROWS, _fp8_small.MAX_ROWS)
+            and fp8_mma(xq.device)
+            and out_dtype in _fp8_small.OUT_DTYPES
+        ):
+            return _fp8_small.fp8_decode_gemm(xq, x_scale, wq, w_scale, out_dtype)
+        return _fp8_gemm.fp8_matmul(xq, x_scale, wq, w_scale, out_dtype)
 
     def linear(self, in_features: int, out_features: int) -> nn.Module:
         """A block matrix: ``nn.Linear``, or with FP8 an ``Fp8Linear`` (e4m3 + scales)."""
@@ -383,10 +404,13 @@ class TransformerBlock(nn.Module):
             scales = dict(
                 k_scale=a.k_scale.view(-1, d.page, hkv), v_scale=a.v_scale.view(-1, d.page, hkv)
             )
-        if a.interleaved and not scales:
-            rope = _dl.RopeArgs(positions, d.cos, d.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots)
+        if a.interleaved and (not scales or d.gemm):  # an e4m3 cache: the GEMM path's epilogue
+            rope = _dl.RopeArgs(
+                positions, d.cos, d.sin, hq, hkv, hd, a.k_cache, a.v_cache, slots, a.k_scale,
+                a.v_scale,
+            )  # fmt: skip
             q, h = d.normed(h, a.wqkv, self.attention_norm, rope=rope)
-        else:  # HF's rotate-half pairs, or e4m3 pages (quantizing write): the rope kernel
+        else:  # HF's rotate-half pairs, or e4m3 pages on the GEMVs: the rope kernel
             qkv, h = d.normed(h, a.wqkv, self.attention_norm)
             self.ops.rope_qkv_(
                 qkv, positions, d.cos, d.sin, hq, hkv, hd, interleaved=a.interleaved,

@@ -131,6 +131,138 @@ def test_strided_operands(device, tiles):
         assert_close_to(got, want, bound.double())
 
 
+def _rope_case(rows: int, device, *, n_q=3, n_kv=1, hd=16, n_pos=40, slots=50, k=96, seed=0):
+    """A ``wqkv`` product's inputs (N = (n_q + 2 n_kv) * hd) and a RopeArgs over fresh caches
+    (distinct random slots, positions inside the table)."""
+    from nakta_model.kernels.decode_linear import RopeArgs
+    from nakta_model.kernels.rope import build_rope_cache
+
+    torch.manual_seed(seed)
+    n = (n_q + 2 * n_kv) * hd
+    xq, xs, wq, ws = make_inputs(rows, n, k, device)
+    cos, sin = build_rope_cache(n_pos, hd, 10000.0, device=device)
+    pos = torch.randint(0, n_pos, (rows,), device=device)
+    slot = torch.randperm(slots, device=device)[:rows].to(torch.int32)
+
+    def caches(dtype, gap=0):
+        """Zeroed K/V caches; ``gap``: each head row padded (strided heads and slots)."""
+        return tuple(
+            torch.zeros(slots, n_kv, hd + gap, device=device, dtype=dtype)[..., :hd]
+            for _ in range(2)
+        )
+
+    def args(kc, vc, positions=pos, cache_slots=slot):
+        if kc.dtype != FP8_DTYPE:
+            return RopeArgs(positions, cos, sin, n_q, n_kv, hd, kc, vc, cache_slots)
+        ks, vs = (torch.zeros(slots, n_kv, device=device) for _ in range(2))
+        return RopeArgs(positions, cos, sin, n_q, n_kv, hd, kc, vc, cache_slots, ks, vs)
+
+    return (xq, xs, wq, ws), caches, args
+
+
+@pytest.mark.parametrize("rows", [3, 17])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_epilogue_is_the_gemm_then_the_rope_kernel(rows, dtype, device, tiles):
+    """The fused ROPE epilogue leaves what ``fp8_decode_gemm`` then ``apply_rope_qkv_`` leave,
+    bit for bit (the same roundings, the same rotation): the matrix (Q, K rotated; V as is) and
+    the K/V caches; and the reference chain within the sums' order. Tiles of 32 weight rows
+    (two heads of 16) over N = 80: the last tile is partial. xq's rows are strided; at 3 rows
+    so are the caches' heads and slots."""
+    from nakta_model.kernels.rope import apply_rope_qkv_
+
+    tiles(SPLIT_K=4)  # refused for rope: one split
+    (xq, xs, wq, ws), caches, args = _rope_case(rows, device)
+    wide = torch.stack([xq.view(torch.uint8)] * 2, 1).reshape(2 * rows, -1)
+    xq = wide.view(FP8_DTYPE)[::2]  # every other row of a wider buffer
+    rope_kw = args(*caches(dtype, gap=8 if rows == 3 else 0))
+    got = fp8_decode_gemm(xq, xs, wq, ws, dtype, rope=rope_kw)
+    kc, vc = caches(dtype)
+    want = fp8_decode_gemm(xq, xs, wq, ws, dtype)
+    r = rope_kw
+    apply_rope_qkv_(want, r.positions, r.cos, r.sin, 3, 1, 16, interleaved=True, k_cache=kc,
+                    v_cache=vc, cache_slots=r.cache_slots)  # fmt: skip
+    assert torch.equal(got, want)
+    assert torch.equal(r.k_cache, kc) and torch.equal(r.v_cache, vc)
+    assert r.k_cache.abs().sum() > 0 and r.v_cache.abs().sum() > 0
+    kr, vr = caches(dtype)
+    ref = fp8_decode_gemm_reference(xq, xs, wq, ws, dtype, rope=args(kr, vr, r.positions,
+                                                                       r.cache_slots))  # fmt: skip
+    tol = dict(rtol=2**-7, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(r.k_cache, kr, **tol)
+    torch.testing.assert_close(r.v_cache, vr, **tol)
+
+
+@pytest.mark.parametrize(("rows", "hd"), [(5, 16), (17, 64)])
+def test_rope_epilogue_into_an_e4m3_cache(rows, hd, device, tiles):
+    """An e4m3 cache: codes and one scale per (row, KV head), bit for bit what the GEMM then
+    the quantizing rope kernel write (from the fp32 rotated K and V); head 64 is wider than the
+    32-row tiles asked for, so the tile is widened to whole heads."""
+    from nakta_model.kernels.rope import apply_rope_qkv_
+
+    tiles()
+    (xq, xs, wq, ws), caches, args = _rope_case(rows, device, n_q=2, n_kv=2, hd=hd)
+    rope = args(*caches(FP8_DTYPE))
+    got = fp8_decode_gemm(xq, xs, wq, ws, rope=rope)
+    want_rope = args(*caches(FP8_DTYPE))
+    want = fp8_decode_gemm(xq, xs, wq, ws)
+    r = want_rope
+    apply_rope_qkv_(want, r.positions, r.cos, r.sin, 2, 2, hd, interleaved=True,
+                    k_cache=r.k_cache, v_cache=r.v_cache, cache_slots=r.cache_slots,
+                    k_scale=r.k_scale, v_scale=r.v_scale)  # fmt: skip
+    assert torch.equal(got, want)
+    for name in ("k_cache", "v_cache"):
+        a, b = getattr(rope, name), getattr(want_rope, name)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for name in ("k_scale", "v_scale"):
+        assert torch.equal(getattr(rope, name), getattr(want_rope, name))
+    rows_written = torch.zeros(rope.k_scale.shape[0], dtype=torch.bool, device=device)
+    rows_written[rope.cache_slots.long()] = True
+    assert (rope.k_scale[rows_written] > 0).all() and (rope.k_scale[~rows_written] == 0).all()
+
+
+def test_rope_epilogue_out_of_range_row_is_nan_and_unwritten(device, tiles):
+    """A position past the table: that row's Q/K are NaN and its cache slot stays untouched
+    (the rope kernel's loud failure); the other rows are written. (On the CPU the check before
+    the launch refuses it; the kernel's own guard is reached with the checks bypassed.)"""
+    tiles()
+    (xq, xs, wq, ws), caches, args = _rope_case(4, device, n_pos=8)
+    kc, vc = caches(torch.bfloat16)
+    pos = torch.tensor([1, 99, 3, 2], device=device)
+    rope = args(kc, vc, positions=pos)
+    with pytest.raises(ValueError, match="positions"):
+        fp8_decode_gemm(xq, xs, wq, ws, rope=rope)
+    out = torch.empty(4, wq.shape[0], dtype=torch.bfloat16, device=device)
+    cfg = fdg._config(wq.shape[0], xq.shape[1], 4, xq.device)
+    cfg["SPLIT_K"] = 1
+    fdg._launch(xq, xs, wq, ws, None, out, cfg, rope)
+    qk = out[:, : 5 * 16 - 16]
+    assert torch.isnan(qk[1]).all() and not torch.isnan(qk[[0, 2, 3]]).any()
+    assert not torch.isnan(out[:, 64:]).any()  # V: not rotated
+    slots = rope.cache_slots.long()
+    assert (kc[slots[1]] == 0).all() and (vc[slots[1]] == 0).all()
+    assert (kc[slots[[0, 2, 3]]] != 0).any()
+
+
+def test_rope_epilogue_refuses_what_it_does_not_do(device):
+    (xq, xs, wq, ws), caches, args = _rope_case(4, device)
+    kc, vc = caches(torch.bfloat16)
+    res = torch.zeros(4, wq.shape[0], dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="residual and rope are exclusive"):
+        fp8_decode_gemm(xq, xs, wq, ws, residual=res, rope=args(kc, vc))
+    (xq6, xs6, wq6, ws6), caches6, args6 = _rope_case(4, device, hd=24)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        fp8_decode_gemm(xq6, xs6, wq6, ws6, rope=args6(*caches6(FP8_DTYPE)))
+    k8, v8 = caches(FP8_DTYPE)
+    no_scales = args(kc, vc)
+    with pytest.raises(ValueError, match="k_scale"):  # an e4m3 cache needs its scales
+        fp8_decode_gemm(xq, xs, wq, ws, rope=type(no_scales)(*[
+            getattr(no_scales, f) for f in ("positions", "cos", "sin", "n_q_heads", "n_kv_heads",
+                                            "head_dim")], k8, v8, no_scales.cache_slots))  # fmt: skip
+    with pytest.raises(ValueError, match="columns"):
+        fp8_decode_gemm(xq, xs, wq[:-16], ws[:-16], rope=args(kc, vc))
+
+
 def _bad_cases():
     x, xs, w, ws = make_inputs(4, 16, 32, "cpu")
     res = torch.zeros(4, 16, dtype=torch.bfloat16)
@@ -283,6 +415,87 @@ def test_fp8_decode_step_through_the_kernel_equals_the_reference_path(monkeypatc
     assert torch.equal(out["triton"][1], out["reference"][1])
 
 
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_fp8_step_writes_kv_in_the_wqkv_epilogue(kv_cache, monkeypatch):
+    """An FP8 step at 8 rows (GEMM path, Meta's pairs): no rope launch of its own, RoPE and the
+    K/V write (e4m3 + scales with an FP8 cache) in ``fp8_decode_gemm``'s epilogue; its logits
+    and greedy tokens are the reference path's (which rotates with the rope reference)."""
+    from nakta_model.kernels import rope as rope_mod
+
+    monkeypatch.setattr(sg, "_TUNE", {"fp8": 1})
+    ropes = []
+    real = rope_mod.apply_rope_qkv_
+    monkeypatch.setattr(
+        rope_mod, "apply_rope_qkv_", lambda *a, **k: ropes.append(1) or real(*a, **k)
+    )
+    ps = equal_length_prompts(8, 5, seed=2)
+    out = {}
+    for kernels in ("reference", "triton"):
+        model = tiny_model(kernels, quant="fp8", seed=4)
+        model.set_kv_cache(kv_cache)
+        step = prefilled_step(model, ps, 3)
+        ropes.clear()
+        logits = step.logits().float()
+        step.run(3)
+        out[kernels] = logits, step.buffers.history.clone(), len(ropes)
+    assert out["triton"][2] == 0  # every layer's K/V written by the GEMM's epilogue
+    monkeypatch.setattr(sg, "_TUNE", {"fp8": 1, "fp8_kernel_min": 1, "fp8_kernel_max": 0})
+    step = prefilled_step(model, ps, 1)
+    ropes.clear()
+    step.logits()  # the other GEMMs: the rope kernel writes K/V
+    assert len(ropes) == len(model.layers)
+    ref = out["reference"][0]
+    assert (out["triton"][0] - ref).norm() / ref.norm() < 1e-3
+    assert torch.equal(out["triton"][1], out["reference"][1])
+
+
+_COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nakta_model.kernels.fp8_decode_gemm import _fp8_decode_gemm_kernel as kernel
+
+kv_fp8, block_n = sys.argv[1] == "1", int(sys.argv[2])
+cache = "*fp8e4nv" if kv_fp8 else "*bf16"
+pointers = {"X": "*fp8e4nv", "W": "*fp8e4nv", "XS": "*fp32", "WS": "*fp32", "R": "*bf16",
+            "OUT": "*bf16", "PART": "*bf16", "POS": "*i32", "COS": "*fp32", "SIN": "*fp32",
+            "KC": cache, "VC": cache, "SLOT": "*i32", "KS": "*fp32", "VS": "*fp32"}
+const = dict(RESIDUAL=False, SPLIT=False, BLOCK_N=block_n, BLOCK_R=16, BLOCK_K=256, EVEN_K=True,
+             PROMOTE=128, NUM_STAGES=3, EMULATE_RNE=False, ROPE=True, HEAD_DIM=128,
+             KV_FP8=kv_fp8)
+names = list(kernel.arg_names)
+sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
+src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in const.items()})
+out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+sys.stdout.write(out.asm["ptx"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kv_fp8", "block_n"), [(False, 64), (True, 128)])
+def test_rope_epilogue_compiles_for_hopper(kv_fp8, block_n):
+    """The ROPE epilogue's register reshapes (pairs of the MMA's rows, heads of a tile) go
+    through Triton's GPU compiler for sm_90 without a GPU: wgmma kept, e4m3 stores with an e4m3
+    cache."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's bundled ptxas is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, "1" if kv_fp8 else "0", str(block_n)],
+        env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wgmma" in proc.stdout
+    assert ("cvt.rn.satfinite.e4m3x2" in proc.stdout) == kv_fp8
+
+
 # ------------------------------------------------------------------------------------------ GPU
 SHAPES_7B = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
 
@@ -383,3 +596,36 @@ def test_gpu_captured_fp8_step_at_32_rows(monkeypatch):
     assert torch.equal(out["eager"][1], out["graph"][1])
     ref = out["cublaslt"][0]
     assert (out["eager"][0] - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 32, 64])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_rope_epilogue_llama7b(rows, kv):
+    """wqkv of the 7B (32 heads of 128, the table's tiles) with the ROPE epilogue: what the
+    GEMM then the rope kernel leave, the matrix and the caches (e4m3: codes and scales), up to
+    the rotation's rounding (the two kernels may contract its products differently)."""
+    from nakta_model.kernels.rope import apply_rope_qkv_
+
+    _gpu_fp8()
+    (xq, xs, wq, ws), caches, args = _rope_case(rows, "cuda", n_q=32, n_kv=32, hd=128,
+                                                n_pos=4096, slots=4096, k=4096)  # fmt: skip
+    dtype = FP8_DTYPE if kv == "fp8" else torch.bfloat16
+    rope, ref = args(*caches(dtype)), args(*caches(dtype))
+    got = fp8_decode_gemm(xq, xs, wq, ws, rope=rope)
+    want = fp8_decode_gemm(xq, xs, wq, ws)
+    apply_rope_qkv_(want, ref.positions, ref.cos, ref.sin, 32, 32, 128, interleaved=True,
+                    k_cache=ref.k_cache, v_cache=ref.v_cache, cache_slots=ref.cache_slots,
+                    k_scale=ref.k_scale, v_scale=ref.v_scale)  # fmt: skip
+    assert torch.isfinite(got).all()
+    tol = dict(rtol=2**-7, atol=1e-3 * want.abs().max().item())
+    torch.testing.assert_close(got, want, **tol)
+    for name in ("k_cache", "v_cache"):
+        a, b = getattr(rope, name).float(), getattr(ref, name).float()
+        if kv == "fp8":  # an ulp of a rotated value may move a code by one step (2^-3)
+            torch.testing.assert_close(a, b, rtol=2**-3, atol=2**-9)
+        else:
+            torch.testing.assert_close(a, b, **tol)
+    if kv == "fp8":
+        torch.testing.assert_close(rope.k_scale, ref.k_scale, rtol=2**-7, atol=0)
+        assert torch.equal(rope.v_scale, ref.v_scale)  # V: the same rounded product

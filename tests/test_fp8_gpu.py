@@ -101,6 +101,30 @@ def test_gpu_fp8_7b_layer_shapes_run_through_scaled_mm():
     assert _rel(model(tokens), bf(tokens)) < 0.1
 
 
+@needs_fp8
+@pytest.mark.parametrize("rows", [1, 16, 64, 65])
+def test_gpu_fp8_prefill_products_at_a_few_rows(rows, monkeypatch):
+    """At up to 64 rows (a short prompt's prefill) an ``Fp8Linear`` runs ``fp8_decode_gemm``,
+    above it cuBLASLt; either way what cuBLASLt computes, up to the fp32 summation order."""
+    from nakta_model.kernels import fp8_decode_gemm as fdg
+    from nakta_model.kernels import fp8_gemm
+    from nakta_model.kernels.fp8_quant import quantize_rows
+
+    args = ModelArgs(dim=4096, n_layers=1, n_heads=32, vocab_size=32000, multiple_of=256)
+    model = random_model(args, "cuda", torch.bfloat16, seed=0, quant="fp8")
+    calls = []
+    small = fdg.fp8_decode_gemm
+    monkeypatch.setattr(fdg, "fp8_decode_gemm", lambda *a, **k: calls.append(1) or small(*a, **k))
+    for lin in (model.layers[0].attention.wqkv, model.layers[0].feed_forward.w2):
+        x = torch.randn(rows, lin.in_features, device="cuda", dtype=torch.bfloat16)
+        got = lin(x)
+        xq = quantize_rows(x)
+        want = fp8_gemm.fp8_matmul(xq.q, xq.scale, lin.weight, lin.weight_scale, torch.bfloat16)
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert _rel(got, want) < 1e-2
+    assert len(calls) == (2 if rows <= fdg.MAX_ROWS else 0)
+
+
 def test_gpu_fp8_refused_below_capability_8_9(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -30,7 +30,8 @@ its ``QuantRows``, which the ``w2`` call takes as ``x``), the attention output g
 the CPU / interpreter its exact fp32 reference), except at ``fp8_kernel_rows`` (8..64 by
 default): there the GEMM is ``fp8_decode_gemm`` (Triton, the weight on the MMA's wide side,
 split-K for narrow weights), with the RESIDUAL add fused into its epilogue at the same two
-roundings. Unlike ``decode_linear``'s FP8 path (e4m3
+roundings, and ROPE too (the rotation and the K/V write of ``apply_rope_qkv_``, one launch
+fewer a layer). Unlike ``decode_linear``'s FP8 path (e4m3
 weights, activations in the model's dtype: W8A16), activations are quantized per row, as in
 prefill and scoring: FP8 decoding above the crossover is the scorer's math.
 
@@ -187,9 +188,11 @@ def _check(
         return dt
     if out_dtype not in (None, getattr(x, "dtype", None)):
         raise TypeError(f"out_dtype must be None or x's dtype, got {out_dtype}")
+    # an e4m3 cache's rope is checked by the kernel that writes it (fp8_decode_gemm, rope)
+    e4m3_cache = rope is not None and getattr(rope, "k_scale", None) is not None
     return _dl._check_args(
-        x, weight, norm_weight, eps, residual, swiglu, rope, None, None, for_kernel=for_kernel,
-        weight_scale=weight_scale, max_rows=MAX_ROWS,
+        x, weight, norm_weight, eps, residual, swiglu, None if e4m3_cache else rope, None, None,
+        for_kernel=for_kernel, weight_scale=weight_scale, max_rows=MAX_ROWS,
     )  # fmt: skip
 
 
@@ -228,10 +231,13 @@ def _run(
         else:
             xq = (_fp8.quantize_rows if kernels else _fp8.quantize_rows_reference)(x)
         fused_add = kernels and use_fp8_kernel(xq.q.shape[0], xq.q.device)
-        if fused_add:
+        if fused_add:  # the residual add, or RoPE + the K/V write, in the kernel's epilogue
             y = _fp8_small.fp8_decode_gemm(
-                xq.q, xq.scale, weight, weight_scale, out_dtype, residual=residual
+                xq.q, xq.scale, weight, weight_scale, out_dtype, residual=residual, rope=rope
             )
+            if rope is not None:
+                q_cols = rope.n_q_heads * rope.head_dim
+                return y[:, :q_cols] if added is None else (y[:, :q_cols], added)
         else:
             fn = _fp8_gemm.fp8_matmul if kernels else _fp8_gemm.fp8_matmul_reference
             y = fn(xq.q, xq.scale, weight, weight_scale, out_dtype)
@@ -266,6 +272,7 @@ def _epilogue(kernels: bool, y, fp8: bool, residual, fused_add: bool, swiglu: bo
         fn(
             y, r.positions, r.cos, r.sin, r.n_q_heads, r.n_kv_heads, r.head_dim,
             interleaved=True, k_cache=r.k_cache, v_cache=r.v_cache, cache_slots=r.cache_slots,
+            k_scale=r.k_scale, v_scale=r.v_scale,
         )  # fmt: skip
         return y[:, : r.n_q_heads * r.head_dim]
     return y

@@ -831,6 +831,9 @@ class RopeArgs:
     k_cache: torch.Tensor  # [slots, n_kv_heads, head_dim]
     v_cache: torch.Tensor  # [slots, n_kv_heads, head_dim]
     cache_slots: torch.Tensor  # int [B]
+    # e4m3 caches' scales [slots, n_kv_heads]: the GEMM path's epilogues only (step_gemm)
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 def _check_matrix(
@@ -850,6 +853,8 @@ def _check_rope(rope: object, x: torch.Tensor, weight: torch.Tensor) -> RopeArgs
     if not isinstance(rope, RopeArgs):
         raise TypeError(f"rope must be a RopeArgs, got {type(rope).__name__}")
     r = rope
+    if r.k_scale is not None or r.v_scale is not None:
+        raise ValueError("rope.k_scale / v_scale (an e4m3 cache) are the GEMM path's, not here")
     for name in ("n_q_heads", "n_kv_heads", "head_dim"):
         check_positive_int(f"rope.{name}", getattr(r, name))
     if r.head_dim % 2:

@@ -31,6 +31,7 @@ and ``_TUNE`` over all (benchmarks and tests).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -48,9 +49,13 @@ from nakta_model.kernels._checks import (
     sm_count,
     tracing,
 )
-from nakta_model.kernels._triton_math import round_to
+from nakta_model.kernels._triton_math import fp8_codes, fp8_row_scales, rotate, round_to
 from nakta_model.kernels._tuned_tables import read_tuned
-from nakta_model.kernels.fp8_quant import FP8_DTYPE
+from nakta_model.kernels.fp8_quant import FP8_DTYPE, MIN_AMAX
+from nakta_model.kernels.rope import apply_rope_qkv_reference, check_rope_qkv
+
+if TYPE_CHECKING:
+    from nakta_model.kernels.decode_linear import RopeArgs
 
 __all__ = [
     "MAX_ROWS",
@@ -62,6 +67,7 @@ __all__ = [
 MAX_ROWS = 64  # the rows side of the MMA tile: BLOCK_R <= 64
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROMOTE_K = 128  # fp8 products summed by the MMA before they join the fp32 accumulator
+_AMAX_FLOOR = tl.constexpr(MIN_AMAX)  # an all-zero head row's amax (fp8_quant's rule)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,13 +81,18 @@ def _fp8_decode_gemm_kernel(
     n_rows, N, K, k_split,
     stride_xr, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws,
     stride_rr, stride_rn, stride_or, stride_on, stride_ps, stride_pr,
+    POS, COS, SIN, KC, VC, SLOT, KS, VS, q_cols, qk_cols, n_pos, n_slots,
+    stride_cp, stride_cc, stride_sp, stride_sc, stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_kss, stride_vss,
     RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EMULATE_RNE: tl.constexpr, ROPE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr = 2, KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Program (n tile, K split): ``W_tile [BLOCK_N, BLOCK_K] @ x_tile^T [BLOCK_K, BLOCK_R]``
     over its ``k_split`` columns of K; with ``SPLIT`` the raw fp32 sums go to ``PART[split]``,
-    else the scaled, rounded (and residual-added) tile goes to ``OUT``."""
+    else the scaled, rounded (and residual-added, or with ``ROPE`` rotated and cached) tile goes
+    to ``OUT``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,6 +122,12 @@ def _fp8_decode_gemm_kernel(
     if SPLIT:
         p_ptrs = PART + pid_k * stride_ps + r[None, :] * stride_pr + n[:, None]
         tl.store(p_ptrs, acc, mask=n_ok[:, None] & r_ok[None, :])
+    elif ROPE:
+        _rope_epilogue(acc, XS, WS, OUT, POS, COS, SIN, KC, VC, SLOT, KS, VS, pid_n * BLOCK_N, r,
+                       N, n_rows, q_cols, qk_cols, n_pos, n_slots, stride_xs, stride_ws,
+                       stride_or, stride_on, stride_cp, stride_cc, stride_sp, stride_sc,
+                       stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kss, stride_vss,
+                       BLOCK_N, BLOCK_R, HEAD_DIM, KV_FP8, EMULATE_RNE)  # fmt: skip
     else:
         _epilogue(acc, XS, WS, R, OUT, n, r, n_ok, r_ok, stride_xs, stride_ws, stride_rr,
                   stride_rn, stride_or, stride_on, RESIDUAL, EMULATE_RNE)  # fmt: skip
@@ -133,6 +150,83 @@ def _epilogue(
         res = tl.load(R + r[None, :] * stride_rr + n[:, None] * stride_rn, mask=mask, other=0.0)
         y = round_to(res.to(tl.float32) + y.to(tl.float32), dtype, EMULATE_RNE)
     tl.store(OUT + r[None, :] * stride_or + n[:, None] * stride_on, y, mask=mask)
+
+
+@triton.jit
+def _rope_epilogue(
+    acc, XS, WS, OUT, POS, COS, SIN, KC, VC, SLOT, KS, VS, n0, r, N, n_rows, q_cols, qk_cols,
+    n_pos, n_slots, stride_xs, stride_ws, stride_or, stride_on, stride_cp, stride_cc, stride_sp,
+    stride_sc, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_kss, stride_vss,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """``wqkv``'s tile as ``apply_rope_qkv_`` (Meta's pairs, whole heads rotated) leaves the
+    product: rounded to OUT's dtype as the plain epilogue stores it, then in fp32 the Q and K
+    pairs (2i, 2i+1) of the tile's weight rows rotated by each row's position and rounded
+    again; every column to ``OUT``, K (rotated) and V to their cache slots. A position or slot
+    outside its table makes that row's Q/K NaN and skips its cache write, as the rope kernel
+    does. The pairs are the tile's adjacent weight rows: ``BLOCK_N`` even, tiles start even.
+    ``KV_FP8``: e4m3 caches, each (row, KV head) quantized from its fp32 values (rotated K, V)
+    with one scale ``amax / 448`` into ``KS`` / ``VS``, the rope kernel's rule; the tile then
+    holds whole heads (``BLOCK_N`` a multiple of ``HEAD_DIM``)."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    r_ok = r < n_rows
+    xs = tl.load(XS + r * stride_xs, mask=r_ok, other=0.0)
+    pe = n0 + 2 * tl.arange(0, HALF_N)  # each pair's first column
+    p_ok = pe < N
+    ws_a = tl.load(WS + pe.to(tl.int64) * stride_ws, mask=p_ok, other=0.0)
+    ws_b = tl.load(WS + (pe + 1).to(tl.int64) * stride_ws, mask=p_ok, other=0.0)
+    acc = tl.permute(tl.reshape(acc, (HALF_N, 2, BLOCK_R)), (0, 2, 1))
+    sa, sb = tl.split(acc)  # [HALF_N, BLOCK_R]: the pairs' two members
+    dtype = OUT.dtype.element_ty
+    ya = round_to(sa * xs[None, :] * ws_a[:, None], dtype, EMULATE_RNE).to(tl.float32)
+    yb = round_to(sb * xs[None, :] * ws_b[:, None], dtype, EMULATE_RNE).to(tl.float32)
+    pos = tl.load(POS + r, mask=r_ok, other=0).to(tl.int64)
+    slot = tl.load(SLOT + r, mask=r_ok, other=0).to(tl.int64)
+    ok = (pos >= 0) & (pos < n_pos) & (slot >= 0) & (slot < n_slots)
+    pos = tl.where(ok, pos, 0)
+    f = (pe % HEAD_DIM) // 2  # the pair's angle within its head
+    cmask = p_ok[:, None] & r_ok[None, :]
+    cos = tl.load(COS + pos[None, :] * stride_cp + f[:, None] * stride_cc, mask=cmask, other=0.0)
+    sin = tl.load(SIN + pos[None, :] * stride_sp + f[:, None] * stride_sc, mask=cmask, other=0.0)
+    nan = float("nan")
+    cos = tl.where(ok[None, :], cos, nan)
+    sin = tl.where(ok[None, :], sin, nan)
+    ra, rb = rotate(ya, yb, cos, sin, cos, sin, False)
+    rot = (pe < qk_cols)[:, None]  # Q and K pairs
+    ra = tl.where(rot, ra, ya)
+    rb = tl.where(rot, rb, yb)
+    z = tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (BLOCK_N, BLOCK_R))
+    n = n0 + tl.arange(0, BLOCK_N)
+    mask = (n < N)[:, None] & r_ok[None, :]
+    tl.store(OUT + r[None, :] * stride_or + n[:, None] * stride_on, z.to(dtype), mask=mask)
+    is_k = (n >= q_cols) & (n < qk_cols)
+    is_v = n >= qk_cols
+    d = (n % HEAD_DIM)[:, None]
+    kh = tl.where(is_k, (n - q_cols) // HEAD_DIM, 0).to(tl.int64)[:, None]
+    vh = tl.where(is_v, (n - qk_cols) // HEAD_DIM, 0).to(tl.int64)[:, None]
+    cache_ok = mask & ok[None, :]
+    if KV_FP8:  # one scale per (row, head): the tile's heads' amax, codes from the fp32 values
+        HEADS: tl.constexpr = BLOCK_N // HEAD_DIM
+        amax = tl.max(tl.reshape(tl.abs(z), (HEADS, HEAD_DIM, BLOCK_R)), axis=1)
+        inv, scale = fp8_row_scales(amax, _AMAX_FLOOR)  # [HEADS, BLOCK_R]
+        inv_n = tl.reshape(tl.broadcast_to(inv[:, None, :], (HEADS, HEAD_DIM, BLOCK_R)),
+                           (BLOCK_N, BLOCK_R))  # fmt: skip
+        w = fp8_codes(z, inv_n, EMULATE_RNE)
+        h = n0 // HEAD_DIM + tl.arange(0, HEADS)  # the tile's heads in wqkv
+        h_ok = (h * HEAD_DIM < N)[:, None] & r_ok[None, :] & ok[None, :]
+        h_k = (h >= q_cols // HEAD_DIM) & (h < qk_cols // HEAD_DIM)
+        h_v = h >= qk_cols // HEAD_DIM
+        hk = tl.where(h_k, h - q_cols // HEAD_DIM, 0).to(tl.int64)[:, None]
+        hv = tl.where(h_v, h - qk_cols // HEAD_DIM, 0).to(tl.int64)[:, None]
+        tl.store(KS + slot[None, :] * stride_kss + hk, scale, mask=h_ok & h_k[:, None])
+        tl.store(VS + slot[None, :] * stride_vss + hv, scale, mask=h_ok & h_v[:, None])
+    else:
+        w = z
+    tl.store(KC + slot[None, :] * stride_kcs + kh * stride_kch + d, w.to(KC.dtype.element_ty),
+             mask=cache_ok & is_k[:, None])  # fmt: skip
+    tl.store(VC + slot[None, :] * stride_vcs + vh * stride_vch + d, w.to(VC.dtype.element_ty),
+             mask=cache_ok & is_v[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -300,7 +394,31 @@ def _check(xq, x_scale, wq, w_scale, out_dtype, residual, out, for_kernel: bool)
     return out_dtype
 
 
-def _launch(xq, x_scale, wq, w_scale, residual, out, cfg: dict[str, int]) -> None:
+def _rope_args(rope, out: torch.Tensor) -> tuple[tuple, tuple, int]:
+    """The ROPE epilogue's pointers, ints and strides (dummies without ``rope``), and its
+    head_dim constexpr."""
+    if rope is None:
+        return (out,) * 8, (0, 0, 0, 0), (0,) * 10
+    r = rope
+    ks, vs = _scales(r)
+    sc = (ks, vs) if ks is not None else (out, out)
+    sc_strides = (ks.stride(0), vs.stride(0)) if ks is not None else (0, 0)
+    q_cols = r.n_q_heads * r.head_dim
+    ints = (q_cols, q_cols + r.n_kv_heads * r.head_dim, r.cos.shape[0],
+            min(r.k_cache.shape[0], r.v_cache.shape[0]))  # fmt: skip
+    strides = (r.cos.stride(0), r.cos.stride(1), r.sin.stride(0), r.sin.stride(1),
+               r.k_cache.stride(0), r.k_cache.stride(1), r.v_cache.stride(0),
+               r.v_cache.stride(1), *sc_strides)  # fmt: skip
+    ptrs = (r.positions, r.cos, r.sin, r.k_cache, r.v_cache, r.cache_slots, *sc)
+    return ptrs, ints, strides
+
+
+def _scales(rope) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An e4m3 cache's scales (``RopeArgs.k_scale`` / ``v_scale``), None for a float cache."""
+    return getattr(rope, "k_scale", None), getattr(rope, "v_scale", None)
+
+
+def _launch(xq, x_scale, wq, w_scale, residual, out, cfg: dict[str, int], rope=None) -> None:
     rows, k = xq.shape
     n = wq.shape[0]
     block_r = max(16, triton.next_power_of_2(rows))
@@ -315,13 +433,17 @@ def _launch(xq, x_scale, wq, w_scale, residual, out, cfg: dict[str, int]) -> Non
     part = torch.empty(split, rows, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     p_strides = (part.stride(0), part.stride(1)) if split > 1 else (0, 0)
     stages = stages_that_fit(cfg, block_r)
+    rope_ptrs, rope_ints, rope_strides = _rope_args(rope, out)
     _fp8_decode_gemm_kernel[(triton.cdiv(n, block_n), split)](
         xq, wq, x_scale, w_scale, r, out, part, rows, n, k, k_split,
         xq.stride(0), xq.stride(1), wq.stride(0), wq.stride(1), x_scale.stride(0),
         w_scale.stride(0), *r_strides, out.stride(0), out.stride(1), *p_strides,
+        *rope_ptrs, *rope_ints, *rope_strides,
         RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_N=block_n, BLOCK_R=block_r,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, PROMOTE=promote, NUM_STAGES=stages,
-        EMULATE_RNE=interp, num_warps=cfg["num_warps"], num_stages=stages,
+        EMULATE_RNE=interp, ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2,
+        KV_FP8=rope is not None and _scales(rope)[0] is not None,
+        num_warps=cfg["num_warps"], num_stages=stages,
     )  # fmt: skip
     if split > 1:
         _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK_N),)](
@@ -330,6 +452,25 @@ def _launch(xq, x_scale, wq, w_scale, residual, out, cfg: dict[str, int]) -> Non
             RESIDUAL=residual is not None, BLOCK_N=_REDUCE_BLOCK_N, BLOCK_R=block_r,
             EMULATE_RNE=interp, num_warps=4,
         )  # fmt: skip
+
+
+def _check_rope(rope, out: torch.Tensor, residual, for_kernel: bool = True) -> None:
+    """``rope``: ``apply_rope_qkv_``'s arguments for ``out`` as the qkv matrix (full rotary,
+    Meta's pairs; an e4m3 cache with its scales and a power-of-two head), no residual."""
+    if residual is not None:
+        raise ValueError("residual and rope are exclusive epilogues: give at most one")
+    r = rope
+    ks, vs = _scales(r)
+    if ks is not None and (r.head_dim & (r.head_dim - 1) or r.head_dim > 256):
+        raise ValueError(
+            f"rope into an e4m3 cache needs a power-of-two head_dim <= 256 (a head per tile), "
+            f"got {r.head_dim}"
+        )
+    check_rope_qkv(
+        out, r.positions, r.cos, r.sin, r.n_q_heads, r.n_kv_heads, r.head_dim, k_cache=r.k_cache,
+        v_cache=r.v_cache, cache_slots=r.cache_slots, k_scale=ks, v_scale=vs,
+        for_kernel=for_kernel,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,16 +487,26 @@ def fp8_decode_gemm(
     *,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    rope: RopeArgs | None = None,
 ) -> torch.Tensor:
     """``[rows, N]``: ``round((xq @ wq^T) * x_scale[:, None] * w_scale[None, :])`` (fp32 sums),
     with ``residual`` ``round(residual + round(...))``; rows 1..``MAX_ROWS``. ``out_dtype``
     defaults to the residual's dtype, else bf16; ``out`` (allocated when None) may be
-    ``residual`` itself for the in-place form. Any strides (xq's rows may be a strided view)."""
+    ``residual`` itself for the in-place form. Any strides (xq's rows may be a strided view).
+    ``rope`` (``wqkv``, Meta's pairs): the product as ``apply_rope_qkv_(product, ...,
+    interleaved=True)`` leaves it, Q and K rotated and K/V in the cache slots (an e4m3 cache:
+    quantized, with ``rope.k_scale`` / ``v_scale``), in this one launch (no split K; with an
+    e4m3 cache, tiles of whole heads)."""
     out_dtype = _check(xq, x_scale, wq, w_scale, out_dtype, residual, out, for_kernel=True)
     if out is None:
         out = torch.empty(xq.shape[0], wq.shape[0], dtype=out_dtype, device=xq.device)
     cfg = _config(wq.shape[0], xq.shape[1], xq.shape[0], xq.device)
-    _launch(xq, x_scale, wq, w_scale, residual, out, cfg)
+    if rope is not None:
+        _check_rope(rope, out, residual)
+        cfg["SPLIT_K"] = 1  # the rotation needs the whole sum
+        if _scales(rope)[0] is not None:  # a head's scale needs the whole head in one tile
+            cfg["BLOCK_N"] = max(cfg["BLOCK_N"], rope.head_dim)
+    _launch(xq, x_scale, wq, w_scale, residual, out, cfg, rope)
     return out
 
 
@@ -368,14 +519,24 @@ def fp8_decode_gemm_reference(
     *,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    rope: RopeArgs | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch, any device: the e4m3 codes in fp64 (products and sums exact at these
-    sizes), scaled in fp32 in the kernel's order, rounded, then the residual add."""
+    sizes), scaled in fp32 in the kernel's order, rounded, then the residual add or
+    ``apply_rope_qkv_reference``."""
     out_dtype = _check(xq, x_scale, wq, w_scale, out_dtype, residual, out, for_kernel=False)
     acc = (xq.double() @ wq.double().t()).float()
     y = (acc * x_scale[:, None] * w_scale[None, :]).to(out_dtype)
     if residual is not None:
         y = (residual.float() + y.float()).to(out_dtype)
+    if rope is not None:
+        _check_rope(rope, y, residual, for_kernel=False)
+        r = rope
+        apply_rope_qkv_reference(
+            y, r.positions, r.cos, r.sin, r.n_q_heads, r.n_kv_heads, r.head_dim,
+            interleaved=True, k_cache=r.k_cache, v_cache=r.v_cache, cache_slots=r.cache_slots,
+            k_scale=_scales(r)[0], v_scale=_scales(r)[1],
+        )  # fmt: skip
     if out is None:
         return y
     out.copy_(y)

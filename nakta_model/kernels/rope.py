@@ -351,6 +351,18 @@ def _check_args(
     return rotary_dim
 
 
+def check_rope_qkv(
+    qkv, positions, cos, sin, n_q_heads: int, n_kv_heads: int, head_dim: int, *, k_cache=None,
+    v_cache=None, cache_slots=None, k_scale=None, v_scale=None, for_kernel: bool = True,
+) -> None:  # fmt: skip
+    """``apply_rope_qkv_``'s checks (full rotary) for a kernel that fuses the same rotation and
+    cache write into its epilogue (``fp8_decode_gemm``'s ``rope``)."""
+    _check_args(
+        qkv, positions, cos, sin, n_q_heads, n_kv_heads, head_dim, None, k_cache, v_cache,
+        cache_slots, for_kernel=for_kernel, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+
+
 def _check_cache(name: str, c: object, qkv: torch.Tensor, n_kv_heads: int, head_dim: int) -> None:
     check_tensor(name, c)
     check_ndim(name, c, 3)
