@@ -17,8 +17,14 @@ MAX_KNOBS = 12  # issue 38's target: a user reads one short table
 
 
 def _python_files() -> list[Path]:
-    skip = {".git", ".venv", "results", "node_modules"}
-    return [p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts)]
+    """The tree's own sources: hidden folders (.git, .venv, carried .data/.whl, scratch copies of
+    other commits) and results aside."""
+    skip = {"results", "node_modules"}
+
+    def ours(parts: tuple[str, ...]) -> bool:
+        return not skip & set(parts) and not any(part.startswith(".") for part in parts)
+
+    return [p for p in REPO.rglob("*.py") if ours(p.relative_to(REPO).parts)]
 
 
 def _nakta_constants(files: list[Path]) -> set[str]:
