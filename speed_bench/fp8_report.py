@@ -464,7 +464,8 @@ def _plot_kv(summary: dict, path: Path) -> None:
         ax.plot([s["batch"] for s in pts], [s["pct"] for s in pts], "o-", color=color,
                 label=f"{weights} weights")  # fmt: skip
     ax.axhline(TARGET_FP8_FLOOR_PCT, color="#c44e52", ls="--", lw=1, label="FP8 target")
-    ax.set_xscale("log", base=2)
+    if steps:  # a log axis over no points cannot be drawn
+        ax.set_xscale("log", base=2)
     ax.set_xlabel("rows per step")
     ax.set_ylabel("% of the byte floor")
     ax.set_title("Decode step" if steps else "Decode step: not measured")

@@ -205,6 +205,11 @@ def test_kv_source_not_given_is_null_not_made_up(kv_paths, tmp_path):
     assert s["b1_outside"] is None and s["long_context"] is None and s["accuracy"] == []
     assert len(s["throughput"]) == 4 and len(s["step_floor_pct"]) == 4
     assert (out / "fp8_kv.md").read_text().count("not measured") == 3
+    # the step panel with no decode source (its log axis has no points)
+    out2 = tmp_path / "no_decode"
+    assert fp8_report.main(["kv", *_args(kv_paths, out2, skip=("b1", "decode"))]) == 0
+    assert json.loads((out2 / "fp8_kv_summary.json").read_text())["step_floor_pct"] == []
+    assert (out2 / "fp8_kv.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(
