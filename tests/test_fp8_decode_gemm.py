@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from test_decode_step_gemm import equal_length_prompts, prefilled_step, tiny_model
+from test_step_gemm import equal_length_prompts, prefilled_step, tiny_model
 
 from nakta_model.generation import step_gemm as sg
 from nakta_model.kernels import fp8_decode_gemm as fdg
@@ -239,7 +239,7 @@ def _counting(monkeypatch) -> list[int]:
 def test_decode_gemm_blocks_take_the_kernel_in_range(variant, device, monkeypatch):
     """``decode_gemm`` with FP8 weights at 17 rows runs ``fp8_decode_gemm`` (counted) and gives
     the reference chain's result (``decode_gemm_reference``: cuBLASLt's math, exact sums)."""
-    from test_decode_gemm import _fp8_case
+    from test_step_gemm import _fp8_case
     from test_decode_linear import assert_matches_reference
 
     calls = _counting(monkeypatch)
