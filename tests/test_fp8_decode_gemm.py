@@ -239,8 +239,8 @@ def _counting(monkeypatch) -> list[int]:
 def test_decode_gemm_blocks_take_the_kernel_in_range(variant, device, monkeypatch):
     """``decode_gemm`` with FP8 weights at 17 rows runs ``fp8_decode_gemm`` (counted) and gives
     the reference chain's result (``decode_gemm_reference``: cuBLASLt's math, exact sums)."""
-    from test_step_gemm import _fp8_case
     from test_decode_linear import assert_matches_reference
+    from test_step_gemm import _fp8_case
 
     calls = _counting(monkeypatch)
     x, q, s, kw = _fp8_case(variant, 17, torch.bfloat16, device)
