@@ -15,6 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    # Under ``pytest -n 2`` each worker has one core: torch's intra-op pool (and the CLIs the
+    # tests start, through OMP_NUM_THREADS) would otherwise put two threads per core and make
+    # every test wait on the other worker's.
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest  # noqa: E402
 
 from nakta_model import knobs  # noqa: E402

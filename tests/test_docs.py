@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 SETUP_COMMANDS = (
     'pip install -e ".[eval,hf]" && python -m speed_bench.run_all',
-    'pip install -e ".[test,eval,hf]" && python -m pytest -q',
+    'pip install -e ".[test,eval,hf]" && python -m pytest -q -n 2',
 )
 # [text](target) and [text](target "title"); images too. Code spans are dropped first, so a
 # link written inside backticks as an example is not checked.
@@ -54,7 +54,7 @@ def test_readme_holds_the_setup_commands(command):
 
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert "python3 -m pytest -q\n" in ci
+    assert "python3 -m pytest -q -n 2\n" in ci
     assert "python3 -m pytest -q -m slow" in ci  # the tier the default leaves out
 
 

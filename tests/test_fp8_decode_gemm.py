@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from test_decode_step_gemm import equal_length_prompts, prefilled_step, tiny_model
+from test_step_gemm import equal_length_prompts, prefilled_step, tiny_model
 
 from nakta_model.generation import step_gemm as sg
 from nakta_model.kernels import fp8_decode_gemm as fdg
@@ -371,8 +371,8 @@ def _counting(monkeypatch) -> list[int]:
 def test_decode_gemm_blocks_take_the_kernel_in_range(variant, device, monkeypatch):
     """``decode_gemm`` with FP8 weights at 17 rows runs ``fp8_decode_gemm`` (counted) and gives
     the reference chain's result (``decode_gemm_reference``: cuBLASLt's math, exact sums)."""
-    from test_decode_gemm import _fp8_case
     from test_decode_linear import assert_matches_reference
+    from test_step_gemm import _fp8_case
 
     calls = _counting(monkeypatch)
     x, q, s, kw = _fp8_case(variant, 17, torch.bfloat16, device)

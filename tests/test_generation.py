@@ -1,4 +1,7 @@
-"""generate(): the real stories260K greedy reference, batching/padding, EOS, sampling, errors."""
+"""generate(): the real stories260K greedy reference, batching/padding, EOS, sampling, errors.
+
+Here too: stop strings cut a continuation exactly where lm-eval's post-hoc split would.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +14,8 @@ from checkpoint_factory import TINY_PARAMS, meta_state_dict, train_tiny_tokenize
 import convert
 import nakta_model
 from nakta_model.config import ModelArgs
-from nakta_model.generation import generate_tokens
+from nakta_model.generation import StopStrings, generate_tokens
 from nakta_model.sources import state_dict_source
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def stories(tmp_path_factory):
     return out, reference
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_stories260k_reproduces_the_greedy_reference(stories, kernels):
     path, ref = stories
@@ -48,6 +50,7 @@ def test_stories260k_reproduces_the_greedy_reference(stories, kernels):
     assert out[0] == ref["tokens"]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_stories260k_text_through_the_tokenizer(stories):
     path, ref = stories
     model = nakta_model.load(path, "cpu", torch.float32, kernels="reference")
@@ -80,6 +83,7 @@ def argmax_continuation(model, prompt, n):
     return seq
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_batched_prompts_of_different_lengths_match_one_by_one(tiny):
     prompts = [[1, 5, 9, 200, 7], [1, 44], [1, 8, 8, 8, 120, 33, 2 + 3, 17]]
     out = generate_tokens(tiny, prompts, 9, eos_id=-5)
@@ -91,6 +95,7 @@ def test_batched_prompts_of_different_lengths_match_one_by_one(tiny):
     assert [o[: len(p) + 9] for o, p in zip(capped, prompts)] == out
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_output_is_cut_at_eos(tiny):
     prompt = [1, 17, 23]
     free = generate_tokens(tiny, [prompt], 6, eos_id=-5)[0]
@@ -100,6 +105,7 @@ def test_output_is_cut_at_eos(tiny):
     assert generate_tokens(tiny, [prompt], 0, eos_id=eos)[0] == prompt
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_sampling_is_seeded_and_top_p_zero_is_greedy(tiny):
     prompts = [[1, 4, 5], [1, 9]]
     greedy = generate_tokens(tiny, prompts, 8, eos_id=-5)
@@ -115,6 +121,7 @@ def test_sampling_is_seeded_and_top_p_zero_is_greedy(tiny):
     assert sample(0) != sample(1) or sample(2) != sample(0)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_generation_errors(tiny, tmp_path):
     with pytest.raises(ValueError, match="at least one token"):
         generate_tokens(tiny, [[1], []], 3, eos_id=2)
@@ -129,3 +136,50 @@ def test_generation_errors(tiny, tmp_path):
         nakta_model.generate(tiny, tok, "a prompt", 3)
     with pytest.raises(FileNotFoundError):
         nakta_model.Tokenizer(tmp_path / "nope.model")
+
+
+# ------------------------------------------------------------------------------------------------
+# Stop strings cut a continuation exactly where lm-eval's post-hoc split would.
+# ------------------------------------------------------------------------------------------------
+
+
+WORDS = {1: "The", 2: " cat", 3: "\n", 4: "\n", 5: " sat", 6: ".", 7: " Q:"}
+
+
+def decode(tokens):
+    return "".join(WORDS[t] for t in tokens)
+
+
+def lm_eval_split(text, until):
+    for term in until:
+        if term:
+            text = text.split(term)[0]
+    return text
+
+
+@pytest.mark.parametrize(
+    "tokens, until",
+    [
+        ([1, 2, 5, 6], ["\n\n"]),
+        ([1, 2, 3, 4, 5], ["\n\n"]),
+        ([1, 2, 7, 3, 4], ["\n\n", " Q:"]),
+        ([1, 2, 6, 7, 3, 4], [" Q:", "."]),
+        ([1, 2], ["", "x"]),
+    ],
+)
+def test_cut_matches_lm_eval(tokens, until):
+    text, stopped = StopStrings(until, decode).cut(tokens)
+    want = lm_eval_split(decode(tokens), until)
+    assert text == want
+    assert stopped == (want != decode(tokens))
+
+
+def test_a_stop_split_over_two_tokens_is_found():
+    assert StopStrings(["\n\n"], decode).cut([1, 3]) == ("The\n", False)
+    assert StopStrings(["\n\n"], decode).cut([1, 3, 4, 5]) == ("The", True)
+
+
+def test_bad_stops():
+    with pytest.raises(TypeError, match="strings"):
+        StopStrings(["a", 3], decode)
+    assert StopStrings("\n", decode).stops == ["\n"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_attention_fp8 import dequantized, quantized
+from test_decode_attention import dequantized, quantized
 
 from nakta_model.kernels.decode_attention import decode_attention, decode_attention_reference
 from nakta_model.kernels.fp8_quant import FP8_DTYPE

@@ -1,6 +1,10 @@
 """nakta_model.load, the one way to build a model: a Meta or HF directory read in memory gives the
 very tensors of its convert.py conversion (tp 1 and 2, any shard count), writes nothing to disk,
-never aliases what a source handed out; errors name the source."""
+never aliases what a source handed out; errors name the source.
+
+Here too: the chunked, threaded safetensors reader and nakta_model.prefetch (an early read is used
+only for the very file and device).
+"""
 
 from __future__ import annotations
 
@@ -15,13 +19,16 @@ import pytest
 import torch
 from checkpoint_factory import TINY_PARAMS, meta_state_dict, write_meta_checkpoint
 from hf_factory import write_hf_checkpoint
+from safetensors.torch import load_file, save_file
 
 import convert
 import nakta_model
 from nakta_model import checkpoint as ck
+from nakta_model import prefetch
 from nakta_model.config import ModelArgs
 from nakta_model.loading import load
 from nakta_model.parallel import ParallelConfigError, ParallelContext
+from nakta_model.safetensors_read import read_safetensors
 from nakta_model.sources import MetaRankShard, state_dict_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,3 +175,179 @@ def test_a_signal_during_a_meta_load_leaves_nothing(tmp_path):
     assert proc.returncode == -signal.SIGTERM, proc.stderr
     assert list(root.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir() if p != root) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# The chunked, threaded safetensors reader gives what safetensors itself reads.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def st_file(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(33, 17, generator=g),
+        "b": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        "c": torch.randn(101, generator=g).to(torch.float16),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "chunk, threads, method",
+    [(7, 3, "pinned"), (64, 1, "pinned"), (1 << 20, 4, "pinned")]
+    + [(0, 1, "mapped"), (0, 3, "mapped"), (0, 2, "mapped_populate")],
+)
+def test_equals_safetensors(st_file, chunk, threads, method):
+    want = load_file(str(st_file))
+    got = read_safetensors(st_file, "cpu", chunk_bytes=chunk or 1, threads=threads, method=method)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v)
+    # views of one buffer: one allocation for the whole file
+    assert len({t.untyped_storage().data_ptr() for t in got.values() if t.numel()}) == 1
+
+
+def test_truncated_and_malformed_files_name_the_file(st_file, tmp_path):
+    data = st_file.read_bytes()
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="short.safetensors: tensor .* bad data offsets"):
+        read_safetensors(short, "cpu")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+    with pytest.raises(ValueError, match="bad.safetensors: the safetensors header is not valid"):
+        read_safetensors(bad, "cpu")
+    tiny = tmp_path / "tiny.safetensors"
+    tiny.write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match="tiny.safetensors: not a safetensors file"):
+        read_safetensors(tiny, "cpu")
+    with pytest.raises(ValueError, match="method must be one of"):
+        read_safetensors(st_file, "cpu", method="fast")
+
+
+def test_mapped_read_releases_the_map_and_owns_its_buffer(st_file):
+    """The map is closed when the read returns (no tensor still views it: closing would raise
+    otherwise), and the tensors live in their own buffer, not in the file's pages."""
+    got = read_safetensors(st_file, "cpu", threads=2, method="mapped")
+    before = got["a"].clone()
+    st_file.write_bytes(b"\0" * st_file.stat().st_size)  # the file changes after the read
+    assert torch.equal(got["a"], before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["pinned", "mapped", "mapped_populate"])
+def test_gpu_read_equals_safetensors(st_file, method):
+    want = load_file(str(st_file), device="cuda")
+    got = read_safetensors(st_file, "cuda", chunk_bytes=100, threads=3, method=method)
+    for k, v in want.items():
+        assert got[k].is_cuda and torch.equal(got[k], v)
+
+
+# ------------------------------------------------------------------------------------------------
+# nakta_model.prefetch: a read started early is handed to the loader only for the very file and
+# device; anything else reads again (and a failed prefetch raises nothing itself).
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _empty():
+    prefetch.discard()
+    yield
+    prefetch.discard()
+
+
+@pytest.fixture
+def prefetch_file(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.randn(33, 17), "b": torch.randn(5).to(torch.bfloat16)}, str(path))
+    return path
+
+
+def test_a_prefetch_is_taken_once_and_equals_a_read(prefetch_file):
+    prefetch.prefetch(prefetch_file, "cpu")
+    got = prefetch.take(prefetch_file, "cpu")
+    want = read_safetensors(prefetch_file, "cpu")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert prefetch.take(prefetch_file, "cpu") is None  # taken: the next load reads itself
+
+
+def test_no_prefetch_another_device_or_a_changed_file_reads_again(prefetch_file):
+    assert prefetch.take(prefetch_file, "cpu") is None
+    prefetch.prefetch(prefetch_file, "cpu")
+    assert prefetch.take(prefetch_file, "meta") is None  # another device
+    prefetch.prefetch(prefetch_file, "cpu")
+    prefetch.take(prefetch_file, "cpu")  # (waits for the read before the file changes)
+    prefetch.prefetch(prefetch_file, "cpu")
+    prefetch._pending[(str(prefetch_file.resolve()), "cpu")][1].result()
+    save_file({"a": torch.zeros(2)}, str(prefetch_file))  # rewritten after the prefetch
+    os.utime(prefetch_file, ns=(1, 1))
+    assert prefetch.take(prefetch_file, "cpu") is None
+
+
+def test_a_failed_prefetch_hands_out_nothing(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+    future = prefetch.prefetch(bad, "cpu")
+    assert prefetch.take(bad, "cpu") is None and isinstance(future.exception(), ValueError)
+    with pytest.raises(FileNotFoundError):  # nothing to prefetch: the caller's own error
+        prefetch.prefetch(tmp_path / "none.safetensors", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_prefetch_onto_a_missing_gpu_hands_out_nothing(prefetch_file):
+    prefetch.prefetch(prefetch_file, "cuda:0")  # lm-eval's default device, on a CPU-only machine
+    assert prefetch.take(prefetch_file, "cuda:0") is None
+
+
+def test_plain_cuda_means_device_zero():
+    assert prefetch._device_name("cuda") == "cuda:0"
+    assert prefetch._device_name(torch.device("cuda", 1)) == "cuda:1"
+    assert prefetch._device_name("cpu") == "cpu"
+
+
+def test_the_gil_changes_hands_quickly_inside_and_as_before_after():
+    before = sys.getswitchinterval()
+    with prefetch.quick_gil_handoff():
+        assert sys.getswitchinterval() == min(before, prefetch.SWITCH_INTERVAL_S) < 0.005
+    assert sys.getswitchinterval() == before
+
+
+def _prefetch_checkpoint(tmp_path):
+    from convert import convert
+
+    meta = write_meta_checkpoint(tmp_path / "meta", {**TINY_PARAMS, "max_seq_len": 64}, seed=1)
+    return convert(meta, tmp_path / "nakta", quiet=True)
+
+
+def test_load_takes_the_prefetched_shard(tmp_path, monkeypatch):
+    ckpt = _prefetch_checkpoint(tmp_path)
+    want = load(ckpt, "cpu", kernels="reference")
+    reads = []
+    real = prefetch.take
+
+    def counted(path, device):
+        got = real(path, device)
+        reads.append(got is not None)
+        return got
+
+    monkeypatch.setattr(prefetch, "take", counted)
+    prefetch.prefetch(next(ckpt.glob("*.safetensors")), "cpu")
+    got = load(ckpt, "cpu", kernels="reference")
+    assert reads == [True] and not prefetch._pending
+    for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_gpu_load_takes_the_prefetched_shard(tmp_path):
+    ckpt = _prefetch_checkpoint(tmp_path)
+    want = load(ckpt, "cuda", torch.bfloat16)
+    prefetch.prefetch(next(ckpt.glob("*.safetensors")), "cuda")  # plain cuda: device 0
+    got = load(ckpt, "cuda", torch.bfloat16)
+    assert not prefetch._pending and got.device == torch.device("cuda", 0)
+    for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -10,6 +10,8 @@
 
 Text: HellaSwag contexts and endings as lm-eval builds them (a leading space before each ending,
 and context + ending whole), a 200-task sample by default and all 10,042 tasks in the slow tier.
+
+Here too: the lm-eval speed bench's HF tokenizer folder for Meta's Llama-3 file encodes as Nakta does.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from nakta_model.tokenizer import (
     load_tokenizer,
     tokenizer_files,
 )
+from speed_bench import lm_eval_weights  # noqa: E402
 
 HELLASWAG = DATA / "hellaswag_val_full.jsonl"
 SAMPLE = 200
@@ -393,3 +396,30 @@ def test_sentencepiece_equals_references_on_all_hellaswag(which):
         tok, ref = load_tokenizer(path), lambda s: mistral.encode(s, bos=True, eos=False)
     strings = _hellaswag_strings(None)
     assert tok.encode_many(strings, bos=True, eos=False) == [ref(s) for s in strings]
+
+
+# ------------------------------------------------------------------------------------------------
+# The lm-eval speed bench's HF tokenizer folder for Meta's Llama-3 file: ``AutoTokenizer`` on it
+# encodes HellaSwag as Nakta's tokenizer does (the bench's own agreement check passes) and a
+# disagreement is refused.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_llama3_hf_tokenizer_folder_agrees_with_nakta(tmp_path):
+    pytest.importorskip("transformers")
+    meta = meta_llama3_file()
+    hellaswag = DATA / "hellaswag_val_full.jsonl"
+    if not hellaswag.is_file():
+        pytest.skip(f"{hellaswag} is missing")
+    out = lm_eval_weights.write_hf_tokenizer(tmp_path / "hf_tok", meta, 8192)
+    assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").exists()
+    texts = lm_eval_weights._sample_texts(str(hellaswag), n=20)
+    lm_eval_weights.check_tokenizers_agree(out, meta, texts)  # raises on any difference
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(out))
+    assert (hf.bos_token_id, hf.eos_token_id, len(hf)) == (128000, 128001, 128256)
+    llama_sp = DATA / "llama_tokenizer.model"
+    if llama_sp.is_file():  # the check is not vacuous: another tokenizer is refused
+        with pytest.raises(lm_eval_weights.UsageError, match="disagree on"):
+            lm_eval_weights.check_tokenizers_agree(out, llama_sp, texts)

@@ -5,9 +5,12 @@ file skips the test that asked for it."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,7 +59,19 @@ def mistral_sp(version: str) -> Path:
 
 def hf_llama3_folder(out: Path, chat_template: str | None = None) -> Path:
     """A HF Llama-3.1-style tokenizer folder as transformers converts Meta's file: BOS added
-    by the post-processor, eos ``<|eot_id|>``, generation_config's three stop ids."""
+    by the post-processor, eos ``<|eot_id|>``, generation_config's three stop ids. The
+    conversion (the 128K-token BPE merges, seconds of CPU) runs once per test process; each
+    call gets its own copy of the files in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in _converted_hf_llama3().iterdir():
+        shutil.copyfile(f, out / f.name)
+    if chat_template is not None:
+        set_chat_template(out, chat_template)
+    return out
+
+
+@functools.cache
+def _converted_hf_llama3() -> Path:
     pytest.importorskip("transformers")
     from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
     from tokenizers import processors
@@ -73,15 +88,14 @@ def hf_llama3_folder(out: Path, chat_template: str | None = None) -> Path:
     converted.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, meta.bos_id)]
     )
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="nakta-hf-llama3-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     PreTrainedTokenizerFast(
         tokenizer_object=converted, bos_token=bos, eos_token="<|eot_id|>"
     ).save_pretrained(out)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]})
     )
-    if chat_template is not None:
-        set_chat_template(out, chat_template)
     return out
 
 

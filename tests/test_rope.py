@@ -3,20 +3,27 @@
 The expected values are computed here in fp64 from the original input, independently of both
 the kernel and ``apply_rope_qkv_reference``; both are checked against them with
 ``torch.testing.assert_close``'s default tolerances for the dtype.
+
+Here too: the write into an e4m3 KV cache (``kv_cache="fp8"``) and Llama-3.1 RoPE scaling in the
+cos/sin tables against Meta's and transformers' own code.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from nakta_model.config import META_LLAMA3_SCALING, PRESETS, ModelArgs, RopeScaling
 from nakta_model.kernels import rope as rope_module
+from nakta_model.kernels.fp8_quant import FP8_DTYPE
 from nakta_model.kernels.rope import (
     apply_rope_qkv_,
     apply_rope_qkv_reference,
     build_rope_cache,
+    rope_frequencies,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -390,3 +397,227 @@ def test_gpu_out_of_range_position_poisons_with_nan():
     assert torch.isnan(h[1, :3]).all() and not torch.isnan(h[[0, 2]]).any()
     assert torch.equal(h[:, 3], v_before)
     assert not math.isnan(float(h[0, 0, 0]))
+
+
+# ------------------------------------------------------------------------------------------------
+# ``apply_rope_qkv_``'s write into an e4m3 KV cache (``kv_cache="fp8"``): each (token, KV head)
+# row quantized with one fp32 scale ``amax / 448``, kernel against its reference (the same rule:
+# ``quantize_rows_reference`` of the fp32 values) and against fp64 truth within e4m3's rounding;
+# odd sizes, partial rotary, strided qkv rows, every qkv dtype; bad scales refused.
+# ------------------------------------------------------------------------------------------------
+
+
+def _truth(x, pos, cos, sin, nq, nkv, hd, interleaved, rotary_dim):
+    """fp64 heads ``[tokens, nq + 2 nkv, hd]``: Q and K rotated from ``x``, V as read."""
+    x64 = x.double()
+    return expected_qkv(x64, pos, cos, sin, nq, nkv, hd, interleaved, rotary_dim).unflatten(
+        1, (nq + 2 * nkv, hd)
+    )
+
+
+def _caches(slots_n, nkv, hd, device):
+    k = torch.zeros(slots_n, nkv, hd, dtype=FP8_DTYPE, device=device)
+    ks = torch.full((slots_n, nkv), -1.0, device=device)
+    return k, k.clone(), ks, ks.clone()
+
+
+def _run(fn, qkv, pos, cos, sin, nq, nkv, hd, interleaved, rotary_dim, slots, n_slots):
+    kc, vc, ks, vs = _caches(n_slots, nkv, hd, qkv.device)
+    fn(
+        qkv, pos, cos, sin, nq, nkv, hd, interleaved=interleaved, rotary_dim=rotary_dim,
+        k_cache=kc, v_cache=vc, cache_slots=slots, k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    return kc, vc, ks, vs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("hd", "rotary_dim"), [(32, None), (40, 24)])
+def test_fp8_cache_write_matches_reference_and_truth(dtype, interleaved, hd, rotary_dim, device):
+    torch.manual_seed(3)
+    nq, nkv, tokens, n_slots = 6, 2, 7, 21
+    cos, sin = build_rope_cache(64, rotary_dim or hd, device=device)
+    qkv, _ = make_qkv(tokens, nq, nkv, hd, dtype, device, row_pad=5)  # strided rows
+    qkv[2, nq * hd : (nq + 1) * hd] = 0  # an all-zero K row: finite scale, zero codes
+    qkv[4] *= 40  # a large token
+    pos = torch.randint(0, 64, (tokens,), device=device)
+    slots = torch.tensor([0, 3, 8, 20, 15, 5, 11], device=device)
+    qkv_ref, orig = qkv.clone(), qkv.clone()
+    got = _run(apply_rope_qkv_, qkv, pos, cos, sin, nq, nkv, hd, interleaved, rotary_dim, slots,
+               n_slots)  # fmt: skip
+    want = _run(apply_rope_qkv_reference, qkv_ref, pos, cos, sin, nq, nkv, hd, interleaved,
+                rotary_dim, slots, n_slots)  # fmt: skip
+    torch.testing.assert_close(qkv, qkv_ref)
+    kc, vc, ks, vs = got
+    # the kernel's codes and scales are the reference's (one e4m3 step where the fp32 rotation
+    # rounded the other way at a midpoint)
+    for a, b in ((kc, want[0]), (vc, want[1])):
+        diff = (a.float() - b.float()).abs()
+        assert (diff > 0).float().mean() < 0.01
+        assert (diff <= b.float().abs() / 8 + 2**-9).all()
+    torch.testing.assert_close(ks, want[2], rtol=1e-6, atol=0)
+    torch.testing.assert_close(vs, want[3], rtol=0, atol=0)
+    untouched = torch.ones(n_slots, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert (ks[untouched] == -1).all() and not kc[untouched].float().any()
+    # against fp64 truth: K rotated from the input, V as read, within e4m3's half step
+    h = _truth(orig, pos, cos, sin, nq, nkv, hd, interleaved, rotary_dim)
+    for cache, scale, ref in ((kc, ks, h[:, nq : nq + nkv]), (vc, vs, h[:, nq + nkv :])):
+        deq = cache[slots].double() * scale[slots].double()[..., None]
+        amax = ref.abs().amax(-1, keepdim=True)
+        assert torch.allclose(scale[slots].double(), amax[..., 0] / 448, rtol=2e-2, atol=1e-12)
+        assert ((deq - ref).abs() <= ref.abs() / 15 + amax * 2**-9 + 1e-3 * amax).all()
+    assert not kc[slots[2], 0].float().any() and torch.isfinite(ks).all()
+
+
+def test_bf16_cache_write_unchanged_by_the_fp8_path(device):
+    """A cache in qkv's dtype takes no scales and is written as before."""
+    nq, nkv, hd = 4, 2, 16
+    cos, sin = build_rope_cache(16, hd, device=device)
+    qkv, _ = make_qkv(3, nq, nkv, hd, torch.float32, device)
+    pos, slots = torch.tensor([1, 2, 3], device=device), torch.tensor([0, 1, 2], device=device)
+    kc = torch.zeros(3, nkv, hd, device=device)
+    vc = torch.zeros_like(kc)
+    apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=False, k_cache=kc, v_cache=vc,
+                    cache_slots=slots)  # fmt: skip
+    assert torch.equal(kc, qkv.unflatten(1, (nq + 2 * nkv, hd))[:, nq : nq + nkv])
+    with pytest.raises(ValueError, match="k_scale and v_scale go with an e4m3"):
+        apply_rope_qkv_(qkv, pos, cos, sin, nq, nkv, hd, interleaved=False, k_cache=kc,
+                        v_cache=vc, cache_slots=slots, k_scale=torch.zeros(3, nkv))  # fmt: skip
+
+
+@pytest.mark.parametrize("fn", [apply_rope_qkv_, apply_rope_qkv_reference])
+def test_fp8_cache_bad_scales_raise(fn, device):
+    nq, nkv, hd = 2, 1, 8
+    cos, sin = build_rope_cache(8, hd, device=device)
+    qkv, _ = make_qkv(2, nq, nkv, hd, torch.float32, device)
+    pos = slots = torch.tensor([0, 1], device=device)
+    kc, vc, ks, vs = _caches(4, nkv, hd, device)
+    kw = dict(interleaved=False, k_cache=kc, v_cache=vc, cache_slots=slots)
+    with pytest.raises(ValueError, match="an e4m3 cache needs k_scale"):
+        fn(qkv, pos, cos, sin, nq, nkv, hd, **kw)
+    with pytest.raises(ValueError, match=r"k_scale must be a fp32 \[num_slots=4, n_kv_heads=1\]"):
+        fn(qkv, pos, cos, sin, nq, nkv, hd, **kw, k_scale=ks[:3], v_scale=vs)
+    with pytest.raises(TypeError, match="v_scale must have dtype"):
+        fn(qkv, pos, cos, sin, nq, nkv, hd, **kw, k_scale=ks, v_scale=vs.double())
+    with pytest.raises(TypeError, match="k_cache and v_cache must have one dtype"):
+        fn(qkv, pos, cos, sin, nq, nkv, hd, **{**kw, "v_cache": vc.float()}, k_scale=ks,
+           v_scale=vs)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# Llama-3.1 RoPE scaling in the cos/sin tables, against Meta's and transformers' own code.
+#
+# ``kernels/rope.rope_frequencies`` is checked against llama_models' ``apply_scaling`` (Meta's
+# reference) and transformers' ``_compute_llama3_parameters``; the tables the model builds grow
+# with the positions a run reaches, not with the config's context.
+# ------------------------------------------------------------------------------------------------
+
+
+def _hf_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(
+        hidden_size=head_dim * 2, num_attention_heads=2, max_position_embeddings=1 << 17,
+        rope_parameters={"rope_type": "llama3", "rope_theta": theta, "factor": scaling.factor,
+                         "low_freq_factor": scaling.low_freq_factor,
+                         "high_freq_factor": scaling.high_freq_factor,
+                         "original_max_position_embeddings":
+                             scaling.original_max_position_embeddings},
+    )  # fmt: skip
+    return ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")[0].double()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 6])
+@pytest.mark.parametrize("theta", [5e5, 1e4])
+def test_scaled_frequencies_equal_meta_and_transformers(head_dim, theta):
+    pytest.importorskip("fairscale")
+    from llama_models.llama3.model import apply_scaling
+
+    inv = rope_frequencies(head_dim, theta, META_LLAMA3_SCALING)
+    plain = rope_frequencies(head_dim, theta)
+    base32 = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    meta = apply_scaling(base32).double()  # Meta's constants: factor 8, low 1, high 4, 8192
+    torch.testing.assert_close(inv, meta, rtol=1e-6, atol=0)
+    torch.testing.assert_close(inv, _hf_inv_freq(head_dim, theta, META_LLAMA3_SCALING),
+                               rtol=1e-6, atol=0)  # fmt: skip
+    # the three bands are all exercised at head_dim 128, theta 5e5: kept, divided, blended
+    wavelen = 2 * math.pi / plain
+    if head_dim == 128 and theta == 5e5:
+        assert (wavelen < 2048).any() and (wavelen > 8192).any()
+        assert ((wavelen > 2048) & (wavelen < 8192)).any()
+    torch.testing.assert_close(inv[wavelen < 2048], plain[wavelen < 2048], rtol=0, atol=0)
+    torch.testing.assert_close(inv[wavelen > 8192], plain[wavelen > 8192] / 8, rtol=1e-15, atol=0)
+
+
+def test_llama32_factor_and_tiny_original_context_match_transformers():
+    scaling = RopeScaling(32.0, 1.0, 4.0, 16)  # a tiny original context: every band at hd 16
+    inv = rope_frequencies(16, 5e5, scaling)
+    torch.testing.assert_close(inv, _hf_inv_freq(16, 5e5, scaling), rtol=1e-6, atol=0)
+    assert not torch.equal(inv, rope_frequencies(16, 5e5))
+
+
+def test_rope_cache_uses_the_scaled_frequencies():
+    cos, sin = build_rope_cache(300, 16, 5e5, scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+    inv = rope_frequencies(16, 5e5, RopeScaling(8.0, 1.0, 4.0, 16))
+    ang = torch.arange(300, dtype=torch.float64)[:, None] * inv[None, :]
+    torch.testing.assert_close(cos, torch.cos(ang).float(), rtol=0, atol=1e-7)
+    torch.testing.assert_close(sin, torch.sin(ang).float(), rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="rotary_dim must be a positive even int"):
+        rope_frequencies(7, 1e4)
+    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
+        bad = SimpleNamespace(
+            factor=8.0,
+            low_freq_factor=4.0,
+            high_freq_factor=1.0,
+            original_max_position_embeddings=16,
+        )  # what RopeScaling itself refuses: the kernel-side function checks it too
+        rope_frequencies(8, 1e4, bad)
+
+
+def test_model_rope_tables_grow_on_demand_with_the_configs_scaling():
+    """A 128K-context config allocates what a run reaches (power-of-two growth), never
+    max_seq_len rows up front; the tables carry the config's theta and scaling."""
+    from nakta_model.model import Transformer
+
+    args = PRESETS["tiny"].replace(max_seq_len=131072, rope_theta=5e5,
+                                   rope_scaling=RopeScaling(32.0, 1.0, 4.0, 16))  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(args, kernels="reference")
+    model.output.weight = torch.nn.Parameter(torch.zeros(args.vocab_size, args.dim))
+    cos, sin = model._rope_tables(10)
+    assert cos.shape == (256, args.head_dim // 2)  # 256-row floor, not 2 x 131072
+    ref_cos, _ = build_rope_cache(256, args.head_dim, 5e5, scaling=args.rope_scaling)
+    assert torch.equal(cos, ref_cos)
+    assert model._rope_tables(200)[0] is cos  # no rebuild while it is long enough
+    assert model._rope_tables(1000)[0].shape[0] == 1024
+    assert model._rope_tables(5)[0].shape[0] == 1024  # never shrinks
+
+
+def test_te_rotary_embedding_takes_the_scaling():
+    from nakta_model.kernels.rope_te import RotaryPositionEmbedding
+
+    scaling = RopeScaling(8.0, 1.0, 4.0, 16)
+    emb = RotaryPositionEmbedding(16, rotary_base=5e5, device="cpu", rope_scaling=scaling)
+    freqs = emb(40)[:, 0, 0, :8].double()
+    want = torch.arange(40, dtype=torch.float64)[:, None] * rope_frequencies(16, 5e5, scaling)
+    torch.testing.assert_close(freqs, want, rtol=1e-6, atol=1e-5)
+    plain = RotaryPositionEmbedding(16, rotary_base=5e5, device="cpu")
+    assert not torch.allclose(plain(40), emb(40))
+
+
+def test_args_from_every_format_build_the_same_tables():
+    """A Llama-3.1 folder saved by transformers 5 (rope_parameters) and by 4 (rope_theta +
+    rope_scaling) give one ModelArgs, hence one table (the silent-default bug of issue 40)."""
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "vocab_size": 10, "intermediate_size": 32}  # fmt: skip
+    sc = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    a = ModelArgs.from_hf_config({**base, "rope_parameters": {**sc, "rope_theta": 5e5}})
+    b = ModelArgs.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": sc})
+    ta = build_rope_cache(64, a.head_dim, a.rope_theta, scaling=a.rope_scaling)
+    tb = build_rope_cache(64, b.head_dim, b.rope_theta, scaling=b.rope_scaling)
+    assert torch.equal(ta[0], tb[0]) and a == b
+    plain = build_rope_cache(64, a.head_dim, 1e4)
+    assert not torch.allclose(ta[0], plain[0])

@@ -2,12 +2,17 @@
 
 Checked against the behaviour documented in shared/data/README.md section 4 on the real rows,
 and (when lm-eval is installed) against lm-eval's own ``process_docs`` and ``_encode_pair``.
+
+One file for the offline tasks (nakta_model.tasks, accuracy_test/tasks): HellaSwag here, then the
+MMLU-shaped group and the full GSM8K-shaped task.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -250,3 +255,112 @@ def test_docs_are_checked_on_construction_and_evaluate_needs_docs():
         hs.Doc("q", ("a", "b"), 2)
     with pytest.raises(ValueError, match="docs is empty"):
         hs.evaluate([], [])
+
+
+# ------------------------------------------------------------------------------------------------
+# The ``mmlu_shaped_local`` group, one yaml with its 57 subjects inline, builds the very requests
+# the 57 per-subject yaml files (one shared template) built before: same prompts, shots, choices
+# and order. lm-eval 0.4.13 names an inline subtask ``<group>::<task>``, so the subject names are
+# compared with that prefix taken off.
+# ------------------------------------------------------------------------------------------------
+
+
+TASKS = Path(__file__).resolve().parents[1] / "accuracy_test" / "tasks"
+
+# sha256 of [(task, doc_id, idx, arguments)] for the first test question of every subject,
+# computed from the 57 per-subject files (git: accuracy_test/tasks/mmlu_shaped_local/ before
+# the inline group) with lm-eval 0.4.13.
+OLD_REQUESTS_SHA256 = "d535f218a37b6889652fa3bf10de7c4d58bfa1a97e3f834c59616a942eb633cb"
+
+
+def _group():
+    import lm_eval.tasks
+
+    manager = lm_eval.tasks.TaskManager(include_path=str(TASKS), include_defaults=False)
+    return manager, manager.load(["mmlu_shaped_local"])
+
+
+def test_the_group_holds_57_subjects_with_the_old_names_aliases_and_prompts():
+    manager, loaded = _group()
+    assert "mmlu_shaped_local" in manager.all_groups
+    tasks = loaded["tasks"]
+    assert len(tasks) == 57
+    subjects = [name.removeprefix("mmlu_shaped_local::mmlu_shaped_") for name in tasks]
+    assert subjects[0] == "abstract_algebra" and subjects[-1] == "world_religions"
+    for subject, task in zip(subjects, tasks.values(), strict=True):
+        c = task.config
+        assert c.task_alias == subject and c.dataset_kwargs == {"subject": subject}
+        about = subject.replace("_", " ")
+        assert c.description == (
+            f"The following are multiple choice questions (with answers) about {about}.\n\n"
+        )
+        assert (c.num_fewshot, c.fewshot_split, c.test_split) == (5, "dev", "test")
+        assert [m["metric"] for m in c.metric_list] == ["acc"]
+        assert c.metadata["version"] == 1.0
+    group = loaded["groups"]["mmlu_shaped_local"]
+    agg = group.aggregate_metric_list
+    assert [(a.metric, a.weight_by_size) for a in agg] == [("acc", True)]
+    assert float(group.version) == 1.0
+
+
+def test_the_requests_are_those_of_the_old_per_subject_files():
+    _, loaded = _group()
+    out = []
+    for name, task in loaded["tasks"].items():
+        task.build_all_requests(limit=1)
+        old_name = name.removeprefix("mmlu_shaped_local::")
+        out += [(old_name, i.doc_id, i.idx, list(i.arguments)) for i in task.instances]
+    assert len(out) == 57 * 4  # one question, four choices, per subject
+    assert hashlib.sha256(json.dumps(out).encode()).hexdigest() == OLD_REQUESTS_SHA256
+
+
+# ------------------------------------------------------------------------------------------------
+# ``gsm8k_shaped_full_local``: GSM8K's test-split size (1,319 problems) of the GSM8K-shaped task,
+# deterministic, its first 250 problems and every prompt the 250-doc task's own.
+# ------------------------------------------------------------------------------------------------
+
+
+def _tasks():
+    import lm_eval.tasks
+
+    manager = lm_eval.tasks.TaskManager(include_path=str(TASKS), include_defaults=False)
+    return manager.load(["gsm8k_shaped_full_local", "gsm8k_shaped_local"])["tasks"]
+
+
+def test_full_task_has_gsm8ks_size_and_the_small_tasks_docs_first():
+    pytest.importorskip("lm_eval")
+    from nakta_model.tasks.shaped import GSM8K_TEST_SIZE, gsm8k_docs
+
+    tasks = _tasks()
+    full, small = tasks["gsm8k_shaped_full_local"], tasks["gsm8k_shaped_local"]
+    full_docs, small_docs = list(full.test_docs()), list(small.test_docs())
+    assert GSM8K_TEST_SIZE == 1319
+    assert len(full_docs) == 1319 and len(small_docs) == 250
+    assert full_docs[:250] == small_docs
+    assert len({d["question"] for d in full_docs}) > 1300  # not one problem repeated
+    assert (
+        full_docs
+        == gsm8k_docs("test", 1319)
+        == list(_tasks()["gsm8k_shaped_full_local"].test_docs())
+    )
+    assert list(full.fewshot_docs()) == list(small.fewshot_docs()) == gsm8k_docs("train")
+    for key in ("generation_kwargs", "num_fewshot", "doc_to_text", "fewshot_delimiter"):
+        assert getattr(full.config, key) == getattr(small.config, key), key
+    assert full.config.generation_kwargs["max_gen_toks"] == 256
+    assert "Question:" in full.config.generation_kwargs["until"]
+
+
+def test_full_task_builds_the_same_8_shot_requests():
+    pytest.importorskip("lm_eval")
+    tasks = _tasks()
+    got = {}
+    for name in ("gsm8k_shaped_full_local", "gsm8k_shaped_local"):
+        task = tasks[name]
+        task.build_all_requests(limit=3)
+        got[name] = [(i.doc_id, i.arguments) for i in task.instances]
+    assert (
+        got["gsm8k_shaped_full_local"] == got["gsm8k_shaped_local"]
+        and len(got["gsm8k_shaped_local"]) == 3
+    )
+    context = got["gsm8k_shaped_local"][0][1][0]
+    assert context.count("Question:") == 9 and context.endswith("Answer:")  # 8 shots + the problem
