@@ -1,25 +1,40 @@
 """The lm-eval entry's early weight read (``accuracy_test.lm_eval_preload``): which runs
-prefetch, what starts when lm-eval's configuration is built, what is dropped at exit."""
+prefetch, what starts when lm-eval's configuration is built, what is dropped at exit.
+
+Here too: the early weight read from the raw command line, and the scorer's warm-up while lm-eval builds the requests.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
-
-pytest.importorskip("lm_eval")
-
+from checkpoint_factory import TINY_PARAMS, train_tiny_tokenizer, write_meta_checkpoint  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.config.evaluate_config import EvaluatorConfig  # noqa: E402
 
 import nakta_model.prefetch  # noqa: E402
-from accuracy_test import lm_eval_preload  # noqa: E402
-from accuracy_test.lm_eval_preload import (  # noqa: E402
+from accuracy_test import lm_eval_adapter as adapter  # noqa: E402
+from accuracy_test import (
+    lm_eval_cli,  # noqa: E402
+    lm_eval_preload,  # noqa: E402
+)
+from accuracy_test.lm_eval_preload import (  # noqa: E402  # noqa: E402
+    command_line_model,
     constructor_kwargs,
     model_preloaded,
     prefetch_plan,
     prefetchable_checkpoint,
+    start_early,
 )
+from nakta_model import scoring  # noqa: E402
+
+pytest.importorskip("lm_eval")
 
 
 def _nakta_dir(root, tp_size: int = 1, manifest: bool = True):
@@ -163,3 +178,230 @@ def test_registering_a_prefetch_imports_no_torch(tmp_path):
         [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[False]"
+
+
+# ------------------------------------------------------------------------------------------------
+# The weight read started_on_gpu from the raw command line, before lm-eval is imported
+# (``accuracy_test.lm_eval_preload.start_early``): which command lines start it, and that the
+# configuration-time start then leaves it alone.
+# ------------------------------------------------------------------------------------------------
+
+
+pytest.importorskip("lm_eval")
+
+
+SHARD = "model.tp00-of-01.safetensors"
+
+
+@pytest.fixture
+def started_on_gpu(monkeypatch):
+    """Prefetches started_on_gpu (path, device), on a machine that looks like it has a GPU."""
+    calls: list = []
+    monkeypatch.setattr(nakta_model.prefetch, "prefetch", lambda p, d: calls.append((p, d)))
+    monkeypatch.setattr(lm_eval_preload, "_cuda_plausible", lambda: True)
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    return calls
+
+
+def test_command_line_model_reads_as_lm_eval_does():
+    argv = ["run", "--model", "nakta", "--model_args", "checkpoint=A,dtype=bf16", "dp=2"]
+    argv += ["--device=cuda:1", "--tasks", "t", "-a", "dtype=fp16"]
+    assert command_line_model(argv) == (
+        "nakta",
+        {"checkpoint": "A", "dtype": "fp16", "dp": "2"},  # a later key wins
+        "cuda:1",
+    )
+    assert command_line_model(["-M", "hf", "-a", '{"pretrained": "x", "n": 2}']) == (
+        "hf",
+        {"pretrained": "x", "n": 2},
+        None,
+    )
+    assert command_line_model([]) == (None, {}, None)
+
+
+def test_the_read_starts_from_the_command_line(tmp_path, started_on_gpu):
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    base = ["--model", "nakta", "--model_args", f"checkpoint={ckpt},dtype=bf16", "--tasks", "t"]
+    state = start_early(base)
+    assert started_on_gpu == [(ckpt / SHARD, "cuda")] and state == {"checkpoint": ckpt}  # cuda:0
+    started_on_gpu.clear()
+    assert start_early(["run", *base, "--device", "cuda:1"]) == {"checkpoint": ckpt}
+    assert started_on_gpu == [(ckpt / SHARD, "cuda:1")]
+    started_on_gpu.clear()
+    for argv in (
+        ["ls", "tasks"],  # no model is built
+        [*base, "--config", "c.yaml"],  # the file may change the model or its args
+        [*base, "-h"],
+        [*base, "--device", "cpu"],
+        ["--model", "hf", "--model_args", f"pretrained={ckpt}"],
+        ["--model", "nakta", "--model_args", f"checkpoint={ckpt},tp=2"],  # not this world
+    ):
+        assert start_early(argv) == {}, argv
+    assert started_on_gpu == []
+
+
+def test_no_gpu_driver_no_early_read(tmp_path, started_on_gpu, monkeypatch):
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    monkeypatch.setattr(lm_eval_preload, "_cuda_plausible", lambda: False)
+    assert start_early(["--model", "nakta", "--model_args", f"checkpoint={ckpt}"]) == {}
+    assert started_on_gpu == []
+    monkeypatch.undo()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not lm_eval_preload._cuda_plausible()
+
+
+def test_an_early_read_is_not_started_again_and_dropped_at_exit(
+    tmp_path, started_on_gpu, monkeypatch
+):
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    dropped: list = []
+    monkeypatch.setattr(nakta_model.prefetch, "discard", lambda: dropped.append(1))
+    early = start_early(["--model", "nakta", "--model_args", f"checkpoint={ckpt}"])
+    seen: list = []
+    with model_preloaded(on_start=lambda: seen.append(1), state=early) as state:
+        cli = argparse.Namespace(
+            model="nakta", model_args=f"checkpoint={ckpt}", tasks="x", batch_size=1,
+            device="cuda:0", command="run",
+        )  # fmt: skip
+        EvaluatorConfig.from_cli(cli)
+        assert state is early and len(started_on_gpu) == 1 and seen == []
+    assert dropped == [1]
+
+
+def test_the_early_start_imports_neither_lm_eval_nor_torch(tmp_path):
+    """What makes it early: registering the read needs only the standard library and Nakta's
+    torch-free modules (torch is imported on the prefetch's own thread)."""
+    ckpt = _nakta_dir(tmp_path / "ckpt")
+    code = (
+        "import sys\n"
+        "import nakta_model.prefetch as p\n"
+        "from accuracy_test import lm_eval_preload as lp\n"
+        "calls = []\n"
+        "p.prefetch = lambda f, d: calls.append((str(f), d))\n"
+        "lp._cuda_plausible = lambda: True\n"
+        f"state = lp.start_early(['--model', 'nakta', '--model_args', 'checkpoint={ckpt}'])\n"
+        "print(len(calls), 'checkpoint' in state, 'torch' in sys.modules, "
+        "any(m == 'lm_eval' or m.startswith('lm_eval.') for m in sys.modules))\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["1", "True", "False", "False"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The scorer's warm-up started on a thread when lm-eval starts building a scoring task's requests
+# (``NaktaLM.start_warm_up``, called by ``lm_eval_cli``): the same answers as a warm-up at the
+# first request, its error raised at the first request, generation waits for it, and the entry
+# starts it only for tasks that score.
+# ------------------------------------------------------------------------------------------------
+
+
+pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_warm_up")
+    ckpt = write_meta_checkpoint(root / "meta", {**TINY_PARAMS, "max_seq_len": 256}, seed=5)
+    tok = train_tiny_tokenizer(root / "tok")
+    return dict(checkpoint=str(ckpt), tokenizer=str(tok), device="cpu", dtype="fp32")
+
+
+INSTS = [
+    Instance("loglikelihood", {}, ("the cat", " sat on a mat"), 0),
+    Instance("loglikelihood", {}, ("the cat", " ran"), 1),
+    Instance("loglikelihood", {}, ("a dog", " barked at the cat"), 2),
+]
+
+
+def test_warm_up_on_a_thread_scores_as_the_first_request_would(tiny):
+    want = adapter.NaktaLM(**tiny).loglikelihood(INSTS, disable_tqdm=True)
+    lm = adapter.NaktaLM(**tiny)
+    lm.start_warm_up()
+    assert lm._warming is not None
+    lm.start_warm_up()  # once
+    assert lm.loglikelihood(INSTS, disable_tqdm=True) == want
+    t = lm.load_timings
+    assert lm._warming is None and t["warm_up_s"] > 0 and t["warm_up_wait_s"] >= 0
+    assert t["ready_unix"] <= t["warm_up_start_unix"] <= t["warm_up_end_unix"]
+    lm.start_warm_up()  # warm already: nothing started
+    assert lm._warming is None
+
+
+def test_a_failed_warm_up_raises_at_the_first_request(tiny, monkeypatch):
+    def broken(model, **kw):
+        raise RuntimeError("warm-up broke")
+
+    lm = adapter.NaktaLM(**tiny)
+    monkeypatch.setattr(scoring, "warm_up", broken)
+    lm.start_warm_up()
+    with pytest.raises(RuntimeError, match="warm-up broke"):
+        lm.loglikelihood(INSTS, disable_tqdm=True)
+
+
+def test_generation_waits_for_the_warm_up(tiny, monkeypatch):
+    """The generator takes pages from the model's KV pool, which the warm-up's temporary
+    prefix cache also uses: a generate_until waits for the warm-up first."""
+    import threading
+
+    release = threading.Event()
+    real = scoring.warm_up
+
+    def held(model, **kw):
+        assert release.wait(30)
+        return real(model, **kw)
+
+    lm = adapter.NaktaLM(**tiny, max_gen_toks=4)
+    monkeypatch.setattr(scoring, "warm_up", held)
+    lm.start_warm_up()
+    waited: list[bool] = []
+    real_await = lm._await_warm_up
+
+    def await_warm_up():
+        waited.append(lm._warming is not None and not lm._warming.done())
+        release.set()
+        real_await()
+
+    lm._await_warm_up = await_warm_up
+    out = lm.generate_until([Instance("generate_until", {}, ("the cat", {"until": ["."]}), 0)])
+    assert waited == [True] and len(out) == 1 and "warm_up_s" in lm.load_timings
+
+
+def _task(output_type: str):
+    return types.SimpleNamespace(OUTPUT_TYPE=output_type)
+
+
+def test_the_entry_starts_it_for_scoring_tasks_only(monkeypatch):
+    import lm_eval.evaluator as evaluator
+
+    calls: list[str] = []
+
+    class Model:
+        def start_warm_up(self):
+            calls.append("warm")
+
+    def fake_evaluate(lm, task_dict, **kw):
+        calls.append("evaluate")
+        return "results"
+
+    monkeypatch.setattr(evaluator, "evaluate", fake_evaluate)
+    scoring_tasks = {"tasks": {"a": _task("generate_until"), "b": _task("multiple_choice")}}
+    generating = {"tasks": {"a": _task("generate_until")}}
+    with lm_eval_cli.scorer_warmed_during_request_build():
+        assert evaluator.evaluate(lm=Model(), task_dict=scoring_tasks) == "results"
+        assert calls == ["warm", "evaluate"]
+        calls.clear()
+        evaluator.evaluate(Model(), generating)  # positional, nothing that scores
+        assert calls == ["evaluate"]
+        calls.clear()
+        evaluator.evaluate(lm=object(), task_dict=scoring_tasks)  # a model without it (hf)
+        assert calls == ["evaluate"]
+    assert evaluator.evaluate is fake_evaluate
+    assert lm_eval_cli._output_types({"g": {"t": _task("loglikelihood")}, "x": 3}) == {
+        "loglikelihood"
+    }
