@@ -41,13 +41,14 @@ class TorchrunServer:
     """``torch.distributed.run --nproc_per_node 2 -m nakta_model.serve`` on a free loopback
     port, in a session of its own; ``url`` and rank 0's ``pid`` once it listens."""
 
-    def __init__(self, checkpoint: Path, *args: str):
+    def __init__(self, checkpoint: Path, *args: str, device: str = "cpu"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += ["--nproc_per_node", "2", "--monitor-interval", "0.2", "-m", "nakta_model.serve"]
-        cmd += ["--checkpoint", str(checkpoint), "--port", "0", "--device", "cpu"]
+        cmd += ["--checkpoint", str(checkpoint), "--port", "0", "--device", device]
         cmd += ["--dtype", "fp32", "--no-access-log", "--model-name", NAME, *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
-        env["OMP_NUM_THREADS"] = "1"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        if device == "cpu":
+            env["TRITON_INTERPRET"] = "1"
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
@@ -327,5 +328,36 @@ def test_idle_past_the_group_timeout_then_torchruns_sigterm_stops_every_rank(
         # the ranks' own output (torchrun then raises its SignalException: its traceback)
         ranks = log[: max(log.index("nakta-serve: stopped"), log.index("rank 1 stopped"))]
         assert "Traceback" not in ranks, log
+    finally:
+        s.kill()
+
+
+@pytest.mark.gpu
+def test_two_gpus_greedy_text_and_logprobs_equal_one_process(tp2_checkpoint, offline):
+    """The same server on two GPUs (NCCL for the model, gloo for the ranks' control
+    messages; CUDA graphs captured on both ranks at warm-up), fp32, against one CPU process."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from nakta_model.serve.logprobs import sequence_logprobs
+
+    model, tok, _ = offline
+    s = TorchrunServer(tp2_checkpoint, "--max-batch", "8", device="cuda")
+    try:
+        ids = [tok.encode(p, bos=True, eos=False) for p in PROMPTS]
+        c = s.client()
+        r = c.completions.create(model=NAME, prompt=PROMPTS, max_tokens=24, temperature=0)
+        got = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+        assert got == offline_texts(offline, ids, 24)
+        r = c.completions.create(
+            model=NAME, prompt=ids[1], max_tokens=1, temperature=0, logprobs=1, echo=True
+        )
+        want = sequence_logprobs(model, ids[1], 1)
+        torch.testing.assert_close(
+            torch.tensor(r.choices[0].logprobs.token_logprobs[1:]),
+            torch.tensor(want.logprobs + [want.next_logprobs[0]]),
+            rtol=1e-4, atol=1e-4,
+        )  # fmt: skip
+        os.kill(s.pid, signal.SIGTERM)
+        assert s.proc.wait(timeout=120) == 0, s.log()
     finally:
         s.kill()
