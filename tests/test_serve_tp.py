@@ -361,3 +361,28 @@ def test_two_gpus_greedy_text_and_logprobs_equal_one_process(tp2_checkpoint, off
         assert s.proc.wait(timeout=120) == 0, s.log()
     finally:
         s.kill()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+@pytest.mark.slow
+def test_a_dead_follower_ends_every_rank_instead_of_a_hang(tp2_checkpoint):
+    """Rank 1 killed outright: rank 0's next collective fails at once (its engine stops the
+    server) or torchrun ends it; either way the job ends, well before any timeout."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("needs /proc")
+    s = TorchrunServer(tp2_checkpoint, "--max-batch", "4")
+    try:
+        follower = [k for k in _children(s.proc.pid) if k != s.pid]
+        assert len(follower) == 1, (follower, s.pid)
+        os.kill(follower[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = s.proc.wait(timeout=60)
+        assert code != 0 and time.monotonic() - t0 < 60, s.log()
+    finally:
+        s.kill()
