@@ -401,10 +401,10 @@ def _serve_rank(s: ServeSettings, parallel) -> int:
         try:
             model = _load_model(s, prep.args, parallel.device, parallel)
             if parallel.is_leader:
-                others = "rank 1" if parallel.tp_size == 2 else f"ranks 1-{parallel.tp_size - 1}"
+                n = parallel.tp_size
+                others = "rank 1 follows" if n == 2 else f"ranks 1-{n - 1} follow"
                 print(
-                    f"nakta-serve: tp={parallel.tp_size}: rank 0 (pid {os.getpid()}) serves, "
-                    f"{others} follow its engine",
+                    f"nakta-serve: tp={n}: rank 0 (pid {os.getpid()}) serves, {others} its engine",
                     file=sys.stderr,
                     flush=True,
                 )
