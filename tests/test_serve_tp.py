@@ -8,6 +8,7 @@ test leaves it running."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import queue
 import re
@@ -151,6 +152,104 @@ def _wait_idle(server: TorchrunServer, within_s: float) -> dict[str, float]:
             return m
         assert time.monotonic() - t0 < within_s, m
         time.sleep(0.05)
+
+
+# ------------------------------------------------------ the control messages, in one process
+class _Tok:
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+class _Sent:
+    """A Lockstep stand-in on rank 0: what the bridge sends, in order."""
+
+    heartbeat_s = 0.05
+
+    def __init__(self):
+        self.messages: list[tuple] = []
+
+    def send(self, message):
+        self.messages.append(message)
+
+
+def _scaled(model, x, k):  # a model call: travels by name
+    return (model, x * k)
+
+
+def test_rank_0_broadcasts_every_answer_and_an_idle_heartbeat():
+    import asyncio
+    import pickle
+    from types import SimpleNamespace
+
+    from nakta_model.generation.requests import GenerationRequest, GenerationStats
+    from nakta_model.generation.sampling import SamplingParams
+    from nakta_model.generation.streaming import TextStream
+    from nakta_model.serve.bridge import EngineBridge, Handle
+    from nakta_model.serve.lockstep import request_from_wire
+    from nakta_model.serve.metrics import Metrics
+
+    gen = SimpleNamespace(
+        pool=SimpleNamespace(capacity=8, used_pages=0), stats=GenerationStats(), model="M"
+    )
+    sent = _Sent()
+    b = EngineBridge(gen, Metrics(), 4, lockstep=sent)
+    loop = asyncio.new_event_loop()
+    try:
+        cut = TextStream(_Tok(), [1, 2], ["9 9"]).request(6, SamplingParams(0.5, 3, 0.9), (2,))
+        for key, req in enumerate([GenerationRequest([1, 5], 4), cut]):
+            h = Handle(key, req, loop, time.perf_counter())
+            b._live[key], b._waiting = h, b._waiting + 1
+            b._new.append(h)
+        b._cancel.append(7)
+        fut = concurrent.futures.Future()
+        b._calls.append(((_scaled, (3, 2)), fut))
+        assert b.pending() and sent.messages[-1] == ("pending", True)
+        new, cancel = b.poll(idle=False)
+        assert [k for k, _ in new] == [0, 1] and cancel == [7] and fut.result() == ("M", 6)
+        kind, wire, wire_cancel, calls = pickle.loads(pickle.dumps(sent.messages[-1]))
+        assert kind == "poll" and wire_cancel == [7] and calls == [(_scaled, (3, 2))]
+        plain, stopped = (request_from_wire(w, _Tok()) for _, w in wire)
+        assert plain.prompt == [1, 5] and plain.max_new_tokens == 4 and plain.stop is None
+        assert stopped.sampling == cut.sampling and tuple(stopped.stop_token_ids) == (2,)
+        assert stopped.stop.cut([8, 9, 9]) == cut.stop.cut([8, 9, 9]) == (" 8 ", True)
+        with ThreadPoolExecutor(1) as pool:  # nothing came: an empty answer, not a wait
+            idle = pool.submit(b.poll, True)
+            try:
+                assert idle.result(timeout=5) == ([], [])
+            finally:
+                with b._cv:  # a bridge that kept waiting: released
+                    b._stop = True
+                    b._cv.notify()
+        assert sent.messages[-1] == ("poll", [], [], [])
+        assert b.poll(idle=True) is None and sent.messages[-1] == ("stop",)
+    finally:
+        loop.close()
+
+
+def test_a_follower_returns_rank_0s_answers_and_refuses_one_out_of_step(monkeypatch):
+    from nakta_model.generation.sampling import SamplingParams
+    from nakta_model.serve import lockstep as ls
+
+    inbox = [
+        ("pending", False),
+        ("poll", [(4, ([1, 2], 5, SamplingParams(), (2,), ["x"]))], [3], [(_scaled, (2, 5))]),
+        ("stop",),
+        ("poll", [], [], []),
+    ]
+
+    def broadcast(box, src, group):
+        box[0] = inbox.pop(0)
+
+    monkeypatch.setattr(ls.dist, "broadcast_object_list", broadcast)
+    chan = object.__new__(ls.Lockstep)
+    chan.group, chan.rank = None, 1
+    feed = ls.FollowerFeed(chan, "M", _Tok())
+    assert feed.pending() is False
+    new, cancel = feed.poll(idle=False)
+    assert cancel == [3] and [k for k, _ in new] == [4] and new[0][1].stop.stops == ["x"]
+    assert feed.poll(idle=True) is None
+    with pytest.raises(ls.LockstepError, match="expected a pending message"):
+        feed.pending()
 
 
 # ----------------------------------------------------------------------------------- tests
