@@ -5,5 +5,6 @@ background thread that owns the model (requests join between decode chunks, canc
 give their pages back); ``app`` holds the routes (a thin layer, no model code); ``protocol``
 checks request bodies into plain objects and shapes errors as OpenAI does; ``logprobs`` scores
 token sequences for ``echo`` / ``logprobs``; ``chat`` turns messages into a prompt; ``metrics``
-is ``/metrics``. See docs/serving.md.
+is ``/metrics``; ``lockstep`` keeps every rank's engine in step under tensor parallelism
+(rank 0 serves, the others follow). See docs/serving.md.
 """

@@ -443,10 +443,10 @@ def _legacy_logprobs(
 async def _scored_choices(state: ServerState, prompts, top: int, s: Sampling) -> list[dict]:
     """``echo`` + ``logprobs`` with at most one greedy token (lm-eval's loglikelihood
     request): one forward per prompt gives the prompt's logprobs and the next token."""
-    tok, model = state.tokenizer, state.bridge.generator.model
+    tok = state.tokenizer
     choices = []
     for ids in prompts:
-        lp = await _on_engine(state, lambda ids=ids: sequence_logprobs(model, ids, top))
+        lp = await _on_engine(state, sequence_logprobs, list(ids), top)
         seq, text, finish, n_out = list(ids), "", "length", 0
         if s.max_tokens:
             nxt = lp.next_ids[0]
@@ -479,9 +479,10 @@ async def _scored_choices(state: ServerState, prompts, top: int, s: Sampling) ->
     return choices
 
 
-async def _on_engine(state: ServerState, fn):
+async def _on_engine(state: ServerState, fn, *args):
+    """``fn(model, *args)`` on the engine thread (on every rank under tensor parallelism)."""
     try:
-        return await state.bridge.call(fn)
+        return await state.bridge.call(fn, *args)
     except ShuttingDown:
         raise APIError(503, "the server is shutting down", type="server_error") from None
 
@@ -497,8 +498,7 @@ async def _choice(state: ServerState, j: _Job, echo: bool, top: int | None, chat
         seq = list(j.prompt) + out
         if finish == "stop" and not hit and tok.eos_id >= 0:
             seq.append(tok.eos_id)  # the stop token: in logprobs, not in the text
-        model = state.bridge.generator.model
-        lp = await _on_engine(state, lambda: sequence_logprobs(model, seq, max(top, 1)))
+        lp = await _on_engine(state, sequence_logprobs, seq, max(top, 1))
         start = 0 if echo else len(j.prompt)
         if chat:
             lp_body = {"content": _chat_logprobs(tok, lp, seq, start, top)}

@@ -5,7 +5,9 @@ The thread runs ``Generator.generate(feed=bridge)``: between engine steps it tak
 submitted since (they join the running batch at once: online continuous batching), the
 cancellations (a client that went away: its row and pages go back at once) and the calls that
 must run on the model's thread (prompt logprobs), and hands the tokens decoded since to the
-event loop in one batch per step. A bounded number of requests may wait for their first token;
+event loop in one batch per step. Under tensor parallelism (``lockstep``) every answer the
+engine takes from it is also broadcast to the other ranks, which run the same steps
+(:mod:`.lockstep`). A bounded number of requests may wait for their first token;
 past it :meth:`EngineBridge.submit` refuses (the route answers 429 with ``Retry-After``).
 """
 
@@ -21,6 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nakta_model.generation.engine import GenerationRequest, Generator
+from nakta_model.serve.lockstep import (
+    STOP,
+    Lockstep,
+    ModelCall,
+    pending_message,
+    poll_message,
+    run_call,
+)
 from nakta_model.serve.metrics import Metrics
 
 __all__ = ["EngineBridge", "Handle", "QueueFull", "ShuttingDown"]
@@ -93,7 +103,11 @@ class EngineBridge:
     that keep coming less than this apart are gathered (at most :data:`MAX_GATHER_S`) and
     handed to the engine together: a burst of prompts (an unbounded client's first second)
     is admitted and prefilled in a few large groups, as the offline call's bulk start is,
-    not in many small ones whose rows then end, and get refilled, at different steps."""
+    not in many small ones whose rows then end, and get refilled, at different steps.
+
+    ``lockstep`` (tensor parallel, rank 0): every ``poll`` and ``pending`` answer and every
+    model call is broadcast to the other ranks before the engine acts on it; an idle wait
+    answers an empty poll at least every ``lockstep.heartbeat_s``."""
 
     def __init__(
         self,
@@ -103,8 +117,10 @@ class EngineBridge:
         defer_rows: int = 0,
         pipeline_rows: int = 0,
         admit_gap_s: float = 0.0,
+        lockstep: Lockstep | None = None,
     ):
         self.generator = generator
+        self.lockstep = lockstep
         self.metrics = metrics
         self.max_queue = max_queue
         self.defer_rows = defer_rows
@@ -115,7 +131,7 @@ class EngineBridge:
         self._cv = threading.Condition()
         self._new: list[Handle] = []
         self._cancel: list[int] = []
-        self._calls: list[tuple[Callable, concurrent.futures.Future]] = []
+        self._calls: list[tuple[ModelCall, concurrent.futures.Future]] = []
         self._live: dict[int, Handle] = {}  # submitted, not finished (engine-thread view)
         self._dirty: list[Handle] = []
         self._waiting = 0  # live handles with no token yet (guarded by _cv)
@@ -165,13 +181,15 @@ class EngineBridge:
                 self._cancel.append(h.key)
                 self._cv.notify()
 
-    def call(self, fn: Callable[[], object]) -> asyncio.Future:
-        """Run ``fn()`` on the engine thread between two engine steps; its result awaited."""
+    def call(self, fn: Callable[..., object], *args: object) -> asyncio.Future:
+        """Run ``fn(model, *args)`` on the engine thread between two engine steps; its result
+        awaited. Under tensor parallelism every rank runs it (on its shard) at the same point:
+        ``fn`` must be a module-level function and ``args`` picklable."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if not self.alive:
                 raise ShuttingDown()
-            self._calls.append((fn, fut))
+            self._calls.append(((fn, args), fut))
             self._cv.notify()
         return asyncio.wrap_future(fut)
 
@@ -214,6 +232,12 @@ class EngineBridge:
             self._flush()
 
     def pending(self) -> bool:  # Feed
+        value = self._pending()
+        if self.lockstep is not None:
+            self.lockstep.send(pending_message(value))
+        return value
+
+    def _pending(self) -> bool:
         if self._new or self._cancel or self._calls or self._stop:
             return True
         # a light batch: no chunk queued behind the running one (read without the lock: a
@@ -227,23 +251,35 @@ class EngineBridge:
         else:
             self.flush()
         self._note_pool()  # before a wait: the gauges show the pool as it is while idle
+        # the followers wait in a collective meanwhile: answer them before the group's timeout
+        beat = time.monotonic() + self.lockstep.heartbeat_s if self.lockstep else None
         with self._cv:
             while idle and not (self._new or self._cancel or self._calls or self._stop):
-                self._cv.wait(timeout=1.0)
+                wait = 1.0 if beat is None else beat - time.monotonic()
+                if wait <= 0:
+                    break  # an empty poll: the engine asks again
+                self._cv.wait(timeout=min(wait, 1.0))
             if self._new and self.admit_gap_s:
                 self._gather()
-            if self._stop:
-                return None
-            handles, self._new = self._new, []
-            cancel, self._cancel = self._cancel, []
+            stop = self._stop
+            if not stop:
+                handles, self._new = self._new, []
+                cancel, self._cancel = self._cancel, []
+        if stop:
+            if self.lockstep is not None:  # outside the lock: the event loop goes on meanwhile
+                self.lockstep.send(STOP)
+            return None
         now = time.perf_counter()
         new = []
         for h in handles:
             h.taken = now
             new.append((h.key, h.request))
-        for fn, fut in self._take_calls():
+        calls = self._take_calls()
+        if self.lockstep is not None:
+            self.lockstep.send(poll_message(new, cancel, [c for c, _ in calls]))
+        for call, fut in calls:
             try:
-                fut.set_result(fn())
+                fut.set_result(run_call(self.generator.model, call))
             except BaseException as e:  # the caller's error, not the engine's
                 fut.set_exception(e)
         if new or not idle:

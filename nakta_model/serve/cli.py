@@ -3,18 +3,26 @@
     nakta-serve --checkpoint CKPT                        # http://127.0.0.1:8000/v1
     nakta-serve --checkpoint CKPT --api-key KEY --port 8080 --quant fp8
     python -m nakta_model.serve --random 7B --tokenizer llama_tokenizer.model   # speed runs
+    torchrun --nproc_per_node 2 -m nakta_model.serve --checkpoint CKPT_TP2 --tp 2  # 2 GPUs
 
 Binds 127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` takes a free port. Once it
 serves it prints ``nakta-serve: listening on http://HOST:PORT`` on stderr. SIGTERM or Ctrl-C:
 no new connections, the running requests finish (at most ``--drain-s`` seconds, then they are
 cancelled), exit status 0. Prompts are not logged unless ``--log-prompts``. Every bad argument is
 one ``error:`` line, exit 2.
+
+Under ``torchrun`` (tp = the number of processes; ``--tp`` may say it again) every rank loads
+its shard and runs the same engine in lockstep; rank 0 alone serves HTTP and decides what every
+rank's engine does next (``lockstep``). SIGTERM to rank 0 (or torchrun's to every rank: only
+rank 0 acts on it) stops every rank, exit status 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ if not __package__:  # run by path: import from the repo root
 from nakta_model.cli import (
     InputError,
     OneLineArgumentParser,
+    checked_on_every_rank,
     checkpoint_errors,
     checkpoint_tokenizer_path,
     exit_on_input_error,
@@ -40,6 +49,10 @@ _DTYPES = ("bf16", "fp16", "fp32")
 # it launches (an eager prefill: hundreds), so at Python's 5 ms a busy event loop could hold
 # each launch back by up to 5 ms. Shorter costs a forced switch now and then while both run.
 SWITCH_INTERVAL_MS = 0.5
+# Tensor parallel: a collective (the model's, or the ranks' control messages) that waits this
+# long ends the rank. An idle server never does (rank 0 answers its followers every few
+# seconds); a first kernel compile between two collectives may take a while on a cold cache.
+DIST_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,8 @@ class ServeSettings:
     defer_rows: int
     pipeline_rows: int | None
     admit_gap_s: float
+    tp: int = 1
+    dist_timeout_s: float = DIST_TIMEOUT_S
 
 
 def parse_args(argv: list[str] | None = None) -> ServeSettings:
@@ -83,7 +98,14 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="0: a free port")
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 routes")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only 1 for now)")
+    p.add_argument(
+        "--tp", type=int, help="tensor-parallel size: the processes torchrun started (default: "
+        "its WORLD_SIZE, else 1); each rank loads its shard, rank 0 serves HTTP"
+    )  # fmt: skip
+    p.add_argument(
+        "--dist-timeout-s", type=float, default=DIST_TIMEOUT_S, help="tensor parallel: a "
+        f"collective that waits this long ends the rank (default {DIST_TIMEOUT_S:.0f})"
+    )  # fmt: skip
     p.add_argument("--dtype", choices=_DTYPES, help="default: bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when present)")
     p.add_argument("--quant", choices=["fp8"], help="fp8 weights (opt-in; GPU cc >= 8.9)")
@@ -132,8 +154,13 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         "(0: off, the default)"
     )  # fmt: skip
     a = p.parse_args(argv)
-    if a.tp != 1:
-        p.error(f"--tp {a.tp}: nakta-serve runs one GPU for now (tensor parallel is not wired)")
+    tp = _world_size() if a.tp is None else a.tp  # != the world: refused by parallel.launch
+    if tp < 1:
+        p.error(f"--tp must be >= 1, got {tp}")
+    if tp > 1 and a.device and ":" in a.device:
+        p.error(f"--device {a.device}: with --tp {tp} each rank takes GPU LOCAL_RANK; give cuda")
+    if not a.dist_timeout_s > 0:
+        p.error(f"--dist-timeout-s must be > 0, got {a.dist_timeout_s}")
     if not 0 <= a.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {a.port}")
     for name in ("max_queue", "chunk", "min_chunk", "max_body_bytes"):
@@ -164,21 +191,41 @@ def parse_args(argv: list[str] | None = None) -> ServeSettings:
         a.device, a.quant, a.max_batch or 0, a.max_queue, a.chunk, a.min_chunk, a.max_body_bytes,
         a.drain_s, a.warmup, a.log_prompts, not a.no_access_log, a.seed,
         a.switch_interval_ms / 1e3, a.prefill_burst, a.defer_flush_rows, a.pipeline_rows,
-        a.admit_gap_ms / 1e3,
+        a.admit_gap_ms / 1e3, tp, a.dist_timeout_s,
     )  # fmt: skip
 
 
-def _load(s: ServeSettings):
-    """(model, tokenizer, device): the model built once, the tokenizer checked against it."""
+def _world_size() -> int:
+    """The processes torchrun started (``WORLD_SIZE``), else 1."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+@dataclass
+class _Prepared:
+    """What :func:`_prepare` found before any weight is read."""
+
+    args: object  # ModelArgs
+    tokenizer: object
+    sock: socket.socket | None  # rank 0's bound socket (not listening yet)
+
+
+def _dtype(s: ServeSettings, device):
     import torch
 
-    from nakta_model.generate import _device
-    from nakta_model.tokenizer import Tokenizer
-
-    device = _device(s.device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         s.dtype or ("bf16" if device.type == "cuda" else "fp32")
     ]
+
+
+def _prepare(s: ServeSettings, device, leader: bool) -> _Prepared:
+    """Every check that needs no weights (the model's shape, the tokenizer against it, the
+    device's verdict on ``--quant``), and on the serving rank the socket bound: a bad argument
+    or a taken port is refused before the weights are read."""
+    from nakta_model.tokenizer import Tokenizer
+
     if s.quant:
         from nakta_model.fp8 import check_fp8_device
 
@@ -188,59 +235,83 @@ def _load(s: ServeSettings):
             raise InputError(f"--quant {s.quant}: {e}") from None
     if s.random:
         from nakta_model.config import preset
-        from nakta_model.loading import random_model
 
         try:
             args = preset(s.random)
         except ValueError as e:
             raise InputError(f"--random: {e}") from None
         tok_path = checkpoint_tokenizer_path(None, s.tokenizer)
-        model = random_model(args, device, dtype, seed=s.seed, quant=s.quant)
     else:
-        from nakta_model.loading import checkpoint_args, load
+        from nakta_model.loading import checkpoint_args
 
         require_checkpoint(s.checkpoint)
         with checkpoint_errors(s.checkpoint):
             args = checkpoint_args(s.checkpoint)
         tok_path = checkpoint_tokenizer_path(s.checkpoint, s.tokenizer, vocab_size=args.vocab_size)
-        with checkpoint_errors(s.checkpoint):
-            model = load(s.checkpoint, device, dtype, quant=s.quant)
     try:
         tok = Tokenizer(tok_path)
     except (OSError, RuntimeError, ValueError) as e:
         raise InputError(f"--tokenizer {tok_path}: not a SentencePiece model ({e})") from e
-    if tok.n_words > model.args.vocab_size:
+    if tok.n_words > args.vocab_size:
         raise InputError(
             f"--tokenizer {tok_path} has {tok.n_words} pieces, more than the model's "
-            f"vocab_size {model.args.vocab_size}"
+            f"vocab_size {args.vocab_size}"
         )
-    return model, tok, device
+    return _Prepared(args, tok, _bind(s) if leader else None)
 
 
-def build(s: ServeSettings):
-    """(app, bridge): the model loaded, the engine thread started, the app over it."""
-    import torch
+def _bind(s: ServeSettings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((s.host, s.port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"--host {s.host} --port {s.port}: cannot bind ({e})") from None
+    return sock
 
+
+def _load_model(s: ServeSettings, args, device, parallel=None):
+    """This rank's model (its shard under tensor parallelism)."""
+    dtype = _dtype(s, device)
+    if s.random:
+        from nakta_model.loading import random_model
+
+        return random_model(args, device, dtype, seed=s.seed, parallel=parallel, quant=s.quant)
+    from nakta_model.loading import load
+
+    with checkpoint_errors(s.checkpoint):
+        return load(s.checkpoint, device, dtype, parallel, quant=s.quant)
+
+
+def _generator(s: ServeSettings, model, tok):
+    """The engine, built alike on every rank (and warmed up alike: the same collectives)."""
     from nakta_model.generation.engine import Generator, max_rows
-    from nakta_model.serve.app import ServerState, create_app
-    from nakta_model.serve.bridge import EngineBridge
-    from nakta_model.serve.metrics import Metrics
 
-    torch.manual_seed(s.seed)
-    model, tok, device = _load(s)
-    max_batch = s.max_batch or (256 if device.type == "cuda" else 8)
+    max_batch = s.max_batch or (256 if model.device.type == "cuda" else 8)
     if max_batch > max_rows():
         raise InputError(f"--max-batch {max_batch}: at most {max_rows()} rows decode at once")
     gen = Generator(
         model, max_batch=max_batch, chunk=s.chunk, min_chunk=s.min_chunk,
         prefill_burst=s.prefill_burst,
     )  # fmt: skip
-    if s.warmup if s.warmup is not None else device.type == "cuda":
+    if s.warmup if s.warmup is not None else model.device.type == "cuda":
         _warm_up(gen, tok)
+    return gen
+
+
+def build(s: ServeSettings, model, tok, lockstep=None):
+    """(app, bridge): the engine thread started over ``model``, the app over it."""
+    from nakta_model.serve.app import ServerState, create_app
+    from nakta_model.serve.bridge import EngineBridge
+    from nakta_model.serve.metrics import Metrics
+
+    gen = _generator(s, model, tok)
     metrics = Metrics()
-    pipeline_rows = max_batch // 4 if s.pipeline_rows is None else s.pipeline_rows
+    pipeline_rows = gen.max_batch // 4 if s.pipeline_rows is None else s.pipeline_rows
     bridge = EngineBridge(
-        gen, metrics, s.max_queue, s.defer_rows, pipeline_rows, s.admit_gap_s
+        gen, metrics, s.max_queue, s.defer_rows, pipeline_rows, s.admit_gap_s, lockstep
     )  # fmt: skip
     bridge.start()
     state = ServerState(
@@ -264,19 +335,31 @@ def _warm_up(gen, tok) -> None:
 
 
 def serve(s: ServeSettings) -> int:
-    import uvicorn
+    """One process: load, serve until SIGTERM / Ctrl-C."""
+    import torch
+
+    from nakta_model.generate import _device
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    sys.setswitchinterval(s.switch_interval_s)
-    app, bridge = build(s)
-    family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    device = _device(s.device)
+    prep = _prepare(s, device, leader=True)
     try:
-        sock.bind((s.host, s.port))
-    except OSError as e:
-        bridge.stop(0)
-        raise InputError(f"--host {s.host} --port {s.port}: cannot bind ({e})") from None
+        torch.manual_seed(s.seed)
+        model = _load_model(s, prep.args, device)
+        return _run_http(s, model, prep)
+    finally:
+        prep.sock.close()
+
+
+def _run_http(s: ServeSettings, model, prep: _Prepared, lockstep=None) -> int:
+    """Rank 0 (or the one process): the engine thread and uvicorn over ``prep.sock``. Under
+    tensor parallelism a failed engine stops the server (the other ranks cannot go on
+    without it): exit status 1."""
+    import uvicorn
+
+    sys.setswitchinterval(s.switch_interval_s)
+    app, bridge = build(s, model, prep.tokenizer, lockstep)
+    sock = prep.sock
     sock.listen(4096)  # connections queue from now on, before uvicorn accepts them
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
@@ -287,13 +370,74 @@ def serve(s: ServeSettings) -> int:
         backlog=4096,
     )
     server = _Server(config)
+    if lockstep is not None:
+        server.stop_when = lambda: bridge.error is not None
     print(f"nakta-serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:
         bridge.stop(drain_s=min(s.drain_s, 5.0))
+    if lockstep is not None and bridge.error is not None:
+        print(f"nakta-serve: the engine failed ({bridge.error}); every rank stops", file=sys.stderr)
+        return 1
     print("nakta-serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _serve_rank(s: ServeSettings, parallel) -> int:
+    """One rank of a tensor-parallel server (under ``parallel.launch``): rank 0 serves HTTP, the
+    others follow its engine (``lockstep``). Bad input found on any rank is the same ``error:``
+    line on rank 0 and exit status 2 on every rank."""
+    import torch
+
+    from nakta_model.parallel import ParallelConfigError
+    from nakta_model.serve.lockstep import Lockstep
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    lockstep = Lockstep(s.dist_timeout_s)
+    prep = checked_on_every_rank(_prepare, s, parallel.device, parallel.is_leader)
+    try:
+        torch.manual_seed(s.seed)  # the same sampling draws on every rank
+        try:
+            model = _load_model(s, prep.args, parallel.device, parallel)
+            if parallel.is_leader:
+                n = parallel.tp_size
+                others = "rank 1 follows" if n == 2 else f"ranks 1-{n - 1} follow"
+                print(
+                    f"nakta-serve: tp={n}: rank 0 (pid {os.getpid()}) serves, {others} its engine",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return _run_http(s, model, prep, lockstep)
+            return _follow(s, model, prep.tokenizer, lockstep, parallel)
+        except InputError as e:  # every rank meets the same (a bad --max-batch, a load error)
+            raise ParallelConfigError(str(e)) from e
+    finally:
+        if prep.sock is not None:
+            prep.sock.close()
+
+
+def _follow(s: ServeSettings, model, tok, lockstep, parallel) -> int:
+    """A rank other than 0: run the engine on rank 0's answers until rank 0 says stop. SIGTERM
+    and SIGINT (torchrun's, a terminal's Ctrl-C) are left to rank 0, which drains the rows
+    and then stops every rank; a rank 0 that died ends this rank's next collective at once."""
+    import torch
+
+    from nakta_model.serve.lockstep import FollowerFeed
+
+    gen = _generator(s, model, tok)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _left_to_rank_0)
+    feed = FollowerFeed(lockstep, model, tok)
+    with torch.inference_mode():
+        gen.generate([], feed=feed)
+    print(f"nakta-serve: rank {parallel.rank} stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _left_to_rank_0(sig, frame) -> None:
+    log = logging.getLogger("nakta.serve")
+    log.info("signal %d: rank 0 stops every rank once its rows drain", sig)
 
 
 def _server_class():
@@ -306,6 +450,13 @@ def _server_class():
         """uvicorn's server, but SIGTERM / SIGINT only start the graceful shutdown: uvicorn
         re-raises the signal once it is done, which would end the process with -15 instead of
         the exit status 0 a supervisor expects from a clean stop."""
+
+        stop_when = None  # a callable: True ends the server as a signal would
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.stop_when is not None and self.stop_when():
+                self.should_exit = True
+            return await super().on_tick(counter)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -328,7 +479,15 @@ def _Server(config):
 
 def main(argv: list[str] | None = None) -> None:
     s = parse_args(argv)
-    raise SystemExit(exit_on_input_error(serve, s))
+    if s.tp == 1 and _world_size() == 1:
+        raise SystemExit(exit_on_input_error(serve, s))
+    from nakta_model.parallel import launch
+
+    code = launch(
+        lambda parallel: _serve_rank(s, parallel), s.tp, 1, device=s.device,
+        timeout_s=s.dist_timeout_s,
+    )  # fmt: skip
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
