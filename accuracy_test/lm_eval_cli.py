@@ -41,10 +41,12 @@ replica's share), and ``generate_until``'s answers with their tokens (``generate
 nakta also its engine's counters, ``generate_until.engine``); on CUDA ``cuda_memory``: the
 allocator's peak allocated / reserved bytes over the run and per request method.
 
-Task index: lm-eval always indexes its ~10k built-in task files before it runs anything (16 s
+Task index: lm-eval always indexes its ~14k built-in task files before it runs anything (11-16 s
 per run on a slow CPU) and has no flag to skip that. When every task asked for is defined under
-``--include_path``, this entry indexes those folders only; ``NAKTA_LM_EVAL_LOCAL_TASKS=1`` forces
-that, ``=0`` turns it off.
+``--include_path``, this entry indexes those folders only; otherwise (a task only lm-eval has)
+the built-in folder's index is read from a cache file kept while its files are unchanged
+(``lm_eval_task_index``: the same entries, about 0.7 s). ``NAKTA_LM_EVAL_LOCAL_TASKS=1`` forces
+the local index, ``=0`` turns both off (lm-eval builds its whole index).
 
 Prompt templates: lm-eval compiles a task's Jinja template (``doc_to_text`` etc.) again for
 every document it renders, shots included (``lm_eval.utils.apply_template``; lm-eval issue
@@ -70,10 +72,11 @@ credits Nakta with none of them. One is Nakta's own: a ``nakta`` checkpoint's we
 rank's shard under ``tp``/``dp``) start streaming onto the GPU as this entry starts, read from the
 command line before lm-eval's own imports (with a ``--config`` file: when lm-eval has built the
 run's configuration), and the model's load takes them (``lm_eval_preload``;
-``NAKTA_LM_EVAL_PRELOAD=0`` turns it off). Another: when lm-eval's ``evaluate`` starts on a
-task that scores, the model's scorer warms up (``start_warm_up``: Triton's kernels, cuBLAS) on a
-thread while lm-eval builds the requests on the main one, and the first request waits for what
-is left (``NAKTA_LM_EVAL_PRELOAD=0`` turns both off).
+``NAKTA_LM_EVAL_PRELOAD=0`` turns it off). Another: the model's scorer warms up
+(``start_warm_up``: Triton's kernels, cuBLAS) on a thread as soon as lm-eval has constructed the
+model when lm-eval's task index says a requested task scores (else when ``evaluate`` starts on
+one), while lm-eval loads the documents and builds the requests on the main thread; the first
+request waits for what is left (``NAKTA_LM_EVAL_PRELOAD=0`` turns both off).
 """
 
 from __future__ import annotations
@@ -151,6 +154,15 @@ def _only_local_tasks(args: argparse.Namespace) -> bool:
         tasks = tasks.split(",")
     local = local_task_names(getattr(args, "include_path", None))
     return bool(tasks) and all(t in local for t in tasks)
+
+
+def _index_choice(args: argparse.Namespace) -> str:
+    """How this run's ``TaskManager`` indexes tasks: ``"local"`` (only ``--include_path``),
+    ``"cached"`` (lm-eval's built-ins from the on-disk cache, plus ``--include_path``) or
+    ``"lm_eval"`` (as lm-eval builds it: ``NAKTA_LM_EVAL_LOCAL_TASKS=0``)."""
+    if _only_local_tasks(args):
+        return "local"
+    return "lm_eval" if knobs.get_bool(LOCAL_TASKS_ENV) is False else "cached"
 
 
 def index_local_tasks_only() -> None:
@@ -258,6 +270,105 @@ def scorer_warmed_during_request_build() -> Iterator[None]:
         yield
     finally:
         evaluator.evaluate = evaluate
+
+
+@contextlib.contextmanager
+def scorer_warmed_from_construction() -> Iterator[None]:
+    """Inside the block, a model with ``start_warm_up`` (``nakta``) starts its scorer's warm-up
+    as soon as lm-eval has constructed it, when lm-eval's task index already says that a
+    requested task scores: the warm-up then runs beside lm-eval loading the tasks' documents as
+    well as building the requests (:func:`scorer_warmed_during_request_build` starts it only at
+    ``evaluate``). Tasks the index cannot tell (a yaml path, an inline config, a Python task, no
+    ``output_type``) leave it to ``evaluate``'s start, as before."""
+    import lm_eval.api.registry as registry
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    found: dict = {}
+    process_tasks = EvaluatorConfig.__dict__["process_tasks"]
+    get_model = registry.get_model
+
+    def process_tasks_noted(self, *a, **kw):
+        manager = process_tasks(self, *a, **kw)
+        found["types"] = requested_output_types(manager, getattr(self, "tasks", None))
+        return manager
+
+    def get_model_warming(name: str):
+        cls = get_model(name)
+        types = found.get("types")
+        if types is None or not SCORING_OUTPUT_TYPES & types:
+            return cls
+        return _WarmingModelFactory(cls)
+
+    EvaluatorConfig.process_tasks = process_tasks_noted
+    registry.get_model = get_model_warming
+    try:
+        yield
+    finally:
+        EvaluatorConfig.process_tasks = process_tasks
+        registry.get_model = get_model
+
+
+class _WarmingModelFactory:
+    """Stands in for the model class ``get_model`` returns; starts the constructed model's
+    warm-up (when it has one)."""
+
+    def __init__(self, cls: type):
+        self._cls = cls
+
+    def __getattr__(self, name: str):
+        return getattr(self._cls, name)
+
+    def _warming(self, method: str, *a, **kw):
+        lm = getattr(self._cls, method)(*a, **kw)
+        start = getattr(lm, "start_warm_up", None)
+        if callable(start):
+            start()
+        return lm
+
+    def create_from_arg_obj(self, *a, **kw):
+        return self._warming("create_from_arg_obj", *a, **kw)
+
+    def create_from_arg_string(self, *a, **kw):
+        return self._warming("create_from_arg_string", *a, **kw)
+
+
+def requested_output_types(manager: object, tasks: object) -> set[str] | None:
+    """The ``output_type`` of every task ``tasks`` (lm-eval's matched names) stands for, read
+    from ``manager``'s index (groups and tags expanded), or None where any of them cannot be
+    told from the index alone."""
+    from lm_eval.tasks._index import Kind
+
+    index = getattr(manager, "task_index", None)
+    if not isinstance(index, dict) or not isinstance(tasks, (list, tuple)) or not tasks:
+        return None
+    types: set[str] = set()
+    stack, seen = list(tasks), set()
+    while stack:
+        name = stack.pop()
+        if not isinstance(name, str):
+            return None  # an inline config
+        if name in seen:
+            continue
+        seen.add(name)
+        entry = index.get(name)
+        if entry is None:
+            return None
+        if entry.kind is Kind.TASK:
+            output_type = (entry.cfg or {}).get("output_type")
+            if not isinstance(output_type, str):
+                return None  # lm-eval's default decides: not read here
+            types.add(output_type)
+        elif entry.kind is Kind.GROUP:
+            members = (entry.cfg or {}).get("task")
+            members = [members] if isinstance(members, str) else members
+            if not isinstance(members, list):
+                return None
+            stack.extend(members)
+        elif entry.kind is Kind.TAG:
+            stack.extend(sorted(entry.tags))
+        else:
+            return None  # a Python task
+    return types
 
 
 def _output_types(tree: object) -> set[str]:
@@ -619,10 +730,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if getattr(args, "command", None) == "run" and (error := task_data_error(args)):
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
-    if getattr(args, "command", None) == "run" and _only_local_tasks(args):
+    index = _index_choice(args) if getattr(args, "command", None) == "run" else "lm_eval"
+    if index == "local":
         index_local_tasks_only()
     timing_path = knobs.get_path(TIMING_ENV)
     with contextlib.ExitStack() as fixes:
+        if index == "cached":
+            from accuracy_test.lm_eval_task_index import builtin_index_cached
+
+            fixes.enter_context(builtin_index_cached())
         fixes.enter_context(device_left_to_our_models())  # first: the preload reads the device
         if _env_flag(TEMPLATE_CACHE_ENV):
             fixes.enter_context(cached_prompt_templates())
@@ -640,6 +756,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         if timing_path:
             timed = fixes.enter_context(timing(timing_path))
+        if _env_flag(PRELOAD_ENV):  # after the timing hook: its model_end comes first
+            fixes.enter_context(scorer_warmed_from_construction())
         try:
             parser.execute(args)
         except ValueError as e:

@@ -52,8 +52,9 @@ KNOBS: dict[str, Knob] = {
              "nakta-lm-eval writes its phase timings (JSON) there; rank N > 0 writes "
              "PATH.rankN.json"),
         Knob("NAKTA_LM_EVAL_LOCAL_TASKS", bool, None,
-             "1: nakta-lm-eval indexes only --include_path tasks, 0: lm-eval's whole index; "
-             "unset: only when every requested task is local"),
+             "1: nakta-lm-eval indexes only --include_path tasks, 0: lm-eval's whole index as "
+             "lm-eval builds it; unset: only local when every requested task is, else the "
+             "built-in index from the on-disk cache"),
         Knob("NAKTA_LM_EVAL_TEMPLATE_CACHE", bool, True,
              "nakta-lm-eval compiles each prompt template once (0: lm-eval's own per-document "
              "compile)"),

@@ -95,8 +95,8 @@ BREAKDOWN_SPANS = (
     ("model_build_s", "model_start", "model_end"),  # constructor: process group, tokenizer, load
     ("tasks_load_s", "tasks_load_start", "tasks_load_end"),  # lm-eval loads the task's docs
     ("requests_build_s", "evaluate_start", "first_request"),  # lm-eval builds the requests
-    # the scorer's kernels ready (on a thread from evaluate's start: warm_up_wait_s is what the
-    # first request still waited for it)
+    # the scorer's kernels ready (on a thread from the model's construction, or evaluate's
+    # start: warm_up_wait_s is what the first request still waited for it)
     ("warm_up_s", "load_warm_up_start", "load_warm_up_end"),
     ("after_last_answer_s", "last_request_end", "exit"),  # metrics, results, env report
 )

@@ -388,8 +388,10 @@ def test_a_run_records_every_phase_in_order(local_run, shared_data, tmp_path, mo
     ev = t["events"]
     assert [ev[name] for name in ORDER] == sorted(ev[name] for name in ORDER), ev
     assert ev["process_start"] < 0
-    # the scorer warms up on a thread from evaluate's start, done before the last answer
-    assert ev["evaluate_start"] <= ev["load_warm_up_start"] <= ev["load_warm_up_end"]
+    # the scorer warms up on a thread from the model's construction (the index says the task
+    # scores), before lm-eval loads the docs, done before the last answer
+    assert ev["model_end"] <= ev["load_warm_up_start"] <= ev["tasks_load_start"]
+    assert ev["load_warm_up_start"] <= ev["load_warm_up_end"]
     assert ev["load_warm_up_end"] <= ev["last_request_end"]
     b = rank_breakdown(t)
     assert all(b[k] is not None and b[k] >= 0 for k in BREAKDOWN_KEYS if k not in (
