@@ -283,13 +283,17 @@ def scorer_warmed_from_construction() -> Iterator[None]:
     import lm_eval.api.registry as registry
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
+    from accuracy_test import lm_eval_task_index
+
     found: dict = {}
     process_tasks = EvaluatorConfig.__dict__["process_tasks"]
     get_model = registry.get_model
 
     def process_tasks_noted(self, *a, **kw):
         manager = process_tasks(self, *a, **kw)
-        found["types"] = requested_output_types(manager, getattr(self, "tasks", None))
+        found["types"] = lm_eval_task_index.requested_output_types(
+            manager, getattr(self, "tasks", None)
+        )
         return manager
 
     def get_model_warming(name: str):
@@ -330,45 +334,6 @@ class _WarmingModelFactory:
 
     def create_from_arg_string(self, *a, **kw):
         return self._warming("create_from_arg_string", *a, **kw)
-
-
-def requested_output_types(manager: object, tasks: object) -> set[str] | None:
-    """The ``output_type`` of every task ``tasks`` (lm-eval's matched names) stands for, read
-    from ``manager``'s index (groups and tags expanded), or None where any of them cannot be
-    told from the index alone."""
-    from lm_eval.tasks._index import Kind
-
-    index = getattr(manager, "task_index", None)
-    if not isinstance(index, dict) or not isinstance(tasks, (list, tuple)) or not tasks:
-        return None
-    types: set[str] = set()
-    stack, seen = list(tasks), set()
-    while stack:
-        name = stack.pop()
-        if not isinstance(name, str):
-            return None  # an inline config
-        if name in seen:
-            continue
-        seen.add(name)
-        entry = index.get(name)
-        if entry is None:
-            return None
-        if entry.kind is Kind.TASK:
-            output_type = (entry.cfg or {}).get("output_type")
-            if not isinstance(output_type, str):
-                return None  # lm-eval's default decides: not read here
-            types.add(output_type)
-        elif entry.kind is Kind.GROUP:
-            members = (entry.cfg or {}).get("task")
-            members = [members] if isinstance(members, str) else members
-            if not isinstance(members, list):
-                return None
-            stack.extend(members)
-        elif entry.kind is Kind.TAG:
-            stack.extend(sorted(entry.tags))
-        else:
-            return None  # a Python task
-    return types
 
 
 def _output_types(tree: object) -> set[str]:

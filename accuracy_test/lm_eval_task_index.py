@@ -186,3 +186,42 @@ def builtin_index_cached(
         yield
     finally:
         TaskIndex.build = original
+
+
+def requested_output_types(manager: object, tasks: object) -> set[str] | None:
+    """The ``output_type`` of every task ``tasks`` (lm-eval's matched names) stands for, read
+    from ``manager``'s index (groups and tags expanded), or None where any of them cannot be
+    told from the index alone."""
+    from lm_eval.tasks._index import Kind
+
+    index = getattr(manager, "task_index", None)
+    if not isinstance(index, dict) or not isinstance(tasks, (list, tuple)) or not tasks:
+        return None
+    types: set[str] = set()
+    stack, seen = list(tasks), set()
+    while stack:
+        name = stack.pop()
+        if not isinstance(name, str):
+            return None  # an inline config
+        if name in seen:
+            continue
+        seen.add(name)
+        entry = index.get(name)
+        if entry is None:
+            return None
+        if entry.kind is Kind.TASK:
+            output_type = (entry.cfg or {}).get("output_type")
+            if not isinstance(output_type, str):
+                return None  # lm-eval's default decides: not read here
+            types.add(output_type)
+        elif entry.kind is Kind.GROUP:
+            members = (entry.cfg or {}).get("task")
+            members = [members] if isinstance(members, str) else members
+            if not isinstance(members, list):
+                return None
+            stack.extend(members)
+        elif entry.kind is Kind.TAG:
+            stack.extend(sorted(entry.tags))
+        else:
+            return None  # a Python task
+    return types

@@ -503,31 +503,44 @@ def test_a_changed_file_rebuilds_the_index(tmp_path):
     assert cached_index(root, BUILD, cache)["a"].cfg["dataset_path"] == "csv"
 
 
-def test_build_warnings_are_logged_again_from_the_cache(tmp_path, caplog):
+@pytest.fixture
+def index_log(caplog):
+    """caplog on lm-eval's index logger itself: an lm-eval run earlier in the process (its
+    ``setup_logging``) may have stopped ``lm_eval`` records from reaching the root logger."""
+    log = logging.getLogger("lm_eval.tasks._index")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="lm_eval.tasks._index"):
+            yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+
+
+def test_build_warnings_are_logged_again_from_the_cache(tmp_path, index_log):
     root, cache = tmp_path / "tasks", tmp_path / "cache"
     _write(root, "a.yaml", "task: same\ndataset_path: json\n")
     _write(root, "b.yaml", "task: same\ndataset_path: csv\n")
-    with caplog.at_level(logging.WARNING, logger="lm_eval.tasks._index"):
-        built = cached_index(root, BUILD, cache)
-        logged = [r.getMessage() for r in caplog.records]
-        caplog.clear()
-        again = cached_index(root, BUILD, cache)
-        replayed = [r.getMessage() for r in caplog.records]
+    caplog = index_log
+    built = cached_index(root, BUILD, cache)
+    logged = [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    again = cached_index(root, BUILD, cache)
+    replayed = [r.getMessage() for r in caplog.records]
     assert again == built and built["same"].cfg["dataset_path"] == "json"  # the first wins
     assert logged and replayed == logged and "Duplicate task name 'same'" in logged[0]
 
 
-def test_include_path_overrides_the_builtins_as_lm_eval_merges(tmp_path, caplog):
+def test_include_path_overrides_the_builtins_as_lm_eval_merges(tmp_path, index_log):
     builtin, mine, cache = tmp_path / "builtin", tmp_path / "mine", tmp_path / "cache"
     _write(builtin, "x.yaml", "task: x\ndataset_path: json\n")
     _write(builtin, "y.yaml", "task: y\ndataset_path: json\n")
     _write(mine, "x.yaml", "task: x\ndataset_path: csv\n")
-    with caplog.at_level(logging.WARNING, logger="lm_eval.tasks._index"):
-        ref = BUILD([builtin, mine])
-        ref_log = [r.getMessage() for r in caplog.records]
-        caplog.clear()
-        got = merged_build(BUILD, [builtin, mine], builtin, cache)
-        got_log = [r.getMessage() for r in caplog.records]
+    caplog = index_log
+    ref = BUILD([builtin, mine])
+    ref_log = [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    got = merged_build(BUILD, [builtin, mine], builtin, cache)
+    got_log = [r.getMessage() for r in caplog.records]
     assert list(got) == list(ref) and got == ref and got["x"].cfg["dataset_path"] == "csv"
     assert got_log == ref_log and "overrides existing task" in got_log[0]
 

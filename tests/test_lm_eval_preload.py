@@ -14,6 +14,9 @@ import types
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("lm_eval")
+
 from checkpoint_factory import TINY_PARAMS, train_tiny_tokenizer, write_meta_checkpoint  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.config.evaluate_config import EvaluatorConfig  # noqa: E402
@@ -21,11 +24,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import nakta_model.prefetch  # noqa: E402
 from accuracy_test import lm_eval_adapter as adapter  # noqa: E402
-from accuracy_test import (
-    lm_eval_cli,  # noqa: E402
-    lm_eval_preload,  # noqa: E402
-)
-from accuracy_test.lm_eval_preload import (  # noqa: E402  # noqa: E402
+from accuracy_test import lm_eval_cli, lm_eval_preload, lm_eval_task_index  # noqa: E402
+from accuracy_test.lm_eval_preload import (  # noqa: E402
     command_line_model,
     constructor_kwargs,
     model_preloaded,
@@ -34,8 +34,6 @@ from accuracy_test.lm_eval_preload import (  # noqa: E402  # noqa: E402
     start_early,
 )
 from nakta_model import scoring  # noqa: E402
-
-pytest.importorskip("lm_eval")
 
 
 def _nakta_dir(root, tp_size: int = 1, manifest: bool = True):
@@ -435,7 +433,7 @@ def manager(tmp_path_factory):
 
 
 def test_output_types_come_from_the_index(manager):
-    types = lm_eval_cli.requested_output_types
+    types = lm_eval_task_index.requested_output_types
     assert types(manager, ["hellaswag_local"]) == {"multiple_choice"}
     assert types(manager, ["gsm8k_shaped_local"]) == {"generate_until"}
     assert types(manager, ["mixed"]) == {"multiple_choice", "generate_until"}  # a group
