@@ -395,26 +395,34 @@ def time_point(shape, batch: int, cands, device, copy_gbps: float) -> list[dict]
 # ------------------------------------------------------------------------------- results
 
 
+def _best_per_point(
+    df: pd.DataFrame, point: str, peer: str, knobs: Sequence[str], carry: Sequence[str] = ()
+) -> list[dict]:
+    """Per (kind, ``point``): the fastest kernel config (the default included), with the
+    default's and the ``peer`` path's numbers beside it (both tuners' result rows)."""
+    out = []
+    for (kind, at), grp in df.groupby(["kind", point], sort=False):
+        ok = grp[(grp["path"] != peer) & (grp["status"] == "ok") & grp["us"].notna()]
+        if ok.empty:
+            continue
+        best = ok.loc[ok["us"].idxmin()]
+        default = grp[grp["path"] == "default"].iloc[0]
+        ref = grp[grp["path"] == peer].iloc[0]
+        out.append({"kind": kind, **{c: best[c] for c in carry}, "N": int(best["N"]),
+                    "K": int(best["K"]), point: int(at),
+                    "config": {k: int(best[k]) for k in knobs}, "us": float(best["us"]),
+                    "pct_copy_bw": float(best["pct_copy_bw"]),
+                    "default_pct_copy_bw": float(default["pct_copy_bw"]),
+                    f"{peer}_pct_copy_bw": float(ref["pct_copy_bw"]),
+                    f"speedup_vs_{peer}": float(ref["us"] / best["us"]),
+                    f"default_speedup_vs_{peer}": float(ref["us"] / default["us"])})  # fmt: skip
+    return out
+
+
 def best_per_point(df: pd.DataFrame) -> list[dict]:
     """Per (kind, batch): the fastest FP8 config (the default included), with the default's
     and bf16's numbers beside it."""
-    out = []
-    for (kind, batch), grp in df.groupby(["kind", "batch"], sort=False):
-        fp8 = grp[(grp["path"] != "bf16") & (grp["status"] == "ok") & grp["us"].notna()]
-        if fp8.empty:
-            continue
-        best = fp8.loc[fp8["us"].idxmin()]
-        default = grp[grp["path"] == "default"].iloc[0]
-        bf16 = grp[grp["path"] == "bf16"].iloc[0]
-        out.append({"kind": kind, "variant": best["variant"], "N": int(best["N"]),
-                    "K": int(best["K"]), "batch": int(batch),
-                    "config": {k: int(best[k]) for k in KNOBS}, "us": float(best["us"]),
-                    "pct_copy_bw": float(best["pct_copy_bw"]),
-                    "default_pct_copy_bw": float(default["pct_copy_bw"]),
-                    "bf16_pct_copy_bw": float(bf16["pct_copy_bw"]),
-                    "speedup_vs_bf16": float(bf16["us"] / best["us"]),
-                    "default_speedup_vs_bf16": float(bf16["us"] / default["us"])})  # fmt: skip
-    return out
+    return _best_per_point(df, "batch", "bf16", KNOBS, carry=("variant",))
 
 
 def update_configs(path: Path, family: str, device_name: str, best: list[dict]) -> dict:
@@ -674,22 +682,7 @@ def gemm_time_point(kind: str, rows: int, cands, device, copy_gbps: float) -> li
 def gemm_best_per_point(df: pd.DataFrame) -> list[dict]:
     """Per (kind, rows): the fastest kernel config (the current one included), with the
     current config's and cuBLASLt's numbers beside it."""
-    out = []
-    for (kind, rows), grp in df.groupby(["kind", "rows"], sort=False):
-        ok = grp[(grp["path"] != "cublaslt") & (grp["status"] == "ok") & grp["us"].notna()]
-        if ok.empty:
-            continue
-        best = ok.loc[ok["us"].idxmin()]
-        default = grp[grp["path"] == "default"].iloc[0]
-        lt = grp[grp["path"] == "cublaslt"].iloc[0]
-        out.append({"kind": kind, "N": int(best["N"]), "K": int(best["K"]), "rows": int(rows),
-                    "config": {key: int(best[key]) for key in GEMM_KNOBS}, "us": float(best["us"]),
-                    "pct_copy_bw": float(best["pct_copy_bw"]),
-                    "default_pct_copy_bw": float(default["pct_copy_bw"]),
-                    "cublaslt_pct_copy_bw": float(lt["pct_copy_bw"]),
-                    "speedup_vs_cublaslt": float(lt["us"] / best["us"]),
-                    "default_speedup_vs_cublaslt": float(lt["us"] / default["us"])})  # fmt: skip
-    return out
+    return _best_per_point(df, "rows", "cublaslt", GEMM_KNOBS)
 
 
 def gemm_update_configs(path: Path, family: str, device_name: str, best: list[dict]) -> dict:
