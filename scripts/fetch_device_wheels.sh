@@ -24,6 +24,8 @@ BINARY=(  # name==version: the versions this repo's CPU environment runs
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.5
   httptools==0.9.0 uvloop==0.23.0  # uvicorn's C HTTP parser and event loop, used when present
+  # the OpenAI client the serve tests talk through (tests/test_serve_tp.py on two GPUs)
+  openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 )
 SDIST_ONLY=(sqlitedict==2.1.0 word2number==1.1 rouge_score==0.1.2 fairscale==0.4.13)
 for spec in "${BINARY[@]}"; do

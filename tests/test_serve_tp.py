@@ -33,6 +33,13 @@ pytest.importorskip("prometheus_client")
 REPO = Path(__file__).resolve().parents[1]
 NAME = "stories260K-tp2"
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park", "The little dog", "One day, a bird"]
+
+
+def _pythonpath() -> str:
+    """The repo first, then whatever the caller's path held (the GPU image's carried wheels)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 START_S = 240.0
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,7 +54,7 @@ class TorchrunServer:
         cmd += ["--nproc_per_node", "2", "--monitor-interval", "0.2", "-m", "nakta_model.serve"]
         cmd += ["--checkpoint", str(checkpoint), "--port", "0", "--device", device]
         cmd += ["--dtype", "fp32", "--no-access-log", "--model-name", NAME, *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1"}
         if device == "cpu":
             env["TRITON_INTERPRET"] = "1"
         self.proc = subprocess.Popen(
@@ -257,7 +264,7 @@ def test_tp_without_torchrun_is_one_error_line_exit_2(tp2_checkpoint):
     r = subprocess.run(
         [sys.executable, "-m", "nakta_model.serve", "--checkpoint", str(tp2_checkpoint),
          "--tp", "2", "--device", "cpu", "--port", "0"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": _pythonpath()}, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     lines = r.stderr.strip().splitlines()
@@ -375,7 +382,12 @@ def _torchrun_fails(checkpoint: Path, *args: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     cmd += ["2", "--monitor-interval", "0.2", "-m", "nakta_model.serve", "--checkpoint"]
     cmd += [str(checkpoint), "--device", "cpu", "--dtype", "fp32", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": _pythonpath(),
+        "TRITON_INTERPRET": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
