@@ -6,7 +6,7 @@
 # part of a run per phase), dp2 on a 2-GPU host, x4 and x4_30b on a 4-GPU host (into the
 # <device>-x4 folder). < 10 min a job.
 #   OUT=/tmp/out bash scripts/reproduce_lm_eval.sh [hellaswag0] [hellaswag10] [mmlu] [gen]
-#       [gsm8k] [one_pool] [quant] [dp] [dp2] [x4] [x4_30b] [families]
+#       [gsm8k] [one_pool] [quant] [dp] [dp2] [x4] [x4_30b] [x4_30b_2x2] [families]
 # Needs `.whl/` (lm-eval 0.4.13 and its deps: scripts/fetch_device_wheels.sh) and the real data
 # (.data/ or ../shared/data). Settings (environment): SIZE (preset, default 7B); QUANT (the
 # quant job's precision, default fp8). Writes into the catalogue folders of this GPU, then
@@ -95,17 +95,26 @@ for job in "${@:-hellaswag0}"; do
       mv "speed_bench/results/$SLUG-x4/lm_eval_dp/logs" "$OUT/lm_eval_dp_x4_logs"
       ;;
     x4_30b)  # 4 GPUs, random 30B bf16, 0-shot 2,000 tasks: tp=4 with `--model hf` beside it
-      # (parallelize=True: accelerate's split over the 4 GPUs, batch 64), then tp=2 dp=2. Estimate:
-      # the HF model made and saved (65 GB) ~100 s, converted for tp=4 and tp=2 ~2 x 60 s, warm-up
-      # ~25 s, nakta tp=4 ~30 s (150 tasks/s scoring, issue 43), hf ~200 s (hf's 7B rate / 4.6,
-      # and its load), tp=2 dp=2 ~30 s: ~8.5 min; --deadline-s skips what cannot end in time
+      # (parallelize=True: accelerate's split over the 4 GPUs, batch 64). Measured on 4 x H100:
+      # the HF model made and saved (65 GB) 70-120 s, converted for tp=4 ~115 s, warm-up ~25 s,
+      # nakta ~20 s, hf ~80 s: ~5.5 min. (--nakta-reads-hf skips the conversion; nakta then reads
+      # the HF shards itself at tp=4, 17.5 s of its wall against 1.3 s for the converted copy)
       step lm_eval_dp_x4_30b 545 python3 speed_bench/lm_eval_dp.py --preset 30B \
-        --tokenizer "$TOK" --data "$HS_FULL" --runs 0:2000 --grids 4x1,2x2 --hf-grids 4x1 \
+        --tokenizer "$TOK" --data "$HS_FULL" --runs 0:2000 --grids 4x1 --hf-grids 4x1 \
         --launchers nakta --suite "" --warmup-limit 16 --hf-batch-size 64 --run-timeout-s 90 \
-        --hf-timeout-s 280 --deadline-s 530 --out "speed_bench/results/$SLUG-x4/lm_eval_dp_30b" \
-        --work /tmp/lm_eval_dp_30b_work
+        --hf-timeout-s 200 --deadline-s 530 \
+        --out "speed_bench/results/$SLUG-x4/lm_eval_dp_30b" --work /tmp/lm_eval_dp_30b_work
       rm -rf /tmp/lm_eval_dp_30b_work
       mv "speed_bench/results/$SLUG-x4/lm_eval_dp_30b/logs" "$OUT/lm_eval_dp_30b_logs"
+      ;;
+    x4_30b_2x2)  # the same 30B as two replicas of tp=2 (and tp=4 beside it): a 4-GPU user's way
+      # to run a model that needs two GPUs; checkpoints converted per tp (~2 x 115 s)
+      step lm_eval_dp_x4_30b_2x2 545 python3 speed_bench/lm_eval_dp.py --preset 30B \
+        --tokenizer "$TOK" --data "$HS_FULL" --runs 0:2000 --grids 4x1,2x2 --launchers nakta \
+        --suite "" --warmup-limit 16 --run-timeout-s 90 --deadline-s 530 \
+        --out "speed_bench/results/$SLUG-x4/lm_eval_dp_30b_2x2" --work /tmp/lm_eval_dp_30b_work
+      rm -rf /tmp/lm_eval_dp_30b_work
+      mv "speed_bench/results/$SLUG-x4/lm_eval_dp_30b_2x2/logs" "$OUT/lm_eval_dp_30b_2x2_logs"
       ;;
     families)  # FAMILIES "preset:tokenizer:limit ...": HellaSwag 0-shot, nakta vs hf, fresh
       # processes on random weights of each family's shape; the report over every families job

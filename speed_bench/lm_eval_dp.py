@@ -111,6 +111,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(--model hf in one process, parallelize=True over tp GPUs when tp > 1: "
         "accelerate's split); its wall is the row's hf_wall_s",
     )  # fmt: skip
+    p.add_argument(
+        "--nakta-reads-hf", action="store_true",
+        help="--preset: the nakta runs read the random HF folder itself at every tp (no "
+        "converted copies: a 30B's are 65 GB and two minutes each)",
+    )  # fmt: skip
     p.add_argument("--suite", default=SUITE, help="tasks of the suite runs ('' for none)")
     p.add_argument("--suite-limit", type=int, default=100, help="--limit of the suite runs")
     p.add_argument("--suite-hf", action="store_true", help="the suite with --model hf too")
@@ -189,6 +194,8 @@ def _weights(a: argparse.Namespace, work: Path, out: Path) -> tuple[Path, Path |
     make_random_hf(work / "hf", args, a.dtype, a.device, a.seed)
     write_hf_tokenizer(work / "hf", a.tokenizer, args.max_seq_len)
     made = {"make_hf_s": time.perf_counter() - t0, "weights": f"{a.preset}-random-seed{a.seed}"}
+    if a.nakta_reads_hf:  # the checkpoint the adapter reads at any tp, as a user's HF download
+        return work / "hf", work / "hf", made
     tps = {tp for tp, _ in a.grid_list}
     if 1 in tps:  # (a 30B's copies are 65 GB each: none that no grid reads)
         made["convert_s"] = convert(

@@ -154,6 +154,19 @@ def lm_eval_rows(report: dict, source: str | Path) -> list[dict]:
     return rows
 
 
+def _lm_key(row: dict) -> tuple:
+    return (row["preset"], row["tp"], row["dp"], row["num_fewshot"], row["limit"])
+
+
+def merge_lm_eval_rows(reports: list[list[dict]]) -> list[dict]:
+    """The rows of several reports, one per run: a later report's row replaces an earlier one's
+    (the same call's hf beside it travels with it)."""
+    merged: dict[tuple, dict] = {}
+    for rows in reports:
+        merged.update((_lm_key(r), r) for r in rows)
+    return list(merged.values())
+
+
 def build_summary(
     device_name: str,
     old: dict | None,
@@ -185,9 +198,11 @@ def build_summary(
             r["engine"],
         )
     )
-    if lm_eval is not None:
+    if lm_eval is not None:  # a row of the same run (preset, grid, shots, limit) is replaced
+        new_keys = {_lm_key(r) for r in lm_eval}
+        kept = [r for r in summary["lm_eval"] if _lm_key(r) not in new_keys]
         summary["lm_eval"] = sorted(
-            lm_eval,
+            kept + lm_eval,
             key=lambda r: (
                 _PRESET_ORDER.get(r["preset"], 9),
                 r["num_fewshot"],
@@ -479,7 +494,9 @@ def index_readme(summary: dict, folder: Path, commit: str) -> str:
         "| [`scaling_x4/scaling_x4_summary.md`](scaling_x4/scaling_x4_summary.md) (+ json, csv, "
         f"png) | {'; '.join(shows) or 'nothing measured yet'} | `scripts/reproduce_scoring.sh "
         "x4_seed x4_scaling`, then `x4_big` (one device call each, the first call's files "
-        "unpacked in between; each step's exact command is in the script) |"
+        "unpacked in between; each step's exact command is in the script); the lm-eval rows: "
+        "`scripts/reproduce_lm_eval.sh x4` (7B, 1 GPU vs dp=4), `x4_30b` (tp=4 beside `--model "
+        "hf`), `x4_30b_2x2`, folded with `python -m speed_bench.scaling_x4 --lm-eval ... --index` |"
     ]
     lm = folder / "lm_eval_dp" / "lm_eval_dp_summary.md"
     if lm.is_file():
@@ -532,7 +549,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("runs", nargs="*", help="run_all result folders or summary.json files")
     p.add_argument("--seed-command", nargs=2, metavar=("RC", "WALL_S"),
                    help="the seed command's exit status and wall clock (s)")  # fmt: skip
-    p.add_argument("--lm-eval", type=Path, help="an lm_eval_dp_summary.json")
+    p.add_argument(
+        "--lm-eval", type=Path, action="append",
+        help="an lm_eval_dp_summary.json (repeatable: a later file's row of the same run wins)",
+    )  # fmt: skip
     p.add_argument("--device-name", help="default: this GPU's name, else the inputs'")
     p.add_argument("--out", type=Path, required=True, help=f"folder for {STEM}.{{json,md,csv,png}}")
     p.add_argument("--index", action="store_true", help="write the device folder's README.md")
@@ -547,11 +567,14 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--seed-command: RC an integer, WALL_S seconds, got {args.seed_command}")
     runs = [load_summary(r) for r in args.runs]
     lm_report = lm_rows = None
-    if args.lm_eval is not None:
-        if not args.lm_eval.is_file():
-            p.error(f"--lm-eval {args.lm_eval}: no such file")
-        lm_report = json.loads(args.lm_eval.read_text())
-        lm_rows = lm_eval_rows(lm_report, args.lm_eval)
+    if args.lm_eval:
+        reports = []
+        for path in args.lm_eval:
+            if not path.is_file():
+                p.error(f"--lm-eval {path}: no such file")
+            lm_report = json.loads(path.read_text())
+            reports.append(lm_eval_rows(lm_report, path))
+        lm_rows = merge_lm_eval_rows(reports)
     old_path = args.out / f"{STEM}.json"
     old = json.loads(old_path.read_text()) if old_path.is_file() else None
     if old is not None:

@@ -420,3 +420,29 @@ def test_env_report_only_where_results_are_written(local_run, shared_data, tmp_p
     assert entered == ["0"] and list((tmp_path / "rank0").rglob("results_*.json"))
     monkeypatch.delenv("LOCAL_RANK")
     assert lm_eval_cli.writes_results()
+
+
+def test_nakta_reads_hf_skips_the_converted_copies(tmp_path, monkeypatch):
+    """``--nakta-reads-hf``: the random HF folder is the nakta runs' checkpoint at every tp,
+    and convert never runs (a 30B's copies cost minutes each)."""
+    from speed_bench import lm_eval_weights
+
+    made: list[str] = []
+    monkeypatch.setattr(lm_eval_weights, "make_random_hf", lambda out, *a: made.append("hf"))
+    monkeypatch.setattr(lm_eval_weights, "write_hf_tokenizer", lambda *a: None)
+    monkeypatch.setattr(
+        lm_eval_weights, "preset_args", lambda *a: type("A", (), {"max_seq_len": 2048})
+    )
+    monkeypatch.setattr(lm_eval_weights, "convert", lambda *a: made.append("convert") or 1.0)
+    monkeypatch.setattr(
+        "nakta_model.tokenizer.load_tokenizer", lambda p: type("T", (), {"n_words": 32000})
+    )
+    argv = ["--preset", "30B", "--data", "d", "--grids", "4x1,2x2", "--tokenizer", "t"]
+    ckpt, hf, info = lm_eval_dp._weights(
+        lm_eval_dp.parse_args(argv + ["--nakta-reads-hf"]), tmp_path, tmp_path
+    )
+    assert ckpt == hf == tmp_path / "hf" and made == ["hf"] and "weights" in info
+    assert lm_eval_dp.checkpoint_for(ckpt, 4) == ckpt  # no hf_tp4 beside it: the folder itself
+    made.clear()
+    lm_eval_dp._weights(lm_eval_dp.parse_args(argv), tmp_path, tmp_path)
+    assert made == ["hf", "convert", "convert"]  # without it: one copy per tp (2 and 4)

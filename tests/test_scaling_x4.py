@@ -329,3 +329,23 @@ def test_a_real_run_all_summary_makes_rows(tmp_path):
     assert rows["llama_org"]["vs_llama_org"] == 1.0
     assert rows["nakta_cache"]["dtype"] == "fp32" and rows["nakta_cache"]["preset"] == "tiny"
     assert 0.0 <= rows["nakta_cache"]["pred_agree"] <= 1.0
+
+
+def test_lm_eval_reports_of_two_calls_merge_row_by_row(tmp_path):
+    """--lm-eval twice: a run both reports hold takes the later one's row (its hf wall with it);
+    the others stay; a later call with one report replaces only its own runs."""
+    first = _lm_eval_report(tmp_path / "a.json")
+    second = tmp_path / "b.json"
+    report = json.loads(first.read_text())
+    report["runs"] = [
+        {**r, "wall_s": 19.5, "hf_wall_s": 80.1} for r in report["runs"] if r["preset"] == "30B"
+    ] + [{**report["runs"][4], "tp": 2, "dp": 2, "wall_s": 22.2, "hf_wall_s": None}]
+    second.write_text(json.dumps(report))
+    base = ["--out", str(tmp_path / "s"), "--device-name", "NVIDIA H100 80GB HBM3"]
+    got = scaling_x4.main(["--lm-eval", str(first), "--lm-eval", str(second), *base])
+    rows = {(r["preset"], r["tp"], r["dp"], r["num_fewshot"]): r for r in got["lm_eval"]}
+    assert len(got["lm_eval"]) == 6
+    assert (rows["30B", 4, 1, 0]["wall_s"], rows["30B", 4, 1, 0]["hf_wall_s"]) == (19.5, 80.1)
+    assert rows["30B", 2, 2, 0]["wall_s"] == 22.2 and rows["7B", 1, 4, 0]["wall_s"] == 20.0
+    again = scaling_x4.main(["--lm-eval", str(second), *base])  # the old 7B rows are kept
+    assert len(again["lm_eval"]) == 6 and again["lm_eval"] == got["lm_eval"]
