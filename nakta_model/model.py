@@ -52,8 +52,10 @@ __all__ = ["Transformer"]
 KERNEL_MODES = ("auto", "triton", "reference")
 # Rows up to which an FP8 model's W8A8 products (prefill, scoring) run the decode step's Triton
 # ``fp8_decode_gemm`` instead of cuBLASLt, whose small-M FP8 GEMMs stream the weights at a
-# fraction of copy bandwidth (``_Ops.fp8_matmul``); 0: never. At most its ``MAX_ROWS``.
-FP8_SMALL_GEMM_ROWS = _fp8_small.MAX_ROWS
+# fraction of copy bandwidth (``_Ops.fp8_matmul``); at most its ``MAX_ROWS``. 0 (never): in an
+# eager prompt forward the Triton launches' host time outweighed the better streaming
+# (docs/fp8.md has the batch-1 A/B); kept for that A/B.
+FP8_SMALL_GEMM_ROWS = 0
 
 
 def _default_kernels() -> str:

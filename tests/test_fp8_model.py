@@ -319,7 +319,11 @@ def _gemm_inputs(rows: int, n: int, k: int, seed: int = 0):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the calls of ``fp8_decode_gemm`` and of cuBLASLt's ``fp8_matmul``."""
+    """Counts the calls of ``fp8_decode_gemm`` and of cuBLASLt's ``fp8_matmul``, with the
+    small-product path on up to its ``MAX_ROWS`` (off by default: ``FP8_SMALL_GEMM_ROWS``)."""
+    import nakta_model.model as model_module
+
+    monkeypatch.setattr(model_module, "FP8_SMALL_GEMM_ROWS", fdg.MAX_ROWS)
     calls = {"triton": 0, "cublaslt": 0}
     small, big = fdg.fp8_decode_gemm, fp8_gemm.fp8_matmul
 
@@ -373,6 +377,14 @@ def test_fp8_small_gemm_rows_bounds_the_kernel_path(spy, monkeypatch):
     monkeypatch.setattr(model_module, "FP8_SMALL_GEMM_ROWS", 0)
     ops.fp8_matmul(*_gemm_inputs(1, 40, 64), torch.bfloat16)
     assert spy == {"triton": 1, "cublaslt": 2}
+
+
+def test_small_products_stay_on_cublaslt_by_default():
+    """The default: every W8A8 product on cuBLASLt (a batch-1 call measured no faster with the
+    Triton GEMM for its prompt; docs/fp8.md)."""
+    import nakta_model.model as model_module
+
+    assert model_module.FP8_SMALL_GEMM_ROWS == 0
 
 
 def test_model_prefill_at_a_few_tokens_runs_the_decode_gemm(spy):
