@@ -27,6 +27,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 if not __package__:  # run by path: import from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[2])
@@ -484,10 +485,21 @@ def main(argv: list[str] | None = None) -> None:
     from nakta_model.parallel import launch
 
     code = launch(
-        lambda parallel: _serve_rank(s, parallel), s.tp, 1, device=s.device,
+        lambda parallel: _end_rank(_serve_rank(s, parallel)), s.tp, 1, device=s.device,
         timeout_s=s.dist_timeout_s,
     )  # fmt: skip
     raise SystemExit(code)
+
+
+def _end_rank(code: int) -> NoReturn:
+    """A rank that served ends here, without destroying the process group: the decode graphs
+    each rank captured used NCCL's communicator, and the server's objects keep them alive
+    until the interpreter's teardown; destroying the communicator under them is the suspect of
+    a 2-GPU shutdown that hung (not yet re-run on GPUs). Every rank has left the lockstep by
+    now; the operating system releases the rest."""
+    from nakta_model.process_exit import exit_without_teardown
+
+    exit_without_teardown(code)
 
 
 if __name__ == "__main__":
