@@ -66,18 +66,17 @@ Device: lm-eval's CLI passes ``--device cuda:0`` when none was given; on a machi
 GPU the adapters fall back to the automatic choice with a warning line, as lm-eval's ``hf`` does.
 
 Multi-GPU (``nakta``): ``tp`` and ``dp`` model args under ``torchrun --nproc_per_node tp*dp``
-(``python -m torch.distributed.run ... -m accuracy_test.lm_eval_cli ...``). Every rank sees all of
-lm-eval's requests (the adapter reports rank 0 of 1, lm-eval's TP convention: only
-``LOCAL_RANK`` 0 writes results); the adapter splits the model over ``tp`` GPUs and shards the
-requests over the ``dp`` replicas itself (a context's continuations stay together), gathering
-the answers back in order; a ``cuda:N`` device means "this rank's GPU" there. lm-eval's strings
-are sharded before tokenization (``data_parallel.text_request_costs_and_keys``: characters as
-the cost), so each replica tokenizes only the requests it scores; ``loglikelihood_rolling``
-shards documents, ``generate_until`` prompts, the same way. Each rank's read of its shard starts
-while lm-eval starts up (``lm_eval_preload``), and torch's CPU threads are split among a host's
-ranks. A checkpoint that cannot be loaded (missing, truncated, corrupted) is a
-``ModelArgsError``: one ``error:`` line from rank 0, exit status 2. ``llama_org``
-runs Meta's model parallel: one process per shard.
+(``python -m torch.distributed.run ... -m accuracy_test.lm_eval_cli ...``), or the entry alone
+with ``dp``/``tp`` (it starts its ranks itself). The adapter splits the model over ``tp`` GPUs
+and reports each replica's ``dp`` rank and size to lm-eval, whose own data parallelism then
+builds, tokenizes and scores on each replica only its documents (``rank::dp``; a document's
+requests stay together), pads the replicas' request counts even, and gathers the per-document
+metrics to replica 0 (``all_gather``, ``gather_object``, ``barrier`` over the replica's dp
+group). Only the process that is replica 0 and ``LOCAL_RANK`` 0 writes results; a ``cuda:N``
+device means "this rank's GPU" there. Each rank's read of its shard starts while lm-eval starts
+up (``lm_eval_preload``), and torch's CPU threads are split among a host's ranks. A checkpoint
+that cannot be loaded (missing, truncated, corrupted) is a ``ModelArgsError``: one ``error:``
+line from rank 0, exit status 2. ``llama_org`` runs Meta's model parallel: one process per shard.
 
 ``loglikelihood_rolling`` follows lm-eval's rolling windows (``get_rolling_token_windows``,
 prefix BOS) over the text encoded *without* BOS: the sum is log P(text | BOS). lm-eval's ``hf``
@@ -335,74 +334,63 @@ class NaktaLM(ScoringLM):
         )
 
     def _score(self, reqs, progress):
-        from nakta_model.data_parallel import map_requests
+        return self._score_local(reqs, progress)
 
-        return map_requests(lambda part: self._score_local(part, progress), reqs, self.parallel)
+    # lm-eval's data-parallel contract: under dp > 1 it builds each replica's requests only (its
+    # documents ``rank::world_size``), hands them to this replica, and gathers the per-document
+    # metrics to replica 0 through these methods. A replica's tp ranks report the same rank and
+    # gather within their own dp group (one per tp rank): each tp position sees whole results.
+    @property
+    def rank(self) -> int:
+        return self.parallel.dp_rank
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """Under ``dp > 1`` the strings are sharded first (``text_request_costs_and_keys``) and
-        each replica tokenizes and scores its share only; the answers are gathered in order."""
+    @property
+    def world_size(self) -> int:
+        return self.parallel.dp_size
+
+    def all_gather(self, tensor):
+        """Every replica's ``tensor`` (a 0-d count included), concatenated in replica order."""
         if self.parallel.dp_size == 1:
-            return super().loglikelihood(requests, disable_tqdm)
-        args = [tuple(req.args) for req in requests]
-        progress = not disable_tqdm and self.parallel.is_leader
+            return tensor
+        import torch
+        import torch.distributed as dist
 
-        def local(part):
-            return self._score_local(self._tokenize_pairs(part, progress), progress)
+        flat = tensor.reshape(-1)
+        parts = [torch.empty_like(flat) for _ in range(self.parallel.dp_size)]
+        dist.all_gather(parts, flat, group=self.parallel.dp_group)
+        return torch.cat(parts)
 
-        return self._sharded(local, args, "loglikelihood")
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Documents sharded over the replicas by length; each tokenizes and scores its own."""
+    def gather_object(self, obj, dst: int = 0):
+        """Every replica's ``obj`` in replica order on replica ``dst``, None on the others."""
         if self.parallel.dp_size == 1:
-            return super().loglikelihood_rolling(requests, disable_tqdm)
-        strings = [req.args[0] for req in requests]
-        progress = not disable_tqdm and self.parallel.is_leader
-        sums = self._sharded(
-            lambda part: self._rolling_sums(part, self._score_local, progress),
-            strings,
-            "loglikelihood_rolling",
-        )
-        for req, s in zip(requests, sums):
-            self.cache_hook.add_partial("loglikelihood_rolling", req.args, s)
-        return sums
+            return [obj]
+        import torch.distributed as dist
 
-    def _sharded(self, local, items: list, kind: str) -> list:
-        """``local`` over this replica's share of ``items`` (text requests or documents), the
-        results gathered back in order; ``request_timings`` gets ``shard_s`` (costs and the
-        share), ``score_s`` (the share's scoring, tokenization apart) and ``gather_s``
-        (the gather, waiting for the slowest replica included)."""
-        from nakta_model.data_parallel import data_parallel_map, text_request_costs_and_keys
-
-        t0 = time.perf_counter()
-        if kind == "loglikelihood":
-            costs, keys = text_request_costs_and_keys(items, self.parallel.dp_size)
-        else:
-            costs, keys = [len(s) + 1.0 for s in items], None
-        shard_s = time.perf_counter() - t0
-        tokenize_before = self._request_time("tokenize_s")
-        parts: dict[str, float] = {}
-        out = data_parallel_map(local, items, self.parallel, costs=costs, keys=keys, timings=parts)
-        tokenized = self._request_time("tokenize_s") - tokenize_before
-        self._add_request_time("shard_s", shard_s + parts["shard_s"])
-        self._add_request_time("score_s", parts["local_s"] - tokenized)
-        self._add_request_time("gather_s", parts["gather_s"])
-        self._add_request_time("items", parts["items"])
+        on_dst = self.parallel.dp_rank == dst
+        out = [None] * self.parallel.dp_size if on_dst else None
+        dst_global = dst * self.parallel.tp_size + self.parallel.tp_rank  # dst's rank in WORLD
+        dist.gather_object(obj, out, dst=dst_global, group=self.parallel.dp_group)
         return out
 
+    def barrier(self) -> None:
+        if self.parallel.dp_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.parallel.dp_group)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """This replica's requests (lm-eval sharded the documents); progress on rank 0 only."""
+        self._add_request_time("items", len(requests))
+        return super().loglikelihood(requests, disable_tqdm or not self.parallel.is_leader)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        return super().loglikelihood_rolling(requests, disable_tqdm or not self.parallel.is_leader)
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Requests sharded over the ``dp`` replicas (longer prompts weigh more), in order."""
-        from nakta_model.data_parallel import data_parallel_map
-
+        """This replica's requests (lm-eval sharded them) through one ``Generator``."""
         self._await_warm_up()  # its pages come from the model's KV pool too
-
-        return data_parallel_map(
-            lambda part: self._generate_until_local(
-                part, disable_tqdm or not self.parallel.is_leader
-            ),
-            list(requests),
-            self.parallel,
-            costs=[len(r.args[0]) + 1 for r in requests],
+        return self._generate_until_local(
+            list(requests), disable_tqdm or not self.parallel.is_leader
         )
 
     def _generate_until_local(self, requests, disable_tqdm: bool) -> list[str]:

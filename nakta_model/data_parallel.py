@@ -11,10 +11,8 @@ which computes the prefix once, unless it alone holds more than ``1 / (2 dp)`` o
 then its contexts are spread like any others (each replica computes the prefix once), so no
 replica waits on one giant group.
 
-Text requests (lm-eval's ``(context, continuation)`` strings) are sharded BEFORE tokenization
-(:func:`text_request_costs_and_keys`: characters as the cost, the same grouping on strings), so
-each replica tokenizes only what it scores: every request is tokenized once per replica's TP
-group instead of on every rank.
+(lm-eval's requests are not sharded here: lm-eval's own data parallelism hands each replica its
+documents, ``accuracy_test/lm_eval_adapter.py``.)
 """
 
 from __future__ import annotations
@@ -31,10 +29,7 @@ __all__ = [
     "map_requests",
     "shard_indices",
     "shard_requests",
-    "text_request_costs_and_keys",
 ]
-
-MIN_SHARED_TEXT_CHARS = 256  # ~MIN_PREFIX_TOKENS (64) tokens of English text
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -104,50 +99,6 @@ def _request_costs_and_keys(requests, dp_size: int = 1) -> tuple[list[int], list
     keys = [c[:n] if n else c for c, n in zip(contexts, shared)]
     costs = [len(c) + len(t) for c, t in requests]
     return costs, _spread_heavy_groups(keys, list(contexts), costs, dp_size)
-
-
-def text_request_costs_and_keys(
-    requests: Sequence[tuple[str, str]], dp_size: int
-) -> tuple[list[float], list[Hashable]]:
-    """Costs and keys for ``(context, continuation)`` strings, before any tokenization.
-
-    Cost: the continuation's characters plus the request's share of its context's (the
-    shared-context engine computes a context once for all its continuations). Keys: a shared
-    text prefix of at least ``MIN_SHARED_TEXT_CHARS`` (as :func:`shared_prefixes` finds token
-    prefixes), else the context; an empty context groups nothing.
-    """
-    contexts = [c for c, _ in requests]
-    count: dict[str, int] = {}
-    for c in contexts:
-        count[c] = count.get(c, 0) + 1
-    costs = [len(t) + len(c) / count[c] for c, t in requests]
-    own: list[Hashable] = [c if c else ("request", i) for i, c in enumerate(contexts)]
-    shared = _shared_text_prefixes(contexts)
-    keys: list[Hashable] = [("prefix", c[:n]) if n else k for c, n, k in zip(contexts, shared, own)]
-    return costs, _spread_heavy_groups(keys, own, costs, dp_size)
-
-
-def _shared_text_prefixes(contexts: Sequence[str]) -> list[int]:
-    """Per context, the length of the text prefix it shares with its sorted neighbours (a run
-    of neighbours sharing >= ``MIN_SHARED_TEXT_CHARS``), else 0."""
-    from nakta_model.score_batches import common_prefix_len
-
-    distinct = sorted(set(contexts))
-    length: dict[str, int] = {}
-    start = 0
-    for i in range(1, len(distinct) + 1):
-        near = i < len(distinct) and (
-            common_prefix_len(distinct[i - 1], distinct[i]) >= MIN_SHARED_TEXT_CHARS
-        )
-        if near:
-            continue
-        group = distinct[start:i]
-        if len(group) >= 2:
-            common = min(common_prefix_len(group[0], g) for g in group[1:])
-            for g in group:
-                length[g] = common
-        start = i
-    return [length.get(c, 0) for c in contexts]
 
 
 def _spread_heavy_groups(

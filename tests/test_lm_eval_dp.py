@@ -1,7 +1,7 @@
 """lm-eval through ``accuracy_test.lm_eval_cli`` as a user runs it: the tokenizer a converted
 checkpoint holds is the default, a checkpoint that cannot be loaded is one ``error:`` line (one
 process and under torchrun), and ``dp=2`` under torchrun gives one process's answers with each
-rank tokenizing only its share (its timing file says how many requests it took)."""
+replica given only its documents' requests by lm-eval (its timing file says how many it took)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from cli_helpers import REPO, error_lines, torchrun  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
 
 from accuracy_test import lm_eval_cli  # noqa: E402
-from nakta_model.data_parallel import shard_indices, text_request_costs_and_keys  # noqa: E402
 from nakta_model.parallel import ParallelContext  # noqa: E402
 
 TASKS = REPO / "accuracy_test" / "tasks"
@@ -104,61 +102,23 @@ def test_a_checkpoint_that_cannot_load_is_one_error_line(
     assert "\n" not in lines[0].strip()
 
 
-def test_text_requests_shard_before_tokenizing_and_keep_contexts_together():
-    """Costs in characters (a context counted once over its continuations), contexts kept
-    whole, a prefix group too big for one replica spread, every request exactly once."""
-    shots = "".join(f"question {i}: why? answer: because {i}.\n\n" for i in range(12))
-    assert len(shots) > 256
-    reqs = [(shots + f"q{d}?", f" choice {c}") for d in range(20) for c in "abcd"]
-    reqs += [(f"free context {d}", " x") for d in range(20)] + [("", "empty context")]
-    for dp in (1, 2, 3):
-        costs, keys = text_request_costs_and_keys(reqs, dp)
-        assert costs[0] == pytest.approx(len(" choice a") + len(reqs[0][0]) / 4)
-        shards = [
-            shard_indices(costs, ParallelContext(dp_rank=r, dp_size=dp), keys) for r in range(dp)
-        ]
-        assert sorted(i for s in shards for i in s) == list(range(len(reqs)))
-        owner = {i: r for r, s in enumerate(shards) for i in s}
-        for i in range(0, 80, 4):  # the four choices of one context: one replica
-            assert len({owner[i + k] for k in range(4)}) == 1
-        if dp > 1:  # the 20 shot-sharing contexts are 80%+ of the work: spread, not kept whole
-            assert len({owner[i] for i in range(80)}) == dp
-            loads = [sum(costs[i] for i in s) for s in shards]
-            assert max(loads) - min(loads) <= max(costs) * 4 + len(reqs[0][0])
+def test_lm_eval_sees_each_replica_and_one_process_collectives_are_identities(stories_nakta):
+    """lm-eval's data-parallel contract: the adapter reports its replica (``dp_rank`` of
+    ``dp_size``), so lm-eval builds that replica's documents only; with one process its
+    collectives hand back what they were given."""
+    import torch
 
-
-def test_loglikelihood_tokenizes_only_this_replicas_share(stories_nakta, monkeypatch):
-    """One replica of two (no process group: the gather is faked as the other replica's
-    answers) tokenizes exactly its shard's strings, and returns answers in request order."""
     from accuracy_test.lm_eval_adapter import NaktaLM
-    from nakta_model import data_parallel
 
-    lm = NaktaLM(checkpoint=str(stories_nakta), device="cpu", batch_size=4)
-    reqs = [(f"Once upon a time {d} there was", f" a {w}") for d in range(6) for w in "abc"]
-    want = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)])
-    seen: list[str] = []
-    encode = lm._encode_many
-    monkeypatch.setattr(lm, "_encode_many", lambda s, bos: seen.extend(s) or encode(s, bos))
-    lm.parallel = ParallelContext(dp_rank=0, dp_size=2)
-    costs, keys = text_request_costs_and_keys(reqs, 2)
-    mine = data_parallel.shard_indices(costs, lm.parallel, keys)
-
-    def gather(local, idx, total, parallel):  # the other replica: the one-process answers
-        out = [want[i] for i in range(total)]
-        for i, r in zip(idx, local):
-            out[i] = r
-        return out
-
-    monkeypatch.setattr(data_parallel, "gather_in_order", gather)
-    got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)])
-    assert 0 < len(mine) < len(reqs)
-    assert set(seen) == {reqs[i][0] for i in mine} | {reqs[i][0] + reqs[i][1] for i in mine}
-    for g, w in zip(got, want):
-        assert g[0] == pytest.approx(w[0], abs=1e-5) and g[1] == w[1]
-    assert lm.request_timings["items"] == len(mine) and lm.request_timings["gather_s"] >= 0
+    lm = NaktaLM(checkpoint=str(stories_nakta), device="cpu")
+    assert (lm.rank, lm.world_size) == (0, 1)
+    t = torch.tensor(7)
+    assert lm.all_gather(t) is t and lm.gather_object({"a": 1}) == [{"a": 1}]
+    lm.barrier()
+    lm.parallel = ParallelContext(tp_rank=1, tp_size=2, dp_rank=1, dp_size=3)
+    assert (lm.rank, lm.world_size) == (1, 3)  # a replica's tp ranks report the same rank
 
 
-@pytest.mark.slow
 def test_dp2_under_torchrun_scores_like_one_process(stories_nakta, shared_data, tmp_path):
     """``torchrun --nproc_per_node 2 -m accuracy_test.lm_eval_cli ... dp=2``: the same accuracy
     as one process, each rank's timing file with its share (together: every request once)."""
@@ -220,3 +180,28 @@ def test_a_bad_checkpoint_under_torchrun_is_one_line_from_one_rank(
     assert "exitcode  : 2" in output and "SIGABRT" not in output
     # torchrun's own launcher prints its ChildFailedError report; no frame of ours is in it
     assert "nakta_model/" not in output and "lm_eval_adapter.py" not in output
+
+
+@pytest.mark.slow
+def test_two_replicas_of_tp2_score_like_one_process(stories_nakta, shared_data, tmp_path):
+    """``dp=2`` of ``tp=2`` (four ranks started by the entry): lm-eval gathers each tp
+    position's replicas within its own dp group; the accuracy equals one process's."""
+    from cli_helpers import run_script
+
+    from convert import convert
+
+    tp2 = convert(shared_data / "stories260K", tmp_path / "tp2", 2, quiet=True)
+    env = {
+        "NAKTA_HELLASWAG_JSONL": str(shared_data / "hellaswag_val_full.jsonl"),
+        lm_eval_cli.LOCAL_TASKS_ENV: "1",
+    }
+    accs = []
+    for margs in (f"checkpoint={stories_nakta}", f"checkpoint={tp2},tp=2,dp=2"):
+        out = tmp_path / f"res{len(accs)}"
+        argv = [*_argv(margs, limit=12), "--output_path", str(out)]
+        proc = run_script(["-m", "accuracy_test.lm_eval_cli", *argv], REPO, **env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
+        assert len(results) == 1  # one process wrote them
+        accs.append(results[0]["results"]["hellaswag_local"]["acc,none"])
+    assert accs[0] == accs[1]
