@@ -141,7 +141,8 @@ def test_timing_env_writes_load_and_scoring_seconds(monkeypatch, tmp_path, share
     assert "preload_start" not in ev  # no GPU here: no early read
     assert 0 < got["requests_s"] < got["scoring_s"]  # the model's share of evaluate()
     ll = got["loglikelihood"]  # of which: lm-eval's strings -> tokens, tokens -> results
-    assert ll.keys() == {"tokenize_s", "score_s"} and min(ll.values()) > 0
+    assert ll.keys() == {"tokenize_s", "score_s", "items"} and min(ll.values()) > 0
+    assert ll["items"] == 2 * 4  # 2 tasks' requests, all on the one replica
     assert ll["tokenize_s"] + ll["score_s"] <= got["requests_s"]
     assert got["nakta_load"].keys() == {"read_s", "warm_up_s", "warm_up_wait_s", "prefetched"}
     assert got["nakta_load"]["prefetched"] is False  # (no GPU here: nothing was prefetched)
