@@ -119,6 +119,7 @@ def test_lm_eval_sees_each_replica_and_one_process_collectives_are_identities(st
     assert (lm.rank, lm.world_size) == (1, 3)  # a replica's tp ranks report the same rank
 
 
+@pytest.mark.slow
 def test_dp2_under_torchrun_scores_like_one_process(stories_nakta, shared_data, tmp_path):
     """``torchrun --nproc_per_node 2 -m accuracy_test.lm_eval_cli ... dp=2``: the same accuracy
     as one process, each rank's timing file with its share (together: every request once)."""
