@@ -102,14 +102,18 @@ def test_gpu_fp8_7b_layer_shapes_run_through_scaled_mm():
 
 
 @needs_fp8
+@pytest.mark.parametrize("small_rows", [0, 64])
 @pytest.mark.parametrize("rows", [1, 16, 64, 65])
-def test_gpu_fp8_prefill_products_at_a_few_rows(rows, monkeypatch):
-    """At up to 64 rows (a short prompt's prefill) an ``Fp8Linear`` runs ``fp8_decode_gemm``,
-    above it cuBLASLt; either way what cuBLASLt computes, up to the fp32 summation order."""
+def test_gpu_fp8_prefill_products_at_a_few_rows(rows, small_rows, monkeypatch):
+    """With ``model.FP8_SMALL_GEMM_ROWS`` at 64, an ``Fp8Linear`` runs ``fp8_decode_gemm`` at up
+    to 64 rows (a short prompt's prefill) and cuBLASLt above; at 0 (the default) cuBLASLt
+    always. Either way what cuBLASLt computes, up to the fp32 summation order."""
+    import nakta_model.model as nm
     from nakta_model.kernels import fp8_decode_gemm as fdg
     from nakta_model.kernels import fp8_gemm
     from nakta_model.kernels.fp8_quant import quantize_rows
 
+    monkeypatch.setattr(nm, "FP8_SMALL_GEMM_ROWS", small_rows)
     args = ModelArgs(dim=4096, n_layers=1, n_heads=32, vocab_size=32000, multiple_of=256)
     model = random_model(args, "cuda", torch.bfloat16, seed=0, quant="fp8")
     calls = []
@@ -122,7 +126,7 @@ def test_gpu_fp8_prefill_products_at_a_few_rows(rows, monkeypatch):
         want = fp8_gemm.fp8_matmul(xq.q, xq.scale, lin.weight, lin.weight_scale, torch.bfloat16)
         assert got.shape == want.shape and torch.isfinite(got).all()
         assert _rel(got, want) < 1e-2
-    assert len(calls) == (2 if rows <= fdg.MAX_ROWS else 0)
+    assert len(calls) == (2 if rows <= min(small_rows, fdg.MAX_ROWS) else 0)
 
 
 def test_gpu_fp8_refused_below_capability_8_9(monkeypatch):
