@@ -38,14 +38,15 @@ for job in "${@:-throughput}"; do
       step profile 300 python3 -m model_profile.throughput_profile --preset "$SIZE" \
         --prompts "$PROMPTS" --max-batch "${MAX_BATCH:-256}" "${q[@]}" --out "$P/throughput"
       ;;
-    families)  # each FAMILIES preset: bf16 beside HF's static cache, then FP8 weights
+    families)  # each FAMILIES preset: bf16 beside HF's static cache, then FP8 weights with the
+      # bf16 and the e4m3 KV cache (TensorRT-LLM's FP8 checkpoints quantize the KV cache too)
       for preset in ${FAMILIES:-llama3-8B}; do
         F=$S/families/$preset COMMON[1]=$preset
         step "families_throughput_$preset" 420 python3 -m speed_bench.throughput "${COMMON[@]}" \
           --engines nakta,hf --max-batch "${MAX_BATCH:-512}" --hf-batches "${HF_BATCHES:-128}" \
           --out "$F/throughput"
         step "families_throughput_fp8_$preset" 240 python3 -m speed_bench.throughput \
-          "${COMMON[@]}" --engines nakta_fp8 --max-batch "${MAX_BATCH:-512}" \
+          "${COMMON[@]}" --engines nakta_fp8 --kv-cache fp8 --max-batch "${MAX_BATCH:-512}" \
           --out "$F/throughput_fp8"
       done
       ;;

@@ -13,7 +13,8 @@ Measures: ``lm_eval_hellaswag_full_0shot_s`` (wall seconds; peer ``hf``), ``lm_e
 same runs' acc; peer ``hf``), ``decode_b1_pct_floor`` (batch-1 decoding as a % of the copy-
 bandwidth floor; peer ``hf``), ``throughput_128_128_tok_s`` and ``throughput_128_128_fp8_tok_s``
 (output tok/s at the best row count; peer ``hf_static``: HF generate with a static cache at its
-best batch).
+best batch), and ``throughput_128_128_fp8_kv8_tok_s`` when the FP8 run also ran an e4m3 KV cache
+(``nakta_fp8_kv8``: FP8 weights and KV, as TensorRT-LLM's FP8 checkpoints run).
 """
 
 from __future__ import annotations
@@ -132,8 +133,21 @@ def collect(root: Path) -> tuple[dict, list[str]]:
         (
             THROUGHPUT_FP8,
             "throughput_summary.json",
-            lambda p, s: throughput_rows(
-                p, s, "throughput_128_128_fp8_tok_s", "nakta_fp8", _bf16_throughput(root / p)
+            lambda p, s: (
+                throughput_rows(
+                    p, s, "throughput_128_128_fp8_tok_s", "nakta_fp8", _bf16_throughput(root / p)
+                )
+                + (
+                    throughput_rows(
+                        p,
+                        s,
+                        "throughput_128_128_fp8_kv8_tok_s",
+                        "nakta_fp8_kv8",
+                        _bf16_throughput(root / p),
+                    )
+                    if any(r.get("engine") == "nakta_fp8_kv8" for r in s.get("runs", []))
+                    else []
+                )
             ),
         ),
     )

@@ -447,8 +447,10 @@ def test_collect_reads_every_measure(tmp_path):
     )  # fmt: skip
     _write(
         root / "llama3-8B" / "throughput_fp8" / "throughput_summary.json",
-        {"runs": [{"engine": "nakta_fp8", "max_batch": 512, "output_tok_s": 24000.0}]},
-    )
+        {"runs": [{"engine": "nakta_fp8", "max_batch": 512, "output_tok_s": 24000.0},
+                  {"engine": "nakta_fp8_kv8", "max_batch": 512, "output_tok_s": 26000.0},
+                  {"engine": "nakta_fp8_kv8", "max_batch": 1024, "output_tok_s": 27000.0}]},
+    )  # fmt: skip
     summary, missing = families_report.collect(root)
     rows = {(r["preset"], r["measure"]): r for r in summary["runs"]}
     assert summary["device_name"] == "GPU X"
@@ -460,6 +462,8 @@ def test_collect_reads_every_measure(tmp_path):
     assert rows["llama3-8B", "throughput_128_128_tok_s"]["nakta"] == 17000.0
     fp8 = rows["llama3-8B", "throughput_128_128_fp8_tok_s"]
     assert (fp8["nakta"], fp8["peer_value"]) == (24000.0, 7000.0)  # HF from the bf16 run
+    kv8 = rows["llama3-8B", "throughput_128_128_fp8_kv8_tok_s"]  # FP8 KV: its best row count
+    assert (kv8["nakta"], kv8["peer_value"]) == (27000.0, 7000.0)
     assert families_report.ratio(rows["llama3-8B", "throughput_128_128_tok_s"]) == 17000 / 7000
     assert missing == []
     assert families_report.ratio(rows["llama3-8B", "lm_eval_hellaswag_full_0shot_s"]) == 2.5
