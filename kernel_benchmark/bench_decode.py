@@ -558,7 +558,11 @@ def main(argv: list[str] | None = None):
     p.add_argument("--quick", action="store_true", help="fewer batches and contexts")
     p.add_argument("--tune", action="store_true", help="only tune decode_linear launch configs")
     p.add_argument("--tune-budget", type=float, default=200.0, help="--tune: seconds")
-    p.add_argument("--models", default="7B,13B,65B", help="comma-separated, from 7B,13B,65B")
+    p.add_argument(
+        "--models",
+        default="7B,13B,65B",
+        help="comma-separated, from 7B,13B,65B,llama3-8B,llama3.2-1B",
+    )
     p.add_argument("--batches", default=None, help="comma-separated batch sizes")
     p.add_argument("--shapes-config", default=None, help="a --tune JSON to measure with")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nakta_model.config import preset
 from nakta_model.kernels.decode_linear import RopeArgs, decode_linear, decode_linear_reference
 from nakta_model.kernels.rmsnorm import rms_norm
 from nakta_model.kernels.rope import apply_rope_qkv_, build_rope_cache
@@ -35,10 +36,19 @@ class Model:
     head_dim: int = 128
 
 
+def _preset_model(name: str) -> Model:
+    """A family preset's decode shapes (GQA, its FFN width, its vocabulary, its head size)."""
+    a = preset(name)
+    return Model(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads or a.n_heads, a.vocab_size,
+                 head_dim=a.dim // a.n_heads)  # fmt: skip
+
+
 MODELS = {
     "7B": Model(4096, 11008, 32, 32, 32000),
     "13B": Model(5120, 13824, 40, 40, 32000),
     "65B": Model(8192, 22016, 64, 64, 32000),
+    # the families whose batch-1 decode runs on untuned shapes (issue 40)
+    **{name: _preset_model(name) for name in ("llama3-8B", "llama3.2-1B")},
 }
 TINY = Model(32, 24, 2, 1, 48, head_dim=16)  # CPU smoke runs (interpreter)
 

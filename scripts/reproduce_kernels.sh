@@ -6,7 +6,8 @@
 #   OUT=/tmp/out bash scripts/reproduce_kernels.sh [tests] [rope] [norm] [attention]
 #       [attention_tune] [gemm] [decode_attention] [decode_gemm] [fp8] [tune]
 # Settings (environment): QUANT (bf16 | fp8: decode_gemm at FP8 weights; tune runs the FP8
-# decode tuners, which rewrite nakta_model/kernels/_*_tuned.json for this GPU family). Carry
+# decode tuners, which rewrite nakta_model/kernels/_*_tuned.json for this GPU family);
+# TUNE_MODELS (the bf16 batch-1 tuner's shapes, default 7B; e.g. llama3-8B,llama3.2-1B). Carry
 # `.whl/` (fairscale, liger-kernel: scripts/fetch_device_wheels.sh). Writes into the catalogue
 # folder of this GPU (and the tuned tables), then $OUT/kernels.tar.gz and $OUT/kernels_log.txt.
 set -uo pipefail
@@ -51,8 +52,8 @@ for job in "${jobs[@]}"; do
         step tune_fp8_decode_gemm 200 python3 -m kernel_benchmark.tune_fp8_decode \
           --kernel gemm --budget 160 --jobs "$NJOBS"
       else
-        step tune_decode_linear 300 python3 -m kernel_benchmark.bench_decode --tune --models 7B \
-          --batches 1 --tune-budget 240
+        step tune_decode_linear 300 python3 -m kernel_benchmark.bench_decode --tune \
+          --models "${TUNE_MODELS:-7B}" --batches 1 --tune-budget 240
       fi
       ;;
     *) echo "unknown job $job" | tee -a "$LOG"; status=2 ;;
