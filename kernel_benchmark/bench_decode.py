@@ -16,7 +16,9 @@ path: weight, x, norm weight, residual, output and K/V cache writes.
 Attention (batch 1 / 8 / 32, contexts 128..4096, 32 query heads x 128, MHA and GQA with 8 KV
 heads, cache of 4096 positions per row): ``nakta`` (``decode_attention``, workspace
 preallocated) vs ``sdpa_flash`` (``F.scaled_dot_product_attention`` with the flash backend on
-the same cache views) and ``sdpa`` (backend left to PyTorch). GB/s counts the K/V bytes read.
+the same cache views) and ``sdpa`` (backend left to PyTorch); ``--kv-cache fp8`` adds
+``nakta_kv8``, the same K/V from an e4m3 cache with per-position scales. GB/s counts the K/V
+bytes read (codes and scales for ``nakta_kv8``).
 
 Times: GPU time from CUDA-graph replays (one call captured, replayed many times), the inputs
 cycled over enough copies (weights included) that they do not stay in the 50 MB L2; paths at
@@ -79,6 +81,7 @@ from nakta_model.kernels.decode_attention import (
     decode_attention_reference,
     decode_splits,
 )
+from nakta_model.kernels.fp8_quant import quantize_rows_reference
 
 
 def time_paths(
@@ -148,7 +151,9 @@ class AttnCase:
         return "mha" if self.n_q == self.n_kv else f"gqa{self.n_q // self.n_kv}"
 
 
-def make_attn_set(case: AttnCase, dtype, device, seed: int) -> dict:
+def make_attn_set(case: AttnCase, dtype, device, seed: int, kv8: bool = False) -> dict:
+    """One input set; ``kv8`` adds the same K/V as an e4m3 cache (``k8``/``v8``, one fp32 scale
+    per position and head in ``ks``/``vs``: the model's ``kv_cache="fp8"`` layout)."""
     g = torch.Generator(device=device).manual_seed(seed)
     b, hq, hkv, hd, s = case.batch, case.n_q, case.n_kv, case.head_dim, case.s_max
     kv_shape = (b * s, hkv, hd)  # the model's flat cache, viewed per row
@@ -161,6 +166,12 @@ def make_attn_set(case: AttnCase, dtype, device, seed: int) -> dict:
     t["out"] = torch.empty_like(t["q"])
     splits = decode_splits(b, hkv, s, device)
     t["ws"] = attention_workspace(b, hq, hd, splits, device)
+    if kv8:
+        for name in ("k", "v"):
+            codes = quantize_rows_reference(t[name].reshape(-1, hd))
+            t[f"{name}8"] = codes.q.view(b, s, hkv, hd)
+            t[f"{name}s"] = codes.scale.view(b, s, hkv)
+        t["out8"] = torch.empty_like(t["q"])
     return t
 
 
@@ -177,6 +188,13 @@ def attn_calls(case: AttnCase, t: dict, ctx: int, device) -> dict[str, Callable[
         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa)
 
     calls = {"nakta": nakta, "sdpa": sdpa}
+    if "k8" in t:
+
+        def nakta_kv8():
+            return decode_attention(t["q"], t["k8"], t["v8"], t["lens"], out=t["out8"],
+                                    workspace=t["ws"], k_scale=t["ks"], v_scale=t["vs"])  # fmt: skip
+
+        calls["nakta_kv8"] = nakta_kv8
     if not gqa:  # MHA's CUDA-core path (fp32 throughout), forced: the default uses tl.dot
 
         def nakta_fma():
@@ -201,13 +219,16 @@ def attn_calls(case: AttnCase, t: dict, ctx: int, device) -> dict[str, Callable[
 
 
 def bench_attention_case(
-    case: AttnCase, contexts: list[int], dtype, device, copy_gbps: float
+    case: AttnCase, contexts: list[int], dtype, device, copy_gbps: float, kv8: bool = False
 ) -> list[dict]:
-    """Every context of one (batch, heads) case on the same caches (lengths set per context)."""
+    """Every context of one (batch, heads) case on the same caches (lengths set per context);
+    ``kv8``: also ``nakta_kv8``, the same keys and values read from an e4m3 cache (its GB/s
+    counts its own bytes: codes and scales)."""
     e = dtype.itemsize
     kv_bytes = {c: 2 * case.batch * c * case.n_kv * case.head_dim * e for c in contexts}
+    kv8_bytes = {c: 2 * case.batch * c * case.n_kv * (case.head_dim + 4) for c in contexts}
     n_sets = input_sets(device, min(kv_bytes.values()))
-    sets = [make_attn_set(case, dtype, device, seed=i) for i in range(n_sets)]
+    sets = [make_attn_set(case, dtype, device, seed=i, kv8=kv8) for i in range(n_sets)]
     splits = decode_splits(case.batch, case.n_kv, case.s_max, device)
     rows = []
     for ctx in contexts:
@@ -219,17 +240,28 @@ def bench_attention_case(
             times, errors = time_paths(calls, device)
         t0 = sets[0]  # its out holds what Nakta's timed calls wrote
         ref = decode_attention_reference(t0["q"], t0["k"], t0["v"], t0["lens"])
-        mismatch = float("nan") if "nakta" in errors else (t0["out"] != ref).float().mean().item()
-        nbytes = kv_bytes[ctx]
+        mismatch = {"nakta": float("nan") if "nakta" in errors else _differ(t0["out"], ref)}
+        if kv8:  # against the reference on the same codes and scales
+            ref8 = decode_attention_reference(t0["q"], t0["k8"], t0["v8"], t0["lens"],
+                                              k_scale=t0["ks"], v_scale=t0["vs"])  # fmt: skip
+            mismatch["nakta_kv8"] = (
+                float("nan") if "nakta_kv8" in errors else _differ(t0["out8"], ref8)
+            )
         for p in calls:
             us = times.get(p, float("nan"))
+            nbytes = kv8_bytes[ctx] if p == "nakta_kv8" else kv_bytes[ctx]
             row = {"heads": case.name, "n_q": case.n_q, "n_kv": case.n_kv, "batch": case.batch}
             row |= {"context": ctx, "path": p, "status": _status(p, errors), "us": us}
             row |= {"GB/s": nbytes / us / 1e3, "pct_copy_bw": 100 * nbytes / us / 1e3 / copy_gbps}
-            row |= {"n_splits": splits if p == "nakta" else float("nan")}
-            row |= {"mismatch": mismatch if p == "nakta" else float("nan")}
+            row |= {"n_splits": splits if p in mismatch else float("nan")}
+            row |= {"mismatch": mismatch.get(p, float("nan"))}
             rows.append(row)
     return rows
+
+
+def _differ(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Fraction of outputs that differ in any bit."""
+    return (got != want).float().mean().item()
 
 
 # ------------------------------------------------------------------------------------ plots
@@ -312,6 +344,10 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[pd.DataFrame, p
         attn_batches, s_max, head_dim = (1, 8, 32), 4096, 128
         attn_heads = ((32, 32), (32, 8))
         copy_gbps = copy_bandwidth_gbps(device=str(device))
+        if args.attn_heads:
+            attn_heads = tuple(
+                tuple(int(h) for h in qk.split(":")) for qk in args.attn_heads.split(",")
+            )
     else:  # smoke run in the interpreter
         models, batches = {"tiny": TINY}, (2,)
         contexts, attn_batches, s_max, head_dim = [16, 40], (2,), 40, 16
@@ -350,7 +386,8 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[pd.DataFrame, p
     rows = []
     cases = [AttnCase(b, hq, hkv, head_dim, s_max) for b in attn_batches for hq, hkv in attn_heads]
     for case in tqdm(cases, desc="decode_attention"):
-        rows += bench_attention_case(case, contexts, dtype, device, copy_gbps)
+        rows += bench_attention_case(case, contexts, dtype, device, copy_gbps,
+                                     kv8=args.kv_cache == "fp8")  # fmt: skip
         if on_gpu:
             torch.cuda.empty_cache()
     attn = pd.DataFrame(rows)
@@ -571,6 +608,15 @@ def main(argv: list[str] | None = None):
     p.add_argument("--attention-only", action="store_true", help="skip decode_linear")
     p.add_argument("--attn-batches", default=None, help="attention batch sizes (1,8,32)")
     p.add_argument("--contexts", default=None, help="attention contexts (128,...,4096)")
+    p.add_argument(
+        "--attn-heads", default=None, help="attention Q:KV head counts on a GPU (32:32,32:8)"
+    )
+    p.add_argument(
+        "--kv-cache",
+        default="bf16",
+        choices=["bf16", "fp8"],
+        help="fp8: attention also reads an e4m3 cache of the same K/V (nakta_kv8)",
+    )
     args = p.parse_args(argv)
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:

@@ -7,7 +7,8 @@
 #       [attention_tune] [gemm] [decode_attention] [decode_gemm] [fp8] [tune]
 # Settings (environment): QUANT (bf16 | fp8: decode_gemm at FP8 weights; tune runs the FP8
 # decode tuners, which rewrite nakta_model/kernels/_*_tuned.json for this GPU family);
-# TUNE_MODELS (the bf16 batch-1 tuner's shapes, default 7B; e.g. llama3-8B,llama3.2-1B). Carry
+# TUNE_MODELS (the bf16 batch-1 tuner's shapes, default 7B; e.g. llama3-8B,llama3.2-1B);
+# decode_attention's ATTN_BATCHES, ATTN_CONTEXTS and KV_CACHE (fp8: the e4m3 cache beside). Carry
 # `.whl/` (fairscale, liger-kernel: scripts/fetch_device_wheels.sh). Writes into the catalogue
 # folder of this GPU (and the tuned tables), then $OUT/kernels.tar.gz and $OUT/kernels_log.txt.
 set -uo pipefail
@@ -38,7 +39,8 @@ for job in "${jobs[@]}"; do
         --seconds 3 ;;
     decode_attention)
       step decode_attention 300 python3 -m kernel_benchmark.bench_decode --attention-only \
-        --attn-batches 1,32,64 --contexts 128,1024,2048 --out "$K/decode_attention" ;;
+        --attn-batches "${ATTN_BATCHES:-1,32,64}" --contexts "${ATTN_CONTEXTS:-128,1024,2048}" \
+        --kv-cache "${KV_CACHE:-bf16}" --out "$K/decode_attention" ;;
     decode_gemm)  # where the decode step switches from the GEMVs to GEMMs (step_gemm.CROSSOVER)
       dir=$K/decode_gemm
       [ "$QUANT" = fp8 ] && dir=$K/decode_gemm_fp8

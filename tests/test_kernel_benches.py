@@ -220,6 +220,32 @@ def test_smoke_run_writes_every_path(tmp_path):
 
 
 @cpu_only
+def test_attention_reads_an_e4m3_cache_beside_bf16(tmp_path):
+    """``--kv-cache fp8``: ``nakta_kv8`` on the same keys and values as e4m3 codes with
+    per-position scales, within the codes' rounding of the reference on those codes, its bytes
+    counted as codes + scales (0.53x the fp32 cache's 4 bytes per element at head_dim 16)."""
+    _, attn = bd.main(["--quick", "--attention-only", "--kv-cache", "fp8", "--out", str(tmp_path)])
+    kv8 = attn[attn["path"] == "nakta_kv8"]
+    assert set(kv8["heads"]) == {"mha", "gqa2"} and (kv8["status"] == "ok").all()
+    assert (kv8["mismatch"] < 0.5).all() and (kv8["n_splits"] >= 1).all()
+    case = bd.AttnCase(2, 4, 2, 16, 40)
+    t = bd.make_attn_set(case, torch.float32, torch.device("cpu"), seed=0, kv8=True)
+    t["lens"].fill_(33)
+    bd.attn_calls(case, t, 33, torch.device("cpu"))["nakta_kv8"]()
+    want = bd.decode_attention_reference(t["q"], t["k8"], t["v8"], t["lens"], k_scale=t["ks"],
+                                         v_scale=t["vs"])  # fmt: skip
+    torch.testing.assert_close(t["out8"], want, rtol=1e-4, atol=1e-5)
+    exact = bd.decode_attention_reference(t["q"], t["k"], t["v"], t["lens"])
+    assert 0 < (t["out8"] - exact).abs().max() < 0.1  # e4m3 rounding, not a wrong read
+    rows = bd.bench_attention_case(case, [33], torch.float32, torch.device("cpu"), 1.0, kv8=True)
+    by_path = {r["path"]: r for r in rows}
+    moved = {p: r["us"] * r["GB/s"] for p, r in by_path.items()}  # bytes / 1e3
+    assert moved["nakta"] / moved["nakta_kv8"] == pytest.approx(
+        4 * 16 / (16 + 4)
+    )  # bytes: fp32 cache / (codes + scales)
+
+
+@cpu_only
 def test_tune_writes_configs_the_launcher_takes_back(tmp_path, monkeypatch):
     monkeypatch.setattr(dl, "_CONFIGS", dict(dl._CONFIGS))  # the tune adds entries
     argv = ["--quick", "--tune", "--tune-budget", "1", "--batches", "2", "--out", str(tmp_path)]
