@@ -468,7 +468,8 @@ def test_the_cache_is_read_without_building(tmp_path):
     assert calls == [[MMLU]] and second == first and second is not first
 
 
-def test_our_tasks_load_the_same_configs(tmp_path):
+def test_our_tasks_load_the_same_configs(tmp_path, shared_data, monkeypatch):
+    monkeypatch.setenv("NAKTA_HELLASWAG_JSONL", str(shared_data / "hellaswag_val_subset1000.jsonl"))
     ref = _manager(MMLU, OUR_TASKS).load(["hellaswag_local"])["tasks"]["hellaswag_local"]
     with builtin_index_cached(directory=tmp_path, builtin=MMLU):
         _manager(MMLU, OUR_TASKS)  # writes the cache
