@@ -145,27 +145,17 @@ def _args(case: Case):
 
 
 def _hf_config(case: Case) -> dict:
-    p, args = case.params, _args(case)
-    cfg = {
-        "architectures": [("Mistral" if case.model_type == "mistral" else "Llama") + "ForCausalLM"],
-        "model_type": case.model_type, "hidden_size": p["dim"],
-        "intermediate_size": args.hidden_dim, "num_hidden_layers": p["n_layers"],
-        "num_attention_heads": p["n_heads"], "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim, "vocab_size": p["vocab_size"], "rms_norm_eps": p["norm_eps"],
-        "max_position_embeddings": 2048, "tie_word_embeddings": case.tie, "hidden_act": "silu",
-        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
-    }  # fmt: skip
-    theta = p["rope_theta"]
-    if case.rope_style == "v5":
-        kind = {"rope_type": "llama3", **case.rope_scaling} if case.rope_scaling else {}
-        cfg["rope_parameters"] = {"rope_type": "default", **kind, "rope_theta": theta}
-    else:
-        cfg["rope_theta"] = theta
-        if case.rope_scaling:
-            cfg["rope_scaling"] = {"rope_type": "llama3", **case.rope_scaling}
-    if case.model_type == "mistral":
-        cfg["sliding_window"] = MISTRAL_WINDOW  # shorter than the sequences: exercised
-    return cfg
+    """The case's ``config.json``: its args as transformers states them (``rope_style``), the
+    HF case's own RoPE scaling, tied head and window, a 2,048-token context."""
+    from nakta_model.config import RopeScaling
+
+    scaling = RopeScaling.from_dict(case.rope_scaling) if case.rope_scaling else None
+    window = MISTRAL_WINDOW if case.model_type == "mistral" else None  # exercised: < rows
+    args = _args(case).replace(
+        rope_scaling=scaling, tie_word_embeddings=case.tie, sliding_window=window, max_seq_len=2048
+    )
+    cfg = args.to_hf_config(case.rope_style, model_type=case.model_type)
+    return {**cfg, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
 
 
 def write_case(case: Case, folder: Path, weights: dict[str, torch.Tensor]) -> Path:

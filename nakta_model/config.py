@@ -522,6 +522,57 @@ class ModelArgs:
         }
         return {k: v for k, v in params.items() if v is not None}
 
+    def to_hf_config(self, rope_style: str = "v5", model_type: str | None = None) -> dict[str, Any]:
+        """The ``config.json`` transformers reads for this model; :meth:`from_hf_config` reads
+        it back to these args (up to ``rope_interleaved``: HF folders store q/k permuted).
+        ``model_type``: ``"mistral"`` when there is a sliding window, else ``"llama"`` (a
+        Mistral config may state no window; a Llama one cannot state one). ``rope_style``
+        ``"v5"``: one ``rope_parameters`` object (what transformers 5 writes); ``"v4"``:
+        ``rope_theta`` plus ``rope_scaling`` when scaled."""
+        if model_type is None:
+            model_type = "llama" if self.sliding_window is None else "mistral"
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type must be one of {list(SUPPORTED_MODEL_TYPES)}, got {model_type!r}"
+            )
+        if model_type == "llama" and self.sliding_window is not None:
+            raise ValueError(
+                f"sliding_window={self.sliding_window}: transformers' Llama has none; "
+                "model_type 'mistral' states it"
+            )
+        cfg: dict[str, Any] = {
+            "architectures": [f"{model_type.capitalize()}ForCausalLM"],
+            "model_type": model_type,
+            "hidden_size": self.dim,
+            "intermediate_size": self.hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.norm_eps,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+        }
+        scaling = None
+        if self.rope_scaling is not None:
+            scaling = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        if rope_style == "v5":
+            cfg["rope_parameters"] = {
+                **(scaling or {"rope_type": "default"}),
+                "rope_theta": self.rope_theta,
+            }
+        elif rope_style == "v4":
+            cfg["rope_theta"] = self.rope_theta
+            if scaling is not None:
+                cfg["rope_scaling"] = scaling
+        else:
+            raise ValueError(f"rope_style must be 'v4' or 'v5', got {rope_style!r}")
+        if model_type == "mistral":
+            cfg["sliding_window"] = self.sliding_window
+        return cfg
+
     def replace(self, **changes: Any) -> ModelArgs:
         return dataclasses.replace(self, **changes)
 

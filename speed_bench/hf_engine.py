@@ -50,34 +50,15 @@ def meta_to_hf(meta: StateDict, args: ModelArgs) -> StateDict:
 
 
 def hf_config(args: ModelArgs, max_length: int):
-    """The transformers config of ``args``: Llama (Llama-3.1's RoPE scaling included), or
-    Mistral when the model has a sliding window (the head stays a weight of its own)."""
-    from transformers import LlamaConfig, MistralConfig
+    """The transformers config of ``args`` (:meth:`ModelArgs.to_hf_config`: Llama, Llama-3.1's
+    RoPE scaling included, or Mistral with its window) with SDPA attention; the head stays a
+    weight of its own (the random weights give every preset one)."""
+    from transformers import AutoConfig
 
-    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_scaling is not None:
-        sc = args.rope_scaling
-        rope = {
-            "rope_type": "llama3", "rope_theta": args.rope_theta, "factor": sc.factor,
-            "low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
-            "original_max_position_embeddings": sc.original_max_position_embeddings,
-        }  # fmt: skip
-    kw = dict(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        max_position_embeddings=max(args.max_seq_len, max_length),
-        rms_norm_eps=args.norm_eps,
-        rope_parameters=rope,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    if args.sliding_window is not None:
-        return MistralConfig(sliding_window=args.sliding_window, **kw)
-    return LlamaConfig(**kw)
+    cfg = args.replace(
+        tie_word_embeddings=False, max_seq_len=max(args.max_seq_len, max_length)
+    ).to_hf_config()
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg, attn_implementation="sdpa")
 
 
 @contextlib.contextmanager

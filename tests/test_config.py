@@ -309,3 +309,44 @@ def test_family_presets_match_their_published_configs(name):
     assert (a.rope_scaling.factor if a.rope_scaling else None) == factor
     assert (a.tie_word_embeddings, a.sliding_window, a.norm_eps) == (tie, window, 1e-5)
     a.check_tp(8)  # splits over one 8-GPU node (TinyLlama's 4 KV heads replicated)
+
+
+@pytest.mark.parametrize("style", ["v4", "v5"])
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_to_hf_config_reads_back_and_transformers_reads_the_same_model(name, style):
+    """``to_hf_config`` (the speed benches' HF peer, the families' parity folders) is read back
+    by ``from_hf_config`` to the same args, and transformers' own config class reads the same
+    shape, RoPE and window from it (the test factory's configs are spelled independently)."""
+    transformers = pytest.importorskip("transformers")
+    a = preset(name).replace(rope_interleaved=False)  # HF folders: rotate-half halves
+    cfg = a.to_hf_config(style)
+    assert ModelArgs.from_hf_config(cfg, rope_interleaved=False) == a
+    assert json.loads(json.dumps(cfg)) == cfg  # a config.json as written
+    hf = transformers.AutoConfig.for_model(**cfg)
+    assert type(hf).__name__ == ("MistralConfig" if a.sliding_window else "LlamaConfig")
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads) == (
+        a.dim, a.n_layers, a.n_heads
+    )  # fmt: skip
+    assert (hf.num_key_value_heads, hf.intermediate_size, hf.vocab_size) == (
+        a.n_kv_heads, a.hidden_dim, a.vocab_size
+    )  # fmt: skip
+    assert getattr(hf, "sliding_window", None) == a.sliding_window
+    assert hf.tie_word_embeddings == a.tie_word_embeddings
+    rope = getattr(hf, "rope_parameters", None) or {
+        "rope_theta": hf.rope_theta,
+        **(getattr(hf, "rope_scaling", None) or {}),
+    }  # transformers 5 normalises either spelling into rope_parameters
+    assert rope["rope_theta"] == a.rope_theta
+    assert rope.get("factor") == (a.rope_scaling.factor if a.rope_scaling else None)
+
+
+def test_to_hf_config_refuses_what_transformers_would_misread():
+    a = preset("mistral-7B")
+    with pytest.raises(ValueError, match="model_type 'mistral' states it"):
+        a.to_hf_config(model_type="llama")
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        a.to_hf_config(model_type="qwen2")
+    with pytest.raises(ValueError, match="rope_style must be 'v4' or 'v5'"):
+        a.to_hf_config("v6")
+    unwindowed = a.replace(sliding_window=None).to_hf_config(model_type="mistral")
+    assert unwindowed["model_type"] == "mistral" and unwindowed["sliding_window"] is None
