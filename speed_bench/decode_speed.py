@@ -61,7 +61,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--preset", help="random weights of this shape (default 7B on a GPU, tiny)")
     src.add_argument("--checkpoint", type=Path, help="Nakta, Meta or HF checkpoint folder")
     p.add_argument(
-        "--batches", default=None, help="comma-separated, up to 256 (default 1,8,32; CPU 1,2)"
+        "--batches", default=None, help="comma-separated, up to 1024 (default 1,8,32; CPU 1,2)"
     )
     p.add_argument(
         "--lengths", default=None, help="prompt:gen pairs (default 64:128,512:128; CPU 8:5)"
@@ -513,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     batches = _ints(a.batches or ("1,8,32" if on_gpu else "1,2"), "--batches")
     from nakta_model.generation.step import MAX_ROWS
 
-    if max(batches) > MAX_ROWS:  # the step's GEMM path above the crossover takes up to 512
+    if max(batches) > MAX_ROWS:  # the step's GEMM path above the crossover takes up to 1024
         raise SystemExit(f"error: --batches must be <= {MAX_ROWS} (the decode step's rows)")
     lengths = _lengths(a.lengths or ("64:128,512:128" if on_gpu else "8:5"))
     if a.decode_configs is not None:

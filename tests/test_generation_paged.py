@@ -194,11 +194,28 @@ def test_more_than_256_rows_run_the_384_bucket_and_decode_the_same_tokens():
     assert [b for b, *_ in gen._steps] == [384]
 
 
+def test_more_than_512_rows_run_a_bucket_past_512_and_decode_the_same_tokens():
+    """600 rows at once (bucket 640: the buckets past the step's old 512 limit): each prompt's
+    tokens are those of an 8-row engine."""
+    model = tiny_model()
+    ps = long_prompts(600, 0, 4, seed=9)
+    want = Generator(model, max_batch=8, max_seq_len=16, chunk=2).generate(
+        greedy_requests(ps, 2, None)
+    )
+    gen = Generator(model, max_batch=640, max_seq_len=16, chunk=2)
+    assert gen.buckets[-3:] == [384, 512, 640]
+    got = gen.generate(greedy_requests(ps, 2, None))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [b for b, *_ in gen._steps] == [640]
+
+
 def test_page_size_and_buckets_stay_within_the_step():
     gen = Generator(tiny_model(), max_batch=max_rows(), max_seq_len=48)
     assert gen.buckets[-1] == max_rows() and PAGE_SIZE == 64
     assert gen.buckets == [
-        b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512) if b <= max_rows()
+        b
+        for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+        if b <= max_rows()
     ]
 
 

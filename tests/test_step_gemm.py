@@ -75,9 +75,9 @@ def prefilled_step(model, ps: list[list[int]], chunk: int, graph_mode="eager") -
 def test_max_rows_and_the_batch_check():
     model = tiny_model()
     model.setup_cache(2, MAX_SEQ)
-    assert MAX_ROWS == sg.MAX_ROWS == 512
+    assert MAX_ROWS == sg.MAX_ROWS == 1024
     for bad in (0, MAX_ROWS + 1):
-        with pytest.raises(ValueError, match=r"decode batch must be in \[1, 512\]"):
+        with pytest.raises(ValueError, match=r"decode batch must be in \[1, 1024\]"):
             DecodeStep(model, bad, 2, sampling=False, graph_mode="eager")
     assert not DecodeStep(model, 2, 2, sampling=False, graph_mode="eager").gemm
     assert DecodeStep(model, 65, 2, sampling=False, graph_mode="eager").gemm
@@ -93,6 +93,19 @@ def test_80_rows_decode_meta_loop_greedy_tokens():
     step = prefilled_step(model, ps, 6)
     assert step.gemm
     step.run(6)
+    assert step.buffers.history.tolist() == [w[len(p) :] for w, p in zip(want, ps)]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_600_rows_decode_meta_loop_greedy_tokens():
+    """Past the 512 rows a step used to stop at (buckets 640..1024): Meta's loop's tokens."""
+    model = tiny_model()
+    ps = equal_length_prompts(600, 3, seed=4)
+    want = generate_tokens(model, ps, 3, eos_id=-1, pad_id=-1, max_seq_len=MAX_SEQ)
+    model.clear_cache()
+    step = prefilled_step(model, ps, 3)
+    assert step.gemm
+    step.run(3)
     assert step.buffers.history.tolist() == [w[len(p) :] for w, p in zip(want, ps)]
 
 
@@ -379,8 +392,8 @@ def test_quant_rows_input_with_residual_and_out_dtype(device):
 def test_bad_arguments_name_what_is_wrong():
     x = torch.randn(3, 8)
     w = torch.randn(5, 8)
-    with pytest.raises(ValueError, match=r"1\.\.512 rows"):
-        decode_gemm_reference(torch.randn(513, 8), w)
+    with pytest.raises(ValueError, match=r"1\.\.1024 rows"):
+        decode_gemm_reference(torch.randn(1025, 8), w)
     with pytest.raises(ValueError, match="weight must have shape"):
         decode_gemm_reference(x, torch.randn(5, 7))
     with pytest.raises(TypeError, match="out_dtype"):

@@ -86,8 +86,9 @@ __all__ = [
 ]
 
 # Above 256 rows the buckets step by 128: there a step's GEMMs are compute-bound (7B: ~256 rows
-# reach the bf16 ridge point), so a padded row costs as much as a real one.
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+# reach the bf16 ridge point), so a padded row costs as much as a real one. Past 512 rows only
+# where the pool holds them (an e4m3 KV cache, a GQA model, a 141 GB card).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
 # Prompt tokens of one prefill forward. Rows enter the batch only as fast as their prompts
 # prefill: with ``chunk`` decode steps between two prefill forwards, at most
 # ``PREFILL_CHUNK / prompt length`` rows start per ``chunk`` steps, so rows that live ``n`` new

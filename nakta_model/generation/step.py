@@ -22,7 +22,7 @@ runs the PyTorch references on the CPU (``model.kernels``), which the tests comp
 Rounding follows Meta's eager chain op by op (see the kernels), except that sums run in a
 different order; the logits are rounded to the model's dtype like Meta's ``output(h).float()``.
 
-A step holds up to ``MAX_ROWS`` (512) rows; from ``step_gemm.crossover`` rows on (always above
+A step holds up to ``MAX_ROWS`` (1024) rows; from ``step_gemm.crossover`` rows on (always above
 ``decode_linear``'s 64) its linears run as cuBLAS / cuBLASLt W8A8 GEMMs with the fused norm,
 SwiGLU and RoPE kernels around them (``step_gemm.py``), at the same rounding points.
 """

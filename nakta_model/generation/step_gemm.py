@@ -2,7 +2,7 @@
 
 Why: ``decode_linear`` streams each weight with the rows on the narrow side of its MMA tile
 (``BLOCK_M = max(16, rows)``), which pays while a step holds a few rows and stops at 64
-(``decode_linear.MAX_BATCH``). With 64..512 rows a decode linear is a real GEMM (``M`` = rows):
+(``decode_linear.MAX_BATCH``). With 64..1024 rows a decode linear is a real GEMM (``M`` = rows):
 cuBLAS (``torch.mm``) for bf16/fp16/fp32 weights and cuBLASLt's row-wise scaled FP8 GEMM
 (``fp8_gemm.fp8_matmul``, ``torch._scaled_mm``) for e4m3 weights, with the small elementwise
 work around them done by the scoring/prefill path's fused kernels. :func:`decode_gemm` takes
@@ -73,7 +73,7 @@ __all__ = [
     "use_gemm",
 ]
 
-MAX_ROWS = 512  # rows a decode step may hold (the engine's largest bucket)
+MAX_ROWS = 1024  # rows a decode step may hold (the engine's largest bucket)
 
 # Rows from which a step's linears run as GEMMs, per activation dtype / "fp8" (W8A8 models),
 # from kernel_benchmark/bench_decode_gemm (7B, the step's linears under CUDA graphs; the
