@@ -12,7 +12,8 @@
 # new, bf16 and FP8 in one process); FP8 alone with its prompt's GEMMs on fp8_decode_gemm vs
 # cuBLASLt, alternated (into the log); then `fp8_report kv` writes speed_bench/results/<device>/
 # fp8_kv/ from them and the committed throughput_fp8 / fp8_kv_long / KV-accuracy results
-# (FP8_KV_THROUGHPUT=1 reruns the 1,000 x 128/128 rows first: ~9 more minutes).
+# (FP8_KV_THROUGHPUT=1 reruns the 1,000 x 128/128 rows first: ~9 more minutes; FP8_KV_ROWS: their rows,
+# default 384, e.g. 768 past the old 512-row step limit, where the e4m3 pool holds them).
 # Writes into the catalogue folders of this GPU, then $OUT/decode.tar.gz and $OUT/decode_log.txt.
 set -uo pipefail
 # shellcheck source=scripts/gpu_env.sh
@@ -96,7 +97,7 @@ PY
       if [ "${FP8_KV_THROUGHPUT:-0}" = 1 ]; then
         step fp8_kv_throughput 540 python3 -m speed_bench.throughput --preset "$SIZE" \
           --engines nakta,nakta_fp8 --kv-cache fp8 --prompts 1000 --input-len 128 \
-          --output-len 128 --max-batch 384 --out "$S/throughput_fp8"
+          --output-len 128 --max-batch "${FP8_KV_ROWS:-384}" --out "$S/throughput_fp8"
       fi
       step fp8_kv_report 60 python3 -m speed_bench.fp8_report kv \
         --throughput "$S/throughput_fp8/throughput_summary.json" \

@@ -43,10 +43,10 @@ for job in "${@:-throughput}"; do
       for preset in ${FAMILIES:-llama3-8B}; do
         F=$S/families/$preset COMMON[1]=$preset
         step "families_throughput_$preset" 420 python3 -m speed_bench.throughput "${COMMON[@]}" \
-          --engines nakta,hf --max-batch "${MAX_BATCH:-512}" --hf-batches "${HF_BATCHES:-128}" \
+          --engines nakta,hf --max-batch "${MAX_BATCH:-512,1024}" --hf-batches "${HF_BATCHES:-128}" \
           --out "$F/throughput"
         step "families_throughput_fp8_$preset" 240 python3 -m speed_bench.throughput \
-          "${COMMON[@]}" --engines nakta_fp8 --kv-cache fp8 --max-batch "${MAX_BATCH:-512}" \
+          "${COMMON[@]}" --engines nakta_fp8 --kv-cache fp8 --max-batch "${MAX_BATCH:-512,1024}" \
           --out "$F/throughput_fp8"
       done
       ;;
