@@ -262,6 +262,17 @@ def test_tune_writes_configs_the_launcher_takes_back(tmp_path, monkeypatch):
     assert all(got[name] == value for name, value in cfg.items())
 
 
+def test_family_shapes_come_from_their_presets():
+    """``--models llama3-8B,llama3.2-1B``: the GQA ``wqkv``, the FFN width, the 128,256-row head
+    and the head size as the presets state them (the keys ``decode_linear._config`` looks up)."""
+    shapes = {s.kind: s for s in bd.linear_shapes("llama3-8B", bd.MODELS["llama3-8B"])}
+    assert (shapes["wqkv"].n, shapes["wqkv"].k, shapes["wqkv"].heads) == (6144, 4096, (32, 8, 128))
+    assert (shapes["w13"].n_cols, shapes["w2"].k, shapes["head"].n) == (14336, 14336, 128256)
+    small = {s.kind: s for s in bd.linear_shapes("llama3.2-1B", bd.MODELS["llama3.2-1B"])}
+    assert small["wqkv"].heads == (32, 8, 64) and small["w13"].n_cols == 8192
+    assert (small["head"].n, small["head"].k) == (128256, 2048)
+
+
 def test_best_configs_picks_the_fastest_per_point():
     shape = bd.LinearShape("7B", "w13", 22016, 4096)
     row = dict(model="7B", kind="w13", N=22016, K=4096, batch=1, bucket=1, status="ok")
