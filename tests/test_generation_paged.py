@@ -179,34 +179,25 @@ def test_more_than_64_rows_decode_the_same_tokens():
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
-def test_more_than_256_rows_run_the_384_bucket_and_decode_the_same_tokens():
-    """300 rows at once (bucket 384: 84 idle entries on the scratch page): each prompt's
-    tokens are those of an 8-row engine."""
+@pytest.mark.parametrize(
+    ("rows", "max_batch", "tail", "new", "seed"),
+    [(300, 384, [128, 256, 384], 3, 8), (600, 640, [384, 512, 640], 2, 9)],
+)
+def test_hundreds_of_rows_run_one_large_bucket_and_decode_the_same_tokens(
+    rows, max_batch, tail, new, seed
+):
+    """300 rows at once (bucket 384: 84 idle entries on the scratch page) and 600 (bucket 640,
+    past the step's old 512 limit): each prompt's tokens are those of an 8-row engine."""
     model = tiny_model()
-    ps = long_prompts(300, 0, 4, seed=8)
+    ps = long_prompts(rows, 0, 4, seed=seed)
     want = Generator(model, max_batch=8, max_seq_len=16, chunk=2).generate(
-        greedy_requests(ps, 3, None)
+        greedy_requests(ps, new, None)
     )
-    gen = Generator(model, max_batch=384, max_seq_len=16, chunk=2)
-    assert gen.buckets[-3:] == [128, 256, 384]
-    got = gen.generate(greedy_requests(ps, 3, None))
+    gen = Generator(model, max_batch=max_batch, max_seq_len=16, chunk=2)
+    assert gen.buckets[-3:] == tail
+    got = gen.generate(greedy_requests(ps, new, None))
     assert [r.tokens for r in got] == [r.tokens for r in want]
-    assert [b for b, *_ in gen._steps] == [384]
-
-
-def test_more_than_512_rows_run_a_bucket_past_512_and_decode_the_same_tokens():
-    """600 rows at once (bucket 640: the buckets past the step's old 512 limit): each prompt's
-    tokens are those of an 8-row engine."""
-    model = tiny_model()
-    ps = long_prompts(600, 0, 4, seed=9)
-    want = Generator(model, max_batch=8, max_seq_len=16, chunk=2).generate(
-        greedy_requests(ps, 2, None)
-    )
-    gen = Generator(model, max_batch=640, max_seq_len=16, chunk=2)
-    assert gen.buckets[-3:] == [384, 512, 640]
-    got = gen.generate(greedy_requests(ps, 2, None))
-    assert [r.tokens for r in got] == [r.tokens for r in want]
-    assert [b for b, *_ in gen._steps] == [640]
+    assert [b for b, *_ in gen._steps] == [max_batch]
 
 
 def test_page_size_and_buckets_stay_within_the_step():

@@ -84,28 +84,17 @@ def test_max_rows_and_the_batch_check():
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_80_rows_decode_meta_loop_greedy_tokens():
-    """80 rows (beyond decode_linear's 64): the GEMM path's greedy tokens are Meta's loop's."""
+@pytest.mark.parametrize(("rows", "new", "seed"), [(80, 6, 1), (600, 3, 4)])
+def test_gemm_path_rows_decode_meta_loop_greedy_tokens(rows, new, seed):
+    """80 rows (beyond decode_linear's 64) and 600 (past the 512 a step used to stop at): the
+    GEMM path's greedy tokens are Meta's loop's."""
     model = tiny_model()
-    ps = equal_length_prompts(80, 4, seed=1)
-    want = generate_tokens(model, ps, 6, eos_id=-1, pad_id=-1, max_seq_len=MAX_SEQ)
+    ps = equal_length_prompts(rows, 4 if rows < 512 else 3, seed=seed)
+    want = generate_tokens(model, ps, new, eos_id=-1, pad_id=-1, max_seq_len=MAX_SEQ)
     model.clear_cache()
-    step = prefilled_step(model, ps, 6)
+    step = prefilled_step(model, ps, new)
     assert step.gemm
-    step.run(6)
-    assert step.buffers.history.tolist() == [w[len(p) :] for w, p in zip(want, ps)]
-
-
-@pytest.mark.usefixtures("one_torch_thread")
-def test_600_rows_decode_meta_loop_greedy_tokens():
-    """Past the 512 rows a step used to stop at (buckets 640..1024): Meta's loop's tokens."""
-    model = tiny_model()
-    ps = equal_length_prompts(600, 3, seed=4)
-    want = generate_tokens(model, ps, 3, eos_id=-1, pad_id=-1, max_seq_len=MAX_SEQ)
-    model.clear_cache()
-    step = prefilled_step(model, ps, 3)
-    assert step.gemm
-    step.run(3)
+    step.run(new)
     assert step.buffers.history.tolist() == [w[len(p) :] for w, p in zip(want, ps)]
 
 
