@@ -1,4 +1,4 @@
-"""Decode linears at 1..512 rows: ``decode_linear``'s fused GEMVs against the GEMM path
+"""Decode linears at 1..1024 rows: ``decode_linear``'s fused GEMVs against the GEMM path
 (``generation/step_gemm.py``: cuBLAS / cuBLASLt W8A8 with the fused norm, SwiGLU and RoPE
 kernels around it), block by block and as a whole decode step: where the step should switch.
 

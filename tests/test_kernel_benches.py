@@ -429,7 +429,7 @@ def test_block_bytes_count_fp8_weights_once_and_their_scales():
 
 
 def test_bad_arguments_exit():
-    for argv in (["--rows", "0"], ["--rows", "513"], ["--quants", "int4"], ["--models", "2B"]):
+    for argv in (["--rows", "0"], ["--rows", "1025"], ["--quants", "int4"], ["--models", "2B"]):
         with pytest.raises(SystemExit):
             bg.parse_args(argv)
 
