@@ -117,6 +117,18 @@ def _bf16_throughput(preset_dir: Path) -> dict | None:
     return _read(path) if path.is_file() else None
 
 
+def fp8_throughput_rows(root: Path, preset: str, summary: dict) -> list[dict]:
+    """The FP8 run's rows: FP8 weights, and FP8 weights + e4m3 KV when it ran that engine; HF's
+    best batch from the bf16 run of the same call."""
+    peer = _bf16_throughput(root / preset)
+    rows = throughput_rows(preset, summary, "throughput_128_128_fp8_tok_s", "nakta_fp8", peer)
+    if any(r.get("engine") == "nakta_fp8_kv8" for r in summary.get("runs", [])):
+        rows += throughput_rows(
+            preset, summary, "throughput_128_128_fp8_kv8_tok_s", "nakta_fp8_kv8", peer
+        )
+    return rows
+
+
 def collect(root: Path) -> tuple[dict, list[str]]:
     """``(summary, missing)``: every measure found under ``root/<preset>/``."""
     runs: list[dict] = []
@@ -130,26 +142,7 @@ def collect(root: Path) -> tuple[dict, list[str]]:
             "throughput_summary.json",
             lambda p, s: throughput_rows(p, s, "throughput_128_128_tok_s", "nakta"),
         ),
-        (
-            THROUGHPUT_FP8,
-            "throughput_summary.json",
-            lambda p, s: (
-                throughput_rows(
-                    p, s, "throughput_128_128_fp8_tok_s", "nakta_fp8", _bf16_throughput(root / p)
-                )
-                + (
-                    throughput_rows(
-                        p,
-                        s,
-                        "throughput_128_128_fp8_kv8_tok_s",
-                        "nakta_fp8_kv8",
-                        _bf16_throughput(root / p),
-                    )
-                    if any(r.get("engine") == "nakta_fp8_kv8" for r in s.get("runs", []))
-                    else []
-                )
-            ),
-        ),
+        (THROUGHPUT_FP8, "throughput_summary.json", lambda p, s: fp8_throughput_rows(root, p, s)),
     )
     for preset_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         for folder, name, read in readers:
