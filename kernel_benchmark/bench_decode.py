@@ -344,10 +344,7 @@ def run(args: argparse.Namespace, device: torch.device) -> tuple[pd.DataFrame, p
         attn_batches, s_max, head_dim = (1, 8, 32), 4096, 128
         attn_heads = ((32, 32), (32, 8))
         copy_gbps = copy_bandwidth_gbps(device=str(device))
-        if args.attn_heads:
-            attn_heads = tuple(
-                tuple(int(h) for h in qk.split(":")) for qk in args.attn_heads.split(",")
-            )
+        attn_heads = args.attn_heads or attn_heads
     else:  # smoke run in the interpreter
         models, batches = {"tiny": TINY}, (2,)
         contexts, attn_batches, s_max, head_dim = [16, 40], (2,), 40, 16
@@ -590,6 +587,18 @@ def tune_and_write(
     return tdf
 
 
+def _head_pairs(text: str) -> tuple[tuple[int, int], ...] | None:
+    """``"32:32,32:8"`` -> ``((32, 32), (32, 8))``; None unless every pair is Q:KV with positive
+    ints and KV dividing Q."""
+    pairs = []
+    for part in text.split(","):
+        q, sep, kv = part.partition(":")
+        if not (sep and q.isdigit() and kv.isdigit()) or int(kv) < 1 or int(q) % int(kv):
+            return None
+        pairs.append((int(q), int(kv)))
+    return tuple(pairs)
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description="Decode-step kernels vs cuBLAS / SDPA.")
     p.add_argument("--quick", action="store_true", help="fewer batches and contexts")
@@ -618,6 +627,12 @@ def main(argv: list[str] | None = None):
         help="fp8: attention also reads an e4m3 cache of the same K/V (nakta_kv8)",
     )
     args = p.parse_args(argv)
+    if args.attn_heads is not None:
+        pairs = _head_pairs(args.attn_heads)
+        if pairs is None:
+            p.error(f"--attn-heads: expected Q:KV pairs with KV dividing Q (e.g. 32:8), "
+                    f"got {args.attn_heads!r}")  # fmt: skip
+        args.attn_heads = pairs
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
         p.error(f"--models: unknown {sorted(unknown)}; choose from {sorted(MODELS)}")

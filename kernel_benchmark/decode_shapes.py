@@ -39,7 +39,7 @@ class Model:
 def _preset_model(name: str) -> Model:
     """A family preset's decode shapes (GQA, its FFN width, its vocabulary, its head size)."""
     a = preset(name)
-    return Model(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads or a.n_heads, a.vocab_size,
+    return Model(a.dim, a.hidden_dim, a.n_heads, a.n_kv_heads, a.vocab_size,
                  head_dim=a.dim // a.n_heads)  # fmt: skip
 
 

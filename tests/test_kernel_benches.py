@@ -262,6 +262,14 @@ def test_tune_writes_configs_the_launcher_takes_back(tmp_path, monkeypatch):
     assert all(got[name] == value for name, value in cfg.items())
 
 
+@pytest.mark.parametrize("bad", ["32", "32:0", "32:5", "a:8", "32:8,"])
+def test_attn_heads_must_be_q_kv_pairs(bad, capsys):
+    with pytest.raises(SystemExit):
+        bd.main(["--attention-only", "--attn-heads", bad])
+    assert "--attn-heads: expected Q:KV pairs" in capsys.readouterr().err
+    assert bd._head_pairs("32:32,32:8") == ((32, 32), (32, 8))
+
+
 def test_family_shapes_come_from_their_presets():
     """``--models llama3-8B,llama3.2-1B``: the GQA ``wqkv``, the FFN width, the 128,256-row head
     and the head size as the presets state them (the keys ``decode_linear._config`` looks up)."""
